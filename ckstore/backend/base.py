@@ -1,0 +1,76 @@
+"""The storage backend interface: the only layer that touches bytes at rest.
+
+Keys are relative POSIX paths such as ``objects/ab/cdef…`` or ``refs/heads/main``. Every
+implementation must satisfy these obligations (``tests/test_backend.py`` is the conformance
+suite that runs against each one):
+
+* ``put_if_absent`` and ``replace`` are atomic: a reader sees the old value or the new one, never
+  a partial write; once they return, the data is durable (fsync of file and directory locally).
+* ``put_if_absent`` writes only when the key is absent and says whether it wrote; calling it
+  twice with the same data is harmless (objects are content-addressed).
+* ``create_exclusive`` succeeds for exactly one of several concurrent callers (lock files).
+* ``get`` of a missing key raises ``KeyError``; ``delete`` of a missing key returns False.
+* ``list(prefix)`` yields every key under a folder-like prefix, never temporary files.
+* ``repo_lock(exclusive=…)`` is a reader/writer lock over the whole repository, released when
+  the holder exits, even by a crash: commits hold it shared, gc holds it exclusively.
+* Storage failures surface as ``ckstore.errors.StorageError`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+
+from ..errors import InvalidPathError
+
+_KEY_PART = re.compile(r"[A-Za-z0-9._@+-]+")
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could name anything outside the repository (defence in depth)."""
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") or not _KEY_PART.fullmatch(p) for p in parts):
+        raise InvalidPathError(f"invalid storage key {key!r}")
+    return key
+
+
+class Backend(ABC):
+    """Abstract key-value storage for one repository."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    @abstractmethod
+    def replace(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def create_exclusive(self, key: str, data: bytes) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """Stored size in bytes, or None when the key is absent."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> Iterator[str]: ...
+
+    @abstractmethod
+    def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]: ...
+
+    @abstractmethod
+    def clean_temporary(self) -> int:
+        """Remove temporary files left by interrupted writers; only safe under the exclusive lock."""
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def describe(self, key: str) -> str:
+        """Where a key lives, for error messages."""
+        return key

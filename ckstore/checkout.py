@@ -1,0 +1,174 @@
+"""Writing a commit's files back out (the read path of checkout).
+
+Each output file is written to a temporary file beside its target, fsynced, then renamed into
+place, so a failed checkout never leaves a partial file. Before anything is written every target
+is checked: a different existing file is refused unless ``force``; an identical one (same size,
+and every chunk region hashing to its chunk's name) is left alone. Chunks are fetched, decoded and
+verified on a bounded thread pool and written in order.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InvalidPathError, OutputExistsError, StorageError
+from .ids import chunk_id
+from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
+from .pipeline import ordered_map
+from .safetensors_format import emit_header, parse_header
+from .store import ObjectStore
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class CheckoutResult:
+    written: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+
+
+@dataclass(frozen=True)
+class _Output:
+    """What to write at one path: a sequence of byte pieces (chunks or a re-emitted header)."""
+
+    path: str
+    pieces: tuple[tuple[ChunkRef | bytes, str], ...]  # (chunk or literal bytes, context for errors)
+    size: int
+    exact: bool  # the file as committed (so an identical existing file can be detected by hashes)
+
+
+def _context(path: str, tensor: str | None) -> str:
+    return f" (file {path!r}, tensor {tensor!r})" if tensor else f" (file {path!r})"
+
+
+def _full_output(f: FileEntry) -> _Output:
+    pieces: list[tuple[ChunkRef | bytes, str]] = [(c, _context(f.path, None)) for c in f.header + f.chunks]
+    for t in f.tensors:
+        pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
+    return _Output(f.path, tuple(pieces), f.size, exact=True)
+
+
+def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) -> _Output | None:
+    keep = select_tensors(f.tensors, patterns)
+    if not keep:
+        return None
+    if len(keep) == len(f.tensors):
+        return _full_output(f)
+    original = b"".join(store.get_chunk(c.id, c.size, _context(f.path, None)) for c in f.header)
+    metadata = parse_header(original, f.size).metadata
+    header, _ = emit_header([(t.name, t.dtype, t.shape) for t in keep], metadata)
+    pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
+    for t in keep:
+        pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
+    return _Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep), exact=False)
+
+
+def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[_Output]:
+    outputs = []
+    for f in commit.files:
+        if only and f.kind == "safetensors":
+            out = _filtered_output(store, f, only)
+            if out is not None:
+                outputs.append(out)
+        else:
+            outputs.append(_full_output(f))
+    return outputs
+
+
+def _target(out_dir: Path, rel: str) -> Path:
+    check_relative_path(rel)
+    target = out_dir / rel
+    # A symlinked folder inside out_dir must not carry the write elsewhere.
+    resolved_parent = target.parent.resolve()
+    if resolved_parent != out_dir.resolve() and out_dir.resolve() not in resolved_parent.parents:
+        raise InvalidPathError(f"output path {rel!r} leads outside {out_dir}")
+    return target
+
+
+def _same_file(target: Path, output: _Output) -> bool:
+    """True when the existing file holds exactly the committed bytes (hash per chunk, no decode)."""
+    if not output.exact or not target.is_file() or target.stat().st_size != output.size:
+        return False
+    with open(target, "rb") as f:
+        for piece, _ in output.pieces:
+            assert isinstance(piece, ChunkRef)
+            if chunk_id(f.read(piece.size)) != piece.id:
+                return False
+    return True
+
+
+def _fetch(store: ObjectStore, outputs: Iterable[tuple[ChunkRef | bytes, str]]) -> Iterator[bytes]:
+    def get(item: tuple[ChunkRef | bytes, str]) -> bytes:
+        piece, context = item
+        return piece if isinstance(piece, bytes) else store.get_chunk(piece.id, piece.size, context)
+
+    return ordered_map(get, outputs)
+
+
+def _write_one(store: ObjectStore, target: Path, output: _Output, progress: Progress | None) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.ckstore-tmp")
+    try:
+        with open(tmp, "xb") as f:
+            for data in _fetch(store, output.pieces):
+                f.write(data)
+                if progress:
+                    progress(len(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_outputs(
+    store: ObjectStore, outputs: list[_Output], out_dir: Path, force: bool, progress: Progress | None = None
+) -> CheckoutResult:
+    result = CheckoutResult()
+    todo: list[tuple[Path, _Output]] = []
+    conflicts = []
+    for output in outputs:
+        target = _target(out_dir, output.path)
+        if target.exists() or target.is_symlink():
+            if target.is_dir():
+                raise OutputExistsError(f"{target} is a directory")
+            if _same_file(target, output):
+                result.unchanged.append(output.path)
+                continue
+            if not force:
+                conflicts.append(output.path)
+                continue
+        todo.append((target, output))
+    if conflicts:
+        raise OutputExistsError(
+            f"{len(conflicts)} file(s) in {out_dir} differ from the commit ({', '.join(conflicts[:3])}"
+            f"{', …' if len(conflicts) > 3 else ''}); use --force to overwrite"
+        )
+    try:
+        for target, output in todo:
+            _write_one(store, target, output, progress)
+            result.written.append(output.path)
+            result.bytes_written += output.size
+    except OSError as exc:
+        raise StorageError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
+    return result
+
+
+def total_size(outputs: list[_Output]) -> int:
+    return sum(o.size for o in outputs)
+
+
+def select_tensors(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> list[TensorEntry]:
+    return [t for t in tensors if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]

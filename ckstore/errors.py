@@ -1,0 +1,108 @@
+"""Every failure ckstore reports, one class each.
+
+The error classes are the command-line contract (as in borg): each carries its exit code, and its
+message is one line that names what failed and, where it helps, what to do. The CLI prints
+``ckstore: <message>`` and exits with ``exit_code``; nothing else is shown to the user.
+
+Exit codes (documented in README.md):
+  1  generic failure            5  invalid input (bad file, bad name, unencodable value)
+  2  usage error (click)        6  conflict: lock held, ref moved, output exists
+  3  not found                  7  storage failure (no space, I/O error)
+  4  integrity: corrupt data    8  unsupported repository format
+"""
+
+from __future__ import annotations
+
+
+class CkstoreError(Exception):
+    """Base of all errors ckstore raises on purpose."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str) -> None:
+        # One line always: a message that spans lines would break the CLI contract.
+        super().__init__(" ".join(str(message).split()))
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class NotFoundError(CkstoreError):
+    exit_code = 3
+
+
+class RepoNotFoundError(NotFoundError):
+    """No repository at the given path, in CKSTORE_REPO, or above the current directory."""
+
+
+class RefNotFoundError(NotFoundError):
+    """A branch, tag, commit id or prefix that resolves to nothing."""
+
+
+class ObjectMissingError(NotFoundError):
+    """A referenced object is absent from the object store."""
+
+
+class IntegrityError(CkstoreError):
+    """Stored data does not match its name, or cannot be decoded: the repository is damaged."""
+
+    exit_code = 4
+
+
+class InvalidInputError(CkstoreError):
+    """Input the user gave is malformed: a file, a name, a value, an option."""
+
+    exit_code = 5
+
+
+class SafetensorsFormatError(InvalidInputError):
+    """A file named .safetensors that violates the safetensors format."""
+
+
+class InvalidRefNameError(InvalidInputError):
+    """A ref name that check-ref-format rules reject."""
+
+
+class InvalidPathError(InvalidInputError):
+    """A file path that is absolute, escapes its root, or holds forbidden characters."""
+
+
+class AmbiguousRefError(InvalidInputError):
+    """A commit id prefix that matches more than one commit."""
+
+
+class UnencodableValueError(InvalidInputError):
+    """A value that cannot be stored without pickle."""
+
+
+class ConflictError(CkstoreError):
+    exit_code = 6
+
+
+class LockedError(ConflictError):
+    """A lock is held by another process (or was left by a dead one)."""
+
+
+class RefChangedError(ConflictError):
+    """A compare-and-swap ref update lost: the ref moved since it was read."""
+
+
+class OutputExistsError(ConflictError):
+    """Checkout would overwrite a different existing file without --force."""
+
+
+class RefExistsError(ConflictError):
+    """Creating a branch or tag that already exists."""
+
+
+class StorageError(CkstoreError):
+    """The storage backend failed: no space left, an I/O error, permissions."""
+
+    exit_code = 7
+
+
+class UnsupportedFormatError(CkstoreError):
+    """The repository was written by a newer ckstore, or is not a ckstore repository."""
+
+    exit_code = 8

@@ -1,0 +1,87 @@
+"""Repository checking: refs resolve, manifests parse, referenced objects exist (and decode).
+
+Each problem is one line naming the damaged ref or object and, for a chunk, the commit, file and
+tensor that need it. A damaged object is reported once, however many commits share it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import CkstoreError
+from .ids import ObjectId
+from .pipeline import ordered_map
+from .refs import HEADS, LOCK_SUFFIX, TAGS
+
+if TYPE_CHECKING:
+    from .repo import Repo
+
+
+def check(repo: Repo, read_data: bool = False) -> list[str]:
+    problems: list[str] = []
+    try:
+        pruned = repo.pruned()
+    except CkstoreError as exc:
+        problems.append(str(exc))
+        pruned = set()
+    try:
+        repo.refs.head_branch()
+    except CkstoreError as exc:
+        problems.append(str(exc))
+
+    tips: list[tuple[str, ObjectId]] = []
+    for prefix in (HEADS, TAGS):
+        for key in repo.backend.list(prefix):
+            if key.endswith(LOCK_SUFFIX):
+                continue
+            try:
+                oid = repo.refs.read(key)
+            except CkstoreError as exc:
+                problems.append(str(exc))
+                continue
+            if oid is not None:
+                tips.append((key, oid))
+
+    needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
+    seen: set[str] = set()
+    todo = [(oid, f"ref {key}") for key, oid in tips]
+    while todo:
+        oid, via = todo.pop()
+        if oid in seen:
+            continue
+        seen.add(oid)
+        try:
+            commit = repo.read_commit(oid)
+        except CkstoreError as exc:
+            problems.append(f"{exc} (reached from {via})")
+            continue
+        for parent in commit.parents:
+            if parent in pruned:
+                continue
+            todo.append((parent, f"commit {oid[:12]}"))
+        for f in commit.files:
+            for chunk in f.header + f.chunks:
+                needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}"))
+            for t in f.tensors:
+                for chunk in t.chunks:
+                    needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}, tensor {t.name!r}"))
+
+    present = set(repo.store.iter_ids())
+    for oid, (_, where) in sorted(needed.items()):
+        if oid not in present:
+            problems.append(f"object {oid} is missing ({where})")
+
+    if read_data:
+        def verify(oid: str) -> str | None:
+            try:
+                if oid in needed:
+                    size, where = needed[oid]
+                    repo.store.get_chunk(oid, size, f" ({where})")
+                elif oid not in seen:  # commits were verified when read above
+                    repo.store.verify(oid)
+            except CkstoreError as exc:
+                return str(exc)
+            return None
+
+        problems.extend(p for p in ordered_map(verify, sorted(present)) if p)
+    return problems

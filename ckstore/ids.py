@@ -1,0 +1,52 @@
+"""Object names: hex blake3 digests, and the hashing that produces them.
+
+A chunk's name is blake3 of its raw (uncompressed, unencoded) bytes. A commit's name is blake3 of
+its manifest bytes behind a type prefix (``b"ckstore commit <len>\\0"``, as git prefixes its
+objects), so no chunk can ever share a name with a commit, whatever bytes a user commits.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NewType
+
+import blake3
+
+from .errors import InvalidInputError
+
+ObjectId = NewType("ObjectId", str)
+
+ID_HEX_LEN = 64
+MIN_PREFIX_LEN = 6
+_ID_RE = re.compile(r"[0-9a-f]{64}")
+_PREFIX_RE = re.compile(r"[0-9a-f]{6,64}")
+
+# blake3's own threading pays off only on large inputs; below this one thread is faster.
+_MULTITHREAD_MIN = 1 << 20
+
+
+def chunk_id(data: bytes | memoryview) -> ObjectId:
+    """Name of a chunk: blake3 of its raw bytes."""
+    threads = blake3.blake3.AUTO if len(data) >= _MULTITHREAD_MIN else 1
+    return ObjectId(blake3.blake3(data, max_threads=threads).hexdigest())
+
+
+def commit_id(manifest: bytes) -> ObjectId:
+    """Name of a commit: blake3 of the type-prefixed manifest bytes."""
+    h = blake3.blake3(b"ckstore commit %d\0" % len(manifest))
+    h.update(manifest)
+    return ObjectId(h.hexdigest())
+
+
+def is_object_id(text: str) -> bool:
+    return bool(_ID_RE.fullmatch(text))
+
+
+def is_id_prefix(text: str) -> bool:
+    return bool(_PREFIX_RE.fullmatch(text))
+
+
+def parse_object_id(text: object, what: str = "object id") -> ObjectId:
+    if not isinstance(text, str) or not is_object_id(text):
+        raise InvalidInputError(f"invalid {what}: {text!r}")
+    return ObjectId(text)

@@ -1,0 +1,181 @@
+"""Turning files on disk into stored chunks and manifest file entries (the commit write path).
+
+Files are read sequentially in the calling thread, one chunk at a time; hashing, compression and
+object writes run on a bounded thread pool (see pipeline.py), so memory stays at a few chunks
+whatever the checkpoint size. A safetensors file is validated in full from its header before any
+of its data is stored; its tensors are chunked from each tensor's own start, so an unchanged
+tensor yields the same chunks wherever it sits in the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from .errors import InvalidInputError, InvalidPathError, SafetensorsFormatError, StorageError
+from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
+from .pipeline import ordered_map
+from .safetensors_format import SafetensorsLayout, header_length, parse_header
+from .store import ObjectStore, PutResult
+
+Progress = Callable[[int], None]
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # relative POSIX path recorded in the manifest
+    source: Path
+    size: int
+
+
+def _is_inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path) -> list[SourceFile]:
+    """Files to commit: each file argument under its own name, each directory's files under
+    their path relative to it (recursively; the repository itself is skipped)."""
+    found: dict[str, SourceFile] = {}
+
+    def add(rel: str, source: Path) -> None:
+        rel = check_relative_path(rel)
+        if rel in found:
+            raise InvalidInputError(f"two inputs would both be stored as {rel!r}")
+        try:
+            size = source.stat().st_size
+        except OSError as exc:
+            raise InvalidInputError(f"cannot read {source}: {exc.strerror}") from None
+        found[rel] = SourceFile(rel, source, size)
+
+    if not paths:
+        raise InvalidInputError("nothing to commit: give at least one file or directory")
+    for given in paths:
+        root = Path(given)
+        if root.is_dir():
+            if _is_inside(root, exclude):
+                raise InvalidInputError(f"{root} is inside the repository")
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = sorted(d for d in dirnames if not _is_inside(Path(dirpath, d), exclude))
+                for name in sorted(filenames):
+                    full = Path(dirpath, name)
+                    if full.is_file():
+                        add(full.relative_to(root).as_posix(), full)
+        elif root.is_file():
+            add(root.name, root)
+        else:
+            raise InvalidInputError(f"no such file or directory: {root}")
+    if not found:
+        raise InvalidInputError("nothing to commit: the given directories hold no files")
+    for rel in found:  # "a" and "a/b" cannot both be files in a checkout
+        parent = rel.rsplit("/", 1)[0] if "/" in rel else None
+        while parent:
+            if parent in found:
+                raise InvalidPathError(f"{parent!r} is both a file and a directory")
+            parent = parent.rsplit("/", 1)[0] if "/" in parent else None
+    return sorted(found.values(), key=lambda s: s.path)
+
+
+def read_layout(f: BinaryIO, name: str, size: int) -> SafetensorsLayout:
+    """Read and validate a safetensors header from an open file."""
+    try:
+        prefix = f.read(8)
+        length = header_length(prefix)
+        if 8 + length > size:
+            raise SafetensorsFormatError(f"header length {length} runs past the end of the {size}-byte file")
+        header = prefix + f.read(length)
+        return parse_header(header, size)
+    except SafetensorsFormatError as exc:
+        raise SafetensorsFormatError(f"{name} is not a valid safetensors file: {exc}") from None
+
+
+def _read_exact(f: BinaryIO, n: int, name: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise InvalidInputError(f"{name} changed while being committed (it got shorter)")
+    return data
+
+
+def _pieces(f: BinaryIO, offset: int, length: int, chunk_size: int, name: str) -> Iterator[bytes]:
+    f.seek(offset)
+    done = 0
+    while done < length:
+        n = min(chunk_size, length - done)
+        yield _read_exact(f, n, name)
+        done += n
+
+
+@dataclass
+class _Plan:
+    """One file's segments (header, each tensor, or the whole blob) in the order they are read."""
+
+    source: SourceFile
+    layout: SafetensorsLayout | None
+    segments: list[list[ChunkRef]]
+
+
+def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, bytes]]:
+    for p_index, plan in enumerate(plans):
+        name = str(plan.source.source)
+        try:
+            with open(plan.source.source, "rb") as f:
+                if plan.layout is None:
+                    spans = [(0, plan.source.size)]
+                else:
+                    base = plan.layout.data_offset
+                    spans = [(0, base)] + [(base + t.begin, t.nbytes) for t in plan.layout.tensors]
+                for s_index, (offset, length) in enumerate(spans):
+                    for piece in _pieces(f, offset, length, chunk_size, name):
+                        yield p_index, s_index, piece
+                if f.read(1):
+                    raise InvalidInputError(f"{name} changed while being committed (it got longer)")
+        except OSError as exc:
+            raise StorageError(f"cannot read {name}: {exc.strerror}") from None
+
+
+def ingest(
+    store: ObjectStore, sources: list[SourceFile], chunk_size: int, progress: Progress | None = None
+) -> tuple[list[FileEntry], int]:
+    """Store every chunk of ``sources``; return their manifest entries and the bytes added."""
+    plans = []
+    for source in sources:
+        layout = None
+        if source.path.endswith(SAFETENSORS_SUFFIX):
+            try:
+                with open(source.source, "rb") as f:
+                    layout = read_layout(f, str(source.source), source.size)
+            except OSError as exc:
+                raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
+            segments: list[list[ChunkRef]] = [[] for _ in range(1 + len(layout.tensors))]
+        else:
+            segments = [[]]
+        plans.append(_Plan(source, layout, segments))
+
+    def put(job: tuple[int, int, bytes]) -> tuple[int, int, int, PutResult]:
+        p_index, s_index, piece = job
+        return p_index, s_index, len(piece), store.put_chunk(piece)
+
+    added = 0
+    for p_index, s_index, length, result in ordered_map(put, _jobs(plans, chunk_size)):
+        plans[p_index].segments[s_index].append(ChunkRef(result.id, length))
+        added += result.stored
+        if progress:
+            progress(length)
+    return [_entry(plan) for plan in plans], added
+
+
+def _entry(plan: _Plan) -> FileEntry:
+    if plan.layout is None:
+        return FileEntry(plan.source.path, "blob", plan.source.size, chunks=tuple(plan.segments[0]))
+    tensors = tuple(
+        TensorEntry(t.name, t.dtype, tuple(t.shape), tuple(chunks))
+        for t, chunks in zip(plan.layout.tensors, plan.segments[1:])
+    )
+    return FileEntry(plan.source.path, "safetensors", plan.source.size, header=tuple(plan.segments[0]), tensors=tensors)

@@ -1,0 +1,179 @@
+"""Branches, tags and HEAD: validated names, compare-and-swap updates under lock files.
+
+A ref is the file ``refs/heads/<name>`` or ``refs/tags/<name>`` holding a commit id and a
+newline. ``HEAD`` holds ``ref: refs/heads/<branch>``. An update takes ``<ref>.lock`` with an
+exclusive create (as git's lockfile.h does), re-reads the ref, checks it still holds the value
+the caller expects, replaces it atomically and drops the lock: concurrent writers serialise and
+exactly one of two racing updates from the same old value wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .backend.base import Backend
+from .errors import (
+    IntegrityError,
+    InvalidRefNameError,
+    LockedError,
+    RefChangedError,
+    RefExistsError,
+)
+from .ids import ObjectId, is_object_id
+
+HEADS = "refs/heads/"
+TAGS = "refs/tags/"
+HEAD = "HEAD"
+DEFAULT_BRANCH = "main"
+LOCK_SUFFIX = ".lock"
+LOCK_WAIT = 10.0
+_ALLOWED = re.compile(r"[A-Za-z0-9._/@+-]+")
+
+
+class _Any:
+    """Sentinel: update the ref whatever it holds now."""
+
+
+ANY = _Any()
+
+
+def check_ref_name(name: str, what: str = "ref name") -> str:
+    """Validate a branch or tag name by git's check-ref-format rules, more strictly on characters."""
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = "is empty"
+    elif not _ALLOWED.fullmatch(name):
+        problem = "holds a space, control or special character"
+    elif name.startswith("-"):
+        problem = "starts with '-'"
+    elif ".." in name or "//" in name or "@{" in name or name == "@":
+        problem = "holds '..', '//' or '@{'"
+    elif name.startswith("/") or name.endswith("/") or name.endswith("."):
+        problem = "starts or ends with '/' or ends with '.'"
+    elif any(part.startswith(".") or part.endswith(LOCK_SUFFIX) for part in name.split("/")):
+        problem = "has a component starting with '.' or ending with '.lock'"
+    elif name == HEAD or len(name) > 200:
+        problem = "is reserved or too long"
+    if problem:
+        raise InvalidRefNameError(f"invalid {what} {name!r}: it {problem}")
+    return name
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RefStore:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def read(self, ref: str) -> ObjectId | None:
+        try:
+            data = self.backend.get(ref)
+        except KeyError:
+            return None
+        text = data.decode("ascii", "replace").strip()
+        if not is_object_id(text) or data != (text + "\n").encode():
+            raise IntegrityError(f"ref {ref} is corrupt: it does not hold a commit id")
+        return ObjectId(text)
+
+    def list(self, prefix: str) -> dict[str, ObjectId]:
+        """Short name → commit id for every ref under ``prefix`` (``refs/heads/``, ``refs/tags/``)."""
+        out: dict[str, ObjectId] = {}
+        for key in self.backend.list(prefix):
+            if key.endswith(LOCK_SUFFIX):
+                continue
+            oid = self.read(key)
+            if oid is not None:
+                out[key[len(prefix):]] = oid
+        return out
+
+    def head_branch(self) -> str:
+        try:
+            data = self.backend.get(HEAD).decode("utf-8", "replace")
+        except KeyError:
+            return DEFAULT_BRANCH
+        if not data.startswith("ref: " + HEADS) or not data.endswith("\n"):
+            raise IntegrityError("HEAD is corrupt: it does not name a branch")
+        return check_ref_name(data[len("ref: " + HEADS):-1], "branch name in HEAD")
+
+    def set_head_branch(self, branch: str) -> None:
+        self.backend.replace(HEAD, f"ref: {HEADS}{check_ref_name(branch, 'branch name')}\n".encode())
+
+    # ---- writing -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self, ref: str) -> Iterator[None]:
+        lock = ref + LOCK_SUFFIX
+        owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
+        deadline = time.monotonic() + LOCK_WAIT
+        while not self.backend.create_exclusive(lock, owner):
+            self._refuse_stale_lock(lock)
+            if time.monotonic() >= deadline:
+                raise LockedError(f"ref {ref} is locked by another ckstore process; try again")
+            time.sleep(0.02)
+        try:
+            yield
+        finally:
+            self.backend.delete(lock)
+
+    def _refuse_stale_lock(self, lock: str) -> None:
+        try:
+            info = json.loads(self.backend.get(lock))
+            pid, host = int(info["pid"]), str(info["host"])
+        except KeyError:
+            return  # released meanwhile
+        except (ValueError, TypeError):
+            return  # being written right now, or unreadable: let the timeout speak
+        if host == socket.gethostname() and not _pid_alive(pid):
+            raise LockedError(
+                f"stale lock {self.backend.describe(lock)} left by process {pid}, which is no longer running;"
+                " if no ckstore command is running, delete that file and retry"
+            )
+
+    def _check_no_dir_conflict(self, ref: str) -> None:
+        parts = ref.split("/")
+        for i in range(3, len(parts)):
+            if self.backend.exists("/".join(parts[:i])):
+                raise RefExistsError(f"cannot create {ref}: {'/'.join(parts[:i])} exists")
+        if any(True for _ in self.backend.list(ref + "/")):
+            raise RefExistsError(f"cannot create {ref}: refs exist below it")
+
+    def update(self, ref: str, new: ObjectId, expected: ObjectId | None | _Any = ANY) -> None:
+        """Point ``ref`` at ``new`` if it still holds ``expected`` (None: must not exist yet)."""
+        with self._locked(ref):
+            current = self.read(ref)
+            if not isinstance(expected, _Any) and current != expected:
+                if expected is None:
+                    raise RefExistsError(f"{_short(ref)} already exists")
+                raise RefChangedError(
+                    f"{_short(ref)} moved from {expected[:12]} to {str(current)[:12]} while this command ran"
+                )
+            if current is None:
+                self._check_no_dir_conflict(ref)
+            self.backend.replace(ref, f"{new}\n".encode())
+
+    def delete(self, ref: str) -> bool:
+        with self._locked(ref):
+            return self.backend.delete(ref)
+
+
+def _short(ref: str) -> str:
+    for prefix, word in ((HEADS, "branch"), (TAGS, "tag")):
+        if ref.startswith(prefix):
+            return f"{word} {ref[len(prefix):]!r}"
+    return ref
