@@ -36,6 +36,12 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_prefix(prefix: str) -> str:
+    """A ``list`` prefix names a folder: ``""`` (everything) or a valid key, with a trailing ``/``."""
+    folder = prefix[:-1] if prefix.endswith("/") else prefix
+    return check_key(folder) + "/" if folder else ""
+
+
 class Backend(ABC):
     """Abstract key-value storage for one repository."""
 

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import LockedError, StorageError
-from .base import Backend, check_key
+from .base import Backend, check_key, check_prefix
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
@@ -181,16 +181,19 @@ class LocalBackend(Backend):
         return st.st_size if not os.path.isdir(self._path(key)) else None
 
     def list(self, prefix: str) -> Iterator[str]:
+        prefix = check_prefix(prefix)  # never a path outside the repository
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
             return
+        keys = []
         for dirpath, dirnames, filenames in os.walk(base):
-            dirnames.sort()
             rel = Path(dirpath).relative_to(self.root).as_posix()
             if rel == TMP_DIR:
+                dirnames.clear()
                 continue
-            for name in sorted(filenames):
-                yield name if rel == "." else f"{rel}/{name}"
+            keys.extend(name if rel == "." else f"{rel}/{name}" for name in filenames)
+        # Sorted as whole keys (os.walk yields a folder's files before its subfolders').
+        yield from sorted(keys)
 
     @contextmanager
     def repo_lock(self, exclusive: bool, timeout: float) -> Iterator[None]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import LockedError
-from .base import Backend, check_key
+from .base import Backend, check_key, check_prefix
 
 
 class MemoryBackend(Backend):
@@ -47,6 +47,7 @@ class MemoryBackend(Backend):
             return None if value is None else len(value)
 
     def list(self, prefix: str) -> Iterator[str]:
+        prefix = check_prefix(prefix)  # a folder: "refs/heads" must not match "refs/headsx/…"
         with self._mutex:
             keys = sorted(k for k in self._data if k.startswith(prefix))
         yield from keys

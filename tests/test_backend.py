@@ -1,0 +1,219 @@
+"""Conformance suite for storage backends: every backend must pass every test here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckstore.backend.base import Backend
+from ckstore.backend.local import LocalBackend
+from ckstore.backend.memory import MemoryBackend
+from ckstore.errors import InvalidPathError, LockedError
+
+BAD_KEYS = ["", "../x", "a/../../x", "/abs", "a//b", "a/", "./a", "a/./b", "a\\b", "a b", "a/\x00"]
+
+
+@pytest.fixture(params=["local", "memory"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    if request.param == "memory":
+        return MemoryBackend()
+    (tmp_path / "store").mkdir()  # a repository directory always exists before its backend
+    return LocalBackend(tmp_path / "store")
+
+
+def run_threads(n: int, target: Callable[[int], None]) -> None:
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+
+
+def test_get_missing_raises_keyerror(backend: Backend) -> None:
+    with pytest.raises(KeyError):
+        backend.get("objects/aa/missing")
+    assert backend.size("objects/aa/missing") is None
+    assert not backend.exists("objects/aa/missing")
+
+
+def test_put_if_absent_writes_once(backend: Backend) -> None:
+    assert backend.put_if_absent("objects/ab/c", b"first") is True
+    assert backend.put_if_absent("objects/ab/c", b"second") is False
+    assert backend.get("objects/ab/c") == b"first"
+    assert backend.size("objects/ab/c") == 5
+    assert backend.exists("objects/ab/c")
+
+
+def test_put_empty_value(backend: Backend) -> None:
+    assert backend.put_if_absent("k", b"")
+    assert backend.get("k") == b"" and backend.size("k") == 0 and backend.exists("k")
+
+
+def test_replace_overwrites(backend: Backend) -> None:
+    backend.replace("refs/heads/main", b"one")
+    backend.replace("refs/heads/main", b"two")
+    assert backend.get("refs/heads/main") == b"two"
+
+
+def test_replace_is_atomic_for_concurrent_readers(backend: Backend) -> None:
+    values = [bytes([65 + i]) * 200_000 for i in range(2)]
+    backend.replace("ref", values[0])
+    seen: set[bytes] = set()
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            seen.add(backend.get("ref"))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(30):
+        backend.replace("ref", values[i % 2])
+    stop.set()
+    t.join()
+    # A partial write would show up as a value that is neither complete old nor complete new.
+    assert seen <= set(values)
+
+
+def test_create_exclusive_has_exactly_one_winner(backend: Backend) -> None:
+    barrier = threading.Barrier(8)
+    wins: list[int] = []
+
+    def contender(i: int) -> None:
+        barrier.wait()
+        if backend.create_exclusive("refs/heads/main.lock", b"%d" % i):
+            wins.append(i)
+
+    run_threads(8, contender)
+    assert len(wins) == 1
+    assert backend.get("refs/heads/main.lock") == b"%d" % wins[0]
+    assert backend.create_exclusive("refs/heads/main.lock", b"x") is False
+
+
+def test_delete(backend: Backend) -> None:
+    backend.put_if_absent("a/b", b"x")
+    assert backend.delete("a/b") is True
+    assert backend.delete("a/b") is False
+    with pytest.raises(KeyError):
+        backend.get("a/b")
+    # A deleted key can be written again.
+    assert backend.put_if_absent("a/b", b"y") is True
+
+
+def test_list_is_sorted_and_folder_like(backend: Backend) -> None:
+    keys = ["x/a0", "x/a/b", "x/a.c", "x/b", "refs/heads/a", "refs/heads/a-b/c", "refs/headsx/b", "y"]
+    for key in keys:
+        backend.put_if_absent(key, b"1")
+    assert list(backend.list("")) == sorted(keys)
+    assert list(backend.list("x")) == sorted(k for k in keys if k.startswith("x/"))
+    assert list(backend.list("x/")) == list(backend.list("x"))
+    # "refs/heads" is a folder: "refs/headsx/b" is not below it.
+    assert list(backend.list("refs/heads/")) == ["refs/heads/a", "refs/heads/a-b/c"]
+    assert list(backend.list("refs/heads")) == ["refs/heads/a", "refs/heads/a-b/c"]
+    assert list(backend.list("nothing/")) == []
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_check_key_rejects_escaping_keys(backend: Backend, key: str) -> None:
+    for op in (lambda: backend.get(key), lambda: backend.put_if_absent(key, b"x"),
+               lambda: backend.replace(key, b"x"), lambda: backend.delete(key), lambda: backend.size(key)):
+        with pytest.raises(InvalidPathError):
+            op()
+
+
+@pytest.mark.parametrize("prefix", ["../", "..", "/etc", "a//b/"])
+def test_list_rejects_escaping_prefix(backend: Backend, prefix: str) -> None:
+    with pytest.raises(InvalidPathError):
+        list(backend.list(prefix))
+
+
+def test_shared_locks_coexist_and_exclude_exclusive(backend: Backend) -> None:
+    with backend.repo_lock(exclusive=False, timeout=1):
+        with backend.repo_lock(exclusive=False, timeout=1):
+            pass
+        start = time.monotonic()
+        with pytest.raises(LockedError):
+            with backend.repo_lock(exclusive=True, timeout=0.3):
+                pass
+        assert time.monotonic() - start >= 0.25  # it waited for its timeout before giving up
+    with backend.repo_lock(exclusive=True, timeout=1):
+        with pytest.raises(LockedError):
+            with backend.repo_lock(exclusive=False, timeout=0.2):
+                pass
+    with backend.repo_lock(exclusive=False, timeout=1):
+        pass  # released after an exception too
+
+
+def test_exclusive_waits_for_shared_holder(backend: Backend) -> None:
+    held = threading.Event()
+
+    def holder() -> None:
+        with backend.repo_lock(exclusive=False, timeout=1):
+            held.set()
+            time.sleep(0.4)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(5)
+    start = time.monotonic()
+    with backend.repo_lock(exclusive=True, timeout=10):
+        waited = time.monotonic() - start
+        assert not t.is_alive() or waited >= 0.2
+    t.join()
+    assert waited >= 0.2
+
+
+# ---- LocalBackend only -----------------------------------------------------------------------
+
+
+def test_local_temporary_files_hidden_and_cleaned(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.put_if_absent("objects/aa/b", b"x")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    (tmp_path / "tmp" / "leftover.tmp").write_bytes(b"partial")
+    assert list(backend.list("")) == ["objects/aa/b"]
+    assert backend.clean_temporary() == 1
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert backend.get("objects/aa/b") == b"x"
+
+
+def test_local_writes_leave_no_temporary_files(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.put_if_absent("a", b"1")
+    backend.put_if_absent("a", b"2")
+    backend.replace("b", b"1")
+    backend.create_exclusive("c", b"1")
+    backend.create_exclusive("c", b"2")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_local_lock_released_when_holder_is_killed(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from ckstore.backend.local import LocalBackend\n"
+         f"with LocalBackend({str(tmp_path)!r}).repo_lock(exclusive=False, timeout=5):\n"
+         "    print('locked', flush=True)\n"
+         "    time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        backend = LocalBackend(tmp_path)
+        with pytest.raises(LockedError):
+            with backend.repo_lock(exclusive=True, timeout=0.2):
+                pass
+        holder.kill()
+        holder.wait(10)
+        with backend.repo_lock(exclusive=True, timeout=5):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(10)
