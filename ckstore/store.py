@@ -82,7 +82,7 @@ class ObjectStore:
         return raw
 
     def kind(self, oid: str) -> Kind:
-        return parse_header(self._read(oid, ""))[0]
+        return parse_header(self._read(oid, "")).kind
 
     def verify(self, oid: str) -> None:
         """Decode and re-hash any object, whatever its kind (fsck --read-data)."""

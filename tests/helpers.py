@@ -12,19 +12,8 @@ from safetensors.torch import save_file
 
 from ckstore.repo import Repo
 from ckstore.store import object_key
-
-
-def make_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """Random bytes reinterpreted as ``dtype``, so every dtype (float8 too) gets distinct content."""
-    g = torch.Generator().manual_seed(seed)
-    item = torch.empty((), dtype=dtype).element_size()
-    count = 1
-    for d in shape:
-        count *= d
-    raw = torch.randint(0, 256, (count * item,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        return (raw % 2).bool().reshape(shape)
-    return raw.view(dtype).reshape(shape)
+# One definition of the dtype table and tensor maker, shared with the safetensors format tests.
+from test_safetensors_format import TORCH_DTYPES, make_tensor  # noqa: F401  (re-exported)
 
 
 def save_st(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
