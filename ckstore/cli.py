@@ -185,7 +185,10 @@ def show(repo: Repo, ref: str, as_json: bool) -> None:
         for f in c.files
     ]
     if as_json:
-        _json({**_entry_json(oid, c), "provenance": dict(c.provenance), "files": files})
+        doc = {**_entry_json(oid, c), "provenance": dict(c.provenance), "files": files}
+        if c.state is not None:
+            doc["state"] = repo.state_document(oid)
+        _json(doc)
         return
     click.echo(f"commit {oid}  ({c.branch})\nDate:   {c.time}")
     if c.message:
@@ -193,10 +196,26 @@ def show(repo: Repo, ref: str, as_json: bool) -> None:
     if c.decoded_metadata():
         click.echo(f"Meta:   {_meta_text(c.decoded_metadata())}")
     click.echo("Provenance: " + " ".join(f"{k}={v}" for k, v in c.provenance.items()))
+    if c.state is not None:
+        click.echo("State:")
+        for line in _state_lines(repo.state_document(oid)):
+            click.echo(f"  {line}")
     for f in files:
         click.echo(f"\n{f['path']}  [{f['kind']}, {human(f['size'])}]")
         for t in f["tensors"]:
             click.echo(f"  {t['name']:<50} {t['dtype']:<8} {tuple(t['shape'])}")
+
+
+def _state_lines(value: Any) -> list[str]:
+    """One line per top-level entry of a training state's typed JSON, values shortened."""
+    if not isinstance(value, dict):
+        return [json.dumps(value)[:100]]
+    pairs = value["$dict"] if set(value) == {"$dict"} else value.items()
+    lines = []
+    for key, item in pairs:
+        text = json.dumps(item, ensure_ascii=False)
+        lines.append(f"{key}: {text if len(text) <= 100 else text[:97] + '...'}")
+    return lines
 
 
 def _refs_command(kind: str) -> Callable[..., None]:
@@ -249,14 +268,18 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--keep-last", type=int, metavar="N", help="Keep the N newest commits of every branch (and tagged ones).")
+@click.option("--keep-last", type=int, metavar="N", help="Keep the N newest commits of every branch.")
+@click.option("--keep-best", type=int, metavar="N", help="Keep the N best commits of every branch by --metric.")
+@click.option("--metric", metavar="NAME", help="Metadata metric for --keep-best (lower is better unless --max).")
+@click.option("--max", "maximize", is_flag=True, help="Higher --metric is better.")
+@click.option("--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position).")
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @pass_repo
-def gc(repo: Repo, keep_last: int | None, dry_run: bool) -> None:
-    """Delete old commits (with a retention option) and every object no kept commit needs."""
-    from .gc import RetentionPolicy
-
-    report = repo.gc(policy=RetentionPolicy(keep_last=keep_last), dry_run=dry_run)
+def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
+       keep_every: int | None, dry_run: bool) -> None:
+    """Delete old commits (with retention options; tags are always kept) and unneeded objects."""
+    report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
+                     keep_every=keep_every, dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
     for oid in report.pruned_commits:
         click.echo(f"{verb} commit {oid}")
@@ -264,6 +287,16 @@ def gc(repo: Repo, keep_last: int | None, dry_run: bool) -> None:
         f"{verb} {len(report.pruned_commits)} commit(s) and {report.deleted_objects} object(s), "
         f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
     )
+
+
+@main.command()
+@click.argument("metric")
+@click.option("--max", "maximize", is_flag=True, help="Higher is better (default: lower).")
+@click.option("--branch", help="Branch to search (default: the current branch).")
+@pass_repo
+def best(repo: Repo, metric: str, maximize: bool, branch: str | None) -> None:
+    """Print the id of the commit with the best METRIC in its metadata."""
+    click.echo(repo.best(metric, "max" if maximize else "min", branch))
 
 
 @main.command()

@@ -12,29 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import InvalidInputError
 from .ids import ObjectId
-from .refs import HEADS
+from .retention import RetentionPolicy, select_kept
 
 if TYPE_CHECKING:
     from .repo import Repo
 
 GC_LOCK_TIMEOUT = 600.0
-
-
-@dataclass(frozen=True)
-class RetentionPolicy:
-    """Which commits survive; ``None`` everywhere keeps every commit reachable from a ref."""
-
-    keep_last: int | None = None
-
-    def validate(self) -> None:
-        if self.keep_last is not None and self.keep_last < 1:
-            raise InvalidInputError("--keep-last must be at least 1")
-
-    @property
-    def active(self) -> bool:
-        return self.keep_last is not None
 
 
 @dataclass
@@ -44,15 +28,6 @@ class GcReport:
     deleted_objects: int = 0
     freed_bytes: int = 0
     temp_files: int = 0
-
-
-def select_kept(repo: Repo, policy: RetentionPolicy) -> set[ObjectId]:
-    """Commits the policy keeps: per branch the newest ``keep_last``, plus every tagged commit."""
-    keep = set(repo.tags().values())
-    for name in repo.branches():
-        history = [entry.id for entry in repo.log(HEADS + name)]
-        keep.update(history[: policy.keep_last])
-    return keep
 
 
 def collect_garbage(repo: Repo, policy: RetentionPolicy | None = None, dry_run: bool = False) -> GcReport:

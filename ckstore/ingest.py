@@ -112,17 +112,39 @@ def _pieces(f: BinaryIO, offset: int, length: int, chunk_size: int, name: str) -
         done += n
 
 
+@dataclass(frozen=True)
+class MemoryFile:
+    """A file built in memory (training state): its segments are already bytes-like.
+
+    ``segments`` are the header and then each tensor's bytes for a safetensors file (``layout``
+    given), or a single segment for a blob. Chunks are cut from these buffers without copying.
+    """
+
+    path: str
+    layout: SafetensorsLayout | None
+    segments: tuple[memoryview, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
 @dataclass
 class _Plan:
     """One file's segments (header, each tensor, or the whole blob) in the order they are read."""
 
-    source: SourceFile
+    source: SourceFile | MemoryFile
     layout: SafetensorsLayout | None
     segments: list[list[ChunkRef]]
 
 
-def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, bytes]]:
+def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, bytes | memoryview]]:
     for p_index, plan in enumerate(plans):
+        if isinstance(plan.source, MemoryFile):
+            for s_index, buffer in enumerate(plan.source.segments):
+                for offset in range(0, len(buffer), chunk_size):
+                    yield p_index, s_index, buffer[offset : offset + chunk_size]
+            continue
         name = str(plan.source.source)
         try:
             with open(plan.source.source, "rb") as f:
@@ -141,24 +163,27 @@ def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, bytes
 
 
 def ingest(
-    store: ObjectStore, sources: list[SourceFile], chunk_size: int, progress: Progress | None = None
+    store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added."""
     plans = []
     for source in sources:
         layout = None
-        if source.path.endswith(SAFETENSORS_SUFFIX):
+        if isinstance(source, MemoryFile):
+            layout = source.layout
+            segments: list[list[ChunkRef]] = [[] for _ in source.segments]
+        elif source.path.endswith(SAFETENSORS_SUFFIX):
             try:
                 with open(source.source, "rb") as f:
                     layout = read_layout(f, str(source.source), source.size)
             except OSError as exc:
                 raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
-            segments: list[list[ChunkRef]] = [[] for _ in range(1 + len(layout.tensors))]
+            segments = [[] for _ in range(1 + len(layout.tensors))]
         else:
             segments = [[]]
         plans.append(_Plan(source, layout, segments))
 
-    def put(job: tuple[int, int, bytes]) -> tuple[int, int, int, PutResult]:
+    def put(job: tuple[int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
         p_index, s_index, piece = job
         return p_index, s_index, len(piece), store.put_chunk(piece)
 

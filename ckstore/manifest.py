@@ -73,6 +73,7 @@ class Commit:
     provenance: Mapping[str, str] = field(default_factory=dict)
     logical_bytes: int = 0
     added_bytes: int = 0
+    state: Mapping[str, str] | None = None  # training state: {"values": json path, "tensors": st path}
 
     def all_chunks(self) -> Iterator[ChunkRef]:
         for f in self.files:
@@ -124,6 +125,7 @@ def encode_commit(commit: Commit) -> bytes:
         "provenance": dict(commit.provenance),
         "logical_bytes": commit.logical_bytes,
         "added_bytes": commit.added_bytes,
+        "state": dict(commit.state) if commit.state is not None else None,
         "files": [_file_json(f) for f in commit.files],
     }
     return canonical_json(doc)
@@ -236,9 +238,20 @@ def _parse_file(doc: Any, index: int) -> FileEntry:
     return entry
 
 
+def _parse_state(value: Any, kinds: Mapping[str, str]) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict) or set(value) != {"values", "tensors"}
+        or kinds.get(value["values"]) != "blob" or kinds.get(value["tensors"]) != "safetensors"
+    ):
+        raise IntegrityError("manifest: malformed state record")
+    return dict(value)
+
+
 _COMMIT_FIELDS = (
     "ckstore", "parents", "time", "branch", "message", "metadata", "provenance",
-    "logical_bytes", "added_bytes", "files",
+    "logical_bytes", "added_bytes", "state", "files",
 )
 
 
@@ -279,6 +292,7 @@ def decode_commit(data: bytes) -> Commit:
         provenance=provenance,
         logical_bytes=_size(doc["logical_bytes"], "manifest"),
         added_bytes=_size(doc["added_bytes"], "manifest"),
+        state=_parse_state(doc["state"], {f.path: f.kind for f in files}),
     )
     commit.decoded_metadata()  # validates the typed encoding now, not at first display
     return commit

@@ -34,9 +34,11 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .ids import ObjectId, is_id_prefix, is_object_id
-from .ingest import collect_sources, ingest
-from .manifest import Commit, FileEntry, decode_commit, encode_commit
+from .ingest import MemoryFile, SourceFile, collect_sources, ingest
+from .gc import GcReport, collect_garbage
+from .manifest import Commit, FileEntry, decode_commit, encode_commit, parse_json
 from .refs import HEADS, TAGS, RefStore, check_ref_name
+from .retention import RetentionPolicy, best
 from .store import ObjectStore
 from .values import encode_value
 
@@ -312,6 +314,34 @@ class Repo:
         branch = check_ref_name(branch or self.head_branch, "branch name")
         meta = self.encode_metadata(metadata)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
+        return self._commit_sources(sources, message, branch, meta, progress)
+
+    def commit_state(
+        self, state: object, message: str = "", branch: str | None = None,
+        metadata: Mapping[str, Any] | None = None, progress: ProgressFactory | None = None,
+    ) -> str:
+        """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id."""
+        from .state import STATE_TENSORS, STATE_VALUES, state_files
+
+        branch = check_ref_name(branch or self.head_branch, "branch name")
+        meta = self.encode_metadata(metadata)
+        sources = state_files(state)  # refuses unencodable values before anything is stored
+        return self._commit_sources(
+            sources, message, branch, meta, progress, state={"values": STATE_VALUES, "tensors": STATE_TENSORS}
+        )
+
+    def load_state(
+        self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Any = "cpu", lazy: bool = False
+    ) -> Any:
+        """The state committed at ``ref``, bit-exact; ``only`` filters by key prefix or glob."""
+        from .state import load_state
+
+        return load_state(self, ref, only=only, device=device, lazy=lazy)
+
+    def _commit_sources(
+        self, sources: Sequence[SourceFile | MemoryFile], message: str, branch: str, meta: Any,
+        progress: ProgressFactory | None, state: Mapping[str, str] | None = None,
+    ) -> str:
         with self.backend.repo_lock(exclusive=False, timeout=LOCK_TIMEOUT):
             bar = progress(sum(s.size for s in sources), "commit") if progress else None
             try:
@@ -319,7 +349,7 @@ class Repo:
             finally:
                 if bar:
                     bar.close()
-            return self.record_commit(files, added, message, branch, meta)
+            return self.record_commit(files, added, message, branch, meta, state)
 
     @staticmethod
     def encode_metadata(metadata: Mapping[str, Any] | None) -> Any:
@@ -329,7 +359,10 @@ class Repo:
                 raise InvalidInputError(f"metadata keys must be strings, not {key!r}")
         return encode_value(metadata)
 
-    def record_commit(self, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any) -> str:
+    def record_commit(
+        self, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
+        state: Mapping[str, str] | None = None,
+    ) -> str:
         """Write the manifest and move ``branch`` to it (objects must be stored already)."""
         ref = HEADS + branch
         for _ in range(20):
@@ -337,7 +370,7 @@ class Repo:
             commit = Commit(
                 parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
                 files=tuple(files), metadata=metadata, provenance=provenance.collect(),
-                logical_bytes=sum(f.size for f in files), added_bytes=added,
+                logical_bytes=sum(f.size for f in files), added_bytes=added, state=state,
             )
             oid = self.store.put_commit(encode_commit(commit)).id
             try:
@@ -390,6 +423,24 @@ class Repo:
         oid = self.resolve(ref)
         return oid, self.read_commit(oid)
 
+    def read_file(self, oid: str, path: str) -> bytes:
+        """The bytes of one (small) committed file, verified; for sidecars and configs."""
+        for f in self.read_commit(oid).files:
+            if f.path == path:
+                return b"".join(self.store.get_chunk(c.id, c.size, f" (file {path!r})") for c in f.all_chunks())
+        raise RefNotFoundError(f"commit {oid[:12]} has no file {path!r}")
+
+    def state_document(self, ref: str) -> Any:
+        """The typed-JSON non-tensor part of a training-state commit (tensors appear as $tensor)."""
+        oid = self.resolve(ref)
+        state = self.read_commit(oid).state
+        if state is None:
+            raise InvalidInputError(f"commit {oid[:12]} holds files, not a training state")
+        doc = parse_json(self.read_file(oid, state["values"]))
+        if not isinstance(doc, dict) or "value" not in doc:
+            raise IntegrityError(f"commit {oid[:12]}: malformed state document")
+        return doc["value"]
+
     def diff(self, a: str, b: str) -> list[TensorChange]:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
         old, new = self.read_commit(self.resolve(a)), self.read_commit(self.resolve(b))
@@ -428,10 +479,17 @@ class Repo:
         logical = sum(self.read_commit(c).logical_bytes for c in commits)
         return Stats(logical, stored, len(commits), objects)
 
-    def gc(self, **kwargs: Any) -> Any:
-        from .gc import collect_garbage
+    def gc(
+        self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
+        maximize: bool = False, keep_every: int | None = None, dry_run: bool = False,
+    ) -> GcReport:
+        """Delete commits outside the retention policy (if any) and every object no kept commit needs."""
+        policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
+        return collect_garbage(self, policy, dry_run=dry_run)
 
-        return collect_garbage(self, **kwargs)
+    def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
+        """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
+        return best(self, metric, mode, branch)
 
     def fsck(self, read_data: bool = False) -> list[str]:
         from .fsck import check

@@ -1,0 +1,92 @@
+"""Which commits to keep, and which is best: decisions made from history and metadata only.
+
+A policy keeps the union of what each of its rules selects, per branch, plus every tagged commit:
+``keep_last`` (the N newest), ``keep_best`` (the N with the best ``metric``), ``keep_every`` (each
+commit whose ``step`` — else ``epoch`` — metadata is a multiple of K, or, without those, every K-th
+commit counted from the oldest). A policy with no rule keeps everything reachable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidInputError, NotFoundError
+from .ids import ObjectId
+from .refs import HEADS
+
+if TYPE_CHECKING:
+    from .repo import LogEntry, Repo
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    keep_last: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    maximize: bool = False
+    keep_every: int | None = None
+
+    def validate(self) -> None:
+        for name in ("keep_last", "keep_best", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.keep_best is not None and not self.metric:
+            raise InvalidInputError("--keep-best needs --metric NAME")
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.keep_last, self.keep_best, self.keep_every))
+
+
+def metric_value(entry: LogEntry, metric: str) -> float | None:
+    """The numeric metric a commit recorded, or None (missing, not a number, or NaN)."""
+    value: Any = entry.commit.decoded_metadata().get(metric)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def _ranked(history: list[LogEntry], metric: str, maximize: bool) -> list[LogEntry]:
+    scored = [(v, e) for e in history if (v := metric_value(e, metric)) is not None]
+    # Ties go to the newer commit: history is newest first and sort is stable.
+    scored.sort(key=lambda pair: -pair[0] if maximize else pair[0])
+    return [e for _, e in scored]
+
+
+def _every(history: list[LogEntry], k: int) -> list[LogEntry]:
+    oldest_first = list(reversed(history))
+    out = []
+    for position, entry in enumerate(oldest_first, start=1):
+        meta = entry.commit.decoded_metadata()
+        counter = next((meta[key] for key in ("step", "epoch") if isinstance(meta.get(key), int)
+                        and not isinstance(meta.get(key), bool)), position)
+        if counter % k == 0:
+            out.append(entry)
+    return out
+
+
+def select_kept(repo: Repo, policy: RetentionPolicy) -> set[ObjectId]:
+    keep = set(repo.tags().values())
+    for name in repo.branches():
+        history = repo.log(HEADS + name)
+        if policy.keep_last is not None:
+            keep.update(e.id for e in history[: policy.keep_last])
+        if policy.keep_best is not None and policy.metric:
+            keep.update(e.id for e in _ranked(history, policy.metric, policy.maximize)[: policy.keep_best])
+        if policy.keep_every is not None:
+            keep.update(e.id for e in _every(history, policy.keep_every))
+    return keep
+
+
+def best(repo: Repo, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
+    """The commit of ``branch`` (default: current) with the lowest (or highest) ``metric``."""
+    if mode not in ("min", "max"):
+        raise InvalidInputError("mode must be 'min' or 'max'")
+    history = repo.log(HEADS + (branch or repo.head_branch))
+    ranked = _ranked(history, metric, mode == "max")
+    if not ranked:
+        raise NotFoundError(f"no commit on the branch records a numeric metric {metric!r}")
+    return ranked[0].id

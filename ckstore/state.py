@@ -1,0 +1,320 @@
+"""Training state as commits, without pickle: the only module that imports torch.
+
+``commit_state`` splits a nested state (dicts, lists, tuples, tensors, numpy arrays, scalars) into
+a safetensors file of its tensors, named by their dotted key paths, and a JSON document of
+everything else in the typed encoding of values.py, where each tensor is ``{"$tensor": …}``. Both
+files are ingested exactly like committed files, so dedup, compression and verification are the
+core's, and ``ckstore checkout`` of such a commit yields plain ``state.safetensors`` +
+``state.json``. Tensors that share storage (tied weights) are stored once and come back as one
+tensor object. Dtypes safetensors cannot name (complex128, float4 …) are stored as raw bytes with
+their torch dtype and shape in the JSON.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .errors import IntegrityError, InvalidInputError, UnencodableValueError
+from .ingest import MemoryFile
+from .manifest import FileEntry, TensorEntry, canonical_json, parse_json
+from .pipeline import ordered_map
+from .safetensors_format import emit_header, parse_header
+from .values import JSONValue, KeyPath, decode_value, encode_value, format_path
+
+if TYPE_CHECKING:
+    from .manifest import Commit
+    from .repo import Repo
+
+STATE_VALUES = "state.json"
+STATE_TENSORS = "state.safetensors"
+STATE_VERSION = 1
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("float8_e8m0fnu", "F8_E8M0"),
+    ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+_FROM_ST = {code: dtype for dtype, code in _ST_DTYPES.items()}
+
+
+def _torch_dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise IntegrityError(f"unknown torch dtype {name!r} in state")
+    return dtype
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass
+class _Flattener:
+    """Collects tensors under unique names while values.py encodes the rest."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    specs: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    shared: dict[tuple[Any, ...], dict[str, JSONValue]] = field(default_factory=dict)
+
+    def _name(self, path: KeyPath) -> str:
+        name = format_path(path)
+        if name in self.tensors or not name.isprintable() or name == "__metadata__":
+            name = f"{name}#{len(self.tensors)}" if name.isprintable() else f"tensor#{len(self.tensors)}"
+        return name
+
+    def add(self, path: KeyPath, value: torch.Tensor) -> dict[str, JSONValue]:
+        key = None
+        if value.numel() > 0 and value.device.type != "meta":
+            key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                   tuple(value.stride()), value.dtype, str(value.device))
+            if key in self.shared:
+                return self.shared[key]  # tied weights: one stored tensor, one object on load
+        if value.device.type == "meta":
+            raise UnencodableValueError(f"tensor at {format_path(path)} is on the meta device and holds no data")
+        name = self._name(path)
+        stored = value.detach().to("cpu").contiguous()
+        payload: dict[str, JSONValue] = {"name": name}
+        code = _ST_DTYPES.get(stored.dtype)
+        if code is None:  # safetensors has no name for it: raw bytes + the real dtype and shape
+            payload.update(dtype=str(stored.dtype).removeprefix("torch."), shape=list(stored.shape))
+            shape = [stored.numel() * stored.element_size()]
+            code = "U8"
+        else:
+            shape = list(stored.shape)
+        self.tensors[name] = stored
+        self.specs[name] = (code, shape)
+        if key is not None:
+            self.shared[key] = payload
+        return payload
+
+    def leaf(self, path: KeyPath, value: object) -> tuple[str, JSONValue] | Any:
+        if isinstance(value, torch.Tensor):
+            return "tensor", self.add(path, value)
+        if isinstance(value, np.ndarray):
+            if value.dtype.hasobject:
+                raise UnencodableValueError(f"numpy object array at {format_path(path)} cannot be stored without pickle")
+            native = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="), copy=False)
+            return "ndarray", self.add(path, torch.from_numpy(native))
+        if isinstance(value, torch.dtype):
+            return "torch_dtype", str(value).removeprefix("torch.")
+        if isinstance(value, torch.device):
+            return "torch_device", str(value)
+        if isinstance(value, torch.Size):
+            return "torch_size", list(value)
+        return NotImplemented
+
+
+def state_files(state: object) -> list[MemoryFile]:
+    """The two in-memory files that represent ``state`` (raises before anything is stored)."""
+    flat = _Flattener()
+    skeleton = encode_value(state, leaf=flat.leaf)
+    names = list(flat.tensors)
+    header, _ = emit_header([(n, *flat.specs[n]) for n in names], {"format": "ckstore-state"})
+    segments = [memoryview(header)] + [_bytes_of(flat.tensors[n]) for n in names]
+    layout = parse_header(header, sum(len(s) for s in segments))
+    values = canonical_json({"ckstore_state": STATE_VERSION, "value": skeleton})
+    return [MemoryFile(STATE_TENSORS, layout, tuple(segments)), MemoryFile(STATE_VALUES, None, (memoryview(values),))]
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    name: str
+    numpy: bool
+    dtype: str | None
+    shape: tuple[int, ...] | None
+
+
+def _leaf_decoder(tag: str, payload: JSONValue) -> object:
+    if tag in ("tensor", "ndarray"):
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            raise IntegrityError("malformed tensor reference in state")
+        shape = payload.get("shape")
+        if shape is not None and not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise IntegrityError("malformed tensor shape in state")
+        dtype = payload.get("dtype")
+        return _TensorRef(payload["name"], tag == "ndarray", dtype if isinstance(dtype, str) else None,
+                          tuple(shape) if shape is not None else None)
+    if tag == "torch_dtype":
+        return _torch_dtype(payload)
+    if tag == "torch_device" and isinstance(payload, str):
+        try:
+            return torch.device(payload)
+        except RuntimeError:
+            raise IntegrityError(f"invalid torch device {payload!r} in state") from None
+    if tag == "torch_size" and isinstance(payload, list) and all(isinstance(d, int) for d in payload):
+        return torch.Size(payload)
+    raise IntegrityError(f"unknown value tag ${tag} in state")
+
+
+class _TensorReader:
+    """Reads single tensors of one commit's safetensors file(s), each chunk verified."""
+
+    def __init__(self, repo: Repo, files: Sequence[FileEntry], device: str | torch.device) -> None:
+        self.store = repo.store
+        self.device = device
+        self.entries: dict[str, tuple[FileEntry, TensorEntry]] = {
+            t.name: (f, t) for f in files for t in f.tensors
+        }
+        self.cache: dict[str, torch.Tensor] = {}
+        self.bytes_read = 0
+
+    def read(self, ref: _TensorRef) -> Any:
+        tensor = self.cache.get(ref.name)
+        if tensor is None:
+            tensor = self._load(ref)
+            self.cache[ref.name] = tensor
+        return tensor.numpy() if ref.numpy else tensor
+
+    def _load(self, ref: _TensorRef) -> torch.Tensor:
+        if ref.name not in self.entries:
+            raise IntegrityError(f"state refers to tensor {ref.name!r}, which the commit does not hold")
+        f, entry = self.entries[ref.name]
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        view = out.numpy()
+        context = f" (file {f.path!r}, tensor {entry.name!r})"
+        offsets = [0]
+        for c in entry.chunks:
+            offsets.append(offsets[-1] + c.size)
+        chunks = ordered_map(lambda c: self.store.get_chunk(c.id, c.size, context), entry.chunks)
+        for start, data in zip(offsets, chunks):
+            view[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.bytes_read += entry.nbytes
+        if ref.dtype is not None:
+            dtype, shape = _torch_dtype(ref.dtype), ref.shape or ()
+        else:
+            if entry.dtype not in _FROM_ST:
+                raise IntegrityError(f"tensor {entry.name!r} has dtype {entry.dtype}, which this torch lacks")
+            dtype, shape = _FROM_ST[entry.dtype], entry.shape
+        tensor = out.view(dtype).reshape(shape) if out.numel() else torch.empty(shape, dtype=dtype)
+        return tensor.to(self.device) if str(self.device) != "cpu" else tensor
+
+
+def _matches(path: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(path, p) or path == p or path.startswith(p + ".") for p in patterns)
+
+
+def _prune(node: object, path: KeyPath, patterns: Sequence[str]) -> tuple[bool, object]:
+    """Keep what ``patterns`` select: a matching path keeps its whole subtree."""
+    if path and _matches(format_path(path), patterns):
+        return True, node
+    if isinstance(node, dict):
+        kept = [(k, v) for k, (keep, v) in ((k, _prune(v, (*path, k), patterns)) for k, v in node.items()) if keep]
+        return bool(kept), type(node)(kept)
+    if isinstance(node, (list, tuple)) and not isinstance(node, torch.Size):
+        items = [v for keep, v in (_prune(v, (*path, i), patterns) for i, v in enumerate(node)) if keep]
+        return bool(items), type(node)(items)
+    return False, None
+
+
+def _materialize(node: object, reader: _TensorReader) -> object:
+    if isinstance(node, _TensorRef):
+        return reader.read(node)
+    if isinstance(node, dict):
+        out = type(node)((k, _materialize(v, reader)) for k, v in node.items())
+        if hasattr(node, "_metadata"):
+            out._metadata = node._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(node, (list, tuple)) and not isinstance(node, torch.Size):
+        return type(node)(_materialize(v, reader) for v in node)
+    return node
+
+
+class LazyState(Mapping[Any, Any]):
+    """A read-only view of a stored state that reads each tensor only when it is accessed."""
+
+    def __init__(self, node: Mapping[Any, Any], reader: _TensorReader) -> None:
+        self._node = node
+        self._reader = reader
+
+    def __getitem__(self, key: Any) -> Any:
+        value = self._node[key]
+        if isinstance(value, Mapping):
+            return LazyState(value, self._reader)
+        return _materialize(value, self._reader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._node)
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read so far (tests use it to prove laziness)."""
+        return self._reader.bytes_read
+
+    def materialize(self) -> Any:
+        return _materialize(self._node, self._reader)
+
+
+def _skeleton(repo: Repo, commit: Commit) -> object:
+    if commit.state is None:
+        return None
+    entry = next(f for f in commit.files if f.path == commit.state["values"])
+    raw = b"".join(repo.store.get_chunk(c.id, c.size, f" (file {entry.path!r})") for c in entry.chunks)
+    doc = parse_json(raw)
+    if not isinstance(doc, dict) or doc.get("ckstore_state") != STATE_VERSION or set(doc) != {"ckstore_state", "value"}:
+        raise IntegrityError(f"{entry.path} is not a ckstore state document")
+    return decode_value(doc["value"], leaf=_leaf_decoder)
+
+
+def load_state(
+    repo: Repo, ref: str = "HEAD", *, only: str | Sequence[str] | None = None,
+    device: str | torch.device = "cpu", lazy: bool = False,
+) -> Any:
+    """The state committed at ``ref``. A commit of plain files loads as {tensor name: tensor}."""
+    commit = repo.read_commit(repo.resolve(ref))
+    skeleton = _skeleton(repo, commit)
+    files = [f for f in commit.files if f.kind == "safetensors"]
+    if skeleton is None:
+        skeleton = {t.name: _TensorRef(t.name, False, None, None) for f in files for t in f.tensors}
+    else:
+        files = [f for f in files if f.path == commit.state["tensors"]]  # type: ignore[index]
+    if only is not None:
+        patterns = [only] if isinstance(only, str) else list(only)
+        _, skeleton = _prune(skeleton, (), patterns)
+    reader = _TensorReader(repo, files, device)
+    if lazy:
+        if not isinstance(skeleton, Mapping):
+            raise InvalidInputError("lazy loading needs a state whose top level is a mapping")
+        return LazyState(skeleton, reader)
+    return _materialize(skeleton, reader)
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU, and every CUDA device present) RNG states, encodable."""
+    state: dict[str, Any] = {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what ``rng_state`` captured."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].cpu() if isinstance(state["torch"], torch.Tensor) else state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
