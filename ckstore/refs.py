@@ -155,6 +155,9 @@ class RefStore:
 
     def update(self, ref: str, new: ObjectId, expected: ObjectId | None | _Any = ANY) -> None:
         """Point ``ref`` at ``new`` if it still holds ``expected`` (None: must not exist yet)."""
+        if self.read(ref) is None:
+            # Checked before taking the lock too: "a/b.lock" cannot even be created when "a" is a ref.
+            self._check_no_dir_conflict(ref)
         with self._locked(ref):
             current = self.read(ref)
             if not isinstance(expected, _Any) and current != expected:
@@ -168,6 +171,8 @@ class RefStore:
             self.backend.replace(ref, f"{new}\n".encode())
 
     def delete(self, ref: str) -> bool:
+        if self.read(ref) is None:
+            return False  # nothing to lock; "a/b" may not even be lockable when "a" is a ref
         with self._locked(ref):
             return self.backend.delete(ref)
 

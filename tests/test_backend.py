@@ -120,6 +120,17 @@ def test_list_is_sorted_and_folder_like(backend: Backend) -> None:
     assert list(backend.list("nothing/")) == []
 
 
+def test_keys_below_a_key_or_at_a_folder_are_absent(backend: Backend) -> None:
+    backend.put_if_absent("refs/heads/a", b"1")
+    backend.put_if_absent("refs/heads/d/e", b"1")
+    for absent in ("refs/heads/a/b", "refs/heads/d"):
+        with pytest.raises(KeyError):
+            backend.get(absent)
+        assert backend.size(absent) is None
+        assert backend.delete(absent) is False
+    assert list(backend.list("refs/heads/")) == ["refs/heads/a", "refs/heads/d/e"]
+
+
 @pytest.mark.parametrize("key", BAD_KEYS)
 def test_check_key_rejects_escaping_keys(backend: Backend, key: str) -> None:
     for op in (lambda: backend.get(key), lambda: backend.put_if_absent(key, b"x"),

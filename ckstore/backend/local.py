@@ -78,9 +78,8 @@ class LocalBackend(Backend):
         try:
             with open(self._path(key), "rb") as f:
                 return f.read()
-        except FileNotFoundError:
-            raise KeyError(key) from None
-        except IsADirectoryError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            # A folder is not a key, and no key lies below a file ("a/b" when "a" is a ref).
             raise KeyError(key) from None
         except OSError as exc:
             raise _storage_error(exc, f"reading {self.describe(key)}") from None
@@ -165,7 +164,7 @@ class LocalBackend(Backend):
         try:
             _FAULTS.step()
             path.unlink()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return False
         except OSError as exc:
             raise _storage_error(exc, f"deleting {self.describe(key)}") from None
@@ -174,7 +173,7 @@ class LocalBackend(Backend):
     def size(self, key: str) -> int | None:
         try:
             st = self._path(key).stat()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             raise _storage_error(exc, f"reading {self.describe(key)}") from None
