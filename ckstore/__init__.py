@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 from .errors import CkstoreError, IntegrityError  # noqa: E402
 from .repo import Repo  # noqa: E402
 
-__all__ = ["CkstoreError", "IntegrityError", "Repo", "__version__"]
+__all__ = ["CkstoreError", "IntegrityError", "Repo", "__version__", "rng_state", "set_rng_state"]
+
+
+def __getattr__(name: str) -> Any:
+    # The RNG helpers need torch; importing them lazily keeps `import ckstore` (and the CLI) torch-free.
+    if name in ("rng_state", "set_rng_state"):
+        from . import state
+
+        return getattr(state, name)
+    raise AttributeError(f"module 'ckstore' has no attribute {name!r}")
