@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,3 +62,25 @@ def object_count(repo: Repo) -> int:
 def leftover_temp_files(root: Path) -> list[Path]:
     """Checkout and backend temporaries that a failed operation must not leave behind."""
     return [p for p in root.rglob("*") if p.name.endswith((".ckstore-tmp", ".tmp"))]
+
+
+def hf_folder(root: Path, seed: int = 0) -> Path:
+    """A Hugging Face style model folder: two shards, their index, config and tokenizer files."""
+    g = torch.Generator().manual_seed(seed)
+    shards = {
+        "model-00001-of-00002.safetensors": {"embed.weight": torch.randn(256, 16, generator=g)},
+        "model-00002-of-00002.safetensors": {"head.weight": torch.randn(16, 300, generator=g),
+                                             "head.bias": torch.zeros(300, dtype=torch.bfloat16)},
+    }
+    weight_map = {}
+    for name, tensors in shards.items():
+        save_st(root / name, tensors, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (root / "config.json").write_text(json.dumps({"hidden_size": 16, "seed": seed}))
+    (root / "tokenizer.json").write_text(json.dumps({"vocab": {f"t{i}": i for i in range(500)}}))
+    (root / "tokenizer_config.json").write_text("{}")
+    (root / "special_tokens_map.json").write_text("")  # an empty file is a file too
+    save_st(root / "2_Dense" / "model.safetensors", {"linear.weight": torch.randn(8, 8, generator=g)})
+    (root / "2_Dense" / "config.json").write_text('{"in": 8}')
+    return root
