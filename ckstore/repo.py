@@ -377,6 +377,10 @@ class Repo:
                 self.refs.update(ref, oid, expected=parent)
             except RefChangedError:
                 continue  # another writer advanced the branch: re-parent onto its commit, as documented
+            except RefExistsError:
+                if self.refs.read(ref) is None:
+                    raise  # a name conflict ("a" vs "a/b"), not a race
+                continue  # another writer created the branch first: re-parent onto its commit
             if self.refs.read(HEADS + self.head_branch) is None and branch != self.head_branch:
                 self.refs.set_head_branch(branch)
             self._commits[oid] = commit

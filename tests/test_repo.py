@@ -416,3 +416,22 @@ def test_memory_repo_round_trip(tmp_path: Path) -> None:
     oid = repo.commit(src)
     assert_round_trip(repo, oid, src, tmp_path / "out")
     assert repo.fsck(read_data=True) == []
+
+
+def test_commit_losing_the_race_to_create_a_branch_is_reparented(
+    repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert repo.path is not None
+    other = Repo(repo.path)
+    real_update = repo.refs.update
+    won: list[str] = []
+
+    def update_after_rival(*args: object, **kwargs: object) -> None:
+        if not won:  # another process creates the branch between our read and our update
+            won.append(other.commit(checkpoint(tmp_path / "b" / "c.safetensors", 2), branch="new"))
+        real_update(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(repo.refs, "update", update_after_rival)
+    mine = repo.commit(checkpoint(tmp_path / "a" / "c.safetensors", 1), branch="new")
+    assert repo.read_commit(mine).parents == (won[0],)
+    assert repo.branches()["new"] == mine
