@@ -243,6 +243,7 @@ def _parse_state(value: Any, kinds: Mapping[str, str]) -> dict[str, str] | None:
         return None
     if (
         not isinstance(value, dict) or set(value) != {"values", "tensors"}
+        or not all(isinstance(v, str) for v in value.values())  # a list would make kinds.get raise TypeError
         or kinds.get(value["values"]) != "blob" or kinds.get(value["tensors"]) != "safetensors"
     ):
         raise IntegrityError("manifest: malformed state record")

@@ -107,6 +107,7 @@ BAD_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
     "metadata not mapping": lambda d: d.update(metadata=[1, 2]),
     "metadata bad tag": lambda d: d["metadata"].update(bad={"$int": "12"}),
     "message not a string": lambda d: d.update(message=None),
+    "state path not a string": lambda d: d.update(state={"values": ["x"], "tensors": "model/model.safetensors"}),
 }
 
 
