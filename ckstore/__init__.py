@@ -19,3 +19,4 @@ def __getattr__(name: str) -> Any:
 
         return getattr(state, name)
     raise AttributeError(f"module 'ckstore' has no attribute {name!r}")
+

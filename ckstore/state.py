@@ -58,6 +58,11 @@ def _torch_dtype(name: Any) -> torch.dtype:
     return dtype
 
 
+def dotted_name(path: KeyPath) -> str:
+    """``("model", "0.weight")`` -> ``"model.0.weight"``: state_dict keys keep their own dots."""
+    return ".".join(str(p) for p in path) if path else "<root>"
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -71,12 +76,23 @@ class _Flattener:
     shared: dict[tuple[Any, ...], dict[str, JSONValue]] = field(default_factory=dict)
 
     def _name(self, path: KeyPath) -> str:
-        name = format_path(path)
+        # Plain dotted names ("model.layer1.weight"), what users and safetensors tools expect
+        # after a checkout; the JSON maps each tensor back to its exact key path, so a name only
+        # has to be unique. Clashes ({"a.b": x, "a": {"b": y}}) get a "#n" suffix.
+        name = dotted_name(path)
         if name in self.tensors or not name.isprintable() or name == "__metadata__":
             name = f"{name}#{len(self.tensors)}" if name.isprintable() else f"tensor#{len(self.tensors)}"
         return name
 
     def add(self, path: KeyPath, value: torch.Tensor) -> dict[str, JSONValue]:
+        where = format_path(path)
+        # Refuse what raw dense bytes cannot represent, instead of storing it wrongly: a sparse or
+        # nested tensor has no single buffer, a quantized one would lose its scale/zero point.
+        if value.layout != torch.strided or value.is_nested:
+            raise UnencodableValueError(f"tensor at {where} has layout {value.layout}; store value.to_dense()")
+        if value.is_quantized:
+            raise UnencodableValueError(
+                f"quantized tensor at {where} cannot be stored; store int_repr(), q_scale() and q_zero_point()")
         key = None
         if value.numel() > 0 and value.device.type != "meta":
             key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
@@ -84,9 +100,10 @@ class _Flattener:
             if key in self.shared:
                 return self.shared[key]  # tied weights: one stored tensor, one object on load
         if value.device.type == "meta":
-            raise UnencodableValueError(f"tensor at {format_path(path)} is on the meta device and holds no data")
+            raise UnencodableValueError(f"tensor at {where} is on the meta device and holds no data")
         name = self._name(path)
-        stored = value.detach().to("cpu").contiguous()
+        # resolve_conj/neg: a lazily conjugated view has no bytes of its own to reinterpret.
+        stored = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         payload: dict[str, JSONValue] = {"name": name}
         code = _ST_DTYPES.get(stored.dtype)
         if code is None:  # safetensors has no name for it: raw bytes + the real dtype and shape
@@ -105,10 +122,20 @@ class _Flattener:
         if isinstance(value, torch.Tensor):
             return "tensor", self.add(path, value)
         if isinstance(value, np.ndarray):
-            if value.dtype.hasobject:
-                raise UnencodableValueError(f"numpy object array at {format_path(path)} cannot be stored without pickle")
-            native = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="), copy=False)
-            return "ndarray", self.add(path, torch.from_numpy(native))
+            # Subclasses (masked arrays, matrix) carry state beyond the buffer; only plain arrays
+            # (and memmaps, which are plain arrays on disk) round-trip exactly.
+            if type(value) not in (np.ndarray, np.memmap) or value.dtype.kind not in "biufc":
+                raise UnencodableValueError(
+                    f"numpy {type(value).__name__} of dtype {value.dtype} at {format_path(path)} cannot be stored"
+                    " without pickle")
+            # np.asarray, not np.ascontiguousarray, which turns a 0-d array into shape (1,).
+            native = np.asarray(value, order="C").astype(value.dtype.newbyteorder("="), copy=False)
+            try:
+                tensor = torch.from_numpy(native)
+            except TypeError:  # a dtype torch lacks, e.g. longdouble or complex256
+                raise UnencodableValueError(
+                    f"numpy array of dtype {value.dtype} at {format_path(path)} has no torch equivalent") from None
+            return "ndarray", self.add(path, tensor)
         if isinstance(value, torch.dtype):
             return "torch_dtype", str(value).removeprefix("torch.")
         if isinstance(value, torch.device):
@@ -206,13 +233,16 @@ class _TensorReader:
         return tensor.to(self.device) if str(self.device) != "cpu" else tensor
 
 
-def _matches(path: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(path, p) or path == p or path.startswith(p + ".") for p in patterns)
+def _matches(path: KeyPath, patterns: Sequence[str]) -> bool:
+    # Both spellings of a path: the plain dotted one users type ("model.layer1.*", as the
+    # tensors are named in state.safetensors) and format_path's quoted one ("model.'layer1.w'").
+    names = {dotted_name(path), format_path(path)}
+    return any(fnmatch.fnmatchcase(n, p) or n == p or n.startswith(p + ".") for n in names for p in patterns)
 
 
 def _prune(node: object, path: KeyPath, patterns: Sequence[str]) -> tuple[bool, object]:
     """Keep what ``patterns`` select: a matching path keeps its whole subtree."""
-    if path and _matches(format_path(path), patterns):
+    if path and _matches(path, patterns):
         return True, node
     if isinstance(node, dict):
         kept = [(k, v) for k, (keep, v) in ((k, _prune(v, (*path, k), patterns)) for k, v in node.items()) if keep]
