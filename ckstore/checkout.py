@@ -1,29 +1,37 @@
 """Writing a commit's files back out (the read path of checkout).
 
 Each output file is written to a temporary file beside its target, fsynced, then renamed into
-place, so a failed checkout never leaves a partial file. Before anything is written every target
-is checked: a different existing file is refused unless ``force``; an identical one (same size,
-and every chunk region hashing to its chunk's name) is left alone. Chunks are fetched, decoded and
-verified on a bounded thread pool and written in order.
+place, so no file under its final name is ever partially written. A checkout killed outright
+(SIGKILL, power loss) can leave its hidden temporary ``.NAME.PID.HEX.ckstore-tmp``; the next
+checkout writing into that folder removes the temporaries of processes that no longer run.
+Before anything is written every target is checked: a different existing file is refused unless
+``force``; an identical one (same size, and every chunk region hashing to its chunk's name) is
+left alone. Chunks are fetched, decoded and verified on a bounded thread pool and written in
+order.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .backend.local import fault_point
 from .errors import InvalidPathError, OutputExistsError, StorageError
 from .ids import chunk_id
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
+from .refs import pid_alive
 from .safetensors_format import emit_header, parse_header
 from .store import ObjectStore
 
 Progress = Callable[[int], None]
+TEMP_SUFFIX = ".ckstore-tmp"
+_TEMP_NAME = re.compile(r"\..+\.(\d+)\.[0-9a-f]{12}" + re.escape(TEMP_SUFFIX))
 
 
 @dataclass
@@ -113,24 +121,46 @@ def _fetch(store: ObjectStore, outputs: Iterable[tuple[ChunkRef | bytes, str]]) 
 
 def _write_one(store: ObjectStore, target: Path, output: _Output, progress: Progress | None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.ckstore-tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
     try:
+        fault_point()
         with open(tmp, "xb") as f:
             for data in _fetch(store, output.pieces):
                 f.write(data)
                 if progress:
                     progress(len(data))
             f.flush()
+            fault_point()
             os.fsync(f.fileno())
+        fault_point()
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fault_point()
     fd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_dead_temporaries(folder: Path) -> int:
+    """Delete the checkout temporaries in ``folder`` whose writer (the PID in the name) is gone."""
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        m = _TEMP_NAME.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except OSError:
+                pass  # gone meanwhile, or not ours to delete: harmless
+    return removed
 
 
 def write_outputs(
@@ -157,6 +187,8 @@ def write_outputs(
             f"{', …' if len(conflicts) > 3 else ''}); use --force to overwrite"
         )
     try:
+        for folder in sorted({target.parent for target, _ in todo}):
+            remove_dead_temporaries(folder)
         for target, output in todo:
             _write_one(store, target, output, progress)
             result.written.append(output.path)

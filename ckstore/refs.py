@@ -65,7 +65,8 @@ def check_ref_name(name: str, what: str = "ref name") -> str:
     return name
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (a zombie counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -139,7 +140,7 @@ class RefStore:
             return  # released meanwhile
         except (ValueError, TypeError):
             return  # being written right now, or unreadable: let the timeout speak
-        if host == socket.gethostname() and not _pid_alive(pid):
+        if host == socket.gethostname() and not pid_alive(pid):
             raise LockedError(
                 f"stale lock {self.backend.describe(lock)} left by process {pid}, which is no longer running;"
                 " if no ckstore command is running, delete that file and retry"

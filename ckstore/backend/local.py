@@ -9,9 +9,10 @@ dies, so a killed commit can never wedge gc. (flock is not reliable on every net
 docs/design.md says so.)
 
 Test-only fault injection: when the environment variable ``CKSTORE_FAULT`` is ``ACTION@K``, the
-K-th mutating step (write, fsync, link, rename, unlink, mkdir) of this process does ACTION instead:
+K-th mutating step (write, fsync, link, rename, unlink, mkdir; checkout's output files count too,
+through ``fault_point``) of this process does ACTION instead:
 ``kill`` (SIGKILL itself), ``enospc`` or ``eio`` (raise that OSError). ``CKSTORE_FAULT_COUNT=path``
-makes the process append its step count to that file, so a harness can enumerate every K.
+makes the process write its step count to that file, so a harness can enumerate every K.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class _FaultPlan:
 
 
 _FAULTS = _FaultPlan()
+
+
+def fault_point() -> None:
+    """One mutating step outside the backend (checkout output files), for the test-only hook."""
+    _FAULTS.step()
 
 
 def _storage_error(exc: OSError, doing: str) -> StorageError:
