@@ -1,0 +1,1 @@
+"""Reliability suite: crash consistency, fault injection, corruption, concurrency, hostile input."""
