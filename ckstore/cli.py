@@ -135,6 +135,23 @@ def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, .
     )
 
 
+@main.command(name="import")
+@click.argument("path")
+@click.option("--recursive", is_flag=True, help="Import every .pth/.pt/.bin/.ckpt file under the folder PATH.")
+@click.option("-m", "--message", default=None, help="Commit message (default: the file's name).")
+@click.option("--branch", help="Branch to commit to (default: the current branch).")
+@click.option("--delete-source", is_flag=True, help="Delete each file once its commit is verified.")
+@pass_repo
+def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, delete_source: bool) -> None:
+    """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle)."""
+    from .legacy import import_checkpoints
+
+    # Printed as each file lands: if a later file is refused, the commits made so far are known.
+    for result in import_checkpoints(repo, path, recursive=recursive, message=message, branch=branch,
+                                     delete_source=delete_source):
+        click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")
+
+
 def _entry_json(oid: str, commit: Any, pruned: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         "id": oid, "time": commit.time, "branch": commit.branch, "message": commit.message,

@@ -28,6 +28,10 @@ class CkstoreError(Exception):
         return str(self)
 
 
+class MissingDependencyError(CkstoreError):
+    """An optional dependency (torch for legacy import) is missing or too old."""
+
+
 class NotFoundError(CkstoreError):
     exit_code = 3
 
@@ -38,6 +42,10 @@ class RepoNotFoundError(NotFoundError):
 
 class RefNotFoundError(NotFoundError):
     """A branch, tag, commit id or prefix that resolves to nothing."""
+
+
+class TensorNotFoundError(NotFoundError):
+    """A tensor or safetensors file name that the commit does not hold (partial reads)."""
 
 
 class ObjectMissingError(NotFoundError):
@@ -58,6 +66,10 @@ class InvalidInputError(CkstoreError):
 
 class SafetensorsFormatError(InvalidInputError):
     """A file named .safetensors that violates the safetensors format."""
+
+
+class UnsafeCheckpointError(InvalidInputError):
+    """A pickle checkpoint that torch's weights_only loader refuses (it would need arbitrary code)."""
 
 
 class InvalidRefNameError(InvalidInputError):

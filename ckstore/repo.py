@@ -401,6 +401,16 @@ class Repo:
             if bar:
                 bar.close()
 
+    def import_checkpoint(
+        self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
+        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""
+        from .legacy import import_checkpoints
+
+        return list(import_checkpoints(self, path, recursive=recursive, message=message, branch=branch,
+                                       delete_source=delete_source, metadata=metadata))
+
     # ---- history and inspection ----------------------------------------------------------------
 
     def log(self, ref: str | None = None) -> list[LogEntry]:

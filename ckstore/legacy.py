@@ -1,0 +1,210 @@
+"""Safe import of legacy PyTorch pickle checkpoints (``.pth``, ``.pt``, ``.bin``, ``.ckpt``).
+
+Pickle can run arbitrary code, so a checkpoint is only ever read with torch's restricted
+unpickler: ``torch.load(weights_only=True)``, which accepts tensors, containers and plain values
+and refuses every other global. There is deliberately no fallback to full unpickling: a file the
+restricted unpickler refuses is reported, naming the global it wanted, and nothing else happens.
+``weights_only`` became safe enough to rely on (and the default) in torch 2.6, so older torch is
+refused.
+
+Zip-format files (every ``torch.save`` since 1.6) are memory-mapped (``mmap=True``), so memory is
+bounded by what the commit touches, not by the file size; the legacy non-zip format cannot be
+mapped and is read into memory, still restricted. Each file becomes one commit through
+``commit_state`` (the pickle-free training-state encoding). With ``delete_source`` a file is
+deleted only after its commit has been read back, chunk hashes verified, and every tensor and
+value compared with what was loaded from the file.
+
+torch is imported lazily: ``import ckstore`` and the rest of the CLI stay torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import IntegrityError, InvalidInputError, MissingDependencyError, UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    from .repo import Repo
+
+SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+MIN_TORCH = (2, 6)
+_ZIP_MAGIC = b"PK\x03\x04"  # torch's own _is_zipfile test: zip files start with a local header
+# torch's messages: "Unsupported global: GLOBAL foo.Bar was not an allowed global by default" and
+# "Trying to load unsupported GLOBAL posix.system whose module posix is blocked".
+_GLOBAL = re.compile(r"GLOBAL\s+([^\s,;]+?)(?:\s|$|,|;)")
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    source: Path
+    commit: str
+    deleted: bool
+
+
+def check_torch_version(version: str) -> None:
+    """Refuse torch older than 2.6, whose ``weights_only`` loader is not trustworthy."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) < MIN_TORCH:
+        raise MissingDependencyError(
+            f"importing pickle checkpoints needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} for a safe"
+            f" weights_only load; this is torch {version} (upgrade torch)"
+        )
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("importing pickle checkpoints needs torch >= 2.6 (pip install torch)") from None
+    check_torch_version(torch.__version__)
+    return torch
+
+
+def find_checkpoints(path: Path, recursive: bool, exclude: Path | None = None) -> list[tuple[Path, str]]:
+    """(file, name for messages) pairs: ``path`` itself, or each checkpoint below a folder, sorted."""
+    if path.is_file():
+        return [(path, path.name)]  # a file named explicitly is taken whatever its suffix
+    if not path.is_dir():
+        raise InvalidInputError(f"no such file or directory: {path}")
+    if not recursive:
+        raise InvalidInputError(f"{path} is a directory; use --recursive to import every checkpoint in it")
+    found = []
+    skip = exclude.resolve() if exclude is not None else None
+    for dirpath, dirnames, filenames in os.walk(path):
+        here = Path(dirpath)
+        # The repository may live inside the folder being imported; never descend into it.
+        dirnames[:] = sorted(d for d in dirnames if skip is None or (here / d).resolve() != skip)
+        for name in sorted(filenames):
+            full = here / name
+            if full.suffix.lower() in SUFFIXES and full.is_file():
+                found.append((full, full.relative_to(path).as_posix()))
+    if not found:
+        raise InvalidInputError(f"no {'/'.join(SUFFIXES)} files under {path}")
+    return found
+
+
+def offending_global(message: str) -> str | None:
+    """The global named in a torch weights_only refusal, if the message names one."""
+    m = _GLOBAL.search(message)
+    return m.group(1).rstrip(".") if m else None
+
+
+def load_checkpoint(path: Path) -> Any:
+    """``torch.load`` restricted to weights (never full unpickling), memory-mapped when possible."""
+    torch = _torch()
+    try:
+        with open(path, "rb") as f:
+            is_zip = f.read(4) == _ZIP_MAGIC
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    import pickle
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            # torch warns about pickle protocols and the like on stderr; the CLI's contract is
+            # one line per outcome, and a refusal is reported as an error below anyway.
+            warnings.simplefilter("ignore")
+            # mmap only works for the zip format; deciding up front (as torch does) instead of
+            # retrying on an error keeps a single, restricted load per file.
+            return torch.load(path, weights_only=True, mmap=is_zip, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        name = offending_global(text)
+        if name is not None:
+            raise UnsafeCheckpointError(
+                f"{path} refused: it needs the global {name}, which torch's weights_only loader does not"
+                " allow (loading it could run arbitrary code)"
+            ) from None
+        raise UnsafeCheckpointError(f"{path} cannot be loaded safely with weights_only: {_reason(text)}") from None
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError, TypeError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise InvalidInputError(f"{path} is not a readable PyTorch checkpoint: {first}") from None
+
+
+def _reason(text: str) -> str:
+    """The unpickler's own complaint out of torch's long advice text."""
+    _, marker, rest = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (rest if marker else text).splitlines() if line.strip()]
+    return lines[0] if lines else "unknown reason"
+
+
+def import_checkpoints(
+    repo: Repo, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
+    branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
+) -> Iterator[ImportResult]:
+    """Commit each checkpoint at ``path`` (one commit per file, in path order) and yield results.
+
+    Stops at the first file that fails; the commits yielded before it stand (each is complete).
+    """
+    _torch()  # refuse an old or missing torch before anything is read
+    for source, name in find_checkpoints(Path(path), recursive, repo.path):
+        state = load_checkpoint(source)
+        meta = {**(metadata or {}), "source": str(source.resolve())}
+        oid = repo.commit_state(state, message=name if message is None else message, branch=branch, metadata=meta)
+        deleted = False
+        if delete_source:
+            verify_commit(repo, oid, state, source)
+            del state  # drop the memory map before the file goes
+            try:
+                source.unlink()
+            except OSError as exc:
+                raise InvalidInputError(f"committed {oid[:12]} but cannot delete {source}: {exc.strerror}") from None
+            deleted = True
+        yield ImportResult(source, oid, deleted)
+
+
+def verify_commit(repo: Repo, oid: str, original: Any, source: Path) -> None:
+    """Read the commit back (every chunk re-hashed) and require it to equal ``original`` exactly."""
+    restored = repo.load_state(oid)
+    problem = _difference(original, restored, "")
+    if problem is not None:
+        raise IntegrityError(f"commit {oid[:12]} does not reproduce {source} ({problem}); source kept")
+
+
+def _difference(a: Any, b: Any, where: str) -> str | None:
+    """Where ``a`` and ``b`` first differ (bit-exact for tensors and floats), or None."""
+    import torch
+
+    at = where or "<root>"
+    if isinstance(a, torch.Tensor):
+        # Parameters come back as plain tensors: the encoding keeps data, not the wrapper class.
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return f"tensor at {at} differs in type, dtype or shape"
+        x, y = (t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+        return None if torch.equal(x, y) else f"tensor at {at} differs"
+    if type(a) is not type(b):
+        return f"value at {at} is {type(b).__name__}, expected {type(a).__name__}"
+    if isinstance(a, float):
+        # Bit-exact: the encoding keeps -0.0 and NaN payloads, so they must survive.
+        return None if struct.pack("<d", a) == struct.pack("<d", b) else f"value at {at} differs"
+    if isinstance(a, np.ndarray):
+        same = a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        return None if same else f"array at {at} differs"
+    if isinstance(a, Mapping):
+        if list(a) != list(b):
+            return f"keys at {at} differ"
+        if getattr(a, "_metadata", None) != getattr(b, "_metadata", None):
+            return f"state_dict metadata at {at} differs"
+        for key in a:
+            problem = _difference(a[key], b[key], f"{where}.{key}" if where else str(key))
+            if problem:
+                return problem
+        return None
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        if len(a) != len(b):
+            return f"length at {at} differs"
+        for i, (x, y) in enumerate(zip(a, b)):
+            problem = _difference(x, y, f"{where}.{i}" if where else str(i))
+            if problem:
+                return problem
+        return None
+    return None if a == b else f"value at {at} differs"
