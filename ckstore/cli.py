@@ -113,10 +113,16 @@ def init(path: str, chunk_size: int | None, zstd_level: int | None) -> None:
 @click.option("-m", "--message", default="", help="Commit message.")
 @click.option("--branch", help="Branch to commit to (default: the current branch).")
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Typed metadata (repeatable).")
+@click.option("--base", metavar="REF", help="Record the commit as an overlay on this base commit.")
+@click.option("--base-repo", metavar="PATH", help="Repository holding --base (referenced, not copied).")
 @pass_repo
-def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, meta: tuple[str, ...]) -> None:
+def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, meta: tuple[str, ...],
+           base: str | None, base_repo: str | None) -> None:
     """Record safetensors files or directories as one commit; print its id."""
-    oid = repo.commit(list(paths), message=message, branch=branch, metadata=_parse_meta(meta), progress=_progress())
+    if base_repo and not base:
+        base = "HEAD"
+    oid = repo.commit(list(paths), message=message, branch=branch, metadata=_parse_meta(meta), progress=_progress(),
+                      base=base, base_repo=base_repo)
     click.echo(oid)
 
 
@@ -125,10 +131,13 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
 @click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Only tensors matching this glob (repeatable).")
+@click.option("--shard-size", metavar="SIZE",
+              help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json.")
 @pass_repo
-def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...]) -> None:
+def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
-    result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=_progress())
+    result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=_progress(),
+                           shard_size=shard_size)
     click.echo(
         f"wrote {len(result.written)} file(s), {human(result.bytes_written)}"
         + (f"; {len(result.unchanged)} already up to date" if result.unchanged else "")
@@ -196,18 +205,22 @@ def log(repo: Repo, ref: str | None, as_json: bool) -> None:
 def show(repo: Repo, ref: str, as_json: bool) -> None:
     """Files, tensors and metadata of a commit."""
     oid, c = repo.show(ref)
+    inherited = repo.from_base(oid)
     files = [
-        {"path": f.path, "kind": f.kind, "size": f.size,
-         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for t in f.tensors]}
+        {"path": f.path, "kind": f.kind, "size": f.size, "from_base": (f.path, None) in inherited,
+         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                      "from_base": (f.path, t.name) in inherited} for t in f.tensors]}
         for f in c.files
     ]
     if as_json:
-        doc = {**_entry_json(oid, c), "provenance": dict(c.provenance), "files": files}
+        doc = {**_entry_json(oid, c), "base": c.base, "provenance": dict(c.provenance), "files": files}
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
         _json(doc)
         return
     click.echo(f"commit {oid}  ({c.branch})\nDate:   {c.time}")
+    if c.base is not None:
+        click.echo(f"Base:   {c.base['commit']}" + (f" in {c.base['repo']}" if c.base["repo"] else ""))
     if c.message:
         click.echo(f"Message: {c.message}")
     if c.decoded_metadata():
@@ -218,9 +231,10 @@ def show(repo: Repo, ref: str, as_json: bool) -> None:
         for line in _state_lines(repo.state_document(oid)):
             click.echo(f"  {line}")
     for f in files:
-        click.echo(f"\n{f['path']}  [{f['kind']}, {human(f['size'])}]")
+        click.echo(f"\n{f['path']}  [{f['kind']}, {human(f['size'])}{', from base' if f['from_base'] else ''}]")
         for t in f["tensors"]:
-            click.echo(f"  {t['name']:<50} {t['dtype']:<8} {tuple(t['shape'])}")
+            click.echo(f"  {t['name']:<50} {t['dtype']:<8} {str(tuple(t['shape'])):<20}"
+                       f"{' (from base)' if t['from_base'] else ''}")
 
 
 def _state_lines(value: Any) -> list[str]:
@@ -278,6 +292,8 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
     for c in changes:
         if c.status != "unchanged":
             cost = f"  ({human(c.stored_bytes)} stored)" if c.status in ("added", "changed") else ""
+            if c.rel_l2 is not None:
+                cost += f"  relative L2 change {c.rel_l2:.3g}"
             click.echo(f"{marks[c.status]} {c.path}{':' + c.name if c.name else ''}{cost}")
     counts = {s: sum(c.status == s for c in changes) for s in marks}
     total = sum(c.stored_bytes for c in changes)

@@ -28,6 +28,7 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
         repo.refs.head_branch()
     except CkstoreError as exc:
         problems.append(str(exc))
+    problems.extend(f"base repository unreachable: {b}" for b in repo.broken_alternates)
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
@@ -55,6 +56,12 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
         except CkstoreError as exc:
             problems.append(f"{exc} (reached from {via})")
             continue
+        if commit.base is not None:
+            base_id = commit.base["commit"]
+            if commit.base["repo"] is None:
+                todo.append((ObjectId(base_id), f"overlay commit {oid[:12]}"))  # type: ignore[arg-type]
+            elif not repo.store.has(base_id):  # type: ignore[arg-type]
+                problems.append(f"commit {oid}: base commit {base_id} in {commit.base['repo']} is unreachable")
         for parent in commit.parents:
             if parent in pruned:
                 continue
@@ -68,7 +75,7 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
 
     present = set(repo.store.iter_ids())
     for oid, (_, where) in sorted(needed.items()):
-        if oid not in present:
+        if oid not in present and not repo.store.has(oid):
             problems.append(f"object {oid} is missing ({where})")
 
     if read_data:
@@ -83,5 +90,6 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
                 return str(exc)
             return None
 
-        problems.extend(p for p in ordered_map(verify, sorted(present)) if p)
+        elsewhere = {oid for oid in needed if oid not in present and repo.store.has(oid)}  # in base repos
+        problems.extend(p for p in ordered_map(verify, sorted(present | elsewhere)) if p)
     return problems

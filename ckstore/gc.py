@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .ids import ObjectId
+from .overlay import external_needs
 from .retention import RetentionPolicy, select_kept
 
 if TYPE_CHECKING:
@@ -30,15 +31,29 @@ class GcReport:
     temp_files: int = 0
 
 
+def _with_bases(repo: Repo, keep: set[ObjectId]) -> set[ObjectId]:
+    """``keep`` plus the base commit (in this repository) of every kept overlay, transitively."""
+    todo = list(keep)
+    out = set(keep)
+    while todo:
+        base = repo.read_commit(todo.pop()).base
+        if base is not None and base["repo"] is None and base["commit"] not in out:
+            out.add(ObjectId(base["commit"]))
+            todo.append(ObjectId(base["commit"]))
+    return out
+
+
 def collect_garbage(repo: Repo, policy: RetentionPolicy | None = None, dry_run: bool = False) -> GcReport:
     policy = policy or RetentionPolicy()
     policy.validate()
     report = GcReport(dry_run)
     with repo.backend.repo_lock(exclusive=True, timeout=GC_LOCK_TIMEOUT):
         reachable = set(repo.reachable_commits())
-        keep = select_kept(repo, policy) if policy.active else reachable
+        keep = select_kept(repo, policy) if policy.active else set(reachable)
+        needed_commits, needed_objects = external_needs(repo)
+        keep = _with_bases(repo, keep | {c for c in needed_commits if repo.store.has_local(c)})
         report.pruned_commits = sorted(reachable - keep)
-        live: set[str] = set(keep)
+        live: set[str] = set(keep) | needed_objects
         pruned_parents: set[ObjectId] = set()
         for oid in keep:
             commit = repo.read_commit(oid)

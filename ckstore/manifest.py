@@ -74,6 +74,7 @@ class Commit:
     logical_bytes: int = 0
     added_bytes: int = 0
     state: Mapping[str, str] | None = None  # training state: {"values": json path, "tensors": st path}
+    base: Mapping[str, str | None] | None = None  # overlay: {"commit": id, "repo": abs path | None}
 
     def all_chunks(self) -> Iterator[ChunkRef]:
         for f in self.files:
@@ -126,6 +127,7 @@ def encode_commit(commit: Commit) -> bytes:
         "logical_bytes": commit.logical_bytes,
         "added_bytes": commit.added_bytes,
         "state": dict(commit.state) if commit.state is not None else None,
+        "base": dict(commit.base) if commit.base is not None else None,
         "files": [_file_json(f) for f in commit.files],
     }
     return canonical_json(doc)
@@ -250,9 +252,22 @@ def _parse_state(value: Any, kinds: Mapping[str, str]) -> dict[str, str] | None:
     return dict(value)
 
 
+def _parse_base(value: Any) -> dict[str, str | None] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict) or set(value) != {"commit", "repo"}
+        or not isinstance(value["commit"], str) or not is_object_id(value["commit"])
+        or not (value["repo"] is None or (isinstance(value["repo"], str) and value["repo"].startswith("/")
+                                          and not _CONTROL.search(value["repo"])))
+    ):
+        raise IntegrityError("manifest: malformed base record")
+    return dict(value)
+
+
 _COMMIT_FIELDS = (
     "ckstore", "parents", "time", "branch", "message", "metadata", "provenance",
-    "logical_bytes", "added_bytes", "state", "files",
+    "logical_bytes", "added_bytes", "state", "base", "files",
 )
 
 
@@ -294,6 +309,7 @@ def decode_commit(data: bytes) -> Commit:
         logical_bytes=_size(doc["logical_bytes"], "manifest"),
         added_bytes=_size(doc["added_bytes"], "manifest"),
         state=_parse_state(doc["state"], {f.path: f.kind for f in files}),
+        base=_parse_base(doc["base"]),
     )
     commit.decoded_metadata()  # validates the typed encoding now, not at first display
     return commit

@@ -7,7 +7,6 @@ unreferenced objects, which gc removes under the exclusive lock.
 
 from __future__ import annotations
 
-import heapq
 import json
 import os
 import re
@@ -17,13 +16,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import provenance
+from . import history, provenance
 from .backend.base import Backend
 from .backend.local import LocalBackend
 from .backend.memory import MemoryBackend
 from .checkout import CheckoutResult, plan_outputs, total_size, write_outputs
 from .codec import Kind
 from .errors import (
+    CkstoreError,
     AmbiguousRefError,
     IntegrityError,
     InvalidInputError,
@@ -36,6 +36,7 @@ from .errors import (
 from .ids import ObjectId, is_id_prefix, is_object_id
 from .ingest import MemoryFile, SourceFile, collect_sources, ingest
 from .gc import GcReport, collect_garbage
+from .history import LogEntry, Stats, TensorChange
 from .manifest import Commit, FileEntry, decode_commit, encode_commit, parse_json
 from .refs import HEADS, TAGS, RefStore, check_ref_name
 from .retention import RetentionPolicy, best
@@ -96,33 +97,6 @@ class RepoConfig:
             raise InvalidInputError(f"{where}: zstd_level must be between 1 and 22")
 
 
-@dataclass(frozen=True)
-class LogEntry:
-    id: ObjectId
-    commit: Commit
-    pruned_parents: tuple[ObjectId, ...]
-
-
-@dataclass(frozen=True)
-class TensorChange:
-    path: str
-    name: str | None  # None: a whole non-safetensors file
-    status: str  # "added", "removed", "changed" or "unchanged"
-    stored_bytes: int  # what B's version costs beyond what A already stores
-
-
-@dataclass(frozen=True)
-class Stats:
-    logical_bytes: int
-    stored_bytes: int
-    commits: int
-    objects: int
-
-    @property
-    def ratio(self) -> float:
-        return self.stored_bytes / self.logical_bytes if self.logical_bytes else 0.0
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -130,7 +104,10 @@ def _now() -> str:
 class Repo:
     """A ckstore repository. ``Repo(path)`` opens one; ``Repo.init(path)`` creates one."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
+        _open_alternates: bool = True, _depth: int = 0,
+    ) -> None:
         if backend is None:
             if path is None:
                 raise RepoNotFoundError("no repository path given")
@@ -152,6 +129,24 @@ class Repo:
         self.store = ObjectStore(backend, self.config.zstd_level)
         self.refs = RefStore(backend)
         self._commits: dict[str, Commit] = {}
+        self.base_repos: list[Repo] = []
+        self.broken_alternates: list[str] = []  # base repositories that could not be opened (fsck)
+        if _open_alternates:
+            self._open_base_repos(_depth)
+
+    def _open_base_repos(self, depth: int) -> None:
+        from .overlay import ALTERNATES_KEY, MAX_BASE_DEPTH, read_paths
+
+        for location in read_paths(self, ALTERNATES_KEY):
+            try:
+                if depth >= MAX_BASE_DEPTH:
+                    raise UnsupportedFormatError("base repositories nest too deeply")
+                base = Repo(location, _depth=depth + 1)
+            except CkstoreError as exc:
+                self.broken_alternates.append(f"{location}: {exc}")
+                continue
+            self.base_repos.append(base)
+            self.store.alternates.append(base.store)
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -248,7 +243,7 @@ class Repo:
         while (m := _SUFFIX.search(base)) and m.start() > 0:
             steps += int(m.group(1)) if m.group(1) else 1
             base = base[: m.start()]
-        oid = self._resolve_name(base)
+        oid = self._resolve_with_bases(base)
         for _ in range(steps):
             parents = self.read_commit(oid).parents
             if not parents:
@@ -258,6 +253,20 @@ class Repo:
             oid = parents[0]
         return oid
 
+    def _resolve_with_bases(self, name: str) -> ObjectId:
+        """Resolve here first, then in base repositories (an overlay may name its base's commits)."""
+        try:
+            return self._resolve_name(name)
+        except RefNotFoundError:
+            if name == "HEAD":
+                raise
+            for base in self.base_repos:
+                try:
+                    return base._resolve_with_bases(name)
+                except RefNotFoundError:
+                    continue
+            raise
+
     def _resolve_name(self, name: str) -> ObjectId:
         if name == "HEAD":
             branch = self.head_branch
@@ -265,7 +274,7 @@ class Repo:
             if oid is None:
                 raise RefNotFoundError(f"HEAD: branch {branch!r} has no commits yet")
             return oid
-        if is_object_id(name) and self.store.has(name):
+        if is_object_id(name) and self.store.has(name) and self._is_commit(name):
             return ObjectId(name)
         if name.startswith(("refs/heads/", "refs/tags/")):
             check_ref_name(name[len("refs/"):])
@@ -306,19 +315,37 @@ class Repo:
     def commit(
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
         branch: str | None = None, metadata: Mapping[str, Any] | None = None,
-        progress: ProgressFactory | None = None,
+        progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
     ) -> str:
-        """Record files and directories as one commit on ``branch``; return the commit id."""
+        """Record files and directories as one commit on ``branch``; return the commit id.
+
+        With ``base`` (and optionally ``base_repo``) the commit is an overlay: every file of the
+        base commit that the given paths do not replace is inherited, and tensors equal to the
+        base's cost nothing.
+        """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         branch = check_ref_name(branch or self.head_branch, "branch name")
         meta = self.encode_metadata(metadata)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
-        return self._commit_sources(sources, message, branch, meta, progress)
+        return self._commit_sources(sources, message, branch, meta, progress, base=self._base(base, base_repo))
+
+    def _base(self, base: str | None, base_repo: str | os.PathLike[str] | None) -> tuple[ObjectId, str | None] | None:
+        """Resolve an overlay's base commit; a base in another repository becomes an alternate."""
+        if base_repo is None:
+            return None if base is None else (self.resolve(base), None)
+        from .overlay import link_base_repo, repo_location
+
+        other = Repo(base_repo)
+        oid = other.resolve(base or "HEAD")
+        link_base_repo(self, other)
+        self.base_repos.append(other)
+        return oid, repo_location(other)
 
     def commit_state(
         self, state: object, message: str = "", branch: str | None = None,
         metadata: Mapping[str, Any] | None = None, progress: ProgressFactory | None = None,
+        base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
     ) -> str:
         """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id."""
         from .state import STATE_TENSORS, STATE_VALUES, state_files
@@ -327,7 +354,8 @@ class Repo:
         meta = self.encode_metadata(metadata)
         sources = state_files(state)  # refuses unencodable values before anything is stored
         return self._commit_sources(
-            sources, message, branch, meta, progress, state={"values": STATE_VALUES, "tensors": STATE_TENSORS}
+            sources, message, branch, meta, progress, state={"values": STATE_VALUES, "tensors": STATE_TENSORS},
+            base=self._base(base, base_repo),
         )
 
     def load_state(
@@ -341,6 +369,7 @@ class Repo:
     def _commit_sources(
         self, sources: Sequence[SourceFile | MemoryFile], message: str, branch: str, meta: Any,
         progress: ProgressFactory | None, state: Mapping[str, str] | None = None,
+        base: tuple[ObjectId, str | None] | None = None,
     ) -> str:
         with self.backend.repo_lock(exclusive=False, timeout=LOCK_TIMEOUT):
             bar = progress(sum(s.size for s in sources), "commit") if progress else None
@@ -349,7 +378,13 @@ class Repo:
             finally:
                 if bar:
                     bar.close()
-            return self.record_commit(files, added, message, branch, meta, state)
+            base_record = None
+            if base is not None:
+                from .overlay import merge_files
+
+                files = merge_files(self.read_commit(base[0]), files)
+                base_record = {"commit": base[0], "repo": base[1]}
+            return self.record_commit(files, added, message, branch, meta, state, base_record)
 
     @staticmethod
     def encode_metadata(metadata: Mapping[str, Any] | None) -> Any:
@@ -361,7 +396,7 @@ class Repo:
 
     def record_commit(
         self, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
-        state: Mapping[str, str] | None = None,
+        state: Mapping[str, str] | None = None, base: Mapping[str, str | None] | None = None,
     ) -> str:
         """Write the manifest and move ``branch`` to it (objects must be stored already)."""
         ref = HEADS + branch
@@ -370,7 +405,7 @@ class Repo:
             commit = Commit(
                 parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
                 files=tuple(files), metadata=metadata, provenance=provenance.collect(),
-                logical_bytes=sum(f.size for f in files), added_bytes=added, state=state,
+                logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
             )
             oid = self.store.put_commit(encode_commit(commit)).id
             try:
@@ -390,10 +425,19 @@ class Repo:
     def checkout(
         self, ref: str, out_dir: str | os.PathLike[str], *, force: bool = False,
         only: Sequence[str] | None = None, progress: ProgressFactory | None = None,
+        shard_size: int | str | None = None,
     ) -> CheckoutResult:
-        """Write the files of ``ref`` into ``out_dir``, byte-identical (or only matching tensors)."""
+        """Write the files of ``ref`` into ``out_dir``, byte-identical (or only matching tensors).
+
+        ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead.
+        """
         commit = self.read_commit(self.resolve(ref))
-        outputs = plan_outputs(self.store, commit, only)
+        if shard_size is not None:
+            from .shards import parse_size, plan_shards
+
+            outputs = plan_shards(self.store, commit, parse_size(shard_size), only)
+        else:
+            outputs = plan_outputs(self.store, commit, only)
         bar = progress(total_size(outputs), "checkout") if progress else None
         try:
             return write_outputs(self.store, outputs, Path(out_dir), force, bar.update if bar else None)
@@ -411,31 +455,30 @@ class Repo:
         return list(import_checkpoints(self, path, recursive=recursive, message=message, branch=branch,
                                        delete_source=delete_source, metadata=metadata))
 
+    def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> Any:
+        """A lazy read-only mapping of the commit's tensors with safe_open-style slices; see partial.py."""
+        from .partial import LazyTensors
+
+        return LazyTensors(self, ref, path, framework)
+
     # ---- history and inspection ----------------------------------------------------------------
 
     def log(self, ref: str | None = None) -> list[LogEntry]:
         """Commits reachable from ``ref`` (default HEAD), newest first."""
-        start = self.resolve(ref or "HEAD")
-        pruned = self.pruned()
-        seen = {start}
-        heap = [(_neg_time(self.read_commit(start).time), start)]
-        out = []
-        while heap:
-            _, oid = heapq.heappop(heap)
-            commit = self.read_commit(oid)
-            gone = []
-            for parent in commit.parents:
-                if parent in pruned or not self.store.has(parent):
-                    gone.append(parent)
-                elif parent not in seen:
-                    seen.add(parent)
-                    heapq.heappush(heap, (_neg_time(self.read_commit(parent).time), parent))
-            out.append(LogEntry(oid, commit, tuple(gone)))
-        return out
+        return history.log(self, ref)
 
     def show(self, ref: str = "HEAD") -> tuple[ObjectId, Commit]:
         oid = self.resolve(ref)
         return oid, self.read_commit(oid)
+
+    def from_base(self, ref: str) -> set[tuple[str, str | None]]:
+        """(path, tensor) pairs of an overlay commit that are identical to its base's; empty otherwise."""
+        commit = self.read_commit(self.resolve(ref))
+        if commit.base is None:
+            return set()
+        from .overlay import from_base
+
+        return from_base(commit, self.read_commit(commit.base["commit"]))  # type: ignore[arg-type]
 
     def read_file(self, oid: str, path: str) -> bytes:
         """The bytes of one (small) committed file, verified; for sidecars and configs."""
@@ -457,19 +500,7 @@ class Repo:
 
     def diff(self, a: str, b: str) -> list[TensorChange]:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-        old, new = self.read_commit(self.resolve(a)), self.read_commit(self.resolve(b))
-        old_items, new_items = _items(old), _items(new)
-        have = {c.id for c in old.all_chunks()}
-        out = []
-        for key, chunks in new_items.items():
-            if key not in old_items:
-                status = "added"
-            else:
-                status = "unchanged" if old_items[key] == chunks else "changed"
-            cost = sum(self.store.stored_size(c) or 0 for c in dict.fromkeys(chunks) if c not in have)
-            out.append(TensorChange(key[0], key[1], status, cost))
-        out.extend(TensorChange(k[0], k[1], "removed", 0) for k in old_items if k not in new_items)
-        return out
+        return history.diff(self, a, b)
 
     def reachable_commits(self) -> list[ObjectId]:
         """Every commit reachable from a branch or tag (pruned ancestors excluded)."""
@@ -485,13 +516,8 @@ class Repo:
         return sorted(seen)
 
     def stats(self) -> Stats:
-        commits = self.reachable_commits()
-        stored = objects = 0
-        for oid in self.store.iter_ids():
-            stored += self.store.stored_size(oid) or 0
-            objects += 1
-        logical = sum(self.read_commit(c).logical_bytes for c in commits)
-        return Stats(logical, stored, len(commits), objects)
+        """Logical bytes over all commits, bytes stored, and counts."""
+        return history.stats(self)
 
     def gc(
         self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
@@ -509,18 +535,3 @@ class Repo:
         from .fsck import check
 
         return check(self, read_data=read_data)
-
-
-def _neg_time(time: str) -> float:
-    return -datetime.fromisoformat(time).timestamp()
-
-
-def _items(commit: Commit) -> dict[tuple[str, str | None], list[str]]:
-    out: dict[tuple[str, str | None], list[str]] = {}
-    for f in commit.files:
-        if f.kind == "safetensors":
-            for t in f.tensors:
-                out[(f.path, t.name)] = [c.id for c in t.chunks]
-        else:
-            out[(f.path, None)] = [c.id for c in f.chunks]
-    return out

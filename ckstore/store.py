@@ -34,16 +34,22 @@ class ObjectStore:
     def __init__(self, backend: Backend, zstd_level: int = 3) -> None:
         self.backend = backend
         self.zstd_level = zstd_level
+        # Base repositories' stores (overlays): reads fall through to them, and an object one of
+        # them holds is referenced, never copied. Writes and deletes stay local.
+        self.alternates: list[ObjectStore] = []
+
+    def has_local(self, oid: str) -> bool:
+        return self.backend.exists(object_key(oid))
 
     def has(self, oid: str) -> bool:
-        return self.backend.exists(object_key(oid))
+        return self.has_local(oid) or any(alt.has(oid) for alt in self.alternates)
 
     def stored_size(self, oid: str) -> int | None:
         return self.backend.size(object_key(oid))
 
     def _put(self, oid: ObjectId, raw: bytes | memoryview, kind: Kind) -> PutResult:
         key = object_key(oid)
-        if self.backend.exists(key):
+        if self.has(oid):
             return PutResult(oid, 0)
         data = encode(raw, kind, self.zstd_level)
         return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
@@ -58,6 +64,11 @@ class ObjectStore:
         try:
             return self.backend.get(object_key(oid))
         except KeyError:
+            for alt in self.alternates:
+                try:
+                    return alt._read(oid, context)
+                except ObjectMissingError:
+                    continue
             raise ObjectMissingError(f"object {oid} is missing{context}") from None
 
     def get_chunk(self, oid: str, size: int, context: str = "") -> bytes:
