@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import update_wrapper
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -85,7 +86,14 @@ class _Group(click.Group):
             _die("out of memory", 1)
 
 
-pass_repo = click.make_pass_decorator(Repo)
+def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Find the repository when the command runs (so `ckstore CMD --help` works anywhere)."""
+
+    @click.pass_context
+    def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
+        return ctx.invoke(f, Repo.find(ctx.find_root().params.get("repo_path")), *args, **kwargs)
+
+    return update_wrapper(wrapper, f)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -94,8 +102,6 @@ pass_repo = click.make_pass_decorator(Repo)
 @click.pass_context
 def main(ctx: click.Context, repo_path: str | None) -> None:
     """ckstore: a content-addressed, deduplicating store for training checkpoints."""
-    if ctx.invoked_subcommand != "init":
-        ctx.obj = Repo.find(repo_path)
 
 
 @main.command()
