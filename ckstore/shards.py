@@ -1,0 +1,145 @@
+"""Checkout in the Hugging Face sharded layout (``checkout --shard-size``).
+
+The tensors of a commit's top-level safetensors files are re-split into
+``model-0000X-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``, exactly as
+the Hub's writer (``huggingface_hub.split_torch_state_dict_into_shards``, used by
+``save_pretrained``) splits a state dict: tensors in key order, a new shard when the next tensor
+would push the current one past the limit, and a tensor larger than the limit alone in a shard of
+its own (appended when it is met, as the Hub does). One shard is written as ``model.safetensors``
+with no index, also as the Hub does. Sizes follow transformers: ``MB``/``GB`` are decimal,
+``MiB``/``GiB`` binary.
+
+Nothing is copied or re-encoded: each shard is a fresh header (``emit_header``) followed by the
+stored chunks of its tensors, planned as checkout ``_Output``s, so shards are streamed, verified
+and written atomically like any checkout. Safetensors files in sub-folders belong to other
+modules (sentence-transformers' ``2_Dense/``…) and are written unchanged, like every
+non-safetensors file; a previous top-level ``*.safetensors.index.json`` is dropped because the new
+shards replace it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from .checkout import _context, _full_output, _Output, select_tensors
+from .errors import InvalidInputError
+from .manifest import ChunkRef, Commit, FileEntry, TensorEntry
+from .safetensors_format import emit_header, parse_header
+from .store import ObjectStore
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_METADATA = {"format": "pt"}  # what save_pretrained writes; from_pretrained checks it
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*(\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str | int) -> int:
+    """``"500MB"`` -> 500_000_000, ``"2GiB"`` -> 2 * 2**30, ``"1024"`` -> 1024 (transformers' units)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.fullmatch(text)
+        unit = m.group(2) if m else ""
+        if m is None or unit.upper() not in _UNITS:
+            raise InvalidInputError(f"invalid size {text!r}: use bytes or a number with KB, MB, GB, KiB, MiB or GiB")
+        if unit.endswith("b") and len(unit) > 1 and not unit.upper().endswith("IB"):
+            # transformers reads a lowercase "b" ("500Mb") as bits; refuse the ambiguity outright.
+            raise InvalidInputError(f"ambiguous size {text!r}: write {unit[:-1].upper()}B for bytes")
+        value = int(m.group(1)) * _UNITS[unit.upper()]
+    if value <= 0:
+        raise InvalidInputError(f"shard size must be positive, got {text!r}")
+    return value
+
+
+def split_into_shards(sizes: Sequence[tuple[str, int]], max_size: int) -> list[list[str]]:
+    """Names per shard, in the Hub's greedy order (see the module docstring)."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, size in sizes:
+        if size > max_size:
+            shards.append([name])
+            continue
+        if current_size + size > max_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def index_document(weight_map: dict[str, str], total_size: int) -> bytes:
+    """The index as transformers writes it (sorted keys, two-space indent, final newline)."""
+    doc = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _is_sharded_input(f: FileEntry) -> bool:
+    return f.kind == "safetensors" and "/" not in f.path
+
+
+def _is_old_index(f: FileEntry) -> bool:
+    return "/" not in f.path and f.path.endswith(".safetensors.index.json")
+
+
+def _common_metadata(store: ObjectStore, files: Sequence[FileEntry]) -> dict[str, str]:
+    """The inputs' ``__metadata__`` when they all agree (``{"format": "pt"}`` otherwise)."""
+    found = []
+    for f in files:
+        header = b"".join(store.get_chunk(c.id, c.size, _context(f.path, None)) for c in f.header)
+        found.append(parse_header(header, f.size).metadata)
+    first = found[0] if found else None
+    return first if first is not None and all(m == first for m in found) else dict(DEFAULT_METADATA)
+
+
+def plan_shards(
+    store: ObjectStore, commit: Commit, shard_size: int, only: Sequence[str] | None = None
+) -> list[_Output]:
+    """Outputs for a sharded checkout: the shards, their index, and the other files unchanged."""
+    inputs = [f for f in commit.files if _is_sharded_input(f)]
+    tensors: dict[str, tuple[FileEntry, TensorEntry]] = {}
+    for f in inputs:
+        for t in select_tensors(f.tensors, only) if only else f.tensors:
+            if t.name in tensors:
+                raise InvalidInputError(
+                    f"tensor {t.name!r} is in both {tensors[t.name][0].path} and {f.path}; cannot shard them together")
+            tensors[t.name] = (f, t)
+    if not tensors:
+        raise InvalidInputError("the commit has no top-level safetensors tensors to shard")
+    order = sorted(tensors)
+    groups = split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
+    names = shard_names(len(groups))
+    metadata = _common_metadata(store, inputs)
+    outputs = []
+    weight_map: dict[str, str] = {}
+    for shard_name, group in zip(names, groups):
+        entries = [tensors[n][1] for n in group]
+        header, _ = emit_header([(t.name, t.dtype, t.shape) for t in entries], metadata)
+        pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
+        for t in entries:
+            pieces.extend((c, _context(tensors[t.name][0].path, t.name)) for c in t.chunks)
+            weight_map[t.name] = shard_name
+        outputs.append(_Output(shard_name, tuple(pieces), len(header) + sum(t.nbytes for t in entries), exact=False))
+    if len(groups) > 1:
+        index = index_document(dict(sorted(weight_map.items())), sum(t.nbytes for _, t in tensors.values()))
+        outputs.append(_Output(INDEX_NAME, ((index, ""),), len(index), exact=False))
+    written = {o.path for o in outputs}
+    for f in commit.files:
+        if _is_sharded_input(f) or _is_old_index(f):
+            continue
+        if f.path in written:
+            raise InvalidInputError(f"the commit's file {f.path!r} would collide with a shard of the same name")
+        outputs.append(_full_output(f))
+    return outputs
