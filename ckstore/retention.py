@@ -1,9 +1,16 @@
 """Which commits to keep, and which is best: decisions made from history and metadata only.
 
-A policy keeps the union of what each of its rules selects, per branch, plus every tagged commit:
+A policy keeps the union of what each of its rules selects, per branch, plus every tagged commit
+and the newest commit of every branch (a branch name must keep resolving: resuming uses it):
 ``keep_last`` (the N newest), ``keep_best`` (the N with the best ``metric``), ``keep_every`` (each
 commit whose ``step`` — else ``epoch`` — metadata is a multiple of K, or, without those, every K-th
 commit counted from the oldest). A policy with no rule keeps everything reachable.
+
+Counting by position needs the whole history: once an earlier gc pruned a branch's old commits,
+the positions of the survivors are unknown, so there ``keep_every`` keeps every commit that has
+no ``step``/``epoch`` metadata rather than re-count from the truncation and delete commits the
+earlier run kept. Record ``step`` or ``epoch`` (as commit_state callers normally do) to thin a
+rolling run repeatedly.
 """
 
 from __future__ import annotations
@@ -56,21 +63,34 @@ def _ranked(history: list[LogEntry], metric: str, maximize: bool) -> list[LogEnt
     return [e for _, e in scored]
 
 
+def _counter(entry: LogEntry) -> int | None:
+    meta = entry.commit.decoded_metadata()
+    for key in ("step", "epoch"):
+        value = meta.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def _every(history: list[LogEntry], k: int) -> list[LogEntry]:
     oldest_first = list(reversed(history))
+    # History that lost commits to an earlier gc: positions counted now would not be the
+    # positions that run counted (see the module docstring).
+    truncated = any(e.pruned_parents for e in history)
     out = []
     for position, entry in enumerate(oldest_first, start=1):
-        meta = entry.commit.decoded_metadata()
-        counter = next((meta[key] for key in ("step", "epoch") if isinstance(meta.get(key), int)
-                        and not isinstance(meta.get(key), bool)), position)
-        if counter % k == 0:
+        counter = _counter(entry)
+        if counter is None and truncated:
+            out.append(entry)
+        elif (position if counter is None else counter) % k == 0:
             out.append(entry)
     return out
 
 
 def select_kept(repo: Repo, policy: RetentionPolicy) -> set[ObjectId]:
     keep = set(repo.tags().values())
-    for name in repo.branches():
+    for name, tip in repo.branches().items():
+        keep.add(tip)
         history = repo.log(HEADS + name)
         if policy.keep_last is not None:
             keep.update(e.id for e in history[: policy.keep_last])
