@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from ckstore.errors import IntegrityError, InvalidInputError, TensorNotFoundError
 from ckstore.repo import Repo
@@ -136,3 +138,24 @@ def test_same_name_in_two_files_needs_path(repo: Repo, tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="path="):
         repo.open(cid)
     assert torch.equal(repo.open(cid, path="b.safetensors")["w"], torch.zeros(2))
+
+
+def test_overlay_reads_through_its_base_repository(tmp_path: Path) -> None:
+    base = Repo.init(tmp_path / "base", chunk_size=CHUNK)
+    g = torch.Generator().manual_seed(1)
+    tensors = {"frozen": torch.randn(500, 64, generator=g), "head": torch.randn(10, 64, generator=g)}
+    save_st(tmp_path / "v1" / "model.safetensors", tensors)
+    base.commit(tmp_path / "v1")
+    tuned = {**tensors, "head": tensors["head"] + 1}
+    save_st(tmp_path / "v2" / "model.safetensors", tuned)
+    overlay = Repo.init(tmp_path / "overlay", chunk_size=CHUNK)
+    cid = overlay.commit(tmp_path / "v2", base="HEAD", base_repo=tmp_path / "base")
+    lazy = Repo(tmp_path / "overlay").open(cid)
+    assert torch.equal(lazy.get_slice("frozen")[100:104], tensors["frozen"][100:104])  # chunks of the base repo
+    assert lazy.bytes_read == CHUNK
+    assert torch.equal(lazy["head"], tuned["head"])
+    Repo(tmp_path / "overlay").checkout(cid, tmp_path / "out", shard_size=100_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"frozen": "model-00001-of-00002.safetensors", "head": "model-00002-of-00002.safetensors"}
+    for name, shard in index["weight_map"].items():
+        assert torch.equal(load_file(tmp_path / "out" / shard)[name], tuned[name])
