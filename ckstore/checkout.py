@@ -41,12 +41,17 @@ class CheckoutResult:
     bytes_written: int = 0
 
 
+# A piece of an output file: a stored chunk, literal bytes (a re-emitted header), or a function
+# computing bytes when the piece is written (merged LoRA weights), so memory holds one at a time.
+Piece = ChunkRef | bytes | Callable[[], bytes]
+
+
 @dataclass(frozen=True)
 class _Output:
     """What to write at one path: a sequence of byte pieces (chunks or a re-emitted header)."""
 
     path: str
-    pieces: tuple[tuple[ChunkRef | bytes, str], ...]  # (chunk or literal bytes, context for errors)
+    pieces: tuple[tuple[Piece, str], ...]  # (piece, context for errors)
     size: int
     exact: bool  # the file as committed (so an identical existing file can be detected by hashes)
 
@@ -56,7 +61,7 @@ def _context(path: str, tensor: str | None) -> str:
 
 
 def _full_output(f: FileEntry) -> _Output:
-    pieces: list[tuple[ChunkRef | bytes, str]] = [(c, _context(f.path, None)) for c in f.header + f.chunks]
+    pieces: list[tuple[Piece, str]] = [(c, _context(f.path, None)) for c in f.header + f.chunks]
     for t in f.tensors:
         pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
     return _Output(f.path, tuple(pieces), f.size, exact=True)
@@ -71,7 +76,7 @@ def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) 
     original = b"".join(store.get_chunk(c.id, c.size, _context(f.path, None)) for c in f.header)
     metadata = parse_header(original, f.size).metadata
     header, _ = emit_header([(t.name, t.dtype, t.shape) for t in keep], metadata)
-    pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
+    pieces: list[tuple[Piece, str]] = [(header, "")]
     for t in keep:
         pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
     return _Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep), exact=False)
@@ -111,10 +116,14 @@ def _same_file(target: Path, output: _Output) -> bool:
     return True
 
 
-def _fetch(store: ObjectStore, outputs: Iterable[tuple[ChunkRef | bytes, str]]) -> Iterator[bytes]:
-    def get(item: tuple[ChunkRef | bytes, str]) -> bytes:
+def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator[bytes]:
+    def get(item: tuple[Piece, str]) -> bytes:
         piece, context = item
-        return piece if isinstance(piece, bytes) else store.get_chunk(piece.id, piece.size, context)
+        if isinstance(piece, bytes):
+            return piece
+        if isinstance(piece, ChunkRef):
+            return store.get_chunk(piece.id, piece.size, context)
+        return piece()
 
     return ordered_map(get, outputs)
 

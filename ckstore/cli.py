@@ -139,11 +139,13 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
 @click.option("--only", multiple=True, metavar="PATTERN", help="Only tensors matching this glob (repeatable).")
 @click.option("--shard-size", metavar="SIZE",
               help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json.")
+@click.option("--merge-lora", is_flag=True, help="Write the base model with the commit's PEFT LoRA adapter merged in.")
 @pass_repo
-def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None) -> None:
+def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None,
+             merge_lora: bool) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
     result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=_progress(),
-                           shard_size=shard_size)
+                           shard_size=shard_size, merge_lora=merge_lora)
     click.echo(
         f"wrote {len(result.written)} file(s), {human(result.bytes_written)}"
         + (f"; {len(result.unchanged)} already up to date" if result.unchanged else "")

@@ -425,14 +425,21 @@ class Repo:
     def checkout(
         self, ref: str, out_dir: str | os.PathLike[str], *, force: bool = False,
         only: Sequence[str] | None = None, progress: ProgressFactory | None = None,
-        shard_size: int | str | None = None,
+        shard_size: int | str | None = None, merge_lora: bool = False,
     ) -> CheckoutResult:
         """Write the files of ``ref`` into ``out_dir``, byte-identical (or only matching tensors).
 
-        ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead.
+        ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead;
+        ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
         commit = self.read_commit(self.resolve(ref))
-        if shard_size is not None:
+        if merge_lora:
+            if shard_size is not None or only:
+                raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
+            from .lora import plan_merged
+
+            outputs = plan_merged(self.store, commit)
+        elif shard_size is not None:
             from .shards import parse_size, plan_shards
 
             outputs = plan_shards(self.store, commit, parse_size(shard_size), only)
