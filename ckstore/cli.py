@@ -102,9 +102,10 @@ def main(ctx: click.Context, repo_path: str | None) -> None:
 @click.argument("path", default=".ckstore", required=False)
 @click.option("--chunk-size", type=int, help="Chunk size in bytes (default 1 MiB).")
 @click.option("--zstd-level", type=int, help="zstd compression level (default 3).")
-def init(path: str, chunk_size: int | None, zstd_level: int | None) -> None:
+@click.option("--max-delta-depth", type=int, help="Longest delta chain, 0 for no deltas (default 4).")
+def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_depth: int | None) -> None:
     """Create a repository at PATH (default ./.ckstore)."""
-    repo = Repo.init(path, chunk_size=chunk_size, zstd_level=zstd_level)
+    repo = Repo.init(path, chunk_size=chunk_size, zstd_level=zstd_level, max_delta_depth=max_delta_depth)
     click.echo(f"initialised empty ckstore repository in {repo.path}")
 
 
@@ -251,12 +252,13 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
 @main.command()
 @click.option("--keep-last", type=int, metavar="N", help="Keep the N newest commits of every branch (and tagged ones).")
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
+@click.option("--repack", is_flag=True, help="Re-encode the kept objects first (newest commits whole).")
 @pass_repo
-def gc(repo: Repo, keep_last: int | None, dry_run: bool) -> None:
+def gc(repo: Repo, keep_last: int | None, dry_run: bool, repack: bool) -> None:
     """Delete old commits (with a retention option) and every object no kept commit needs."""
     from .gc import RetentionPolicy
 
-    report = repo.gc(policy=RetentionPolicy(keep_last=keep_last), dry_run=dry_run)
+    report = repo.gc(policy=RetentionPolicy(keep_last=keep_last), dry_run=dry_run, repack=repack)
     verb = "would delete" if dry_run else "deleted"
     for oid in report.pruned_commits:
         click.echo(f"{verb} commit {oid}")
@@ -264,6 +266,43 @@ def gc(repo: Repo, keep_last: int | None, dry_run: bool) -> None:
         f"{verb} {len(report.pruned_commits)} commit(s) and {report.deleted_objects} object(s), "
         f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
     )
+
+
+@main.command()
+@pass_repo
+def repack(repo: Repo) -> None:
+    """Re-encode every kept object with the current settings: newest commits whole, older ones deltas."""
+    r = repo.repack()
+    if r.upgraded:
+        click.echo("upgraded the repository to format version 2")
+    click.echo(
+        f"repacked {r.objects} object(s): rewrote {r.rewritten}, {r.deltas} now deltas; "
+        f"{human(r.bytes_before)} -> {human(r.bytes_after)}"
+    )
+
+
+_SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth")
+
+
+@main.command(name="config")
+@click.argument("key", required=False, type=click.Choice(_SETTINGS))
+@click.argument("value", required=False, type=int)
+@pass_repo
+def config_command(repo: Repo, key: str | None, value: int | None) -> None:
+    """Show the repository settings, or set KEY to VALUE (applies to objects written later)."""
+    from dataclasses import replace
+
+    if key is None:
+        for name in ("version", *_SETTINGS):
+            click.echo(f"{name} = {getattr(repo.config, name)}")
+        return
+    if value is None:
+        click.echo(getattr(repo.config, key))
+        return
+    if key == "max_delta_depth" and repo.config.version < 2:
+        raise InvalidInputError("a version-1 repository has no deltas; run 'ckstore repack' to upgrade it first")
+    repo.set_config(replace(repo.config, **{key: value}))
+    click.echo(f"{key} = {value}")
 
 
 @main.command()

@@ -9,12 +9,14 @@ object is deleted, so an interrupted gc leaves history that reads correctly.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import InvalidInputError
+from .errors import IntegrityError, InvalidInputError, ObjectMissingError
 from .ids import ObjectId
 from .refs import HEADS
+from .store import ObjectStore
 
 if TYPE_CHECKING:
     from .repo import Repo
@@ -55,7 +57,34 @@ def select_kept(repo: Repo, policy: RetentionPolicy) -> set[ObjectId]:
     return keep
 
 
-def collect_garbage(repo: Repo, policy: RetentionPolicy | None = None, dry_run: bool = False) -> GcReport:
+def with_bases(store: ObjectStore, chunks: Iterable[str]) -> set[str]:
+    """``chunks`` plus every delta base they need, transitively (reads object headers only)."""
+    live = set(chunks)
+    todo = list(live)
+    while todo:
+        oid = todo.pop()
+        try:
+            base = store.base_of(oid)
+        except ObjectMissingError:
+            continue  # nothing to follow; fsck reports the missing object
+        except IntegrityError as exc:
+            # Without its header we cannot know what it needs, so deleting anything could lose
+            # data: stop rather than guess.
+            raise IntegrityError(f"{exc}; gc stopped, run 'ckstore fsck'") from None
+        if base is not None and base not in live:
+            live.add(base)
+            todo.append(base)
+    return live
+
+
+def collect_garbage(
+    repo: Repo, policy: RetentionPolicy | None = None, dry_run: bool = False, repack: bool = False,
+) -> GcReport:
+    """Prune commits the policy drops and delete every object no kept commit needs.
+
+    Kept deltas keep their bases. With ``repack`` the kept chunks are re-encoded first (newest
+    whole, see repack.py), so bases that only pruned commits needed can go too.
+    """
     policy = policy or RetentionPolicy()
     policy.validate()
     report = GcReport(dry_run)
@@ -63,12 +92,17 @@ def collect_garbage(repo: Repo, policy: RetentionPolicy | None = None, dry_run: 
         reachable = set(repo.reachable_commits())
         keep = select_kept(repo, policy) if policy.active else reachable
         report.pruned_commits = sorted(reachable - keep)
-        live: set[str] = set(keep)
+        if repack and not dry_run:
+            from .repack import repack_locked
+
+            repack_locked(repo, keep)
+        chunks: set[str] = set()
         pruned_parents: set[ObjectId] = set()
         for oid in keep:
             commit = repo.read_commit(oid)
-            live.update(c.id for c in commit.all_chunks())
+            chunks.update(c.id for c in commit.all_chunks())
             pruned_parents.update(p for p in commit.parents if p not in keep)
+        live = with_bases(repo.store, chunks) | set(keep)
         victims = [oid for oid in repo.store.iter_ids() if oid not in live]
         report.deleted_objects = len(victims)
         report.freed_bytes = sum(repo.store.stored_size(oid) or 0 for oid in victims)

@@ -34,18 +34,20 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .ids import ObjectId, is_id_prefix, is_object_id
-from .ingest import collect_sources, ingest
+from .ingest import ParentChunks, collect_sources, ingest, parent_chunks
 from .manifest import Commit, FileEntry, decode_commit, encode_commit
 from .refs import HEADS, TAGS, RefStore, check_ref_name
-from .store import ObjectStore
+from .store import EncodingSettings, ObjectStore
 from .values import encode_value
 
 CONFIG_KEY = "config.json"
 PRUNED_KEY = "pruned"
-REPO_FORMAT_VERSION = 1
+REPO_FORMAT_VERSION = 2  # 2: byte-grouped and delta chunk encodings (docs/format.md)
 DEFAULT_DIR = ".ckstore"
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 3
+DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
+MAX_DELTA_DEPTH_LIMIT = 16
 LOCK_TIMEOUT = 600.0
 _SUFFIX = re.compile(r"~(\d*)$|\^$")
 
@@ -63,11 +65,21 @@ ProgressFactory = Callable[[int, str], ProgressBar]
 class RepoConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     zstd_level: int = DEFAULT_ZSTD_LEVEL
+    max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH
+    # A version-1 repository stays version 1 (raw and zstd objects only, so older ckstore can
+    # still read it) until repack upgrades it.
+    version: int = REPO_FORMAT_VERSION
 
     def to_json(self) -> bytes:
-        doc = {"ckstore": "repository", "version": REPO_FORMAT_VERSION,
-               "chunk_size": self.chunk_size, "zstd_level": self.zstd_level}
+        doc: dict[str, Any] = {"ckstore": "repository", "version": self.version,
+                               "chunk_size": self.chunk_size, "zstd_level": self.zstd_level}
+        if self.version >= 2:
+            doc["max_delta_depth"] = self.max_delta_depth
         return (json.dumps(doc, indent=2) + "\n").encode()
+
+    @property
+    def encoding(self) -> EncodingSettings:
+        return EncodingSettings(self.zstd_level, self.max_delta_depth if self.version >= 2 else 0, self.version)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> RepoConfig:
@@ -83,7 +95,8 @@ class RepoConfig:
                 f"repository format version {version} is newer than this ckstore supports ({REPO_FORMAT_VERSION});"
                 " upgrade ckstore"
             )
-        config = cls(doc.get("chunk_size"), doc.get("zstd_level"))  # type: ignore[arg-type]
+        depth = doc.get("max_delta_depth", 0 if version == 1 else DEFAULT_MAX_DELTA_DEPTH)
+        config = cls(doc.get("chunk_size"), doc.get("zstd_level"), depth, version)  # type: ignore[arg-type]
         config.validate(where)
         return config
 
@@ -92,6 +105,10 @@ class RepoConfig:
             raise InvalidInputError(f"{where}: chunk_size must be between 4 KiB and 256 MiB")
         if not isinstance(self.zstd_level, int) or not 1 <= self.zstd_level <= 22:
             raise InvalidInputError(f"{where}: zstd_level must be between 1 and 22")
+        if not isinstance(self.max_delta_depth, int) or not 0 <= self.max_delta_depth <= MAX_DELTA_DEPTH_LIMIT:
+            raise InvalidInputError(f"{where}: max_delta_depth must be between 0 and {MAX_DELTA_DEPTH_LIMIT}")
+        if self.version not in (1, 2):
+            raise UnsupportedFormatError(f"{where}: unknown repository format version {self.version}")
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,7 @@ class Repo:
         except KeyError:
             raise RepoNotFoundError(f"no ckstore repository at {path}") from None
         self.config = RepoConfig.from_json(config_bytes, backend.describe(CONFIG_KEY))
-        self.store = ObjectStore(backend, self.config.zstd_level)
+        self.store = ObjectStore(backend, settings=self.config.encoding)
         self.refs = RefStore(backend)
         self._commits: dict[str, Commit] = {}
 
@@ -156,9 +173,12 @@ class Repo:
     @classmethod
     def init(
         cls, path: str | os.PathLike[str] = DEFAULT_DIR, *, chunk_size: int | None = None,
-        zstd_level: int | None = None, backend: Backend | None = None,
+        zstd_level: int | None = None, max_delta_depth: int | None = None, backend: Backend | None = None,
     ) -> Repo:
-        config = RepoConfig(chunk_size or DEFAULT_CHUNK_SIZE, zstd_level or DEFAULT_ZSTD_LEVEL)
+        config = RepoConfig(
+            chunk_size or DEFAULT_CHUNK_SIZE, zstd_level or DEFAULT_ZSTD_LEVEL,
+            DEFAULT_MAX_DELTA_DEPTH if max_delta_depth is None else max_delta_depth,
+        )
         config.validate()
         if backend is None:
             root = Path(path)
@@ -315,11 +335,37 @@ class Repo:
         with self.backend.repo_lock(exclusive=False, timeout=LOCK_TIMEOUT):
             bar = progress(sum(s.size for s in sources), "commit") if progress else None
             try:
-                files, added = ingest(self.store, sources, self.config.chunk_size, bar.update if bar else None)
+                files, added = ingest(
+                    self.store, sources, self.config.chunk_size, bar.update if bar else None,
+                    parent=self._parent_chunks(branch),
+                )
             finally:
                 if bar:
                     bar.close()
             return self.record_commit(files, added, message, branch, meta)
+
+    def _parent_chunks(self, branch: str) -> ParentChunks | None:
+        """The branch tip's chunks by position: delta base candidates for the new commit."""
+        tip = self.refs.read(HEADS + branch)
+        if tip is None or self.config.encoding.max_delta_depth == 0:
+            return None
+        try:
+            return parent_chunks(self.read_commit(tip).files)
+        except IntegrityError:
+            return None  # a damaged parent only costs compression
+
+    def set_config(self, config: RepoConfig) -> None:
+        """Replace the repository settings (they apply to objects written from now on)."""
+        config.validate()
+        self.backend.replace(CONFIG_KEY, config.to_json())
+        self.config = config
+        self.store.settings = config.encoding
+        self.store.zstd_level = config.zstd_level
+
+    def repack(self, **kwargs: Any) -> Any:
+        from .repack import repack
+
+        return repack(self, **kwargs)
 
     @staticmethod
     def encode_metadata(metadata: Mapping[str, Any] | None) -> Any:
