@@ -108,9 +108,10 @@ def main(ctx: click.Context, repo_path: str | None) -> None:
 @click.argument("path", default=".ckstore", required=False)
 @click.option("--chunk-size", type=int, help="Chunk size in bytes (default 1 MiB).")
 @click.option("--zstd-level", type=int, help="zstd compression level (default 3).")
-def init(path: str, chunk_size: int | None, zstd_level: int | None) -> None:
+@click.option("--max-delta-depth", type=int, help="Longest delta chain, 0 for no deltas (default 4).")
+def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_depth: int | None) -> None:
     """Create a repository at PATH (default ./.ckstore)."""
-    repo = Repo.init(path, chunk_size=chunk_size, zstd_level=zstd_level)
+    repo = Repo.init(path, chunk_size=chunk_size, zstd_level=zstd_level, max_delta_depth=max_delta_depth)
     click.echo(f"initialised empty ckstore repository in {repo.path}")
 
 
@@ -315,12 +316,13 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
 @click.option("--max", "maximize", is_flag=True, help="Higher --metric is better.")
 @click.option("--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position).")
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
+@click.option("--repack", is_flag=True, help="Re-encode the kept objects first (newest commits whole).")
 @pass_repo
 def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
-       keep_every: int | None, dry_run: bool) -> None:
+       keep_every: int | None, dry_run: bool, repack: bool) -> None:
     """Delete old commits (with retention options; tags are always kept) and unneeded objects."""
     report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
-                     keep_every=keep_every, dry_run=dry_run)
+                     keep_every=keep_every, dry_run=dry_run, repack=repack)
     verb = "would delete" if dry_run else "deleted"
     for oid in report.pruned_commits:
         click.echo(f"{verb} commit {oid}")
@@ -338,6 +340,43 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
 def best(repo: Repo, metric: str, maximize: bool, branch: str | None) -> None:
     """Print the id of the commit with the best METRIC in its metadata."""
     click.echo(repo.best(metric, "max" if maximize else "min", branch))
+
+
+@main.command()
+@pass_repo
+def repack(repo: Repo) -> None:
+    """Re-encode every kept object with the current settings: newest commits whole, older ones deltas."""
+    r = repo.repack()
+    if r.upgraded:
+        click.echo("upgraded the repository to format version 2")
+    click.echo(
+        f"repacked {r.objects} object(s): rewrote {r.rewritten}, {r.deltas} now deltas; "
+        f"{human(r.bytes_before)} -> {human(r.bytes_after)}"
+    )
+
+
+_SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth")
+
+
+@main.command(name="config")
+@click.argument("key", required=False, type=click.Choice(_SETTINGS))
+@click.argument("value", required=False, type=int)
+@pass_repo
+def config_command(repo: Repo, key: str | None, value: int | None) -> None:
+    """Show the repository settings, or set KEY to VALUE (applies to objects written later)."""
+    from dataclasses import replace
+
+    if key is None:
+        for name in ("version", *_SETTINGS):
+            click.echo(f"{name} = {getattr(repo.config, name)}")
+        return
+    if value is None:
+        click.echo(getattr(repo.config, key))
+        return
+    if key == "max_delta_depth" and repo.config.version < 2:
+        raise InvalidInputError("a version-1 repository has no deltas; run 'ckstore repack' to upgrade it first")
+    repo.set_config(replace(repo.config, **{key: value}))
+    click.echo(f"{key} = {value}")
 
 
 @main.command()

@@ -12,9 +12,39 @@ from .errors import CkstoreError
 from .ids import ObjectId
 from .pipeline import ordered_map
 from .refs import HEADS, LOCK_SUFFIX, TAGS
+from .store import MAX_CHAIN_DEPTH
 
 if TYPE_CHECKING:
     from .repo import Repo
+
+
+def _check_bases(repo: Repo, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]]) -> list[str]:
+    """Every delta's base exists and its chain ends in a whole object within the depth limit."""
+    problems: list[str] = []
+    depth_of: dict[str, int] = {}  # objects whose chain is known to be sound
+    for start in chunks:
+        chain: list[str] = []
+        oid: str | None = start
+        while oid is not None and oid not in depth_of:
+            if oid in chain or len(chain) > MAX_CHAIN_DEPTH:
+                problems.append(f"object {start} ({needed[start][1]}): delta chain is cyclic or longer than "
+                                f"{MAX_CHAIN_DEPTH}")
+                break
+            if oid not in present:
+                problems.append(f"object {chain[-1]} is a delta of missing object {oid} ({needed[start][1]})")
+                break
+            chain.append(oid)
+            try:
+                oid = repo.store.base_of(oid)
+            except CkstoreError as exc:
+                problems.append(str(exc))
+                break
+        else:
+            depth = depth_of.get(oid, -1) if oid is not None else -1
+            for link in reversed(chain):
+                depth += 1
+                depth_of[link] = depth
+    return problems
 
 
 def check(repo: Repo, read_data: bool = False) -> list[str]:
@@ -23,7 +53,7 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
         pruned = repo.pruned()
     except CkstoreError as exc:
         problems.append(str(exc))
-        pruned = set()
+        pruned = {}
     try:
         repo.refs.head_branch()
     except CkstoreError as exc:
@@ -62,10 +92,13 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
                 todo.append((ObjectId(base_id), f"overlay commit {oid[:12]}"))  # type: ignore[arg-type]
             elif not repo.store.has(base_id):  # type: ignore[arg-type]
                 problems.append(f"commit {oid}: base commit {base_id} in {commit.base['repo']} is unreachable")
-        for parent in commit.parents:
+        parents = list(commit.parents)
+        while parents:
+            parent = parents.pop()
             if parent in pruned:
-                continue
-            todo.append((parent, f"commit {oid[:12]}"))
+                parents.extend(pruned[parent])  # walk on to the older commits gc kept
+            elif parent not in seen:
+                todo.append((parent, f"commit {oid[:12]}"))
         for f in commit.files:
             for chunk in f.header + f.chunks:
                 needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}"))
@@ -77,6 +110,7 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
     for oid, (_, where) in sorted(needed.items()):
         if oid not in present and not repo.store.has(oid):
             problems.append(f"object {oid} is missing ({where})")
+    problems.extend(_check_bases(repo, [oid for oid in sorted(needed) if oid in present], present, needed))
 
     if read_data:
         def verify(oid: str) -> str | None:

@@ -53,8 +53,13 @@ def log(repo: Repo, ref: str | None = None) -> list[LogEntry]:
         _, oid = heapq.heappop(heap)
         commit = repo.read_commit(oid)
         gone = []
-        for parent in commit.parents:
-            if parent in pruned or not repo.store.has(parent):
+        todo = list(commit.parents)
+        while todo:
+            parent = todo.pop(0)
+            if parent in pruned:
+                gone.append(parent)
+                todo.extend(pruned[parent])  # older kept commits stay in the history
+            elif not repo.store.has(parent):
                 gone.append(parent)
             elif parent not in seen:
                 seen.add(parent)

@@ -10,7 +10,7 @@ tensor yields the same chunks wherever it sits in the file.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -18,11 +18,33 @@ from typing import BinaryIO
 from .errors import InvalidInputError, InvalidPathError, SafetensorsFormatError, StorageError
 from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
-from .safetensors_format import SafetensorsLayout, header_length, parse_header
+from .safetensors_format import DTYPE_BITS, SafetensorsLayout, header_length, parse_header
 from .store import ObjectStore, PutResult
 
 Progress = Callable[[int], None]
 SAFETENSORS_SUFFIX = ".safetensors"
+# Where a chunk sits in a commit: (file path, tensor name or None for a plain file).
+Position = tuple[str, str | None]
+ParentChunks = Mapping[Position, Sequence[ChunkRef]]
+# Complex numbers are pairs of floats: group by the float, whose exponent byte repeats.
+_WIDTH_OVERRIDES = {"C64": 4}
+
+
+def element_width(dtype: str) -> int:
+    """Bytes per element for byte grouping (1 for sub-byte and byte-wide dtypes)."""
+    return _WIDTH_OVERRIDES.get(dtype, max(1, DTYPE_BITS.get(dtype, 8) // 8))
+
+
+def parent_chunks(files: Sequence[FileEntry]) -> dict[Position, Sequence[ChunkRef]]:
+    """The chunk lists of a commit by position: the delta base candidates for its child."""
+    out: dict[Position, Sequence[ChunkRef]] = {}
+    for f in files:
+        if f.kind == "safetensors":
+            for t in f.tensors:
+                out[(f.path, t.name)] = t.chunks
+        else:
+            out[(f.path, None)] = f.chunks
+    return out
 
 
 @dataclass(frozen=True)
@@ -138,12 +160,12 @@ class _Plan:
     segments: list[list[ChunkRef]]
 
 
-def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, bytes | memoryview]]:
+def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, int, bytes | memoryview]]:
     for p_index, plan in enumerate(plans):
         if isinstance(plan.source, MemoryFile):
             for s_index, buffer in enumerate(plan.source.segments):
-                for offset in range(0, len(buffer), chunk_size):
-                    yield p_index, s_index, buffer[offset : offset + chunk_size]
+                for c_index, offset in enumerate(range(0, len(buffer), chunk_size)):
+                    yield p_index, s_index, c_index, buffer[offset : offset + chunk_size]
             continue
         name = str(plan.source.source)
         try:
@@ -154,18 +176,33 @@ def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, bytes
                     base = plan.layout.data_offset
                     spans = [(0, base)] + [(base + t.begin, t.nbytes) for t in plan.layout.tensors]
                 for s_index, (offset, length) in enumerate(spans):
-                    for piece in _pieces(f, offset, length, chunk_size, name):
-                        yield p_index, s_index, piece
+                    for c_index, piece in enumerate(_pieces(f, offset, length, chunk_size, name)):
+                        yield p_index, s_index, c_index, piece
                 if f.read(1):
                     raise InvalidInputError(f"{name} changed while being committed (it got longer)")
         except OSError as exc:
             raise StorageError(f"cannot read {name}: {exc.strerror}") from None
 
 
+def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position | None]:
+    """Element width and delta position of the chunks of one segment of a file."""
+    if plan.layout is None:
+        return 1, (plan.source.path, None)
+    if s_index == 0:
+        return 1, None  # the header: unchanged headers dedup, changed ones are small
+    tensor = plan.layout.tensors[s_index - 1]
+    return element_width(tensor.dtype), (plan.source.path, tensor.name)
+
+
 def ingest(
-    store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None
+    store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
+    parent: ParentChunks | None = None,
 ) -> tuple[list[FileEntry], int]:
-    """Store every chunk of ``sources``; return their manifest entries and the bytes added."""
+    """Store every chunk of ``sources``; return their manifest entries and the bytes added.
+
+    ``parent`` (the parent commit's chunks by position) offers each chunk the chunk at the same
+    index of the same tensor in the parent as a delta base.
+    """
     plans = []
     for source in sources:
         layout = None
@@ -183,9 +220,15 @@ def ingest(
             segments = [[]]
         plans.append(_Plan(source, layout, segments))
 
-    def put(job: tuple[int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
-        p_index, s_index, piece = job
-        return p_index, s_index, len(piece), store.put_chunk(piece)
+    def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
+        p_index, s_index, c_index, piece = job
+        width, position = _chunk_kind(plans[p_index], s_index)
+        base = None
+        if parent is not None and position is not None:
+            old = parent.get(position, ())
+            if c_index < len(old) and old[c_index].size == len(piece):
+                base = old[c_index].id
+        return p_index, s_index, len(piece), store.put_chunk(piece, width, base)
 
     added = 0
     for p_index, s_index, length, result in ordered_map(put, _jobs(plans, chunk_size)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,21 +34,23 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .ids import ObjectId, is_id_prefix, is_object_id
-from .ingest import MemoryFile, SourceFile, collect_sources, ingest
 from .gc import GcReport, collect_garbage
 from .history import LogEntry, Stats, TensorChange
+from .ingest import MemoryFile, ParentChunks, SourceFile, collect_sources, ingest, parent_chunks
 from .manifest import Commit, FileEntry, decode_commit, encode_commit, parse_json
 from .refs import HEADS, TAGS, RefStore, check_ref_name
 from .retention import RetentionPolicy, best
-from .store import ObjectStore
+from .store import EncodingSettings, ObjectStore
 from .values import encode_value
 
 CONFIG_KEY = "config.json"
 PRUNED_KEY = "pruned"
-REPO_FORMAT_VERSION = 1
+REPO_FORMAT_VERSION = 2  # 2: byte-grouped and delta chunk encodings (docs/format.md)
 DEFAULT_DIR = ".ckstore"
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 3
+DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
+MAX_DELTA_DEPTH_LIMIT = 16
 LOCK_TIMEOUT = 600.0
 _SUFFIX = re.compile(r"~(\d*)$|\^$")
 
@@ -66,11 +68,21 @@ ProgressFactory = Callable[[int, str], ProgressBar]
 class RepoConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     zstd_level: int = DEFAULT_ZSTD_LEVEL
+    max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH
+    # A version-1 repository stays version 1 (raw and zstd objects only, so older ckstore can
+    # still read it) until repack upgrades it.
+    version: int = REPO_FORMAT_VERSION
 
     def to_json(self) -> bytes:
-        doc = {"ckstore": "repository", "version": REPO_FORMAT_VERSION,
-               "chunk_size": self.chunk_size, "zstd_level": self.zstd_level}
+        doc: dict[str, Any] = {"ckstore": "repository", "version": self.version,
+                               "chunk_size": self.chunk_size, "zstd_level": self.zstd_level}
+        if self.version >= 2:
+            doc["max_delta_depth"] = self.max_delta_depth
         return (json.dumps(doc, indent=2) + "\n").encode()
+
+    @property
+    def encoding(self) -> EncodingSettings:
+        return EncodingSettings(self.zstd_level, self.max_delta_depth if self.version >= 2 else 0, self.version)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> RepoConfig:
@@ -86,7 +98,8 @@ class RepoConfig:
                 f"repository format version {version} is newer than this ckstore supports ({REPO_FORMAT_VERSION});"
                 " upgrade ckstore"
             )
-        config = cls(doc.get("chunk_size"), doc.get("zstd_level"))  # type: ignore[arg-type]
+        depth = doc.get("max_delta_depth", 0 if version == 1 else DEFAULT_MAX_DELTA_DEPTH)
+        config = cls(doc.get("chunk_size"), doc.get("zstd_level"), depth, version)  # type: ignore[arg-type]
         config.validate(where)
         return config
 
@@ -95,6 +108,10 @@ class RepoConfig:
             raise InvalidInputError(f"{where}: chunk_size must be between 4 KiB and 256 MiB")
         if not isinstance(self.zstd_level, int) or not 1 <= self.zstd_level <= 22:
             raise InvalidInputError(f"{where}: zstd_level must be between 1 and 22")
+        if not isinstance(self.max_delta_depth, int) or not 0 <= self.max_delta_depth <= MAX_DELTA_DEPTH_LIMIT:
+            raise InvalidInputError(f"{where}: max_delta_depth must be between 0 and {MAX_DELTA_DEPTH_LIMIT}")
+        if self.version not in (1, 2):
+            raise UnsupportedFormatError(f"{where}: unknown repository format version {self.version}")
 
 
 def _now() -> str:
@@ -126,7 +143,7 @@ class Repo:
         except KeyError:
             raise RepoNotFoundError(f"no ckstore repository at {path}") from None
         self.config = RepoConfig.from_json(config_bytes, backend.describe(CONFIG_KEY))
-        self.store = ObjectStore(backend, self.config.zstd_level)
+        self.store = ObjectStore(backend, settings=self.config.encoding)
         self.refs = RefStore(backend)
         self._commits: dict[str, Commit] = {}
         self.base_repos: list[Repo] = []
@@ -153,9 +170,12 @@ class Repo:
     @classmethod
     def init(
         cls, path: str | os.PathLike[str] = DEFAULT_DIR, *, chunk_size: int | None = None,
-        zstd_level: int | None = None, backend: Backend | None = None,
+        zstd_level: int | None = None, max_delta_depth: int | None = None, backend: Backend | None = None,
     ) -> Repo:
-        config = RepoConfig(chunk_size or DEFAULT_CHUNK_SIZE, zstd_level or DEFAULT_ZSTD_LEVEL)
+        config = RepoConfig(
+            chunk_size or DEFAULT_CHUNK_SIZE, zstd_level or DEFAULT_ZSTD_LEVEL,
+            DEFAULT_MAX_DELTA_DEPTH if max_delta_depth is None else max_delta_depth,
+        )
         config.validate()
         if backend is None:
             root = Path(path)
@@ -221,19 +241,24 @@ class Repo:
         if not self.refs.delete(TAGS + check_ref_name(name, "tag name")):
             raise RefNotFoundError(f"no tag {name!r}")
 
-    def pruned(self) -> set[ObjectId]:
-        """Commits that gc deleted on purpose; history shows them as pruned, fsck accepts them."""
+    def pruned(self) -> dict[ObjectId, tuple[ObjectId, ...]]:
+        """Commits gc deleted on purpose, each with its parents (so history stays connected
+        through it to older kept commits); log shows them as pruned and fsck accepts them."""
         try:
             text = self.backend.get(PRUNED_KEY).decode("ascii", "replace")
         except KeyError:
-            return set()
-        ids = text.split()
-        if not all(is_object_id(i) for i in ids):
-            raise IntegrityError(f"{self.backend.describe(PRUNED_KEY)} is corrupt")
-        return {ObjectId(i) for i in ids}
+            return {}
+        out: dict[ObjectId, tuple[ObjectId, ...]] = {}
+        for line in text.splitlines():
+            ids = line.split(" ")
+            if not all(is_object_id(i) for i in ids):
+                raise IntegrityError(f"{self.backend.describe(PRUNED_KEY)} is corrupt")
+            out[ObjectId(ids[0])] = tuple(ObjectId(i) for i in ids[1:])
+        return out
 
-    def write_pruned(self, ids: Iterable[str]) -> None:
-        self.backend.replace(PRUNED_KEY, "".join(f"{i}\n" for i in sorted(set(ids))).encode())
+    def write_pruned(self, pruned: Mapping[str, Sequence[str]]) -> None:
+        lines = "".join(" ".join([oid, *pruned[oid]]) + "\n" for oid in sorted(pruned))
+        self.backend.replace(PRUNED_KEY, lines.encode())
 
     def resolve(self, spec: str) -> ObjectId:
         """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, or any of these + ``~N``/``^``."""
@@ -371,20 +396,49 @@ class Repo:
         progress: ProgressFactory | None, state: Mapping[str, str] | None = None,
         base: tuple[ObjectId, str | None] | None = None,
     ) -> str:
+        base_commit = self.read_commit(base[0]) if base is not None else None
         with self.backend.repo_lock(exclusive=False, timeout=LOCK_TIMEOUT):
             bar = progress(sum(s.size for s in sources), "commit") if progress else None
+            # An overlay's tensors are delta-encoded against its base's, others against the parent's.
+            hints = (parent_chunks(base_commit.files) if base_commit and self.config.encoding.max_delta_depth
+                     else self._parent_chunks(branch))
             try:
-                files, added = ingest(self.store, sources, self.config.chunk_size, bar.update if bar else None)
+                files, added = ingest(
+                    self.store, sources, self.config.chunk_size, bar.update if bar else None, parent=hints,
+                )
             finally:
                 if bar:
                     bar.close()
             base_record = None
-            if base is not None:
+            if base is not None and base_commit is not None:
                 from .overlay import merge_files
 
-                files = merge_files(self.read_commit(base[0]), files)
+                files = merge_files(base_commit, files)
                 base_record = {"commit": base[0], "repo": base[1]}
             return self.record_commit(files, added, message, branch, meta, state, base_record)
+
+    def _parent_chunks(self, branch: str) -> ParentChunks | None:
+        """The branch tip's chunks by position: delta base candidates for the new commit."""
+        tip = self.refs.read(HEADS + branch)
+        if tip is None or self.config.encoding.max_delta_depth == 0:
+            return None
+        try:
+            return parent_chunks(self.read_commit(tip).files)
+        except IntegrityError:
+            return None  # a damaged parent only costs compression
+
+    def set_config(self, config: RepoConfig) -> None:
+        """Replace the repository settings (they apply to objects written from now on)."""
+        config.validate()
+        self.backend.replace(CONFIG_KEY, config.to_json())
+        self.config = config
+        self.store.settings = config.encoding
+        self.store.zstd_level = config.zstd_level
+
+    def repack(self, **kwargs: Any) -> Any:
+        from .repack import repack
+
+        return repack(self, **kwargs)
 
     @staticmethod
     def encode_metadata(metadata: Mapping[str, Any] | None) -> Any:
@@ -510,17 +564,17 @@ class Repo:
         return history.diff(self, a, b)
 
     def reachable_commits(self) -> list[ObjectId]:
-        """Every commit reachable from a branch or tag (pruned ancestors excluded)."""
+        """Every commit reachable from a branch or tag, walking through pruned commits' parents."""
         pruned = self.pruned()
         todo = [*self.branches().values(), *self.tags().values()]
         seen: set[ObjectId] = set()
         while todo:
             oid = todo.pop()
-            if oid in seen or oid in pruned:
+            if oid in seen:
                 continue
             seen.add(oid)
-            todo.extend(p for p in self.read_commit(oid).parents if p not in pruned)
-        return sorted(seen)
+            todo.extend(pruned[oid] if oid in pruned else self.read_commit(oid).parents)
+        return sorted(oid for oid in seen if oid not in pruned)
 
     def stats(self) -> Stats:
         """Logical bytes over all commits, bytes stored, and counts."""
@@ -528,11 +582,14 @@ class Repo:
 
     def gc(
         self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
-        maximize: bool = False, keep_every: int | None = None, dry_run: bool = False,
+        maximize: bool = False, keep_every: int | None = None, dry_run: bool = False, repack: bool = False,
     ) -> GcReport:
-        """Delete commits outside the retention policy (if any) and every object no kept commit needs."""
+        """Delete commits outside the retention policy (if any) and every object no kept commit needs.
+
+        With ``repack``, kept objects are re-encoded first (newest commits whole, older ones deltas).
+        """
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
-        return collect_garbage(self, policy, dry_run=dry_run)
+        return collect_garbage(self, policy, dry_run=dry_run, repack=repack)
 
     def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
         """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""

@@ -1,9 +1,12 @@
 """The object store: chunks and commit manifests by name, over a storage backend.
 
 Objects live under ``objects/<first two hex digits>/<remaining 62>``. Writes are put-if-absent
-(an object that exists is never rewritten: same name, same content). Every read decodes within
+(an object that exists is never rewritten by a commit: same name, same content); only repack
+replaces an object, atomically, with another encoding of the same bytes. Every read decodes within
 the size the caller expects and re-hashes the result against the name, so corrupt data raises
-IntegrityError instead of flowing on.
+IntegrityError instead of flowing on. A delta's base is read the same way (decoded and
+verified), recursively, at most ``MAX_CHAIN_DEPTH`` deep, so a cycle or an overlong chain in a
+damaged repository is an IntegrityError, not a hang.
 """
 
 from __future__ import annotations
@@ -12,12 +15,32 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .backend.base import Backend
-from .codec import Kind, decode, encode, parse_header
-from .errors import IntegrityError, ObjectMissingError
+from .codec import (
+    BASE_ID_SIZE,
+    ENCODINGS_BY_REPO_VERSION,
+    HEADER_SIZE,
+    Encoding,
+    Kind,
+    decode,
+    delta_base,
+    encode,
+    encode_chunk,
+    parse_header,
+)
+from .errors import CkstoreError, IntegrityError, ObjectMissingError
 from .ids import ObjectId, chunk_id, commit_id, is_object_id
 
 MAX_CHUNK_SIZE = 1 << 28
 MAX_COMMIT_SIZE = 1 << 30
+# Hard limit on the delta chain a reader follows (docs/format.md): far above the largest
+# configurable max_delta_depth (16), so an interrupted repack (whose chains can briefly reach
+# 2 * depth + 1) still reads, while a cycle in a damaged repository stops quickly.
+MAX_CHAIN_DEPTH = 64
+_PREFIX = HEADER_SIZE + BASE_ID_SIZE
+
+
+class _BaseError(IntegrityError):
+    """A delta base failed to decode; its message already names the base and the chain."""
 
 
 def object_key(oid: str) -> str:
@@ -30,10 +53,24 @@ class PutResult:
     stored: int  # bytes this put added to the store (0 when the object existed)
 
 
+@dataclass(frozen=True)
+class EncodingSettings:
+    """How new chunk objects are encoded (repository settings, see repo.RepoConfig)."""
+
+    zstd_level: int = 3
+    max_delta_depth: int = 0  # 0: never a delta
+    repo_version: int = 2
+
+    @property
+    def allowed(self) -> frozenset[Encoding]:
+        return ENCODINGS_BY_REPO_VERSION[self.repo_version]
+
+
 class ObjectStore:
-    def __init__(self, backend: Backend, zstd_level: int = 3) -> None:
+    def __init__(self, backend: Backend, zstd_level: int = 3, settings: EncodingSettings | None = None) -> None:
         self.backend = backend
-        self.zstd_level = zstd_level
+        self.settings = settings or EncodingSettings(zstd_level=zstd_level, repo_version=1)
+        self.zstd_level = self.settings.zstd_level
         # Base repositories' stores (overlays): reads fall through to them, and an object one of
         # them holds is referenced, never copied. Writes and deletes stay local.
         self.alternates: list[ObjectStore] = []
@@ -54,11 +91,66 @@ class ObjectStore:
         data = encode(raw, kind, self.zstd_level)
         return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
 
-    def put_chunk(self, raw: bytes | memoryview) -> PutResult:
-        return self._put(chunk_id(raw), raw, Kind.CHUNK)
+    def put_chunk(self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None) -> PutResult:
+        """Store a chunk of elements ``width`` bytes wide; ``base_id`` is a delta base candidate
+        (the same chunk in the parent commit), used when its chain leaves room for one more."""
+        oid = chunk_id(raw)
+        key = object_key(oid)
+        if self.has(oid):
+            return PutResult(oid, 0)
+        data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
+        return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
+
+    def encode_chunk(self, raw: bytes | memoryview, width: int, base_id: str | None) -> bytes:
+        base = None
+        if base_id is not None and self.settings.max_delta_depth > 0 and Encoding.DELTA in self.settings.allowed:
+            base = self._delta_base(base_id, len(raw))
+        return encode_chunk(
+            raw, self.settings.zstd_level, width, base_id if base is not None else None, base,
+            allowed=self.settings.allowed,
+        )
+
+    def _delta_base(self, base_id: str, size: int) -> bytes | None:
+        """The base's raw bytes when a delta against it stays within max_delta_depth, else None.
+
+        A base that is missing or damaged only costs compression: the chunk is stored whole.
+        """
+        try:
+            depth = self.chain_depth(base_id)
+            if depth + 1 > self.settings.max_delta_depth:
+                return None
+            return self.get_chunk(base_id, size)
+        except CkstoreError:
+            return None
+
+    def chain_depth(self, oid: str) -> int:
+        """How many delta steps stand between an object and a whole one (0: not a delta)."""
+        depth = 0
+        while (oid := self.base_of(oid)) is not None:  # type: ignore[assignment]
+            depth += 1
+            if depth > MAX_CHAIN_DEPTH:
+                raise IntegrityError(f"delta chain through object {oid} is longer than {MAX_CHAIN_DEPTH}")
+        return depth
+
+    def base_of(self, oid: str) -> ObjectId | None:
+        """The base a stored object is a delta of (None when it is whole); reads only its header."""
+        prefix = self._read_prefix(oid, _PREFIX)
+        try:
+            base = delta_base(prefix)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
+        return None if base is None else ObjectId(base)
 
     def put_commit(self, manifest: bytes) -> PutResult:
         return self._put(commit_id(manifest), manifest, Kind.COMMIT)
+
+    def replace_chunk(self, oid: str, data: bytes) -> None:
+        """Atomically swap a chunk object for another encoding of the same bytes (repack)."""
+        self.backend.replace(object_key(oid), data)
+
+    def read_raw(self, oid: str) -> bytes:
+        """The stored (encoded) bytes of an object."""
+        return self._read(oid, "")
 
     def _read(self, oid: str, context: str) -> bytes:
         try:
@@ -71,11 +163,42 @@ class ObjectStore:
                     continue
             raise ObjectMissingError(f"object {oid} is missing{context}") from None
 
-    def get_chunk(self, oid: str, size: int, context: str = "") -> bytes:
-        """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""
-        data = self._read(oid, context)
+    def _read_prefix(self, oid: str, n: int) -> bytes:
+        """The first ``n`` stored bytes of an object (its header), here or in a base repository."""
         try:
-            raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size)
+            return self.backend.get_prefix(object_key(oid), n)
+        except KeyError:
+            for alt in self.alternates:
+                try:
+                    return alt._read_prefix(oid, n)
+                except ObjectMissingError:
+                    continue
+            raise ObjectMissingError(f"object {oid} is missing") from None
+
+    def get_chunk(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes:
+        """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""
+        if _depth > MAX_CHAIN_DEPTH:
+            raise IntegrityError(f"object {oid}{context} is corrupt: delta chain longer than {MAX_CHAIN_DEPTH}")
+        return self._decode_chunk(oid, self._read(oid, context), size, context, _depth)
+
+    def check_encoded(self, oid: str, data: bytes, size: int) -> None:
+        """Raise IntegrityError unless ``data`` decodes to the bytes named ``oid`` (repack)."""
+        self._decode_chunk(oid, data, size, " (re-encoded)", 0)
+
+    def _decode_chunk(self, oid: str, data: bytes, size: int, context: str, _depth: int) -> bytes:
+        def fetch_base(base_id: str, length: int) -> bytes:
+            where = f" (delta base of {oid}{context})"
+            try:
+                return self.get_chunk(base_id, length, where, _depth + 1)
+            except _BaseError:
+                raise
+            except IntegrityError as exc:
+                raise _BaseError(str(exc)) from None  # already names the base and this object
+
+        try:
+            raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
+        except _BaseError as exc:
+            raise IntegrityError(str(exc)) from None
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
         if chunk_id(raw) != oid:
@@ -93,13 +216,12 @@ class ObjectStore:
         return raw
 
     def kind(self, oid: str) -> Kind:
-        return parse_header(self._read(oid, "")).kind
+        return parse_header(self._read_prefix(oid, HEADER_SIZE)).kind
 
     def verify(self, oid: str) -> None:
         """Decode and re-hash any object, whatever its kind (fsck --read-data)."""
-        data = self._read(oid, "")
         try:
-            header = parse_header(data)
+            header = parse_header(self._read_prefix(oid, HEADER_SIZE))
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
         if header.kind == Kind.COMMIT:

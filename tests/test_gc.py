@@ -56,7 +56,8 @@ def test_keep_last_frees_disk_and_keeps_tags(repo: Repo, tmp_path: Path) -> None
     assert after.objects == before.objects - report.deleted_objects
     assert not repo.store.has(c1)
     log = repo.log()
-    assert [e.id for e in log] == [c2] and log[0].pruned_parents == (c1,)
+    # History stays connected through the pruned commit to the older tagged one.
+    assert [e.id for e in log] == [c2, c0] and log[0].pruned_parents == (c1,)
     with pytest.raises(RefNotFoundError, match="pruned"):
         repo.resolve("main~1")
     assert repo.fsck(read_data=True) == []
@@ -67,7 +68,7 @@ def test_keep_last_frees_disk_and_keeps_tags(repo: Repo, tmp_path: Path) -> None
     # History stays readable after further commits and gcs.
     c3 = repo.commit(checkpoint(tmp_path / "ep3" / "ckpt.safetensors", seed=3))
     repo.gc()
-    assert [e.id for e in repo.log()] == [c3, c2] and repo.log()[1].pruned_parents == (c1,)
+    assert [e.id for e in repo.log()] == [c3, c2, c0] and repo.log()[1].pruned_parents == (c1,)
     assert repo.fsck(read_data=True) == []
 
 

@@ -77,6 +77,14 @@ class Backend(ABC):
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 
+    def get_prefix(self, key: str, n: int) -> bytes:
+        """The first ``n`` bytes of a value (fewer if it is shorter); KeyError when absent.
+
+        gc and fsck read only object headers to follow delta bases; backends that can read a
+        range cheaply should override this.
+        """
+        return self.get(key)[:n]
+
     def describe(self, key: str) -> str:
         """Where a key lives, for error messages."""
         return key

