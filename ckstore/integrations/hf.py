@@ -1,0 +1,84 @@
+"""Hugging Face Trainer: commit model, optimizer, scheduler, trainer state and RNG to ckstore.
+
+    from ckstore.integrations.hf import CkstoreCallback
+    trainer = Trainer(..., callbacks=[CkstoreCallback("ckpts/.ckstore", branch="run1")])
+
+The callback commits on every Trainer save (``on="save"``, following ``save_strategy``) or at the
+end of every epoch (``on="epoch"``), with metadata ``epoch``, ``step`` (global step) and the
+newest logged metrics (``loss``, ``eval_loss``…), so ``ckstore best eval_loss`` and
+``ckstore gc --keep-best 3 --metric eval_loss`` work. Trainer still writes its own output_dir
+checkpoints when ``save_strategy`` says so; with ``on="epoch"`` and ``save_strategy="no"`` ckstore
+is the only checkpoint store. ``restore(repo, ref, model, optimizer, scheduler)`` loads one back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidInputError, MissingDependencyError
+from ..repo import Repo
+from ..state import rng_state, set_rng_state
+from . import plain, scalar_metrics
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - depends on what is installed
+    raise MissingDependencyError("ckstore.integrations.hf needs transformers: pip install transformers") from None
+
+
+class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
+    """Commit the training state to ckstore on Trainer saves or at epoch ends."""
+
+    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None, on: str = "save") -> None:
+        if on not in ("save", "epoch"):
+            raise InvalidInputError("on must be 'save' or 'epoch'")
+        root = None if isinstance(repo, Repo) else Path(repo)
+        self.repo = repo if isinstance(repo, Repo) else (Repo(root) if root.exists() else Repo.init(root))  # type: ignore[arg-type]
+        self.branch = branch
+        self.on = on
+        self.commits: list[str] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.on == "save" and state.is_world_process_zero:
+            self._commit(state, kwargs)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.on == "epoch" and state.is_world_process_zero:
+            self._commit(state, kwargs)
+
+    def _commit(self, state: Any, parts: dict[str, Any]) -> None:
+        model, optimizer, scheduler = parts.get("model"), parts.get("optimizer"), parts.get("lr_scheduler")
+        if model is None:
+            raise InvalidInputError("the Trainer passed no model to the callback")
+        snapshot: dict[str, Any] = {"model": model.state_dict(), "rng": rng_state(),
+                                    "trainer_state": plain(dataclasses.asdict(state))}
+        if optimizer is not None:
+            snapshot["optimizer"] = optimizer.state_dict()
+        if scheduler is not None:
+            snapshot["scheduler"] = scheduler.state_dict()
+        metrics: dict[str, Any] = {}
+        for entry in state.log_history:  # newest value of every logged metric
+            metrics.update(entry)
+        metadata = {**scalar_metrics(metrics), "step": state.global_step}
+        if state.epoch is not None:
+            metadata["epoch"] = int(round(state.epoch)) if abs(state.epoch - round(state.epoch)) < 1e-9 else state.epoch
+        oid = self.repo.commit_state(snapshot, message=f"trainer step {state.global_step}", branch=self.branch,
+                                     metadata=metadata)
+        self.commits.append(oid)
+
+
+def restore(repo: Repo, ref: str, model: Any, optimizer: Any = None, scheduler: Any = None,
+            rng: bool = True) -> dict[str, Any]:
+    """Load the commit ``ref`` into ``model`` (and optimizer, scheduler, RNG); return the state."""
+    state = repo.load_state(ref)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if rng:
+        set_rng_state(state["rng"])
+    return state

@@ -1,0 +1,111 @@
+"""PyTorch Lightning: store every checkpoint the Trainer saves as a ckstore commit, without pickle.
+
+    from ckstore.integrations.lightning import CkstoreCheckpointIO
+    trainer = Trainer(plugins=[CkstoreCheckpointIO("ckpts/.ckstore", branch="run1")], ...)
+    trainer.fit(model, ckpt_path="last")          # resumes from the pointer file, as usual
+
+Lightning keeps deciding *when* to save and *which* files exist (ModelCheckpoint's top-k, "last",
+``ckpt_path=``); this plugin changes *what* a checkpoint file is. ``save_checkpoint`` commits the
+checkpoint dict with ``commit_state`` (metadata: ``epoch``, ``step`` = global step, and the score
+of every ModelCheckpoint that monitors a metric, under the metric's name) and writes, at the path
+Lightning chose, a small JSON pointer naming the commit. ``load_checkpoint`` accepts such a pointer
+file or any ckstore revision (commit id, branch, tag, ``main~2``). ``remove_checkpoint`` deletes
+only the pointer file: the commit stays in history, so ``ckstore best`` and retention still see
+it; free disk with ``ckstore gc --keep-last N`` / ``--keep-best N --metric NAME``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InvalidInputError, MissingDependencyError
+from ..repo import Repo
+from . import plain, scalar_metrics
+
+try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+    except ImportError:
+        raise MissingDependencyError(
+            "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning") from None
+
+POINTER_FORMAT = "ckstore-checkpoint"
+
+
+def write_pointer(path: str | os.PathLike[str], repo: Repo, commit: str) -> None:
+    """A small JSON file standing for ``commit``, written atomically where Lightning expects a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": POINTER_FORMAT, "commit": commit, "repo": str(repo.path) if repo.path else None}
+    tmp = target.with_name(target.name + ".ckstore-tmp")
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, target)
+
+
+def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The pointer written by ``write_pointer``, or None when ``path`` is not one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4097)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    try:
+        doc = json.loads(head) if len(head) <= 4096 else None
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT or not isinstance(doc.get("commit"), str):
+        raise InvalidInputError(f"{path} is not a ckstore checkpoint pointer (a torch.save file? ckstore never unpickles)")
+    return doc
+
+
+class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
+    """Lightning ``CheckpointIO`` that commits checkpoints to a ckstore repository."""
+
+    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None) -> None:
+        super().__init__()
+        self.repo = repo if isinstance(repo, Repo) else _open_or_init(repo)
+        self.branch = branch
+        self.last_commit: str | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not use storage_options, got {storage_options!r}")
+        metadata: dict[str, Any] = scalar_metrics({"epoch": checkpoint.get("epoch"), "step": checkpoint.get("global_step")})
+        for state in (checkpoint.get("callbacks") or {}).values():
+            # ModelCheckpoint(monitor=...) records the score this save is ranked by.
+            if isinstance(state, dict) and isinstance(state.get("monitor"), str) and "current_score" in state:
+                metadata.update(scalar_metrics({state["monitor"]: state["current_score"]}))
+        self.last_commit = self.repo.commit_state(
+            plain(checkpoint), message=f"lightning checkpoint {Path(path).name}", branch=self.branch,
+            metadata={**metadata, "checkpoint": Path(path).name},
+        )
+        write_pointer(path, self.repo, self.last_commit)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        # weights_only is about unpickling, which ckstore never does: every load is "weights only".
+        pointer = read_pointer(path)
+        ref = pointer["commit"] if pointer else str(path)
+        # A device (or its name) is honoured; remapping functions and dicts are torch.load's, for
+        # pickled storages, and do not apply: tensors are created on the CPU then.
+        device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
+        state = self.repo.load_state(ref, device=device)
+        if not isinstance(state, dict):
+            raise InvalidInputError(f"{ref} does not hold a Lightning checkpoint")
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the pointer file only; the commit remains until ``ckstore gc`` retention drops it."""
+        if read_pointer(path) is not None:
+            os.remove(path)
+
+
+def _open_or_init(path: str | os.PathLike[str]) -> Repo:
+    root = Path(path)
+    return Repo(root) if root.exists() else Repo.init(root)
