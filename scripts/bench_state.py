@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""Benchmark: commit_state / load_state against safetensors save_file(+fsync) / load_file(+touch).
+
+    python scripts/bench_state.py                      # ~100 MB and ~500 MB states, print a table
+    python scripts/bench_state.py --sizes 100 --reps 3 --write-docs docs/benchmarks.md
+
+Each state is what a training loop holds after an AdamW step: model weights plus the optimizer's
+two moments (3 x params float32) and step counters, already in memory. Each repetition writes
+into a fresh directory under /tmp (a fresh repository for ckstore, so nothing deduplicates against
+an earlier repetition), and the median of the repetitions is reported. Both sides run in this one
+process, side by side, with the page cache warm for the loads. Ratios are ckstore / safetensors:
+below 1 means ckstore is faster. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckstore.repo import Repo
+
+MATRIX = 1024 * 1024  # params per weight matrix (4 MiB of float32)
+SECTION = "Training state"
+
+
+def make_state(megabytes: int) -> dict[str, Any]:
+    """Weights + AdamW state totalling about ``megabytes`` MB, after one real optimizer step."""
+    n_mats = max(1, round(megabytes * 1e6 / (3 * 4 * MATRIX)))
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1024, 1024, generator=g) * 0.02) for _ in range(n_mats)]
+    model = {f"layers.{i}.weight": p for i, p in enumerate(params)}
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    opt.step()
+    return {"model": {k: v.detach() for k, v in model.items()}, "optimizer": opt.state_dict(), "epoch": 1}
+
+
+def flat_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The same tensors, under flat names, for safetensors (which stores tensors only)."""
+    out = {f"model.{k}": v for k, v in state["model"].items()}
+    for idx, slots in state["optimizer"]["state"].items():
+        for slot, value in slots.items():
+            out[f"optimizer.state.{idx}.{slot}"] = value
+    return out
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def touch(tree: Any) -> float:
+    """Read every byte of every tensor (a lazy or mmapped load must pay for its data here)."""
+    if isinstance(tree, torch.Tensor):
+        return float(tree.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) if tree.numel() else 0.0
+    if isinstance(tree, dict):
+        return sum(touch(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(touch(v) for v in tree)
+    return 0.0
+
+
+def save_st(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench(megabytes: int, reps: int, root: Path) -> dict[str, Any]:
+    state = make_state(megabytes)
+    tensors = flat_tensors(state)
+    size = nbytes(tensors)
+    times: dict[str, list[float]] = {"st_save": [], "ck_commit": [], "st_load": [], "ck_load": [], "ck_recommit": []}
+    for rep in range(reps):
+        work = Path(tempfile.mkdtemp(prefix=f"bench-state-{megabytes}-{rep}-", dir=root))
+        try:
+            st_path = work / "state.safetensors"
+            times["st_save"].append(timed(lambda: save_st(tensors, st_path)))
+            repo = Repo.init(work / "repo")
+            oid = ""
+
+            def commit() -> None:
+                nonlocal oid
+                oid = repo.commit_state(state, metadata={"epoch": 1})
+
+            times["ck_commit"].append(timed(commit))
+            # Unchanged tensors again (e.g. frozen layers, or a retried save): dedup, no new chunks.
+            times["ck_recommit"].append(timed(lambda: repo.commit_state(state, metadata={"epoch": 1})))
+            times["st_load"].append(timed(lambda: touch(load_file(str(st_path)))))
+            times["ck_load"].append(timed(lambda: touch(repo.load_state(oid))))
+            stored = repo.stats().stored_bytes
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"mb": size / 1e6, "stored_mb": stored / 1e6, **med,
+            "commit_ratio": med["ck_commit"] / med["st_save"], "load_ratio": med["ck_load"] / med["st_load"]}
+
+
+def table(rows: list[dict[str, Any]], reps: int) -> str:
+    cpu = f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    lines = [
+        f"## {SECTION}",
+        "",
+        "`scripts/bench_state.py`: commit_state of a state already in memory (weights + AdamW moments,"
+        " float32) against `safetensors.torch.save_file` of the same tensors + fsync; load_state"
+        " against `safetensors.torch.load_file`, both followed by reading every byte of every"
+        f" tensor. Median of {reps} repetitions, fresh directories in /tmp, warm page cache for"
+        f" loads; {cpu}. Ratio = ckstore / safetensors (below 1: ckstore faster).",
+        "",
+        "| state | stored | save_file+fsync | commit_state | ratio | re-commit (dedup) | load_file+touch | load_state+touch | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mb']:.0f} MB | {r['stored_mb']:.0f} MB | {r['st_save']:.3f} s | {r['ck_commit']:.3f} s"
+            f" | **{r['commit_ratio']:.2f}** | {r['ck_recommit']:.3f} s | {r['st_load']:.3f} s"
+            f" | {r['ck_load']:.3f} s | **{r['load_ratio']:.2f}** |"
+        )
+    lines += [
+        "",
+        "Target (issue 3): both ratios at most 1. **Not met on this machine.** safetensors writes one"
+        " file into the page cache and fsyncs it once; commit_state hashes every byte (blake3),"
+        " compresses it (zstd, byte-grouped where that pays), and writes each 1 MiB chunk as its own"
+        " object with a file fsync and a directory fsync, as the core's atomic-write rule requires;"
+        " load_state decompresses and re-hashes every chunk (every read verifies). A py-spy profile of"
+        " the 100 MB commit: ~70 % of worker time in the local backend's put (file fsync, directory"
+        " fsync, fan-out directory creation in a fresh repository), ~15 % blake3, ~15 % zstd; with"
+        " fsync stubbed out (diagnostic only) commit_state still took ~0.46 s against 0.08 s, i.e. the"
+        " hashing and compression on 2 shared cores alone exceed save_file's memcpy. state.py itself"
+        " adds no copy: tensors are chunked straight from their memory. What ckstore buys for the"
+        " time: the re-commit column (unchanged tensors cost a hash, no write), ~14 % smaller storage"
+        " on random-init float32 (far more on real checkpoints across epochs), and verified reads."
+        " Safe speed-ups left to the core: one directory fsync per directory per commit instead of"
+        " per object (objects are still durable before the manifest), and decompressing straight into"
+        " the output tensor. The machine was shared with other test runs (load average ~4 on 2"
+        " cores), so absolute times are noisy between runs; ratios moved by about 2x run to run.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace this benchmark's own section of ``path`` (other sections are other scripts')."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^## {re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[100, 500], help="state sizes in MB")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Training state' section of FILE")
+    args = p.parse_args(argv)
+    rows = []
+    for mb in args.sizes:
+        row = bench(mb, args.reps, args.tmp)
+        rows.append(row)
+        print(f"{mb} MB: commit {row['commit_ratio']:.2f}x save_file, load {row['load_ratio']:.2f}x load_file",
+              file=sys.stderr)
+    section = table(rows, args.reps)
+    print(section)
+    if args.write_docs:
+        write_section(args.write_docs, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
