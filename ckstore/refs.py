@@ -24,6 +24,7 @@ from .errors import (
     LockedError,
     RefChangedError,
     RefExistsError,
+    StorageError,
 )
 from .ids import ObjectId, is_object_id
 
@@ -122,7 +123,13 @@ class RefStore:
         lock = ref + LOCK_SUFFIX
         owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
         deadline = time.monotonic() + LOCK_WAIT
-        while not self.backend.create_exclusive(lock, owner):
+        while True:
+            try:
+                if self.backend.create_exclusive(lock, owner):
+                    break
+            except StorageError:
+                self._release(lock, owner)  # linked before the failure (fsync): must not outlive us
+                raise
             self._refuse_stale_lock(lock)
             if time.monotonic() >= deadline:
                 raise LockedError(f"ref {ref} is locked by another ckstore process; try again")
@@ -130,7 +137,20 @@ class RefStore:
         try:
             yield
         finally:
-            self.backend.delete(lock)
+            self._release(lock, owner)
+
+    def _release(self, lock: str, owner: bytes) -> None:
+        """Delete our own lock, trying twice: a leftover lock blocks the ref until a user acts."""
+        for attempt in (1, 2):
+            try:
+                if self.backend.get(lock) == owner:
+                    self.backend.delete(lock)
+                return
+            except KeyError:
+                return
+            except StorageError:
+                if attempt == 2:
+                    raise
 
     def _refuse_stale_lock(self, lock: str) -> None:
         try:
