@@ -110,7 +110,7 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
     for oid, (_, where) in sorted(needed.items()):
         if oid not in present and not repo.store.has(oid):
             problems.append(f"object {oid} is missing ({where})")
-    problems.extend(_check_bases(repo, [oid for oid in sorted(needed) if oid in present], present, needed))
+    chain_problems = _check_bases(repo, [oid for oid in sorted(needed) if oid in present], present, needed)
 
     if read_data:
         def verify(oid: str) -> str | None:
@@ -125,5 +125,11 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
             return None
 
         elsewhere = {oid for oid in needed if oid not in present and repo.store.has(oid)}  # in base repos
-        problems.extend(p for p in ordered_map(verify, sorted(present | elsewhere)) if p)
+        order = sorted(present | elsewhere)
+        failed = {oid: p for oid, p in zip(order, ordered_map(verify, order)) if p}
+        # A damaged object is reported once: its read failure names its file and tensor.
+        problems.extend(p for p in chain_problems if p.split(" ", 2)[1] not in failed)
+        problems.extend(failed.values())
+    else:
+        problems.extend(chain_problems)
     return problems
