@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .helpers import COUNTS
+from .scenarios import Template, build_template
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,3 +29,9 @@ def reliability_report() -> Iterator[None]:
     for key, value in COUNTS.items():
         doc[key] = doc.get(key, 0) + value
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="session")
+def small_template(tmp_path_factory: pytest.TempPathFactory) -> Template:
+    """Three small commits, a tag, a branch, a checkout target: copied afresh before every run."""
+    return build_template(tmp_path_factory.mktemp("small"), 1536, (1, 2, 3))

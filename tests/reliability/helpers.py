@@ -86,7 +86,7 @@ def _floats(seed: int, n: int) -> bytes:
 def checkpoint_bytes(seed: int, n: int = 1536) -> bytes:
     """A small checkpoint: one tensor shared by every seed (dedup), two that depend on ``seed``."""
     return st_bytes([
-        ("frozen.w", "F32", [n], _floats(-1, n)),
+        ("frozen.w", "F32", [n], _floats(1_000_003, n)),
         ("model.w", "F32", [n], _floats(seed, n)),
         ("model.b", "F16", [8, 4], random.Random(seed + 7).randbytes(64)),
     ], metadata={"seed": str(seed)})

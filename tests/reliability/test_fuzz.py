@@ -1,0 +1,296 @@
+"""Property and fuzz tests that the unit suites do not already cover.
+
+tests/test_codec.py, tests/test_manifest.py and tests/test_safetensors_format.py check that
+random mutations raise only ckstore's errors. Here: what a decoder *accepts* re-encodes to the
+same bytes (manifests, raw objects) or the same meaning (safetensors headers); the decoders
+stacked as a reader meets them (object codec, then manifest) let only ckstore errors escape; and
+a stateful test drives a repository through commit, branch, tag, gc with retention, corruption
+and checkout against an in-memory model of what every ref must check out.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ckstore.codec import HEADER, HEADER_SIZE, Encoding, Kind, decode, encode, parse_header
+from ckstore.errors import CkstoreError, IntegrityError, SafetensorsFormatError
+from ckstore.manifest import canonical_json, decode_commit, encode_commit
+from ckstore.repo import Repo
+from ckstore.safetensors_format import DTYPE_BITS, emit_header, parse_header as parse_st
+
+from .helpers import count, flip_bit, object_path, st_bytes, tree_digest
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ID = "ab" * 32
+
+
+def _manifest() -> dict[str, Any]:
+    return {
+        "ckstore": 1, "parents": [ID], "time": "2026-01-01T00:00:00.000000Z", "branch": "main",
+        "message": "m", "metadata": {"epoch": 3, "loss": 0.5}, "provenance": {"python": "3.11"},
+        "logical_bytes": 24, "added_bytes": 10, "state": None,
+        "files": [
+            {"path": "a/model.safetensors", "kind": "safetensors", "size": 16, "header": [[ID, 8]],
+             "tensors": [{"name": "w", "dtype": "F32", "shape": [2], "chunks": [[ID, 8]]}]},
+            {"path": "b.json", "kind": "blob", "size": 8, "chunks": [[ID, 8]]},
+        ],
+    }
+
+
+JSON_LEAVES = (st.none() | st.booleans() | st.integers(-3, 2**64) | st.floats(allow_nan=False, allow_infinity=False)
+               | st.text(max_size=6) | st.just(ID) | st.sampled_from(sorted(DTYPE_BITS)))
+JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+
+
+def _places(value: Any, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    if isinstance(value, dict):
+        for key, child in value.items():
+            out.append((value, key))
+            _places(child, out)
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            out.append((value, i))
+            _places(child, out)
+    return out
+
+
+@SETTINGS
+@given(st.data())
+def test_accepted_manifests_re_encode_to_the_same_bytes(data: st.DataObject) -> None:
+    doc = _manifest()
+    for _ in range(data.draw(st.integers(0, 3))):
+        container, key = data.draw(st.sampled_from(_places(doc, [])))
+        container[key] = data.draw(JSON_VALUES)
+    raw = canonical_json(doc)
+    try:
+        commit = decode_commit(raw)
+    except CkstoreError:
+        return
+    assert encode_commit(commit) == raw  # one meaning, one encoding: names stay stable
+    count("fuzz_manifests_accepted")
+
+
+@SETTINGS
+@given(st.binary(max_size=300), st.sampled_from(list(Kind)), st.data())
+def test_accepted_objects_decode_consistently(raw: bytes, kind: Kind, data: st.DataObject) -> None:
+    stored = bytearray(encode(raw, kind, 3))
+    for _ in range(data.draw(st.integers(0, 3))):
+        i = data.draw(st.integers(0, len(stored) - 1))
+        stored[i] = data.draw(st.integers(0, 255))
+    try:
+        out = decode(bytes(stored), kind, 1 << 20)
+    except IntegrityError:
+        return
+    header = parse_header(stored)
+    assert len(out) == header.raw_len and header.kind == kind
+    if header.encoding == Encoding.RAW:
+        assert bytes(stored) == HEADER.pack(b"CKSO", 1, kind, Encoding.RAW, 0, len(out)) + out
+    assert decode(encode(out, kind, 3), kind, 1 << 20) == out
+
+
+@SETTINGS
+@given(st.binary(max_size=200), st.data())
+def test_stacked_readers_let_only_ckstore_errors_escape(noise: bytes, data: st.DataObject) -> None:
+    """A stored commit object damaged anywhere: codec then manifest parser, as Repo.read_commit runs them."""
+    stored = bytearray(encode(canonical_json(_manifest()), Kind.COMMIT, 3))
+    mode = data.draw(st.sampled_from(["flip", "splice", "replace-body"]))
+    if mode == "flip":
+        i = data.draw(st.integers(0, len(stored) - 1))
+        stored[i] ^= 1 << data.draw(st.integers(0, 7))
+    elif mode == "splice":
+        i = data.draw(st.integers(0, len(stored)))
+        stored[i:i] = noise
+    else:
+        stored[HEADER_SIZE:] = noise
+        stored[8:16] = len(noise).to_bytes(8, "little")
+    try:
+        decode_commit(decode(bytes(stored), Kind.COMMIT, 1 << 30))
+    except CkstoreError:
+        pass
+
+
+TENSORS = st.lists(
+    st.tuples(st.text(st.characters(min_codepoint=0xA0, max_codepoint=0x2FF) | st.sampled_from("abc._"), min_size=1, max_size=4),
+              st.sampled_from(["F32", "U8", "BF16", "BOOL", "I64"]), st.lists(st.integers(0, 3), max_size=3)),
+    max_size=4, unique_by=lambda t: t[0],
+).filter(lambda ts: all(n != "__metadata__" for n, _, _ in ts))
+
+
+@SETTINGS
+@given(TENSORS, st.none() | st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2), st.data())
+def test_accepted_safetensors_headers_re_emit_to_the_same_layout(
+    tensors: list[tuple[str, str, list[int]]], metadata: dict[str, str] | None, data: st.DataObject
+) -> None:
+    header, offsets = emit_header(tensors, metadata)
+    size = len(header) + (offsets[-1][1] if offsets else 0)
+    mutated = bytearray(header)
+    if data.draw(st.booleans()) and len(mutated) > 8:
+        i = data.draw(st.integers(8, len(mutated) - 1))
+        mutated[i] = data.draw(st.sampled_from(b' {}[]",:0123456789abcdefFIU_'))
+    try:
+        layout = parse_st(bytes(mutated), size)
+    except SafetensorsFormatError:
+        return
+    again, _ = emit_header([(t.name, t.dtype, t.shape) for t in layout.tensors], layout.metadata)
+    relaid = parse_st(again, len(again) + (layout.file_size - layout.data_offset))
+    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in relaid.tensors] == \
+        [(t.name, t.dtype, t.shape, t.nbytes) for t in layout.tensors]
+    assert relaid.metadata == layout.metadata
+    if bytes(mutated) == header:
+        assert again == header  # canonical input re-encodes byte for byte
+
+
+# ---- the stateful test ---------------------------------------------------------------------
+
+
+class RepositoryMachine(RuleBasedStateMachine):
+    """Commit, branch, tag, gc with retention, corruption and checkout against a model.
+
+    Model: ``contents`` (commit -> file digests), ``parents``, ``refs`` (ref -> commit). gc with
+    ``keep_last`` keeps, per branch, the N newest commits of its first-parent chain plus every
+    tagged commit; refs never move. Until a corruption, fsck is clean and every live ref checks
+    out exactly what was committed; afterwards every ref either checks out exactly or fails with a
+    ckstore error, and fsck reports the damage.
+    """
+
+    commits = Bundle("commits")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = Path(tempfile.mkdtemp(prefix="ckstore-stateful-"))
+        self.repo = Repo.init(self.tmp / "repo", chunk_size=4096)
+        self.contents: dict[str, dict[str, str]] = {}
+        self.parents: dict[str, str | None] = {}
+        self.refs: dict[str, str] = {}
+        self.live: set[str] = set()
+        self.corrupted = False
+        self.n = 0
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @initialize(target=commits)
+    def first(self) -> str:
+        return self._commit("main", 0)
+
+    def _commit(self, branch: str, seed: int) -> str:
+        self.n += 1
+        src = self.tmp / f"src{self.n}"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(st_bytes([
+            ("shared", "U8", [300], bytes(300)),
+            ("w", "F32", [seed % 5 * 300], bytes([seed % 251]) * (seed % 5 * 1200)),
+        ]))
+        (src / "notes.txt").write_text(f"seed {seed}\n")
+        digest = tree_digest(src)
+        ref = f"refs/heads/{branch}"
+        oid = self.repo.commit([src], branch=branch)
+        shutil.rmtree(src)
+        self.parents[oid] = self.refs.get(ref)
+        self.contents.setdefault(oid, digest)
+        self.refs[ref] = oid
+        self.live.add(oid)
+        count("stateful_commits")
+        return oid
+
+    @rule(target=commits, branch=st.sampled_from(["main", "dev", "exp/a"]), seed=st.integers(0, 20))
+    def commit(self, branch: str, seed: int) -> str:
+        ref = f"refs/heads/{branch}"
+        assume(ref in self.refs or branch == "main")
+        return self._commit(branch, seed)
+
+    @rule(name=st.sampled_from(["dev", "exp/a", "exp/b"]), base=commits)
+    def branch(self, name: str, base: str) -> None:
+        assume(base in self.live and f"refs/heads/{name}" not in self.refs)
+        self.repo.create_branch(name, base)
+        self.refs[f"refs/heads/{name}"] = base
+
+    @rule(name=st.sampled_from(["v1", "v2", "rel/x"]), base=commits)
+    def tag(self, name: str, base: str) -> None:
+        assume(base in self.live and f"refs/tags/{name}" not in self.refs)
+        self.repo.create_tag(name, base)
+        self.refs[f"refs/tags/{name}"] = base
+
+    @precondition(lambda self: not self.corrupted)
+    @rule(keep_last=st.none() | st.integers(1, 3))
+    def gc(self, keep_last: int | None) -> None:
+        self.repo.gc(keep_last=keep_last)
+        if keep_last is None:
+            return
+        keep = {oid for ref, oid in self.refs.items() if ref.startswith("refs/tags/")}
+        for ref, tip in self.refs.items():
+            if ref.startswith("refs/heads/"):
+                oid: str | None = tip
+                for _ in range(keep_last):
+                    if oid is None or oid not in self.live:
+                        break
+                    keep.add(oid)
+                    oid = self.parents.get(oid)
+        self.live &= keep
+        count("stateful_gcs")
+
+    @precondition(lambda self: not self.corrupted)
+    @rule(which=st.integers(0, 10**6), where=st.integers(0, 10**6), bit=st.integers(0, 7))
+    def corrupt(self, which: int, where: int, bit: int) -> None:
+        # Ids depend on commit times, so draws are positions, not values (hypothesis replays them).
+        ids = sorted(self.repo.store.iter_ids())
+        oid = ids[which % len(ids)]
+        path = object_path(self.repo.path, oid)  # type: ignore[arg-type]
+        flip_bit(path, where % path.stat().st_size, bit)
+        try:
+            self.repo.store.verify(oid)
+        except CkstoreError:
+            self.corrupted = True
+            self.repo = Repo(self.repo.path)  # drop cached commits: readers see the damage
+            problems = self.repo.fsck(read_data=True)
+            assert problems and all(oid in p for p in problems), problems
+            count("stateful_corruptions")
+
+    @rule(target=commits, ref=st.sampled_from(["main", "dev", "exp/a", "v1", "v2", "rel/x"]))
+    def checkout(self, ref: str) -> str:
+        full = next((r for r in (f"refs/heads/{ref}", f"refs/tags/{ref}") if r in self.refs), None)
+        assume(full is not None)
+        oid = self.refs[full]  # type: ignore[index]
+        self._check_out(oid)
+        return oid
+
+    def _check_out(self, oid: str) -> None:
+        out = self.tmp / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            self.repo.checkout(oid, out)
+        except CkstoreError:
+            assert self.corrupted, f"checkout of {oid} failed on an undamaged repository"
+            return
+        assert tree_digest(out) == self.contents[oid]
+        count("stateful_checkouts")
+
+    @invariant()
+    def refs_match_the_model(self) -> None:
+        found = {**{f"refs/heads/{k}": v for k, v in self.repo.branches().items()},
+                 **{f"refs/tags/{k}": v for k, v in self.repo.tags().items()}}
+        assert found == self.refs
+
+    @invariant()
+    def fsck_clean_until_corruption(self) -> None:
+        if not self.corrupted:
+            assert self.repo.fsck(read_data=True) == []
+
+    @invariant()
+    def every_live_ref_checks_out(self) -> None:
+        for oid in set(self.refs.values()):
+            self._check_out(oid)
+
+
+RepositoryMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
+)
+test_repository_state_machine = RepositoryMachine.TestCase
