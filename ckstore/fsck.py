@@ -30,7 +30,7 @@ def _check_bases(repo: Repo, chunks: list[str], present: set[str], needed: dict[
                 problems.append(f"object {start} ({needed[start][1]}): delta chain is cyclic or longer than "
                                 f"{MAX_CHAIN_DEPTH}")
                 break
-            if oid not in present:
+            if oid not in present and not repo.store.has(oid):  # an overlay's base may be in a base repository
                 problems.append(f"object {chain[-1]} is a delta of missing object {oid} ({needed[start][1]})")
                 break
             chain.append(oid)
