@@ -118,6 +118,7 @@ def delta_hints(base: Commit) -> dict[tuple[str, str], tuple[ObjectId, ...]]:
 
 def external_needs(repo: Repo, seen: set[str] | None = None) -> tuple[set[ObjectId], set[str]]:
     """Commits and objects that overlay repositories (dependents, recursively) need from ``repo``."""
+    from .gc import _with_bases, with_bases
     from .repo import Repo as _Repo
 
     seen = seen if seen is not None else {repo_location(repo)} if repo.path else set()
@@ -131,11 +132,17 @@ def external_needs(repo: Repo, seen: set[str] | None = None) -> tuple[set[Object
             dependent = _Repo(path)
         except CkstoreError:
             continue
-        for oid in dependent.reachable_commits():
+        # What the dependent's own gc keeps: its reachable commits plus, transitively, the
+        # in-repository bases of its overlays ...
+        mine: set[str] = set()
+        for oid in _with_bases(dependent, set(dependent.reachable_commits())):
             commit = dependent.read_commit(oid)
-            chunks.update(c.id for c in commit.all_chunks())
-            if commit.base is not None:
+            mine.update(c.id for c in commit.all_chunks())
+            if commit.base is not None and commit.base["repo"] is not None:
                 commits.add(ObjectId(commit.base["commit"]))
+        # ... and the delta bases of its chunks, followed through its alternates: a chunk of a
+        # plain commit may be a delta of a pruned overlay's chunk, itself a delta of ours.
+        chunks |= with_bases(dependent.store, mine)
         more_commits, more_chunks = external_needs(dependent, seen)
         commits |= more_commits
         chunks |= more_chunks
