@@ -65,9 +65,15 @@ def _read(store: ObjectStore, entry: FileEntry | TensorEntry, context: str) -> b
 
 
 def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    """peft's rule (utils.other.get_pattern_key): the first key that, as a regular expression,
+    matches the module name or a dotted suffix of it. A plain ``fullmatch`` missed regex keys
+    written without the model's prefix (``layer.1.*value`` for ``bert.encoder.layer.1.….value``)."""
     for key, value in pattern.items():
-        if module == key or module.endswith("." + key) or re.fullmatch(key, module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error:
+            raise InvalidInputError(f"--merge-lora: rank/alpha pattern {key!r} is not a regular expression") from None
     return default
 
 
@@ -95,7 +101,10 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[_Output]:
         raise InvalidInputError(f"--merge-lora: {config_file.path} is not a PEFT LoRA config") from None
     folder = _folder(weights.path)
     base_files = [f for f in commit.files if f is not weights and f is not config_file and f.kind == "safetensors"]
-    others = [f for f in commit.files if f.kind != "safetensors" and _folder(f.path) != folder]
+    # The adapter's own files are not written; an adapter committed beside the base files (the
+    # usual case: both at the root) must not take the base's config.json and tokenizer with it.
+    others = [f for f in commit.files if f.kind != "safetensors" and f is not config_file
+              and (not folder or _folder(f.path) != folder)]
     owner = {t.name: (f, t) for f in base_files for t in f.tensors}
     names = list(owner)
 
@@ -112,6 +121,8 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[_Output]:
     for target, u in updates.items():
         if u.replacement is None and (u.a is None or u.b is None):
             raise InvalidInputError(f"--merge-lora: {u.module} has lora_A without lora_B or the reverse")
+        if u.a is not None and u.b is not None:
+            _check_shapes(owner[target][1], u.a, u.b, bool(config.get("fan_in_fan_out")))
 
     def scale(module: str) -> float:
         r = int(_pattern_value(config.get("rank_pattern") or {}, module, r_default))
@@ -137,6 +148,20 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[_Output]:
                 pieces.append((_merge_fn(store, original, u, scale(u.module), bool(config.get("fan_in_fan_out"))), ctx))
         outputs.append(_Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in tensors), exact=False))
     return outputs
+
+
+def _check_shapes(weight: TensorEntry, a: TensorEntry, b: TensorEntry, transpose: bool) -> None:
+    """Refuse a mismatched pair while planning, so a failing merge writes no output file at all
+    (the merge itself runs lazily, after other files may have been written)."""
+    if len(a.shape) == 2 and len(b.shape) == 2 and a.shape[0] == b.shape[1]:
+        shape = (b.shape[0], a.shape[1])
+        shape = shape[::-1] if transpose else shape
+        if tuple(weight.shape) == shape:
+            return
+        raise InvalidInputError(f"--merge-lora: update for {weight.name!r} has shape {shape}, "
+                                f"the weight {tuple(weight.shape)}")
+    raise InvalidInputError(f"--merge-lora: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {weight.name!r} "
+                            "do not form a rank-r product")
 
 
 def _written(t: TensorEntry, u: _Update | None) -> TensorEntry:
