@@ -34,6 +34,7 @@ HEAD = "HEAD"
 DEFAULT_BRANCH = "main"
 LOCK_SUFFIX = ".lock"
 LOCK_WAIT = 10.0
+REPO_LOCK_WAIT = 600.0  # as long as gc may hold the repository lock
 _ALLOWED = re.compile(r"[A-Za-z0-9._/@+-]+")
 
 
@@ -120,6 +121,13 @@ class RefStore:
 
     @contextmanager
     def _locked(self, ref: str) -> Iterator[None]:
+        # gc empties tmp/ under the exclusive repository lock, and a ref update writes through
+        # tmp/ (its lock file, the new value): so it holds the repository lock shared, as a commit.
+        with self.backend.repo_lock(exclusive=False, timeout=REPO_LOCK_WAIT), self._ref_lock(ref):
+            yield
+
+    @contextmanager
+    def _ref_lock(self, ref: str) -> Iterator[None]:
         lock = ref + LOCK_SUFFIX
         owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
         deadline = time.monotonic() + LOCK_WAIT
