@@ -47,10 +47,24 @@ while time.time() < deadline:
     (src / "model.safetensors").write_bytes(data)
     # An aborted commit's leftover: the chunks exist, unreferenced, when gc runs; then the
     # real commit reuses them (dedup). gc must never leave the commit pointing at nothing.
-    repo.store.put_chunk(data[-4096:])
+    with repo.backend.repo_lock(exclusive=False, timeout=60):
+        repo.store.put_chunk(data[-4096:])
     time.sleep(random.random() * 0.05)
     oid = repo.commit([src], message=f"{branch} {seed} {i}", branch=branch)
     made[oid] = tree_digest(src)
+print(json.dumps(made))
+"""
+
+TAGGER = r"""
+import json, sys, time
+from ckstore.repo import Repo
+repo, deadline, made = Repo(sys.argv[1]), float(sys.argv[2]), {}
+i = 0
+while time.time() < deadline:
+    i += 1
+    made[f"t{i}"] = repo.create_tag(f"t{i}", "shared")  # ref writes go through tmp/, as gc empties it
+    repo.create_branch(f"b{i}", "shared")
+    repo.delete_branch(f"b{i}")
 print(json.dumps(made))
 """
 
@@ -77,6 +91,8 @@ def test_writers_and_gc_lose_nothing(tmp_path: Path) -> None:
                          env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for branch, seed in (("shared", 1), ("shared", 2), ("solo", 3))
     ]
+    tagger = subprocess.Popen([sys.executable, "-c", TAGGER, str(repo.path), str(deadline)], env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     gc = subprocess.Popen([sys.executable, "-c", GC_LOOP, str(repo.path), str(deadline)], env=cli_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     made: dict[str, dict[str, str]] = {}
@@ -87,6 +103,9 @@ def test_writers_and_gc_lose_nothing(tmp_path: Path) -> None:
         ids = json.loads(out)
         per_worker.append(ids)
         made.update(ids)
+    out, err = tagger.communicate(timeout=120)
+    assert tagger.returncode == 0, err
+    tags = json.loads(out)
     out, err = gc.communicate(timeout=120)
     assert gc.returncode == 0, err
     gc_runs = int(out)
@@ -96,6 +115,7 @@ def test_writers_and_gc_lose_nothing(tmp_path: Path) -> None:
     assert repo.fsck(read_data=True) == []
     reachable = set(repo.reachable_commits())
     assert set(made) <= reachable, "a commit was lost"
+    assert repo.tags() == tags and set(repo.branches()) == {"shared", "solo"}
     shared = {e.id for e in repo.log("shared")}
     assert set(per_worker[0]) | set(per_worker[1]) <= shared  # re-parented, none dropped
     assert set(per_worker[2]) <= {e.id for e in repo.log("solo")}
@@ -103,6 +123,7 @@ def test_writers_and_gc_lose_nothing(tmp_path: Path) -> None:
         assert checkout_digest(repo, oid, tmp_path / "scratch") == digest
     count("concurrent_commits", len(made))
     count("concurrent_gc_runs", gc_runs)
+    count("concurrent_ref_updates", 3 * len(tags))
 
 
 def _cas_worker(path: str, me: int, rounds: int, barrier: multiprocessing.synchronize.Barrier,  # type: ignore[name-defined]
