@@ -49,6 +49,9 @@ def _check_bases(repo: Repo, chunks: list[str], present: set[str], needed: dict[
 
 def check(repo: Repo, read_data: bool = False) -> list[str]:
     problems: list[str] = []
+    # Check what is on disk now: commits this Repo read earlier are cached, and a cached copy
+    # would hide a commit object deleted or damaged since.
+    repo._commits.clear()
     try:
         pruned = repo.pruned()
     except CkstoreError as exc:
