@@ -181,6 +181,75 @@ def test_exclusive_waits_for_shared_holder(backend: Backend) -> None:
     assert waited >= 0.2
 
 
+# ---- batches (every backend) ----------------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "local-fsync", "memory"])
+def any_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """Every backend, and the local one also without syncfs (its fsync-per-file fallback)."""
+    if request.param == "memory":
+        return MemoryBackend()
+    (tmp_path / "store").mkdir()
+    backend = LocalBackend(tmp_path / "store")
+    backend.use_syncfs = request.param == "local"
+    return backend
+
+
+def test_batch_puts_visible_in_view_and_stored_after(any_backend: Backend) -> None:
+    with any_backend.batch() as view:
+        assert view.put_if_absent("objects/ab/one", b"first") is True
+        assert view.put_if_absent("objects/ab/one", b"again") is False  # dedup sees staged puts
+        assert view.get("objects/ab/one") == b"first"
+        assert view.get_prefix("objects/ab/one", 3) == b"fir"
+        assert view.size("objects/ab/one") == 5 and view.exists("objects/ab/one")
+        assert view.put_if_absent("objects/cd/two", b"") is True
+    assert any_backend.get("objects/ab/one") == b"first"
+    assert any_backend.get("objects/cd/two") == b""
+    assert list(any_backend.list("objects")) == ["objects/ab/one", "objects/cd/two"]
+
+
+def test_batch_sees_existing_values(any_backend: Backend) -> None:
+    any_backend.put_if_absent("objects/ab/old", b"old")
+    with any_backend.batch() as view:
+        assert view.put_if_absent("objects/ab/old", b"new") is False
+        assert view.get("objects/ab/old") == b"old"
+    assert any_backend.get("objects/ab/old") == b"old"
+
+
+def test_batch_failure_applies_nothing(any_backend: Backend) -> None:
+    any_backend.put_if_absent("objects/ab/keep", b"v1")
+    with pytest.raises(RuntimeError):
+        with any_backend.batch() as view:
+            view.put_if_absent("objects/ab/new", b"x")
+            view.replace_object("objects/ab/keep", b"v2", after="objects/ab/new")
+            if not isinstance(any_backend, MemoryBackend):  # the default batch is immediate
+                assert not any_backend.exists("objects/ab/new")
+            raise RuntimeError("boom")
+    if isinstance(any_backend, LocalBackend):
+        assert not any_backend.exists("objects/ab/new")
+        assert any_backend.get("objects/ab/keep") == b"v1"
+        assert list((any_backend.root / "tmp").iterdir()) == []
+
+
+def test_batch_replacement_applied_after_its_put(any_backend: Backend) -> None:
+    any_backend.put_if_absent("objects/ab/parent", b"whole")
+    with any_backend.batch() as view:
+        assert view.put_if_absent("objects/cd/child", b"new")
+        view.replace_object("objects/ab/parent", b"delta", after="objects/cd/child")
+    assert any_backend.get("objects/ab/parent") == b"delta"
+    assert any_backend.get("objects/cd/child") == b"new"
+
+
+def test_batch_concurrent_puts_of_one_key_store_it_once(any_backend: Backend) -> None:
+    won: list[bool] = []
+    with any_backend.batch() as view:
+        run_threads(8, lambda i: won.append(view.put_if_absent("objects/ab/same", b"same bytes")))
+        run_threads(8, lambda i: won.append(view.put_if_absent(f"objects/{i:02d}/k", bytes([i]) * 100)))
+    assert won.count(True) == 9
+    assert any_backend.get("objects/ab/same") == b"same bytes"
+    assert all(any_backend.get(f"objects/{i:02d}/k") == bytes([i]) * 100 for i in range(8))
+
+
 # ---- LocalBackend only -----------------------------------------------------------------------
 
 
@@ -228,3 +297,25 @@ def test_local_lock_released_when_holder_is_killed(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_local_batch_replacement_dropped_when_its_put_lost(tmp_path: Path) -> None:
+    """Another writer stored the key first: a replacement that depends on our bytes is dropped."""
+    backend = LocalBackend(tmp_path)
+    backend.put_if_absent("objects/ab/parent", b"whole")
+    with backend.batch() as view:
+        assert view.put_if_absent("objects/cd/child", b"ours")
+        view.replace_object("objects/ab/parent", b"delta on ours", after="objects/cd/child")
+        assert LocalBackend(tmp_path).put_if_absent("objects/cd/child", b"theirs")  # races us
+    assert backend.get("objects/cd/child") == b"theirs"
+    assert backend.get("objects/ab/parent") == b"whole"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_local_batch_is_invisible_until_flushed_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    with backend.batch() as view:
+        view.put_if_absent("objects/ab/x", b"x")
+        assert not backend.exists("objects/ab/x") and list(backend.list("")) == []
+    assert backend.get("objects/ab/x") == b"x"
+    assert list((tmp_path / "tmp").iterdir()) == []

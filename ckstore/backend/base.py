@@ -14,6 +14,13 @@ suite that runs against each one):
 * ``repo_lock(exclusive=…)`` is a reader/writer lock over the whole repository, released when
   the holder exits, even by a crash: commits hold it shared, gc holds it exclusively.
 * Storage failures surface as ``ckstore.errors.StorageError`` with a one-line message.
+* ``batch()`` yields a view of the backend whose ``put_if_absent`` and ``replace_object`` may be
+  deferred: a put is visible through the view at once (``get``, ``size``, ``exists``, a second
+  put of the key returns False), and every put is durable and visible to everyone when the
+  ``with`` block ends without an exception; staged replacements are applied after that, each
+  dropped when the put it depends on (``after``) lost to another writer. Nothing staged is
+  visible outside the view before the block ends; on an exception nothing staged is applied.
+  The default batch is the backend itself (every write immediate and durable at once).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 
 from ..errors import InvalidPathError
 
@@ -88,3 +95,21 @@ class Backend(ABC):
     def describe(self, key: str) -> str:
         """Where a key lives, for error messages."""
         return key
+
+    @contextmanager
+    def batch(self) -> Iterator[Backend]:
+        """A view whose object writes become durable together when the block ends.
+
+        Backends where durability costs per write (fsync per file) override this to stage
+        writes and pay one barrier for the whole batch; this default writes immediately.
+        """
+        yield self
+
+    def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
+        """Swap an existing value for an equivalent one (another encoding of the same object).
+
+        Outside a batch this is ``replace``. In a batch it is applied once every staged put is
+        durable, and dropped when ``after`` (a key put in the same batch) was stored by another
+        writer first: the new value may depend on the exact bytes this batch put there.
+        """
+        self.replace(key, data)

@@ -4,6 +4,15 @@ Writes go to ``tmp/`` first, are fsynced, then linked (``put_if_absent``) or ren
 (``replace``) into place, and the directory is fsynced, so a crash leaves either the old state or
 the new one plus, at worst, a stray temporary file that the next gc removes.
 
+A batch (``LocalBackend.batch``, used for a commit's chunk objects) pays for durability once
+instead of per object: every object is written to ``tmp/`` without fsync, then one barrier makes
+all their bytes durable (``syncfs(2)`` on the repository's filesystem; without it, an fsync of
+each staged file), then each is moved to its final name without replacing anything
+(``renameat2`` RENAME_NOREPLACE, else ``link``: EEXIST means another writer stored it), then a second barrier makes the new directory entries durable. So no object
+ever appears under its final name before its bytes are on disk, and the caller writes its
+manifest only after the batch returned. Measured: ~1,000 per-object fsyncs took 3.0 s of a
+6.8 s commit; two syncfs calls take ~0.1 s.
+
 The repository lock is ``fcntl.flock`` on the file ``lock``: the kernel drops it when its holder
 dies, so a killed commit can never wedge gc. (flock is not reliable on every network filesystem;
 docs/design.md says so.)
@@ -17,14 +26,17 @@ makes the process write its step count to that file, so a harness can enumerate 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
 import signal
+import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from ..errors import LockedError, StorageError
@@ -65,12 +77,66 @@ def fault_point() -> None:
     _FAULTS.step()
 
 
+def _load_syncfs() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs  # Linux (glibc, musl)
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNCFS = _load_syncfs()
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28+
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_RENAMEAT2 = _load_renameat2()
+
+
+def _move_if_absent(src: Path, dst: Path) -> bool | None:
+    """Put ``src`` at ``dst`` unless ``dst`` exists (False). True: moved, ``src`` is gone;
+    None: linked (the fallback where renameat2's RENAME_NOREPLACE is missing), ``src`` stays.
+    Either way the check and the new entry are one atomic step, as put-if-absent needs."""
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(dst))
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    return None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _storage_error(exc: OSError, doing: str) -> StorageError:
     reason = exc.strerror or str(exc)
     return StorageError(f"{reason} while {doing}")
 
 
 class LocalBackend(Backend):
+    # Batches use syncfs(2) when the platform has it; tests turn it off to cover the fallback.
+    use_syncfs: bool = _SYNCFS is not None
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
@@ -101,24 +167,25 @@ class LocalBackend(Backend):
 
     def _fsync_dir(self, path: Path) -> None:
         _FAULTS.step()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_path(path)
 
-    def _ensure_dir(self, path: Path) -> None:
+    def _ensure_dir(self, path: Path, created: set[Path] | None = None) -> None:
+        """Create ``path`` and missing parents. Each new entry's parent is fsynced at once,
+        unless ``created`` collects the new folders for the caller's own barrier (batches)."""
         if path.is_dir():
             return
-        self._ensure_dir(path.parent)
+        self._ensure_dir(path.parent, created)
         _FAULTS.step()
         try:
             os.mkdir(path)
         except FileExistsError:
             return
-        self._fsync_dir(path.parent)
+        if created is None:
+            self._fsync_dir(path.parent)
+        else:
+            created.add(path)
 
-    def _write_temp(self, data: bytes) -> Path:
+    def _write_temp(self, data: bytes | memoryview, sync: bool = True) -> Path:
         tmp_dir = self.root / TMP_DIR
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / f"{uuid.uuid4().hex}.tmp"
@@ -128,8 +195,9 @@ class LocalBackend(Backend):
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            _FAULTS.step()
-            os.fsync(fd)
+            if sync:
+                _FAULTS.step()
+                os.fsync(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -232,6 +300,37 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)  # closing drops the flock
 
+    @contextmanager
+    def batch(self) -> Iterator[Backend]:
+        staged = LocalBatch(self)
+        try:
+            yield staged
+        except BaseException:
+            staged.discard()
+            raise
+        staged.flush()
+
+    def sync_barrier(self, paths: Iterable[Path]) -> None:
+        """Make everything written under the repository durable: one syncfs(2), or, where the
+        platform lacks it, an fsync of each of ``paths`` (files or folders), run concurrently so
+        the filesystem can commit them together."""
+        if self.use_syncfs and _SYNCFS is not None:
+            _FAULTS.step()
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                if _SYNCFS(fd) == 0:
+                    return
+                err = ctypes.get_errno()
+            finally:
+                os.close(fd)
+            if err not in (errno.ENOSYS, errno.EINVAL):
+                raise OSError(err, os.strerror(err))
+        todo = sorted(set(paths))
+        for _ in todo:
+            _FAULTS.step()  # one step per fsync, counted up front (the fsyncs run in parallel)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(_fsync_path, todo))
+
     def clean_temporary(self) -> int:
         removed = 0
         tmp_dir = self.root / TMP_DIR
@@ -243,3 +342,150 @@ class LocalBackend(Backend):
                 except OSError:
                     pass
         return removed
+
+
+class LocalBatch(Backend):
+    """A staged view of a LocalBackend (see ``LocalBackend.batch`` and the module docstring).
+
+    Puts are written to ``tmp/`` unsynced and remembered by key, so reads and dedup through this
+    view see them at once while other readers see nothing until ``flush``. Thread-safe: a
+    commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
+    """
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self.inner = backend
+        self._mutex = threading.Lock()
+        self._puts: dict[str, Path] = {}
+        self._replaces: dict[str, tuple[Path, str | None]] = {}
+
+    def _staged(self, key: str) -> Path | None:
+        with self._mutex:
+            return self._puts.get(check_key(key))
+
+    def get(self, key: str) -> bytes:
+        tmp = self._staged(key)
+        if tmp is None:
+            return self.inner.get(key)
+        try:
+            return tmp.read_bytes()
+        except OSError as exc:
+            raise _storage_error(exc, f"reading staged {self.describe(key)}") from None
+
+    def get_prefix(self, key: str, n: int) -> bytes:
+        tmp = self._staged(key)
+        if tmp is None:
+            return self.inner.get_prefix(key, n)
+        try:
+            with open(tmp, "rb") as f:
+                return f.read(n)
+        except OSError as exc:
+            raise _storage_error(exc, f"reading staged {self.describe(key)}") from None
+
+    def size(self, key: str) -> int | None:
+        tmp = self._staged(key)
+        return self.inner.size(key) if tmp is None else tmp.stat().st_size
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if self._staged(key) is not None or self.inner.exists(key):
+            return False
+        try:
+            tmp = self.inner._write_temp(data, sync=False)
+        except OSError as exc:
+            raise _storage_error(exc, f"staging {self.describe(key)}") from None
+        with self._mutex:
+            if key not in self._puts:
+                self._puts[key] = tmp
+                return True
+        self._unlink(tmp)  # a concurrent put of the same key won (same name, same bytes)
+        return False
+
+    def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
+        try:
+            tmp = self.inner._write_temp(data, sync=False)
+        except OSError as exc:
+            raise _storage_error(exc, f"staging {self.describe(key)}") from None
+        with self._mutex:
+            old = self._replaces.pop(check_key(key), None)
+            self._replaces[key] = (tmp, after)
+        if old is not None:
+            self._unlink(old[0])
+
+    def replace(self, key: str, data: bytes) -> None:
+        self.inner.replace(key, data)
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        return self.inner.create_exclusive(key, data)
+
+    def delete(self, key: str) -> bool:
+        return self.inner.delete(key)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        return self.inner.list(prefix)  # staged keys are not stored yet
+
+    def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]:
+        return self.inner.repo_lock(exclusive, timeout)
+
+    def clean_temporary(self) -> int:
+        return self.inner.clean_temporary()
+
+    def describe(self, key: str) -> str:
+        return self.inner.describe(key)
+
+    @staticmethod
+    def _unlink(tmp: Path) -> None:
+        try:
+            _FAULTS.step()
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a stray temporary file is harmless; gc removes it
+
+    def _take(self) -> tuple[list[tuple[str, Path]], list[tuple[str, Path, str | None]]]:
+        with self._mutex:
+            puts = sorted(self._puts.items())
+            replaces = sorted((k, tmp, after) for k, (tmp, after) in self._replaces.items())
+            self._puts.clear()
+            self._replaces.clear()
+        return puts, replaces
+
+    def discard(self) -> None:
+        """Drop everything staged (the batch failed): nothing becomes visible."""
+        puts, replaces = self._take()
+        for tmp in [t for _, t in puts] + [t for _, t, _ in replaces]:
+            self._unlink(tmp)
+
+    def flush(self) -> None:
+        """Barrier, link every put, barrier, then apply the replacements (module docstring)."""
+        puts, replaces = self._take()
+        if not puts and not replaces:
+            return
+        leftovers = dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces])
+        try:
+            self.inner.sync_barrier(leftovers)  # every staged byte is durable before any link
+            lost: set[str] = set()
+            folders: set[Path] = set()
+            for key, tmp in puts:
+                path = self.inner._path(key)
+                self.inner._ensure_dir(path.parent, folders)
+                folders.add(path.parent)
+                _FAULTS.step()
+                moved = _move_if_absent(tmp, path)
+                if moved is False:
+                    lost.add(key)  # another writer stored it first: same name, same bytes
+                elif moved:
+                    del leftovers[tmp]
+            # New entries (and new folders' entries in their parents) are durable before the
+            # caller writes a manifest naming them, and before a replacement can depend on them.
+            self.inner.sync_barrier(folders | {f.parent for f in folders})
+            for key, tmp, after in replaces:
+                if after is not None and after in lost:
+                    continue
+                _FAULTS.step()
+                os.replace(tmp, self.inner._path(key))
+                del leftovers[tmp]
+            # No barrier for the replacements: the old and the new encoding decode to the same
+            # bytes and the new one's base is already durable, so losing the rename is harmless.
+        except OSError as exc:
+            raise _storage_error(exc, "storing a commit's objects") from None
+        finally:
+            for tmp in leftovers:
+                self._unlink(tmp)
