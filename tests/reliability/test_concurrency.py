@@ -65,6 +65,7 @@ while time.time() < deadline:
     made[f"t{i}"] = repo.create_tag(f"t{i}", "shared")  # ref writes go through tmp/, as gc empties it
     repo.create_branch(f"b{i}", "shared")
     repo.delete_branch(f"b{i}")
+    time.sleep(0.05)  # gc needs a moment with no writer at all (docs/reliability.md, section 4)
 print(json.dumps(made))
 """
 

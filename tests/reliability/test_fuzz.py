@@ -210,14 +210,25 @@ class RepositoryMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(["dev", "exp/a", "exp/b"]), base=commits)
     def branch(self, name: str, base: str) -> None:
         assume(base in self.live and f"refs/heads/{name}" not in self.refs)
-        self.repo.create_branch(name, base)
+        if self._refused_after_corruption(self.repo.create_branch, name, base):
+            return
         self.refs[f"refs/heads/{name}"] = base
 
     @rule(name=st.sampled_from(["v1", "v2", "rel/x"]), base=commits)
     def tag(self, name: str, base: str) -> None:
         assume(base in self.live and f"refs/tags/{name}" not in self.refs)
-        self.repo.create_tag(name, base)
+        if self._refused_after_corruption(self.repo.create_tag, name, base):
+            return
         self.refs[f"refs/tags/{name}"] = base
+
+    def _refused_after_corruption(self, create: Any, name: str, base: str) -> bool:
+        """A damaged commit may be refused as a base (a ckstore error); never otherwise."""
+        try:
+            create(name, base)
+        except CkstoreError:
+            assert self.corrupted
+            return True
+        return False
 
     @precondition(lambda self: not self.corrupted)
     @rule(keep_last=st.none() | st.integers(1, 3))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from .helpers import count, run_cli
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "expected.json").is_file())
+
+
+def _stable(text: str) -> str:
+    """The zstd library's own wording after "corrupt zstd data:" varies by version: not compared."""
+    return re.sub(r"(corrupt zstd data):.*", r"\1", text)
 
 
 def test_golden_repositories_exist_and_are_small() -> None:
@@ -32,10 +38,11 @@ def test_golden_damage_is_reported_exactly(case: str, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(GOLDEN / case / "repo", repo)
     fsck = run_cli("fsck", "--read-data", repo=repo)
-    assert (fsck.returncode, fsck.stdout.splitlines(), fsck.stderr.strip()) == (
-        expected["fsck_exit"], expected["fsck_stdout"], expected["fsck_stderr"])
+    assert (fsck.returncode, [_stable(x) for x in fsck.stdout.splitlines()], fsck.stderr.strip()) == (
+        expected["fsck_exit"], [_stable(x) for x in expected["fsck_stdout"]], expected["fsck_stderr"])
     bad = run_cli("checkout", expected["damaged_ref"], "-o", tmp_path / "bad", repo=repo)
-    assert (bad.returncode, bad.stderr.strip()) == (expected["checkout_exit"], expected["checkout_stderr"])
+    assert (bad.returncode, _stable(bad.stderr.strip())) == (
+        expected["checkout_exit"], _stable(expected["checkout_stderr"]))
     for ref, digests in expected["intact"].items():
         out = tmp_path / f"good-{ref}"
         proc = run_cli("checkout", ref, "-o", out, repo=repo)
