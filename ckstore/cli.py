@@ -107,7 +107,7 @@ def main(ctx: click.Context, repo_path: str | None) -> None:
 @main.command()
 @click.argument("path", default=".ckstore", required=False)
 @click.option("--chunk-size", type=int, help="Chunk size in bytes (default 1 MiB).")
-@click.option("--zstd-level", type=int, help="zstd compression level (default 3).")
+@click.option("--zstd-level", type=int, help="zstd compression level (default 1).")
 @click.option("--max-delta-depth", type=int, help="Longest delta chain, 0 for no deltas (default 4).")
 def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_depth: int | None) -> None:
     """Create a repository at PATH (default ./.ckstore)."""

@@ -26,6 +26,7 @@ epoch's chunk zeroes the high planes almost entirely.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -131,35 +132,70 @@ def delta_base(data: bytes | memoryview) -> str | None:
 # ---- encoding ---------------------------------------------------------------------------------
 
 
+_LOCAL = threading.local()  # zstd contexts are costly to create and not thread-safe: one per thread
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _LOCAL.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_LOCAL, "decompressor"):
+        _LOCAL.decompressor = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+    return _LOCAL.decompressor  # type: ignore[no-any-return]
+
+
 def encode(raw: bytes | memoryview, kind: Kind, level: int) -> bytes:
     """Encode raw bytes as zstd, or raw when zstd would not make the object smaller."""
-    compressed = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
+    compressed = _compressor(level).compress(raw)
     if len(compressed) < len(raw):
         return _pack_header(kind, Encoding.ZSTD, len(raw)) + compressed
     return _pack_header(kind, Encoding.RAW, len(raw)) + bytes(raw)
 
 
+# An encoded body as the pieces it is made of, joined once into the object (no copy per layer).
+Parts = list[bytes | memoryview]
+
+
 def _planes(raw: bytes | memoryview | np.ndarray, width: int) -> np.ndarray:
     """Shape (width, n): plane i holds byte i (little-endian order) of every element."""
-    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.copy()
+    if width not in _INT_DTYPES or width == 1:
+        return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.copy()
+    # Shifting whole little-endian integers is about twice as fast as a strided transpose.
+    elements = np.frombuffer(raw, dtype=_INT_DTYPES[width])
+    out = np.empty((width, len(elements)), dtype=np.uint8)
+    shifted = np.empty_like(elements)
+    for i in range(width):
+        np.right_shift(elements, 8 * i, out=shifted)
+        out[i] = shifted  # keeps the low byte (unsafe cast, as intended)
+    return out
 
 
-def _grouped_body(raw: bytes | memoryview | np.ndarray, width: int, level: int) -> bytes:
+def _grouped_parts(raw: bytes | memoryview | np.ndarray, width: int, level: int) -> tuple[int, Parts]:
+    """A plane set (format.md section 4) of ``raw``: its stored length and its pieces."""
     planes = _planes(raw, width)
-    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    table, stored = [], []
+    compressor = _compressor(level)
+    table: Parts = [bytes([width])]
+    stored: Parts = []
     for plane in planes:
-        data = plane.tobytes()
-        packed = compressor.compress(data)
-        # Low mantissa planes are close to random: storing them raw saves the frame overhead
-        # and makes decoding them a copy.
-        if len(packed) < len(data):
+        packed = compressor.compress(plane)  # rows of a C-ordered array: contiguous buffers
+        # Low mantissa planes are close to random (zstd sees that quickly): storing them raw
+        # saves the frame overhead and makes decoding them a copy.
+        if len(packed) < plane.nbytes:
             table.append(_PLANE.pack(PlaneMode.ZSTD, len(packed)))
             stored.append(packed)
         else:
-            table.append(_PLANE.pack(PlaneMode.RAW, len(data)))
-            stored.append(data)
-    return bytes([width]) + b"".join(table) + b"".join(stored)
+            table.append(_PLANE.pack(PlaneMode.RAW, plane.nbytes))
+            stored.append(memoryview(plane))
+    parts = table + stored
+    return sum(len(x) for x in parts), parts
+
+
+def _grouped_body(raw: bytes | memoryview | np.ndarray, width: int, level: int) -> bytes:
+    return b"".join(_grouped_parts(raw, width, level)[1])
 
 
 def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int, op: DeltaOp) -> np.ndarray:
@@ -168,16 +204,24 @@ def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int
         return np.bitwise_xor(np.frombuffer(raw, np.uint8), np.frombuffer(base, np.uint8))
     dt = _INT_DTYPES[width]
     diff = np.subtract(np.frombuffer(raw, dt), np.frombuffer(base, dt)).view(_SIGNED_DTYPES[width])
-    return ((diff << 1) ^ (diff >> (8 * width - 1))).view(np.uint8)
+    sign = diff >> (8 * width - 1)  # in place from here: each temporary of a 1 MiB chunk costs
+    np.left_shift(diff, 1, out=diff)
+    np.bitwise_xor(diff, sign, out=diff)
+    return diff.view(np.uint8)
 
 
 def _undo_residual(residual: np.ndarray, base: bytes, width: int, op: DeltaOp) -> bytes:
     if op == DeltaOp.XOR:
-        return np.bitwise_xor(residual, np.frombuffer(base, np.uint8)).tobytes()
+        np.bitwise_xor(residual, np.frombuffer(base, np.uint8), out=residual)
+        return residual.tobytes()
     dt = _INT_DTYPES[width]
-    zigzag = residual.view(dt)
-    diff = (zigzag >> 1) ^ np.negative(zigzag & 1)  # unsigned arithmetic wraps, as intended
-    return np.add(diff, np.frombuffer(base, dt)).tobytes()
+    zigzag = residual.view(dt)  # a fresh array from _decode_grouped: updated in place
+    odd = zigzag & 1
+    np.negative(odd, out=odd)  # unsigned arithmetic wraps, as intended
+    np.right_shift(zigzag, 1, out=zigzag)
+    np.bitwise_xor(zigzag, odd, out=zigzag)
+    np.add(zigzag, np.frombuffer(base, dt), out=zigzag)
+    return zigzag.tobytes()
 
 
 def _sample(raw: bytes | memoryview, width: int) -> bytes:
@@ -195,26 +239,41 @@ class Candidate:
     op: DeltaOp | None = None
 
 
-def candidates(length: int, width: int, has_base: bool, allowed: frozenset[Encoding]) -> list[Candidate]:
-    """Encodings worth trying for a chunk of ``length`` bytes of elements ``width`` bytes wide."""
+def candidates(
+    length: int, width: int, has_base: bool, allowed: frozenset[Encoding], prune: bool = False,
+) -> list[Candidate]:
+    """Encodings worth trying for a chunk of ``length`` bytes of elements ``width`` bytes wide.
+
+    ``prune`` drops, for multi-byte elements, the candidates that measurement showed never win
+    by anything that matters (scripts/bench.py, "choosing the encoding"): plain zstd when byte
+    grouping applies (it beat grouping on 1 of 171 model chunks of the fp32 run, by 78 bytes),
+    and the XOR delta when the zigzag difference applies (it never beat both the difference and
+    storing the chunk whole on the fp32, frozen or bf16 runs).
+    """
     out = [Candidate(Encoding.ZSTD)] if Encoding.ZSTD in allowed else []
     aligned = width >= 1 and length % width == 0
     if aligned and width > 1 and Encoding.GROUPED in allowed:
         out.append(Candidate(Encoding.GROUPED))
+        if prune:
+            out = [c for c in out if c.encoding != Encoding.ZSTD]
     if aligned and has_base and Encoding.DELTA in allowed:
-        out.append(Candidate(Encoding.DELTA, DeltaOp.XOR))
+        if not (prune and width > 1 and width in _INT_DTYPES):
+            out.append(Candidate(Encoding.DELTA, DeltaOp.XOR))
         if width in _INT_DTYPES:
             out.append(Candidate(Encoding.DELTA, DeltaOp.SUB))
     return out
 
 
-def _body(raw: bytes | memoryview, c: Candidate, width: int, level: int, base: bytes | memoryview | None) -> bytes:
+def _body(
+    raw: bytes | memoryview, c: Candidate, width: int, level: int, base: bytes | memoryview | None,
+) -> tuple[int, Parts]:
     if c.encoding == Encoding.ZSTD:
-        return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
+        packed = _compressor(level).compress(raw)
+        return len(packed), [packed]
     if c.encoding == Encoding.GROUPED:
-        return _grouped_body(raw, width, level)
+        return _grouped_parts(raw, width, level)
     assert base is not None and c.op is not None
-    return _grouped_body(delta_residual(raw, base, width, c.op), width, level)
+    return _grouped_parts(delta_residual(raw, base, width, c.op), width, level)
 
 
 def encode_chunk(
@@ -226,35 +285,65 @@ def encode_chunk(
 
     ``width`` is the element width of the tensor's dtype (1 for headers and plain files).
     ``base`` is the raw bytes of ``base_id`` (the same chunk in the parent commit), offered as a
-    delta base when it has the same length. Long chunks are ranked by encoding a sample of
-    evenly spread windows (``exhaustive`` encodes every candidate in full instead);
+    delta base when it has the same length. Candidates that measurement showed cannot win are
+    skipped (``candidates(prune=True)``) and long chunks are ranked by encoding a sample of
+    evenly spread windows; ``exhaustive`` encodes every candidate in full instead, and
     scripts/bench.py measures how close the two choices are.
     """
     if not 1 <= width <= MAX_WIDTH:
         raise ValueError(f"element width {width} out of range")
     usable = base is not None and base_id is not None and len(base) == len(raw) and len(raw) > 0
-    found = [c for c in candidates(len(raw), width, usable, allowed) if c.op is None or c.op in ops]
+    found = [c for c in candidates(len(raw), width, usable, allowed, prune=not exhaustive) if c.op is None or c.op in ops]
     if not found:
         return _pack_header(Kind.CHUNK, Encoding.RAW, len(raw)) + bytes(raw)
     if len(found) > 1 and not exhaustive and len(raw) > EXHAUSTIVE_MAX:
         sample = _sample(raw, width)
         base_sample = _sample(base, width) if usable else None
         assert base_sample is None or len(base_sample) == len(sample)
-        found = [min(found, key=lambda c: len(_body(sample, c, width, level, base_sample)))]
-    best: tuple[int, bytes, Candidate] | None = None
+        found = [min(found, key=lambda c: _body(sample, c, width, level, base_sample)[0])]
+    best: tuple[int, Parts, Candidate] | None = None
     for c in found:
-        body = _body(raw, c, width, level, base)
-        if best is None or len(body) < best[0]:
-            best = (len(body), body, c)
+        size, parts = _body(raw, c, width, level, base)
+        if best is None or size < best[0]:
+            best = (size, parts, c)
     assert best is not None
-    _, body, chosen = best
+    size, parts, chosen = best
     prefix = b""
     if chosen.encoding == Encoding.DELTA:
         assert base_id is not None and chosen.op is not None
         prefix = _DELTA.pack(bytes.fromhex(base_id), chosen.op)
-    if len(prefix) + len(body) >= len(raw):
+    if len(prefix) + size >= len(raw):
         return _pack_header(Kind.CHUNK, Encoding.RAW, len(raw)) + bytes(raw)
-    return _pack_header(Kind.CHUNK, chosen.encoding, len(raw)) + prefix + body
+    return b"".join([_pack_header(Kind.CHUNK, chosen.encoding, len(raw)), prefix, *parts])
+
+
+def encode_delta(
+    raw: bytes | memoryview, level: int, width: int, base_id: str, base: bytes | memoryview, than: int,
+) -> bytes | None:
+    """The best delta encoding of ``raw`` against ``base`` if it stores in fewer than ``than``
+    bytes (the chunk's current encoding), else None.
+
+    Deltas that cannot pay are common (AdamW's first moment changes too much between epochs:
+    269 of 439 optimizer chunks of the fp32 run), so a long chunk is first tried on the sample
+    used for ranking: when the delta there is not at least 3% smaller than the chunk grouped
+    whole, the full encode is skipped.
+    """
+    if len(base) != len(raw) or not raw:
+        return None
+    found = candidates(len(raw), width, True, frozenset({Encoding.DELTA}), prune=True)
+    if not found:
+        return None
+    if len(raw) > EXHAUSTIVE_MAX:
+        sample, base_sample = _sample(raw, width), _sample(base, width)
+        sized = [(_body(sample, c, width, level, base_sample)[0], c) for c in found]
+        size, best = min(sized, key=lambda x: x[0])
+        whole = _grouped_parts(sample, width, level)[0] if width > 1 else len(_compressor(level).compress(sample))
+        if size >= 0.97 * min(whole, len(sample)):
+            return None
+        found = [best]
+    data = encode_chunk(raw, level, width, base_id, base, allowed=frozenset({Encoding.DELTA}),
+                        ops=tuple(c.op for c in found if c.op is not None))
+    return data if len(data) < than and parse_header(data).encoding == Encoding.DELTA else None
 
 
 # ---- decoding ---------------------------------------------------------------------------------
@@ -326,7 +415,11 @@ def _decode_grouped(body: memoryview, raw_len: int) -> np.ndarray:
     if table_end + sum(n for _, n in entries) != len(body):
         raise IntegrityError("byte-grouped plane lengths do not add up to the body length")
     n = raw_len // width
-    out = np.empty((n, width), dtype=np.uint8)
+    # Interleave by shifting each plane into whole little-endian integers where the width is an
+    # integer width (faster than strided column writes); byte columns otherwise.
+    wide = width in _INT_DTYPES and width > 1
+    out = np.zeros(n, dtype=_INT_DTYPES[width]) if wide else np.empty((n, width), dtype=np.uint8)
+    shifted = np.empty(n, dtype=_INT_DTYPES[width]) if wide else None
     offset = table_end
     for i, (mode, stored) in enumerate(entries):
         frame = body[offset:offset + stored]
@@ -339,8 +432,12 @@ def _decode_grouped(body: memoryview, raw_len: int) -> np.ndarray:
             plane = memoryview(_decode_zstd(frame, n))
         else:
             raise IntegrityError(f"unknown plane mode {mode}")
-        out[:, i] = np.frombuffer(plane, dtype=np.uint8)
-    return out.reshape(-1)
+        if shifted is not None:
+            np.left_shift(np.frombuffer(plane, dtype=np.uint8), 8 * i, out=shifted, dtype=shifted.dtype)
+            np.bitwise_or(out, shifted, out=out)
+        else:
+            out[:, i] = np.frombuffer(plane, dtype=np.uint8)
+    return out.view(np.uint8).reshape(-1)
 
 
 def _decode_zstd(body: memoryview, raw_len: int) -> bytes:
@@ -351,15 +448,14 @@ def _decode_zstd(body: memoryview, raw_len: int) -> bytes:
     if declared != raw_len:
         # Checked before decompressing: a bomb declaring a huge size never gets its allocation.
         raise IntegrityError(f"zstd frame declares {declared} bytes, expected {raw_len}")
-    decompressor = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompressobj()
     try:
-        out = decompressor.decompress(body)
+        # One frame, exactly: a truncated frame or trailing bytes raise (allow_extra_data).
+        out = _decompressor().decompress(body, max_output_size=raw_len, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise IntegrityError(f"corrupt zstd data: {exc}") from None
-    if not decompressor.eof:
-        raise IntegrityError("zstd frame is truncated")
-    if decompressor.unused_data:
-        raise IntegrityError(f"{len(decompressor.unused_data)} trailing bytes after the zstd frame")
+        reason = "zstd frame is truncated" if "full frame" in str(exc) else f"corrupt zstd data: {exc}"
+        if "unused data" in str(exc):
+            reason = f"trailing bytes after the zstd frame ({exc})"
+        raise IntegrityError(reason) from None
     if len(out) != raw_len:
         raise IntegrityError(f"zstd frame decoded to {len(out)} bytes, expected {raw_len}")
     return out

@@ -19,6 +19,7 @@ from .errors import InvalidInputError, InvalidPathError, SafetensorsFormatError,
 from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
 from .safetensors_format import DTYPE_BITS, SafetensorsLayout, header_length, parse_header
+from .ids import ObjectId
 from .store import ObjectStore, PutResult
 
 Progress = Callable[[int], None]
@@ -194,14 +195,23 @@ def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position | None]:
     return element_width(tensor.dtype), (plan.source.path, tensor.name)
 
 
+def _chunk_at(commit: ParentChunks, position: Position, index: int, size: int) -> ObjectId | None:
+    chunks = commit.get(position, ())
+    return chunks[index].id if index < len(chunks) and chunks[index].size == size else None
+
+
 def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
-    parent: ParentChunks | None = None,
+    parent: ParentChunks | None = None, history: Sequence[ParentChunks] = (),
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
 
-    ``parent`` (the parent commit's chunks by position) offers each chunk the chunk at the same
-    index of the same tensor in the parent as a delta base.
+    Two ways to use the previous version of a chunk (the chunk at the same index of the same
+    tensor): ``parent`` (an overlay's base commit) offers it as the base of a forward delta;
+    ``history`` (the branch's newest commits, parent first) stores each new chunk whole and
+    re-encodes the parent's chunk as a delta against it (``ObjectStore.reverse_delta``), so the
+    newest commit of a branch is always the cheap one to read. Bytes added is net of what the
+    re-encoding saved.
     """
     plans = []
     for source in sources:
@@ -223,12 +233,18 @@ def ingest(
     def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
         p_index, s_index, c_index, piece = job
         width, position = _chunk_kind(plans[p_index], s_index)
-        base = None
-        if parent is not None and position is not None:
-            old = parent.get(position, ())
-            if c_index < len(old) and old[c_index].size == len(piece):
-                base = old[c_index].id
-        return p_index, s_index, len(piece), store.put_chunk(piece, width, base)
+        if position is None:
+            return p_index, s_index, len(piece), store.put_chunk(piece, width)
+        if parent is not None:
+            return p_index, s_index, len(piece), store.put_chunk(
+                piece, width, _chunk_at(parent, position, c_index, len(piece)))
+        result = store.put_chunk(piece, width)
+        if result.stored and history:
+            older = [_chunk_at(h, position, c_index, len(piece)) for h in history]
+            if older[0] is not None and older[0] != result.id:
+                saved = store.reverse_delta(older[0], len(piece), width, result.id, piece, older[1:])
+                result = PutResult(result.id, result.stored + saved)
+        return p_index, s_index, len(piece), result
 
     added = 0
     for p_index, s_index, length, result in ordered_map(put, _jobs(plans, chunk_size)):
@@ -236,7 +252,7 @@ def ingest(
         added += result.stored
         if progress:
             progress(length)
-    return [_entry(plan) for plan in plans], added
+    return [_entry(plan) for plan in plans], max(0, added)
 
 
 def _entry(plan: _Plan) -> FileEntry:

@@ -48,7 +48,7 @@ PRUNED_KEY = "pruned"
 REPO_FORMAT_VERSION = 2  # 2: byte-grouped and delta chunk encodings (docs/format.md)
 DEFAULT_DIR = ".ckstore"
 DEFAULT_CHUNK_SIZE = 1 << 20
-DEFAULT_ZSTD_LEVEL = 3
+DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and faster (docs/benchmarks.md)
 DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
 MAX_DELTA_DEPTH_LIMIT = 16
 LOCK_TIMEOUT = 600.0
@@ -399,13 +399,20 @@ class Repo:
         base_commit = self.read_commit(base[0]) if base is not None else None
         with self.backend.repo_lock(exclusive=False, timeout=LOCK_TIMEOUT):
             bar = progress(sum(s.size for s in sources), "commit") if progress else None
-            # An overlay's tensors are delta-encoded against its base's, others against the parent's.
-            hints = (parent_chunks(base_commit.files) if base_commit and self.config.encoding.max_delta_depth
-                     else self._parent_chunks(branch))
+            # An overlay's tensors are forward deltas against its base's (the base may live in
+            # another repository and must not change); a branch's new chunks are stored whole and
+            # the parent's re-encoded against them, so the branch tip is cheap to read.
+            overlay = bool(base_commit and self.config.encoding.max_delta_depth)
+            hints = parent_chunks(base_commit.files) if overlay and base_commit else None
+            recent = () if overlay else self._recent_chunks(branch)
             try:
-                files, added = ingest(
-                    self.store, sources, self.config.chunk_size, bar.update if bar else None, parent=hints,
-                )
+                # One durability barrier for all of the commit's chunks; they are durable under
+                # their names when the block ends, before the manifest is written (format.md §8).
+                with self.store.batch() as staged:
+                    files, added = ingest(
+                        staged, sources, self.config.chunk_size, bar.update if bar else None, parent=hints,
+                        history=recent,
+                    )
             finally:
                 if bar:
                     bar.close()
@@ -417,15 +424,21 @@ class Repo:
                 base_record = {"commit": base[0], "repo": base[1]}
             return self.record_commit(files, added, message, branch, meta, state, base_record)
 
-    def _parent_chunks(self, branch: str) -> ParentChunks | None:
-        """The branch tip's chunks by position: delta base candidates for the new commit."""
-        tip = self.refs.read(HEADS + branch)
-        if tip is None or self.config.encoding.max_delta_depth == 0:
-            return None
-        try:
-            return parent_chunks(self.read_commit(tip).files)
-        except IntegrityError:
-            return None  # a damaged parent only costs compression
+    def _recent_chunks(self, branch: str) -> list[ParentChunks]:
+        """The chunks by position of the branch tip and its first parents, newest first, as
+        many as a chain can be long: the tip's are re-encoded against the new commit's, the
+        older ones tell how long the chain below each of them already is."""
+        depth = self.config.encoding.max_delta_depth
+        oid = self.refs.read(HEADS + branch)
+        out: list[ParentChunks] = []
+        while oid is not None and depth and len(out) <= depth:
+            try:
+                commit = self.read_commit(oid)
+            except CkstoreError:
+                break  # pruned or damaged: only costs compression
+            out.append(parent_chunks(commit.files))
+            oid = commit.parents[0] if commit.parents else None
+        return out
 
     def set_config(self, config: RepoConfig) -> None:
         """Replace the repository settings (they apply to objects written from now on)."""

@@ -11,7 +11,9 @@ damaged repository is an IntegrityError, not a hang.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .backend.base import Backend
@@ -25,6 +27,7 @@ from .codec import (
     delta_base,
     encode,
     encode_chunk,
+    encode_delta,
     parse_header,
 )
 from .errors import CkstoreError, IntegrityError, ObjectMissingError
@@ -74,6 +77,9 @@ class ObjectStore:
         # Base repositories' stores (overlays): reads fall through to them, and an object one of
         # them holds is referenced, never copied. Writes and deletes stay local.
         self.alternates: list[ObjectStore] = []
+        # Objects reverse_delta has re-encoded (or decided not to) through this store.
+        self._claimed: set[str] = set()
+        self._claim_lock = threading.Lock()
 
     def has_local(self, oid: str) -> bool:
         return self.backend.exists(object_key(oid))
@@ -140,6 +146,74 @@ class ObjectStore:
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
         return None if base is None else ObjectId(base)
+
+    @contextmanager
+    def batch(self) -> Iterator[ObjectStore]:
+        """A view of this store whose writes become durable together when the block ends
+        (``Backend.batch``): a commit's chunks go through it, its manifest after it."""
+        with self.backend.batch() as staged:
+            view = ObjectStore(staged, settings=self.settings)
+            view.alternates = self.alternates
+            yield view
+
+    def reverse_delta(
+        self, oid: str, size: int, width: int, new_id: str, new_raw: bytes | memoryview, older: Sequence[str | None],
+    ) -> int:
+        """Re-encode the parent commit's chunk ``oid`` as a delta against ``new_id``, the chunk
+        that replaces it at the same position and that this store has just written whole, so the
+        newest commit reads without decoding any chain (git packs keep the newest whole too).
+
+        ``older`` lists the chunks at the same position in the commits before the parent, newest
+        first: the chain of deltas already hanging below ``oid`` is followed through them (by
+        their headers) and ``oid`` stays whole when one more link would make it longer than
+        ``max_delta_depth``. Only a whole object of this repository is re-encoded, and only once
+        per store view. Returns the change in stored bytes (negative: bytes saved).
+        """
+        max_depth = self.settings.max_delta_depth
+        if max_depth == 0 or Encoding.DELTA not in self.settings.allowed:
+            return 0
+        with self._claim_lock:
+            if oid in self._claimed:
+                return 0
+            self._claimed.add(oid)
+        try:
+            current = self.backend.get(object_key(oid))  # never an alternate's object: not ours
+        except KeyError:
+            return 0
+        try:
+            header = parse_header(current)
+            if header.kind != Kind.CHUNK or header.encoding == Encoding.DELTA or header.raw_len != size:
+                return 0
+            below, cur = 0, oid
+            for older_id in older[:max_depth]:
+                if older_id is None or self.base_of(older_id) != cur:
+                    break
+                below, cur = below + 1, older_id
+            if below + 1 > max_depth:
+                return 0  # the chain is full: the parent stays whole and the new chunk starts one
+            raw = decode(current, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size)  # whole: no base
+            data = encode_delta(raw, self.settings.zstd_level, width, new_id, new_raw, len(current))
+            if data is None:
+                return 0  # a delta would not be smaller: the parent stays whole
+            self._check_delta(oid, data, size, new_id, new_raw)
+        except CkstoreError:
+            return 0  # a damaged parent chunk only costs compression (fsck reports it)
+        # Applied only once new_id is durable under its name, and dropped if another writer
+        # stored new_id first (its object might not be whole).
+        self.backend.replace_object(object_key(oid), data, after=object_key(new_id))
+        return len(data) - len(current)
+
+    def _check_delta(self, oid: str, data: bytes, size: int, base_id: str, base_raw: bytes | memoryview) -> None:
+        """Decode a new delta with its base from memory and re-hash it (check_encoded without
+        re-reading the base, whose bytes were hashed to its name when it was stored)."""
+        def fetch_base(wanted: str, length: int) -> bytes | memoryview:
+            if wanted != base_id or length != len(base_raw):
+                raise IntegrityError(f"re-encoded object {oid} names an unexpected base {wanted}")
+            return base_raw
+
+        raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)  # type: ignore[arg-type]
+        if chunk_id(raw) != oid:
+            raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")
 
     def put_commit(self, manifest: bytes) -> PutResult:
         return self._put(commit_id(manifest), manifest, Kind.COMMIT)

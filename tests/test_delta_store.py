@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -69,12 +74,16 @@ def repo(tmp_path: Path) -> Repo:
 def test_rolling_commits_store_deltas_and_check_out_identical(repo: Repo, tmp_path: Path) -> None:
     dirs = _epochs(tmp_path, 4)
     ids = _commit_all(repo, dirs)
-    assert Encoding.GROUPED in _encodings(repo, _chunks(repo, ids[0]))
+    # Newest whole: each commit stores its chunks whole and re-encodes its parent's against them.
+    assert Encoding.GROUPED in _encodings(repo, _chunks(repo, ids[3]))
     assert Encoding.DELTA in _encodings(repo, _chunks(repo, ids[1]))
-    assert max(repo.store.chain_depth(o) for o in _chunks(repo, ids[2])) == 2
-    # Bounded chains: with max_delta_depth 2 the fourth epoch starts a new chain.
+    assert max(repo.store.chain_depth(o) for o in _chunks(repo, ids[0])) == 2
+    assert max(repo.store.chain_depth(o) for o in _chunks(repo, ids[1])) == 1
+    # Bounded chains: with max_delta_depth 2 the chain ids[0] -> ids[1] -> ids[2] is full, so
+    # ids[2] stays whole when ids[3] arrives and ids[3] starts a new chain.
+    assert max(repo.store.chain_depth(o) for o in _chunks(repo, ids[2])) == 0
     assert max(repo.store.chain_depth(o) for o in _chunks(repo, ids[3])) == 0
-    _assert_checkouts(repo, ids, dirs, tmp_path, "fwd")
+    _assert_checkouts(repo, ids, dirs, tmp_path, "rev")
     assert repo.fsck(read_data=True) == []
 
 
@@ -89,11 +98,13 @@ def test_frozen_tensor_is_stored_once(repo: Repo, tmp_path: Path) -> None:
 def test_gc_keeps_bases_of_kept_deltas(repo: Repo, tmp_path: Path) -> None:
     dirs = _epochs(tmp_path, 3)
     ids = _commit_all(repo, dirs)
-    bases = {b for o in _chunks(repo, ids[-1]) if (b := repo.store.base_of(o))}
-    assert bases and not bases <= _chunks(repo, ids[-1])
+    repo.create_tag("first", ids[0])
+    # ids[0]'s chunks are deltas against ids[1]'s, which only the pruned ids[1] references.
+    bases = {b for o in _chunks(repo, ids[0]) if (b := repo.store.base_of(o))}
+    assert bases and not bases & (_chunks(repo, ids[0]) | _chunks(repo, ids[-1]))
     repo.gc(keep_last=1)
     assert all(repo.store.has(b) for b in bases)
-    _assert_checkouts(repo, ids[-1:], dirs[-1:], tmp_path, "gc")
+    _assert_checkouts(repo, [ids[0], ids[-1]], [dirs[0], dirs[-1]], tmp_path, "gc")
     assert repo.fsck(read_data=True) == []
 
 
@@ -111,13 +122,13 @@ def test_gc_repack_frees_bases_only_pruned_commits_needed(repo: Repo, tmp_path: 
 def test_fsck_reports_missing_and_corrupt_base(repo: Repo, tmp_path: Path) -> None:
     dirs = _epochs(tmp_path, 2)
     ids = _commit_all(repo, dirs)
-    delta = next(o for o in _chunks(repo, ids[-1]) if repo.store.base_of(o))
+    delta = next(o for o in _chunks(repo, ids[0]) if repo.store.base_of(o))
     base = repo.store.base_of(delta)
     assert base is not None
     data = repo.backend.get(object_key(base))
     repo.backend.replace(object_key(base), data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(IntegrityError, match=delta):
-        repo.checkout(ids[-1], tmp_path / "broken")
+        repo.checkout(ids[0], tmp_path / "broken")
     assert not (tmp_path / "broken" / "model.safetensors").exists()
     assert any(delta in p for p in repo.fsck(read_data=True))
     repo.store.delete(base)
@@ -184,3 +195,77 @@ def test_cli_init_config_repack(tmp_path: Path) -> None:
     assert runner.invoke(main, ["--repo", path, "fsck", "--read-data"]).exit_code == 0
     bad = runner.invoke(main, ["--repo", path, "config", "max_delta_depth", "40"])
     assert bad.exit_code == 5 and "max_delta_depth" in bad.output
+
+
+# ---- newest whole: bounded chains, many commits, crashes while a commit re-encodes its parent ----
+
+
+def test_newest_commit_always_whole_and_chains_bounded_over_many_commits(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK, max_delta_depth=3)
+    dirs = _epochs(tmp_path, 11)
+    ids = []
+    for d in dirs:
+        ids.append(repo.commit(str(d), message=d.name))
+        assert all(repo.store.base_of(o) is None for o in _chunks(repo, ids[-1]))  # the tip reads whole
+        assert max(repo.store.chain_depth(o) for i in ids for o in _chunks(repo, i)) <= 3
+    # Every (depth + 1)-th commit keeps a whole copy; the others are deltas of the next one.
+    assert Encoding.DELTA in _encodings(repo, _chunks(repo, ids[0]))
+    _assert_checkouts(repo, ids, dirs, tmp_path, "many")
+    assert repo.fsck(read_data=True) == []
+    assert sum(e.commit.added_bytes for e in repo.log()) <= repo.stats().stored_bytes  # net of re-encoding
+
+
+def test_branches_from_one_commit_each_keep_their_tip_whole(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK, max_delta_depth=2)
+    dirs = _epochs(tmp_path, 3)
+    base = repo.commit(str(dirs[0]))
+    repo.create_branch("other", base)
+    a = repo.commit(str(dirs[1]), branch="main")
+    b = repo.commit(str(dirs[2]), branch="other")
+    for tip in (a, b):
+        assert all(repo.store.base_of(o) is None for o in _chunks(repo, tip))
+    _assert_checkouts(repo, [base, a, b], dirs, tmp_path, "br")
+    assert repo.fsck(read_data=True) == []
+
+
+def _cli_commit(repo: Path, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckstore.cli", "--repo", str(repo), "commit", str(folder)],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_commit_killed_at_every_step_while_reencoding_parents_leaves_every_commit_readable(tmp_path: Path) -> None:
+    """SIGKILL at each mutating step of a commit that stores new chunks, re-encodes its parent's
+    and writes the manifest and ref: afterwards fsck --read-data is clean and every commit
+    (the old ones always, the new one when its ref moved) checks out byte-identical."""
+    dirs = _epochs(tmp_path, 3)
+    template = tmp_path / "template"
+    repo = Repo.init(template, chunk_size=CHUNK, max_delta_depth=2)
+    old = _commit_all(repo, dirs[:2])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKSTORE_")}
+    counter = tmp_path / "steps"
+    probe = tmp_path / "probe"
+    shutil.copytree(template, probe)
+    assert _cli_commit(probe, dirs[2], {**env, "CKSTORE_FAULT_COUNT": str(counter)}).returncode == 0
+    steps = int(counter.read_text())
+    reencoded = [o for o in _chunks(Repo(probe), old[1]) if Repo(probe).store.base_of(o)]
+    assert reencoded, "the parent's chunks should have become deltas"
+    for k in range(1, steps + 1):
+        work = tmp_path / f"k{k}"
+        shutil.copytree(template, work)
+        proc = _cli_commit(work, dirs[2], {**env, "CKSTORE_FAULT": f"kill@{k}"})
+        # 0: this run needed fewer steps (worker threads can race to stage the same chunk).
+        assert proc.returncode in (-signal.SIGKILL, 0), (k, proc.returncode, proc.stderr)
+        crashed = Repo(work)
+        assert crashed.fsck(read_data=True) == [], k
+        ids = [e.id for e in crashed.log()][::-1]
+        assert ids[:2] == old and len(ids) <= 3, k
+        _assert_checkouts(crashed, ids, dirs, tmp_path, f"k{k}")
+        # The next commit on top of whatever the crash left works and reads back (after deleting
+        # a ref lock the killed process held, as the stale-lock error tells the user to).
+        for lock in (work / "refs").rglob("*.lock"):
+            lock.unlink()
+        if len(ids) == 2:
+            ids.append(crashed.commit(str(dirs[2])))
+            _assert_checkouts(crashed, ids[2:], dirs[2:], tmp_path, f"k{k}-again")
+            assert crashed.fsck(read_data=True) == [], k
+        shutil.rmtree(work)
