@@ -113,7 +113,7 @@ def repack_locked(repo: Repo, commits: Iterable[ObjectId]) -> RepackReport:
     """Repack the chunks of ``commits``; the caller holds the exclusive repository lock."""
     report = RepackReport()
     if repo.config.version < 2:
-        from .repo import DEFAULT_MAX_DELTA_DEPTH
+        from .config import DEFAULT_MAX_DELTA_DEPTH
 
         repo.set_config(replace(repo.config, version=2, max_delta_depth=DEFAULT_MAX_DELTA_DEPTH))
         report.upgraded = True

@@ -58,7 +58,7 @@ class PutResult:
 
 @dataclass(frozen=True)
 class EncodingSettings:
-    """How new chunk objects are encoded (repository settings, see repo.RepoConfig)."""
+    """How new chunk objects are encoded (repository settings, see config.RepoConfig)."""
 
     zstd_level: int = 3
     max_delta_depth: int = 0  # 0: never a delta

@@ -162,7 +162,7 @@ def estimate_gap(dirs: list[Path]) -> tuple[float, float]:
                     out[(name, i)] = (data[i:i + chunk], width)
         return out
 
-    from ckstore.repo import DEFAULT_ZSTD_LEVEL
+    from ckstore.config import DEFAULT_ZSTD_LEVEL
 
     raw = sampled = full = 0
     for name in FILES:

@@ -1,0 +1,67 @@
+"""Repository settings (``config.json``): validated, versioned, with measured defaults."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import IntegrityError, InvalidInputError, UnsupportedFormatError
+from .store import EncodingSettings
+
+CONFIG_KEY = "config.json"
+REPO_FORMAT_VERSION = 2  # 2: byte-grouped and delta chunk encodings (docs/format.md)
+DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and faster (docs/benchmarks.md)
+DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
+MAX_DELTA_DEPTH_LIMIT = 16
+
+
+@dataclass(frozen=True)
+class RepoConfig:
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    zstd_level: int = DEFAULT_ZSTD_LEVEL
+    max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH
+    # A version-1 repository stays version 1 (raw and zstd objects only, so older ckstore can
+    # still read it) until repack upgrades it.
+    version: int = REPO_FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        doc: dict[str, Any] = {"ckstore": "repository", "version": self.version,
+                               "chunk_size": self.chunk_size, "zstd_level": self.zstd_level}
+        if self.version >= 2:
+            doc["max_delta_depth"] = self.max_delta_depth
+        return (json.dumps(doc, indent=2) + "\n").encode()
+
+    @property
+    def encoding(self) -> EncodingSettings:
+        return EncodingSettings(self.zstd_level, self.max_delta_depth if self.version >= 2 else 0, self.version)
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> RepoConfig:
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            raise IntegrityError(f"{where} is not valid JSON") from None
+        if not isinstance(doc, dict) or doc.get("ckstore") != "repository":
+            raise UnsupportedFormatError(f"{where} is not a ckstore repository configuration")
+        version = doc.get("version")
+        if not isinstance(version, int) or version > REPO_FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"repository format version {version} is newer than this ckstore supports ({REPO_FORMAT_VERSION});"
+                " upgrade ckstore"
+            )
+        depth = doc.get("max_delta_depth", 0 if version == 1 else DEFAULT_MAX_DELTA_DEPTH)
+        config = cls(doc.get("chunk_size"), doc.get("zstd_level"), depth, version)  # type: ignore[arg-type]
+        config.validate(where)
+        return config
+
+    def validate(self, where: str = "configuration") -> None:
+        if not isinstance(self.chunk_size, int) or not 4096 <= self.chunk_size <= 1 << 28:
+            raise InvalidInputError(f"{where}: chunk_size must be between 4 KiB and 256 MiB")
+        if not isinstance(self.zstd_level, int) or not 1 <= self.zstd_level <= 22:
+            raise InvalidInputError(f"{where}: zstd_level must be between 1 and 22")
+        if not isinstance(self.max_delta_depth, int) or not 0 <= self.max_delta_depth <= MAX_DELTA_DEPTH_LIMIT:
+            raise InvalidInputError(f"{where}: max_delta_depth must be between 0 and {MAX_DELTA_DEPTH_LIMIT}")
+        if self.version not in (1, 2):
+            raise UnsupportedFormatError(f"{where}: unknown repository format version {self.version}")
