@@ -289,7 +289,7 @@ def main() -> None:
                 lines.append(f"| {name} | {value} | {ck['stored'] / raw:.3f} | {ck['commit']:.2f} | "
                              f"{ck['checkout_new']:.2f} | {ck['checkout_old']:.2f} |")
                 print(lines[-1], flush=True)
-    lines += ["", "Which targets are met, and why the others are not: docs/design-compression.md."]
+    lines += ["", "Which targets are met, and why the others are not: see \"Targets\" at the end of this page."]
     out = Path(args.out)
     Path(args.out).write_text("\n".join(lines) + "\n" + _other_sections(out, lines))
     print(f"wrote {args.out}")
