@@ -7,6 +7,7 @@ are queued or running, which bounds memory to that many chunks whatever the file
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,24 +21,50 @@ def default_workers() -> int:
     return max(1, min(32, os.cpu_count() or 1))
 
 
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_IN_WORKER = threading.local()
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    """One pool per process: loading a state of many small tensors must not start threads per tensor."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(
+                max_workers=default_workers(), thread_name_prefix="ckstore",
+                initializer=lambda: setattr(_IN_WORKER, "active", True),
+            )
+        return _POOL
+
+
 def ordered_map(
     fn: Callable[[T], R], items: Iterable[T], workers: int | None = None, max_inflight: int | None = None
 ) -> Iterator[R]:
-    """Yield ``fn(item)`` for each item, in input order, computing up to ``workers`` at once."""
-    workers = workers or default_workers()
-    max_inflight = max_inflight or 2 * workers + 1
-    if workers == 1:
+    """Yield ``fn(item)`` for each item, in input order, computing up to ``workers`` at once.
+
+    ``workers`` None uses the process-wide pool; a call made from inside one of its workers runs
+    sequentially, since waiting on the same bounded pool could deadlock.
+    """
+    if getattr(_IN_WORKER, "active", False) or workers == 1 or default_workers() == 1:
         yield from map(fn, items)
         return
+    own = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckstore") if workers else None
+    pool = own or _shared_pool()
+    max_inflight = max_inflight or 2 * (workers or default_workers()) + 1
     pending: deque[Future[R]] = deque()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckstore") as pool:
-        try:
-            for item in items:
-                if len(pending) >= max_inflight:
-                    yield pending.popleft().result()
-                pending.append(pool.submit(fn, item))
-            while pending:
+    try:
+        for item in items:
+            if len(pending) >= max_inflight:
                 yield pending.popleft().result()
-        finally:
-            for future in pending:
-                future.cancel()
+            pending.append(pool.submit(fn, item))
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+        for future in pending:  # a cancelled map must not leave work running behind its caller
+            if not future.cancelled():
+                future.exception()
+        if own is not None:
+            own.shutdown(wait=True)

@@ -209,19 +209,51 @@ class _TensorReader:
             self.cache[ref.name] = tensor
         return tensor.numpy() if ref.numpy else tensor
 
-    def _load(self, ref: _TensorRef) -> torch.Tensor:
+    def prefetch(self, refs: Sequence[_TensorRef]) -> None:
+        """Load many tensors in one parallel pass over all their chunks (eager loads)."""
+        todo = list({r.name: r for r in refs if r.name not in self.cache}.values())
+        buffers = {r.name: self._buffer(r) for r in todo}
+
+        def fetch(job: tuple[str, int, str, int, str]) -> None:
+            name, start, oid, size, context = job
+            data = self.store.get_chunk(oid, size, context)
+            buffers[name][1][start : start + size] = np.frombuffer(data, dtype=np.uint8)
+
+        for _ in ordered_map(fetch, (job for r in todo for job in self._jobs(r))):
+            pass
+        for r in todo:
+            self.cache[r.name] = self._finish(r, buffers[r.name][0])
+
+    def _entry(self, ref: _TensorRef) -> tuple[FileEntry, TensorEntry]:
         if ref.name not in self.entries:
             raise IntegrityError(f"state refers to tensor {ref.name!r}, which the commit does not hold")
-        f, entry = self.entries[ref.name]
-        out = torch.empty(entry.nbytes, dtype=torch.uint8)
-        view = out.numpy()
+        return self.entries[ref.name]
+
+    def _buffer(self, ref: _TensorRef) -> tuple[torch.Tensor, np.ndarray]:
+        out = torch.empty(self._entry(ref)[1].nbytes, dtype=torch.uint8)
+        return out, out.numpy()
+
+    def _jobs(self, ref: _TensorRef) -> Iterator[tuple[str, int, str, int, str]]:
+        f, entry = self._entry(ref)
         context = f" (file {f.path!r}, tensor {entry.name!r})"
-        offsets = [0]
+        start = 0
         for c in entry.chunks:
-            offsets.append(offsets[-1] + c.size)
-        chunks = ordered_map(lambda c: self.store.get_chunk(c.id, c.size, context), entry.chunks)
-        for start, data in zip(offsets, chunks):
-            view[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            yield ref.name, start, c.id, c.size, context
+            start += c.size
+
+    def _load(self, ref: _TensorRef) -> torch.Tensor:
+        out, view = self._buffer(ref)
+
+        def fetch(job: tuple[str, int, str, int, str]) -> None:
+            _, start, oid, size, context = job
+            view[start : start + size] = np.frombuffer(self.store.get_chunk(oid, size, context), dtype=np.uint8)
+
+        for _ in ordered_map(fetch, self._jobs(ref)):
+            pass
+        return self._finish(ref, out)
+
+    def _finish(self, ref: _TensorRef, out: torch.Tensor) -> torch.Tensor:
+        _, entry = self._entry(ref)
         self.bytes_read += entry.nbytes
         if ref.dtype is not None:
             dtype, shape = _torch_dtype(ref.dtype), ref.shape or ()
@@ -251,6 +283,17 @@ def _prune(node: object, path: KeyPath, patterns: Sequence[str]) -> tuple[bool, 
         items = [v for keep, v in (_prune(v, (*path, i), patterns) for i, v in enumerate(node)) if keep]
         return bool(items), type(node)(items)
     return False, None
+
+
+def _refs(node: object) -> Iterator[_TensorRef]:
+    if isinstance(node, _TensorRef):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            yield from _refs(value)
 
 
 def _materialize(node: object, reader: _TensorReader) -> object:
@@ -325,6 +368,7 @@ def load_state(
         if not isinstance(skeleton, Mapping):
             raise InvalidInputError("lazy loading needs a state whose top level is a mapping")
         return LazyState(skeleton, reader)
+    reader.prefetch(list(_refs(skeleton)))
     return _materialize(skeleton, reader)
 
 
