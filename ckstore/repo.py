@@ -273,8 +273,9 @@ class Repo:
     def read_commit(self, oid: str) -> Commit:
         commit = self._commits.get(oid)
         if commit is None:
+            data = self.store.get_commit(oid)  # its errors already name the commit
             try:
-                commit = decode_commit(self.store.get_commit(oid))
+                commit = decode_commit(data)
             except IntegrityError as exc:
                 raise IntegrityError(f"commit {oid}: {exc}") from None
             self._commits[oid] = commit
