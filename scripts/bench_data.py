@@ -48,6 +48,19 @@ def _embed(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return hidden.mean(dim=1)
 
 
+def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list) -> float:
+    """One pass of AdamW over the synthetic pairs (target: share of shared tokens); the last loss."""
+    model.train()
+    loss = torch.tensor(0.0)
+    for a, b, target in data:
+        sim = torch.nn.functional.cosine_similarity(_embed(model, a), _embed(model, b)).float()
+        loss = torch.nn.functional.mse_loss(sim, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
 def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
@@ -84,18 +97,12 @@ def train_run(run: str, out: Path, epochs: int, steps: int, batch: int = 8, seq:
     dirs = []
     for epoch in range(1, epochs + 1):
         started = time.perf_counter()
-        model.train()
-        for a, b, target in data:
-            sim = torch.nn.functional.cosine_similarity(_embed(model, a), _embed(model, b)).float()
-            loss = torch.nn.functional.mse_loss(sim, target)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        loss = train_epoch(model, opt, data)
         folder = out / run / f"epoch{epoch}"
         folder.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
         save_file(_optimizer_tensors(model, opt), str(folder / "optimizer.safetensors"))
-        print(f"{run} epoch {epoch}: loss {loss.item():.4f} ({time.perf_counter() - started:.1f}s)", flush=True)
+        print(f"{run} epoch {epoch}: loss {loss:.4f} ({time.perf_counter() - started:.1f}s)", flush=True)
         dirs.append(folder)
     return dirs
 

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_data import _batches, _embed, model_dir  # noqa: E402
+from bench_data import _batches, model_dir, train_epoch  # noqa: E402
 from bench_sections import write_section  # noqa: E402
 
 from ckstore.repo import Repo  # noqa: E402
@@ -49,16 +49,10 @@ def train(model: torch.nn.Module, epochs: int, steps: int, lr: float) -> float:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     data = _batches(model.config.vocab_size, steps, batch=8, seq=32, seed=1)
-    model.train()
-    loss = torch.tensor(0.0)
+    loss = 0.0
     for _ in range(epochs):
-        for a, b, target in data:
-            sim = torch.nn.functional.cosine_similarity(_embed(model, a), _embed(model, b)).float()
-            loss = torch.nn.functional.mse_loss(sim, target)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return loss.item()
+        loss = train_epoch(model, opt, data)
+    return loss
 
 
 def save_like_base(model: torch.nn.Module, base: Path, out: Path) -> None:
