@@ -162,11 +162,9 @@ def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, .
 @pass_repo
 def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, delete_source: bool) -> None:
     """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle)."""
-    from .legacy import import_checkpoints
-
     # Printed as each file lands: if a later file is refused, the commits made so far are known.
-    for result in import_checkpoints(repo, path, recursive=recursive, message=message, branch=branch,
-                                     delete_source=delete_source):
+    for result in repo.iter_import(path, recursive=recursive, message=message, branch=branch,
+                                   delete_source=delete_source):
         click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")
 
 

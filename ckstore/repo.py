@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
@@ -468,10 +468,18 @@ class Repo:
         branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
     ) -> list[Any]:
         """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""
+        return list(self.iter_import(path, recursive=recursive, message=message, branch=branch,
+                                     delete_source=delete_source, metadata=metadata))
+
+    def iter_import(
+        self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
+        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
+    ) -> Iterator[Any]:
+        """Like ``import_checkpoint``, yielding each file's result as its commit lands."""
         from .legacy import import_checkpoints
 
-        return list(import_checkpoints(self, path, recursive=recursive, message=message, branch=branch,
-                                       delete_source=delete_source, metadata=metadata))
+        yield from import_checkpoints(self, path, recursive=recursive, message=message, branch=branch,
+                                      delete_source=delete_source, metadata=metadata)
 
     def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> Any:
         """A lazy read-only mapping of the commit's tensors with safe_open-style slices; see partial.py."""
