@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from functools import update_wrapper
 from collections.abc import Callable
+from functools import update_wrapper
 from typing import Any, NoReturn
 
 import click
 
-from .errors import CkstoreError, InvalidInputError, StorageError
+from .errors import CkstoreError, IntegrityError, InvalidInputError, StorageError
 from .repo import ProgressBar, Repo
 
 EXIT_INTERRUPTED = 130
@@ -401,8 +401,6 @@ def fsck(repo: Repo, read_data: bool) -> None:
     for problem in problems:
         click.echo(problem)
     if problems:
-        from .errors import IntegrityError
-
         _die(f"{len(problems)} problem(s) found", IntegrityError.exit_code)
     click.echo("no problems found" + (" (all data re-hashed)" if read_data else ""))
 
