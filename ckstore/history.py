@@ -52,15 +52,14 @@ def log(repo: Repo, ref: str | None = None) -> list[LogEntry]:
     while heap:
         _, oid = heapq.heappop(heap)
         commit = repo.read_commit(oid)
-        gone = []
+        gone = [p for p in commit.parents if p in pruned or not repo.store.has(p)]
         todo = list(commit.parents)
         while todo:
             parent = todo.pop(0)
             if parent in pruned:
-                gone.append(parent)
                 todo.extend(pruned[parent])  # older kept commits stay in the history
             elif not repo.store.has(parent):
-                gone.append(parent)
+                continue
             elif parent not in seen:
                 seen.add(parent)
                 heapq.heappush(heap, (_neg_time(repo.read_commit(parent).time), parent))
