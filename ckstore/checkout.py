@@ -53,7 +53,6 @@ class _Output:
     path: str
     pieces: tuple[tuple[Piece, str], ...]  # (piece, context for errors)
     size: int
-    exact: bool  # the file as committed (so an identical existing file can be detected by hashes)
 
 
 def _context(path: str, tensor: str | None) -> str:
@@ -64,7 +63,7 @@ def _full_output(f: FileEntry) -> _Output:
     pieces: list[tuple[Piece, str]] = [(c, _context(f.path, None)) for c in f.header + f.chunks]
     for t in f.tensors:
         pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
-    return _Output(f.path, tuple(pieces), f.size, exact=True)
+    return _Output(f.path, tuple(pieces), f.size)
 
 
 def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) -> _Output | None:
@@ -79,7 +78,7 @@ def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) 
     pieces: list[tuple[Piece, str]] = [(header, "")]
     for t in keep:
         pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
-    return _Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep), exact=False)
+    return _Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep))
 
 
 def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[_Output]:
@@ -105,13 +104,19 @@ def _target(out_dir: Path, rel: str) -> Path:
 
 
 def _same_file(target: Path, output: _Output) -> bool:
-    """True when the existing file holds exactly the committed bytes (hash per chunk, no decode)."""
-    if not output.exact or not target.is_file() or target.stat().st_size != output.size:
+    """True when the existing file holds exactly the bytes ``output`` would write: chunk regions
+    hash to their chunk's name and literal pieces compare equal, so nothing is decoded. Computed
+    pieces (merged LoRA weights) cannot be checked without computing them: never "the same"."""
+    if any(callable(piece) for piece, _ in output.pieces):
+        return False
+    if not target.is_file() or target.stat().st_size != output.size:
         return False
     with open(target, "rb") as f:
         for piece, _ in output.pieces:
-            assert isinstance(piece, ChunkRef)
-            if chunk_id(f.read(piece.size)) != piece.id:
+            if isinstance(piece, ChunkRef):
+                if chunk_id(f.read(piece.size)) != piece.id:
+                    return False
+            elif f.read(len(piece)) != piece:  # type: ignore[arg-type]
                 return False
     return True
 

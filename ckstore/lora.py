@@ -146,7 +146,7 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[_Output]:
                 pieces.extend((c, ctx) for c in written.chunks)
             else:
                 pieces.append((_merge_fn(store, original, u, scale(u.module), bool(config.get("fan_in_fan_out"))), ctx))
-        outputs.append(_Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in tensors), exact=False))
+        outputs.append(_Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in tensors)))
     return outputs
 
 

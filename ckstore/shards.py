@@ -131,10 +131,10 @@ def plan_shards(
         for t in entries:
             pieces.extend((c, _context(tensors[t.name][0].path, t.name)) for c in t.chunks)
             weight_map[t.name] = shard_name
-        outputs.append(_Output(shard_name, tuple(pieces), len(header) + sum(t.nbytes for t in entries), exact=False))
+        outputs.append(_Output(shard_name, tuple(pieces), len(header) + sum(t.nbytes for t in entries)))
     if len(groups) > 1:
         index = index_document(dict(sorted(weight_map.items())), sum(t.nbytes for _, t in tensors.values()))
-        outputs.append(_Output(INDEX_NAME, ((index, ""),), len(index), exact=False))
+        outputs.append(_Output(INDEX_NAME, ((index, ""),), len(index)))
     written = {o.path for o in outputs}
     for f in commit.files:
         if _is_sharded_input(f) or _is_old_index(f):

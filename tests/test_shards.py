@@ -13,7 +13,7 @@ from huggingface_hub.serialization._base import split_state_dict_into_shards_fac
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ckstore.errors import InvalidInputError
+from ckstore.errors import InvalidInputError, OutputExistsError
 from ckstore.repo import Repo
 from ckstore.shards import INDEX_NAME, parse_size, split_into_shards
 
@@ -84,6 +84,20 @@ def test_sharded_checkout(repo: Repo, tmp_path: Path) -> None:
     assert (out / "config.json").read_bytes() == (tmp_path / "src" / "config.json").read_bytes()
     assert (out / "2_Dense" / "model.safetensors").read_bytes() == (tmp_path / "src" / "2_Dense" / "model.safetensors").read_bytes()
     assert sorted(p.name for p in out.iterdir()) == sorted([*shards, INDEX_NAME, "config.json", "2_Dense"])
+
+
+def test_sharded_checkout_again_leaves_identical_shards_and_refuses_changed_ones(repo: Repo, tmp_path: Path) -> None:
+    model_folder(tmp_path / "src")
+    cid = repo.commit(tmp_path / "src")
+    out = tmp_path / "out"
+    first = repo.checkout(cid, out, shard_size="20KB")
+    again = repo.checkout(cid, out, shard_size="20KB")  # no --force needed: nothing differs
+    assert again.written == [] and sorted(again.unchanged) == sorted(first.written)
+    shard = sorted(out.glob("model-*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(OutputExistsError, match=shard.name):
+        repo.checkout(cid, out, shard_size="20KB")
 
 
 def test_one_shard_is_model_safetensors_without_index(repo: Repo, tmp_path: Path) -> None:
