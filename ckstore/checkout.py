@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backend.local import fault_point
+from .backend.local import fault_point, fsync_path
 from .errors import InvalidPathError, OutputExistsError, StorageError
 from .ids import chunk_id
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
@@ -152,11 +152,7 @@ def _write_one(store: ObjectStore, target: Path, output: _Output, progress: Prog
         tmp.unlink(missing_ok=True)
         raise
     fault_point()
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(target.parent)
 
 
 def remove_dead_temporaries(folder: Path) -> int:

@@ -227,27 +227,24 @@ class ObjectStore:
         return self._read(oid, "")
 
     def _read(self, oid: str, context: str) -> bytes:
-        try:
-            return self.backend.get(object_key(oid))
-        except KeyError:
-            for alt in self.alternates:
-                try:
-                    return alt._read(oid, context)
-                except ObjectMissingError:
-                    continue
-            raise ObjectMissingError(f"object {oid} is missing{context}") from None
+        return self._read_any(oid, None, context)
 
     def _read_prefix(self, oid: str, n: int) -> bytes:
         """The first ``n`` stored bytes of an object (its header), here or in a base repository."""
+        return self._read_any(oid, n, "")
+
+    def _read_any(self, oid: str, n: int | None, context: str) -> bytes:
+        """The stored bytes (all, or the first ``n``) of an object, here or in a base repository."""
+        key = object_key(oid)
         try:
-            return self.backend.get_prefix(object_key(oid), n)
+            return self.backend.get(key) if n is None else self.backend.get_prefix(key, n)
         except KeyError:
             for alt in self.alternates:
                 try:
-                    return alt._read_prefix(oid, n)
+                    return alt._read_any(oid, n, context)
                 except ObjectMissingError:
                     continue
-            raise ObjectMissingError(f"object {oid} is missing") from None
+            raise ObjectMissingError(f"object {oid} is missing{context}") from None
 
     def get_chunk(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes:
         """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""

@@ -120,7 +120,8 @@ def _move_if_absent(src: Path, dst: Path) -> bool | None:
     return None
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or folder by path (a folder's fsync makes its entries durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -167,7 +168,7 @@ class LocalBackend(Backend):
 
     def _fsync_dir(self, path: Path) -> None:
         _FAULTS.step()
-        _fsync_path(path)
+        fsync_path(path)
 
     def _ensure_dir(self, path: Path, created: set[Path] | None = None) -> None:
         """Create ``path`` and missing parents. Each new entry's parent is fsynced at once,
@@ -329,7 +330,7 @@ class LocalBackend(Backend):
         for _ in todo:
             _FAULTS.step()  # one step per fsync, counted up front (the fsyncs run in parallel)
         with ThreadPoolExecutor(max_workers=8) as pool:
-            list(pool.map(_fsync_path, todo))
+            list(pool.map(fsync_path, todo))
 
     def clean_temporary(self) -> int:
         removed = 0
