@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_data import RUNS, ensure_checkpoints  # noqa: E402
 
+from ckstore.backend.local import fsync_path  # noqa: E402
 from ckstore import Repo  # noqa: E402
 from ckstore.codec import encode_chunk  # noqa: E402
 from ckstore.safetensors_format import DTYPE_BITS  # noqa: E402
@@ -88,14 +89,6 @@ def hexz_files(dirs: list[Path], work: Path) -> tuple[int, float]:
     return stored, seconds
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def safetensors_baseline(dirs: list[Path], work: Path) -> tuple[float, float, float]:
     """Mean seconds per epoch of the issue's baseline — safetensors load_file + save_file + fsync
     of the same files (read the checkpoint and write it out durably) — and of its two halves:
@@ -114,7 +107,7 @@ def safetensors_baseline(dirs: list[Path], work: Path) -> tuple[float, float, fl
             save_file(tensors, str(out / f))
             with open(out / f, "rb+") as fh:
                 os.fsync(fh.fileno())
-            _fsync_dir(out)
+            fsync_path(out)
             save += time.perf_counter() - started
     shutil.rmtree(out)
     n = len(dirs)
