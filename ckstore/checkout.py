@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backend.local import fault_point, fsync_path
 from .errors import InvalidPathError, OutputExistsError, StorageError
+from .fsio import fsync_path, mutating_step, pid_alive
 from .ids import chunk_id
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
-from .refs import pid_alive
-from .safetensors_format import emit_header, parse_header
+from .filedata import file_context, header_metadata
+from .safetensors_format import emit_header
 from .store import ObjectStore
 
 Progress = Callable[[int], None]
@@ -47,7 +47,7 @@ Piece = ChunkRef | bytes | Callable[[], bytes]
 
 
 @dataclass(frozen=True)
-class _Output:
+class Output:
     """What to write at one path: a sequence of byte pieces (chunks or a re-emitted header)."""
 
     path: str
@@ -55,33 +55,27 @@ class _Output:
     size: int
 
 
-def _context(path: str, tensor: str | None) -> str:
-    return f" (file {path!r}, tensor {tensor!r})" if tensor else f" (file {path!r})"
-
-
-def _full_output(f: FileEntry) -> _Output:
-    pieces: list[tuple[Piece, str]] = [(c, _context(f.path, None)) for c in f.header + f.chunks]
+def full_output(f: FileEntry) -> Output:
+    pieces: list[tuple[Piece, str]] = [(c, file_context(f.path, None)) for c in f.header + f.chunks]
     for t in f.tensors:
-        pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
-    return _Output(f.path, tuple(pieces), f.size)
+        pieces.extend((c, file_context(f.path, t.name)) for c in t.chunks)
+    return Output(f.path, tuple(pieces), f.size)
 
 
-def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) -> _Output | None:
+def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) -> Output | None:
     keep = select_tensors(f.tensors, patterns)
     if not keep:
         return None
     if len(keep) == len(f.tensors):
-        return _full_output(f)
-    original = b"".join(store.get_chunk(c.id, c.size, _context(f.path, None)) for c in f.header)
-    metadata = parse_header(original, f.size).metadata
-    header, _ = emit_header([(t.name, t.dtype, t.shape) for t in keep], metadata)
+        return full_output(f)
+    header, _ = emit_header([(t.name, t.dtype, t.shape) for t in keep], header_metadata(store, f))
     pieces: list[tuple[Piece, str]] = [(header, "")]
     for t in keep:
-        pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
-    return _Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep))
+        pieces.extend((c, file_context(f.path, t.name)) for c in t.chunks)
+    return Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep))
 
 
-def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[_Output]:
+def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[Output]:
     outputs = []
     for f in commit.files:
         if only and f.kind == "safetensors":
@@ -89,7 +83,7 @@ def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None)
             if out is not None:
                 outputs.append(out)
         else:
-            outputs.append(_full_output(f))
+            outputs.append(full_output(f))
     return outputs
 
 
@@ -103,7 +97,7 @@ def _target(out_dir: Path, rel: str) -> Path:
     return target
 
 
-def _same_file(target: Path, output: _Output) -> bool:
+def _same_file(target: Path, output: Output) -> bool:
     """True when the existing file holds exactly the bytes ``output`` would write: chunk regions
     hash to their chunk's name and literal pieces compare equal, so nothing is decoded. Computed
     pieces (merged LoRA weights) cannot be checked without computing them: never "the same"."""
@@ -133,25 +127,25 @@ def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator
     return ordered_map(get, outputs)
 
 
-def _write_one(store: ObjectStore, target: Path, output: _Output, progress: Progress | None) -> None:
+def _write_one(store: ObjectStore, target: Path, output: Output, progress: Progress | None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
     try:
-        fault_point()
+        mutating_step()
         with open(tmp, "xb") as f:
             for data in _fetch(store, output.pieces):
                 f.write(data)
                 if progress:
                     progress(len(data))
             f.flush()
-            fault_point()
+            mutating_step()
             os.fsync(f.fileno())
-        fault_point()
+        mutating_step()
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fault_point()
+    mutating_step()
     fsync_path(target.parent)
 
 
@@ -174,10 +168,10 @@ def remove_dead_temporaries(folder: Path) -> int:
 
 
 def write_outputs(
-    store: ObjectStore, outputs: list[_Output], out_dir: Path, force: bool, progress: Progress | None = None
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: Progress | None = None
 ) -> CheckoutResult:
     result = CheckoutResult()
-    todo: list[tuple[Path, _Output]] = []
+    todo: list[tuple[Path, Output]] = []
     conflicts = []
     for output in outputs:
         target = _target(out_dir, output.path)
@@ -208,7 +202,7 @@ def write_outputs(
     return result
 
 
-def total_size(outputs: list[_Output]) -> int:
+def total_size(outputs: list[Output]) -> int:
     return sum(o.size for o in outputs)
 
 

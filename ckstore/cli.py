@@ -220,14 +220,14 @@ def show(repo: Repo, ref: str, as_json: bool) -> None:
         for f in c.files
     ]
     if as_json:
-        doc = {**_entry_json(oid, c), "base": c.base, "provenance": dict(c.provenance), "files": files}
+        doc = {**_entry_json(oid, c), "base": {"commit": c.base.commit, "repo": c.base.repo} if c.base else None, "provenance": dict(c.provenance), "files": files}
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
         _json(doc)
         return
     click.echo(f"commit {oid}  ({c.branch})\nDate:   {c.time}")
     if c.base is not None:
-        click.echo(f"Base:   {c.base['commit']}" + (f" in {c.base['repo']}" if c.base["repo"] else ""))
+        click.echo(f"Base:   {c.base.commit}" + (f" in {c.base.repo}" if c.base.repo else ""))
     if c.message:
         click.echo(f"Message: {c.message}")
     if c.decoded_metadata():

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .codec import ENCODINGS_BY_REPO_VERSION, Encoding
 from .errors import IntegrityError, InvalidInputError, UnsupportedFormatError
-from .store import EncodingSettings
 
 CONFIG_KEY = "config.json"
 REPO_FORMAT_VERSION = 2  # 2: byte-grouped and delta chunk encodings (docs/format.md)
@@ -15,6 +15,19 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and faster (docs/benchmarks.md)
 DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
 MAX_DELTA_DEPTH_LIMIT = 16
+
+
+@dataclass(frozen=True)
+class EncodingSettings:
+    """How new chunk objects are encoded: the repository settings the object store needs."""
+
+    zstd_level: int = DEFAULT_ZSTD_LEVEL
+    max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH  # 0: never a delta
+    repo_version: int = REPO_FORMAT_VERSION
+
+    @property
+    def allowed(self) -> frozenset[Encoding]:
+        return ENCODINGS_BY_REPO_VERSION[self.repo_version]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ tensor yields the same chunks wherever it sits in the file.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -18,34 +18,12 @@ from typing import BinaryIO
 from .errors import InvalidInputError, InvalidPathError, SafetensorsFormatError, StorageError
 from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
-from .safetensors_format import DTYPE_BITS, SafetensorsLayout, header_length, parse_header
-from .ids import ObjectId
+from .positions import HEADER, Position, PositionChunks, chunk_at, element_width
+from .safetensors_format import SafetensorsLayout, header_length, parse_header
 from .store import ObjectStore, PutResult
 
 Progress = Callable[[int], None]
 SAFETENSORS_SUFFIX = ".safetensors"
-# Where a chunk sits in a commit: (file path, tensor name or None for a plain file).
-Position = tuple[str, str | None]
-ParentChunks = Mapping[Position, Sequence[ChunkRef]]
-# Complex numbers are pairs of floats: group by the float, whose exponent byte repeats.
-_WIDTH_OVERRIDES = {"C64": 4}
-
-
-def element_width(dtype: str) -> int:
-    """Bytes per element for byte grouping (1 for sub-byte and byte-wide dtypes)."""
-    return _WIDTH_OVERRIDES.get(dtype, max(1, DTYPE_BITS.get(dtype, 8) // 8))
-
-
-def parent_chunks(files: Sequence[FileEntry]) -> dict[Position, Sequence[ChunkRef]]:
-    """The chunk lists of a commit by position: the delta base candidates for its child."""
-    out: dict[Position, Sequence[ChunkRef]] = {}
-    for f in files:
-        if f.kind == "safetensors":
-            for t in f.tensors:
-                out[(f.path, t.name)] = t.chunks
-        else:
-            out[(f.path, None)] = f.chunks
-    return out
 
 
 @dataclass(frozen=True)
@@ -185,24 +163,19 @@ def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, int, 
             raise StorageError(f"cannot read {name}: {exc.strerror}") from None
 
 
-def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position | None]:
-    """Element width and delta position of the chunks of one segment of a file."""
+def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
+    """Element width and position of the chunks of one segment of a file."""
     if plan.layout is None:
         return 1, (plan.source.path, None)
     if s_index == 0:
-        return 1, None  # the header: unchanged headers dedup, changed ones are small
+        return 1, (plan.source.path, HEADER)
     tensor = plan.layout.tensors[s_index - 1]
     return element_width(tensor.dtype), (plan.source.path, tensor.name)
 
 
-def _chunk_at(commit: ParentChunks, position: Position, index: int, size: int) -> ObjectId | None:
-    chunks = commit.get(position, ())
-    return chunks[index].id if index < len(chunks) and chunks[index].size == size else None
-
-
 def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
-    parent: ParentChunks | None = None, history: Sequence[ParentChunks] = (),
+    parent: PositionChunks | None = None, history: Sequence[PositionChunks] = (),
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
 
@@ -233,14 +206,16 @@ def ingest(
     def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
         p_index, s_index, c_index, piece = job
         width, position = _chunk_kind(plans[p_index], s_index)
-        if position is None:
+        if position[1] == HEADER:
+            # Headers are not delta candidates at commit: unchanged ones dedup, changed ones are
+            # small (repack may still pair them).
             return p_index, s_index, len(piece), store.put_chunk(piece, width)
         if parent is not None:
             return p_index, s_index, len(piece), store.put_chunk(
-                piece, width, _chunk_at(parent, position, c_index, len(piece)))
+                piece, width, chunk_at(parent, position, c_index, len(piece)))
         result = store.put_chunk(piece, width)
         if result.stored and history:
-            older = [_chunk_at(h, position, c_index, len(piece)) for h in history]
+            older = [chunk_at(h, position, c_index, len(piece)) for h in history]
             if older[0] is not None and older[0] != result.id:
                 saved = store.reverse_delta(older[0], len(piece), width, result.id, piece, older[1:])
                 result = PutResult(result.id, result.stored + saved)

@@ -22,17 +22,14 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .errors import IntegrityError, InvalidInputError, MissingDependencyError, UnsafeCheckpointError
-
-if TYPE_CHECKING:
-    from .repo import Repo
 
 SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 MIN_TORCH = (2, 6)
@@ -138,21 +135,24 @@ def _reason(text: str) -> str:
 
 
 def import_checkpoints(
-    repo: Repo, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
+    commit_state: Callable[..., str], load_state: Callable[[str], Any], path: str | os.PathLike[str], *,
+    exclude: Path | None = None, recursive: bool = False, message: str | None = None,
     branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
 ) -> Iterator[ImportResult]:
     """Commit each checkpoint at ``path`` (one commit per file, in path order) and yield results.
 
+    ``commit_state`` and ``load_state`` are the repository's (``Repo.commit_state`` /
+    ``Repo.load_state``); ``exclude`` is the repository folder, never searched for checkpoints.
     Stops at the first file that fails; the commits yielded before it stand (each is complete).
     """
     _torch()  # refuse an old or missing torch before anything is read
-    for source, name in find_checkpoints(Path(path), recursive, repo.path):
+    for source, name in find_checkpoints(Path(path), recursive, exclude):
         state = load_checkpoint(source)
         meta = {**(metadata or {}), "source": str(source.resolve())}
-        oid = repo.commit_state(state, message=name if message is None else message, branch=branch, metadata=meta)
+        oid = commit_state(state, message=name if message is None else message, branch=branch, metadata=meta)
         deleted = False
         if delete_source:
-            verify_commit(repo, oid, state, source)
+            verify_commit(load_state, oid, state, source)
             del state  # drop the memory map before the file goes
             try:
                 source.unlink()
@@ -162,9 +162,9 @@ def import_checkpoints(
         yield ImportResult(source, oid, deleted)
 
 
-def verify_commit(repo: Repo, oid: str, original: Any, source: Path) -> None:
+def verify_commit(load_state: Callable[[str], Any], oid: str, original: Any, source: Path) -> None:
     """Read the commit back (every chunk re-hashed) and require it to equal ``original`` exactly."""
-    restored = repo.load_state(oid)
+    restored = load_state(oid)
     problem = _difference(original, restored, "")
     if problem is not None:
         raise IntegrityError(f"commit {oid[:12]} does not reproduce {source} ({problem}); source kept")

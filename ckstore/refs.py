@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .backend.base import Backend
+from .fsio import pid_alive
 from .errors import (
     IntegrityError,
     InvalidRefNameError,
@@ -34,7 +35,6 @@ HEAD = "HEAD"
 DEFAULT_BRANCH = "main"
 LOCK_SUFFIX = ".lock"
 LOCK_WAIT = 10.0
-REPO_LOCK_WAIT = 600.0  # as long as gc may hold the repository lock
 _ALLOWED = re.compile(r"[A-Za-z0-9._/@+-]+")
 
 
@@ -65,17 +65,6 @@ def check_ref_name(name: str, what: str = "ref name") -> str:
     if problem:
         raise InvalidRefNameError(f"invalid {what} {name!r}: it {problem}")
     return name
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host (a zombie counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RefStore:
@@ -123,7 +112,7 @@ class RefStore:
     def _locked(self, ref: str) -> Iterator[None]:
         # gc empties tmp/ under the exclusive repository lock, and a ref update writes through
         # tmp/ (its lock file, the new value): so it holds the repository lock shared, as a commit.
-        with self.backend.repo_lock(exclusive=False, timeout=REPO_LOCK_WAIT), self._ref_lock(ref):
+        with self.backend.shared_lock(), self._ref_lock(ref):
             yield
 
     @contextmanager

@@ -10,7 +10,7 @@ with no index, also as the Hub does. Sizes follow transformers: ``MB``/``GB`` ar
 ``MiB``/``GiB`` binary.
 
 Nothing is copied or re-encoded: each shard is a fresh header (``emit_header``) followed by the
-stored chunks of its tensors, planned as checkout ``_Output``s, so shards are streamed, verified
+stored chunks of its tensors, planned as checkout ``Output``s, so shards are streamed, verified
 and written atomically like any checkout. Safetensors files in sub-folders belong to other
 modules (sentence-transformers' ``2_Dense/``…) and are written unchanged, like every
 non-safetensors file; a previous top-level ``*.safetensors.index.json`` is dropped because the new
@@ -23,10 +23,11 @@ import json
 import re
 from collections.abc import Sequence
 
-from .checkout import _context, _full_output, _Output, select_tensors
+from .checkout import Output, full_output, select_tensors
 from .errors import InvalidInputError
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry
-from .safetensors_format import emit_header, parse_header
+from .filedata import file_context, header_metadata
+from .safetensors_format import emit_header
 from .store import ObjectStore
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -96,17 +97,14 @@ def _is_old_index(f: FileEntry) -> bool:
 
 def _common_metadata(store: ObjectStore, files: Sequence[FileEntry]) -> dict[str, str]:
     """The inputs' ``__metadata__`` when they all agree (``{"format": "pt"}`` otherwise)."""
-    found = []
-    for f in files:
-        header = b"".join(store.get_chunk(c.id, c.size, _context(f.path, None)) for c in f.header)
-        found.append(parse_header(header, f.size).metadata)
+    found = [header_metadata(store, f) for f in files]
     first = found[0] if found else None
     return first if first is not None and all(m == first for m in found) else dict(DEFAULT_METADATA)
 
 
 def plan_shards(
     store: ObjectStore, commit: Commit, shard_size: int, only: Sequence[str] | None = None
-) -> list[_Output]:
+) -> list[Output]:
     """Outputs for a sharded checkout: the shards, their index, and the other files unchanged."""
     inputs = [f for f in commit.files if _is_sharded_input(f)]
     tensors: dict[str, tuple[FileEntry, TensorEntry]] = {}
@@ -129,17 +127,17 @@ def plan_shards(
         header, _ = emit_header([(t.name, t.dtype, t.shape) for t in entries], metadata)
         pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
         for t in entries:
-            pieces.extend((c, _context(tensors[t.name][0].path, t.name)) for c in t.chunks)
+            pieces.extend((c, file_context(tensors[t.name][0].path, t.name)) for c in t.chunks)
             weight_map[t.name] = shard_name
-        outputs.append(_Output(shard_name, tuple(pieces), len(header) + sum(t.nbytes for t in entries)))
+        outputs.append(Output(shard_name, tuple(pieces), len(header) + sum(t.nbytes for t in entries)))
     if len(groups) > 1:
         index = index_document(dict(sorted(weight_map.items())), sum(t.nbytes for _, t in tensors.values()))
-        outputs.append(_Output(INDEX_NAME, ((index, ""),), len(index)))
+        outputs.append(Output(INDEX_NAME, ((index, ""),), len(index)))
     written = {o.path for o in outputs}
     for f in commit.files:
         if _is_sharded_input(f) or _is_old_index(f):
             continue
         if f.path in written:
             raise InvalidInputError(f"the commit's file {f.path!r} would collide with a shard of the same name")
-        outputs.append(_full_output(f))
+        outputs.append(full_output(f))
     return outputs

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from ckstore.cli import main
 from ckstore.errors import InvalidInputError
-from ckstore.overlay import ALTERNATES_KEY, DEPENDENTS_KEY, read_paths
+from ckstore.links import ALTERNATES_KEY, DEPENDENTS_KEY, read_paths
+from ckstore.manifest import BaseRef
 from ckstore.repo import Repo
 
 from helpers import save_st, tree_digest
@@ -117,8 +118,8 @@ def test_overlay_on_another_branch(tmp_path: Path, folders: tuple[Path, Path, di
     before = stored_bytes(repo)
     cid = repo.commit(finetuned, branch="ft", base="main", message="fine-tune")
     commit = repo.read_commit(cid)
-    assert commit.base == {"commit": base_id, "repo": None}
-    assert read_paths(repo, ALTERNATES_KEY) == [] and read_paths(repo, DEPENDENTS_KEY) == []
+    assert commit.base == BaseRef(base_id, None)
+    assert read_paths(repo.backend, ALTERNATES_KEY) == [] and read_paths(repo.backend, DEPENDENTS_KEY) == []
     assert_overlay_storage(repo, repo, "main", cid)
     # The overlay added deltas for the tuned tensors and the new head: far less than the base.
     assert stored_bytes(repo) - before < before / 3
@@ -143,7 +144,7 @@ def test_commit_state_with_base(tmp_path: Path) -> None:
     base_id = repo.commit_state(state, message="pretrained")
     tuned = {"model": fine_tune(state["model"], 2), "step": 2}
     cid = repo.commit_state(tuned, branch="ft", base=base_id)
-    assert repo.read_commit(cid).base == {"commit": base_id, "repo": None}
+    assert repo.read_commit(cid).base == BaseRef(base_id, None)
     loaded = repo.load_state(cid)
     assert loaded["step"] == 2 and loaded["model"].keys() == tuned["model"].keys()
     assert all(torch.equal(loaded["model"][k], v) for k, v in tuned["model"].items())
@@ -164,9 +165,9 @@ def test_overlay_on_a_base_in_another_repository(tmp_path: Path, folders: tuple[
     cid = overlay.commit(finetuned, base="pretrained", base_repo=tmp_path / "base")
 
     assert set(base.store.iter_ids()) == base_objects  # nothing written into the base repository
-    assert overlay.read_commit(cid).base == {"commit": base_id, "repo": str((tmp_path / "base").resolve())}
-    assert read_paths(overlay, ALTERNATES_KEY) == [str((tmp_path / "base").resolve())]
-    assert read_paths(base, DEPENDENTS_KEY) == [str((tmp_path / "overlay").resolve())]
+    assert overlay.read_commit(cid).base == BaseRef(base_id, str((tmp_path / "base").resolve()))
+    assert read_paths(overlay.backend, ALTERNATES_KEY) == [str((tmp_path / "base").resolve())]
+    assert read_paths(base.backend, DEPENDENTS_KEY) == [str((tmp_path / "overlay").resolve())]
     # Referenced, not copied: the overlay repository holds deltas and the head only.
     assert stored_bytes(overlay) < stored_bytes(base) / 3
     assert not base.store.has_local(cid) and not overlay.store.has_local(base_id)
@@ -306,7 +307,7 @@ def test_overlay_three_levels_deep_in_one_repository(tmp_path: Path) -> None:
         ids.append(repo.commit(gens[i], branch=f"g{i}", base=f"g{i - 1}"))
     for i in range(4):
         assert_checkout_equals(repo, f"g{i}", gens[i], tmp_path / f"out{i}")
-    assert repo.read_commit(ids[3]).base == {"commit": ids[2], "repo": None}
+    assert repo.read_commit(ids[3]).base == BaseRef(ids[2], None)
     chunks = tensor_chunks(repo, ids[3], "layer.weight")
     depth = repo.store.chain_depth(chunks[0])
     assert 1 <= depth <= repo.config.max_delta_depth
@@ -430,7 +431,7 @@ def test_a_cycle_of_base_repositories_is_refused(tmp_path: Path, folders: tuple[
     b.commit(finetuned, base_repo=tmp_path / "A", base="HEAD")
     with pytest.raises(InvalidInputError, match="cycle"):
         a.commit(finetuned, base_repo=tmp_path / "B", base="HEAD")
-    assert read_paths(a, ALTERNATES_KEY) == [] and len(a.log()) == 1
+    assert read_paths(a.backend, ALTERNATES_KEY) == [] and len(a.log()) == 1
     # Longer cycles too: C on B, then A on C.
     c = Repo.init(tmp_path / "C", chunk_size=CHUNK)
     c.commit(finetuned, base_repo=tmp_path / "B", base="HEAD")

@@ -12,7 +12,9 @@ suite that runs against each one):
 * ``get`` of a missing key raises ``KeyError``; ``delete`` of a missing key returns False.
 * ``list(prefix)`` yields every key under a folder-like prefix, never temporary files.
 * ``repo_lock(exclusive=…)`` is a reader/writer lock over the whole repository, released when
-  the holder exits, even by a crash: commits hold it shared, gc holds it exclusively.
+  the holder exits, even by a crash: commits hold it shared, gc holds it exclusively. It is the
+  only locking seam above the backend: the local backend uses ``flock``; a backend on object
+  storage, where no such lock exists, implements it with lock objects and a grace period.
 * Storage failures surface as ``ckstore.errors.StorageError`` with a one-line message.
 * ``batch()`` yields a view of the backend whose ``put_if_absent`` and ``replace_object`` may be
   deferred: a put is visible through the view at once (``get``, ``size``, ``exists``, a second
@@ -33,6 +35,8 @@ from contextlib import AbstractContextManager, contextmanager
 from ..errors import InvalidPathError
 
 _KEY_PART = re.compile(r"[A-Za-z0-9._@+-]+")
+# How long an operation waits for the repository lock (a gc or repack may hold it that long).
+REPO_LOCK_TIMEOUT = 600.0
 
 
 def check_key(key: str) -> str:
@@ -76,6 +80,14 @@ class Backend(ABC):
 
     @abstractmethod
     def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]: ...
+
+    def shared_lock(self) -> AbstractContextManager[None]:
+        """The repository lock as writers of new objects hold it (commits, ref updates)."""
+        return self.repo_lock(exclusive=False, timeout=REPO_LOCK_TIMEOUT)
+
+    def exclusive_lock(self) -> AbstractContextManager[None]:
+        """The repository lock as gc and repack hold it."""
+        return self.repo_lock(exclusive=True, timeout=REPO_LOCK_TIMEOUT)
 
     @abstractmethod
     def clean_temporary(self) -> int:

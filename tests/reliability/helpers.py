@@ -21,7 +21,8 @@ from ckstore.store import object_key
 # Figures for docs/reliability.md (written out by conftest.py when CKSTORE_RELIABILITY_REPORT is set).
 COUNTS: Counter[str] = Counter()
 
-CLI = (sys.executable, "-m", "ckstore.cli")
+# The CLI with the tests' fault injection (CKSTORE_FAULT / CKSTORE_FAULT_COUNT, see tests/fault_cli.py).
+CLI = (sys.executable, str(Path(__file__).resolve().parent.parent / "fault_cli.py"))
 MEMORY_LIMIT = 1 << 30
 TEMP_SUFFIXES = (".ckstore-tmp", ".tmp")
 

@@ -1,0 +1,125 @@
+"""An open repository as the operations see it: backend, settings, object store, refs, graph.
+
+Every operation (commit, checkout, gc, fsck, …) takes a ``RepoContext`` rather than the ``Repo``
+façade, so the façade can delegate to them without an import cycle. Opening a repository also
+opens its base repositories (``alternates``): their object stores become read-through
+alternates of this one and their graphs resolve names this one does not know.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .backend.base import Backend
+from .backend.local import LocalBackend, find_repository, locate_repository, prepare_new_repository
+from .backend.memory import MemoryBackend
+from .config import CONFIG_KEY, RepoConfig
+from .errors import CkstoreError, InvalidInputError, RefExistsError, RepoNotFoundError, UnsupportedFormatError
+from .graph import CommitGraph
+from .links import ALTERNATES_KEY, MAX_BASE_DEPTH, read_paths
+from .refs import RefStore
+from .store import ObjectStore
+
+DEFAULT_DIR = ".ckstore"
+REPO_ENV = "CKSTORE_REPO"
+
+
+@dataclass
+class RepoContext:
+    path: Path | None  # None: not on a local file system (in memory)
+    backend: Backend
+    config: RepoConfig
+    store: ObjectStore
+    refs: RefStore
+    graph: CommitGraph
+    bases: list[RepoContext] = field(default_factory=list)
+    broken_alternates: list[str] = field(default_factory=list)  # bases that could not be opened (fsck)
+
+    @property
+    def location(self) -> str:
+        """This repository's absolute location, as other repositories record it."""
+        if self.path is None:
+            raise InvalidInputError("an in-memory repository cannot be a base repository")
+        return str(Path(self.path).resolve())
+
+    def add_base(self, base: RepoContext) -> None:
+        self.bases.append(base)
+        self.store.alternates.append(base.store)
+        self.graph.bases.append(base.graph)
+
+    def set_config(self, config: RepoConfig) -> None:
+        """Replace the repository settings (they apply to objects written from now on)."""
+        config.validate()
+        self.backend.replace(CONFIG_KEY, config.to_json())
+        self.config = config
+        self.store.settings = config.encoding
+
+
+def open_context(
+    path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
+    open_alternates: bool = True, depth: int = 0,
+) -> RepoContext:
+    """Open the repository at ``path`` (or its ``.ckstore`` child), or on ``backend``."""
+    root: Path | None
+    if backend is None:
+        if path is None:
+            raise RepoNotFoundError("no repository path given")
+        root = locate_repository(path, CONFIG_KEY, DEFAULT_DIR)
+        if root is None:
+            raise RepoNotFoundError(f"no ckstore repository at {path} (run 'ckstore init')")
+        backend = LocalBackend(root)
+    else:
+        root = Path(path) if path is not None else None
+    try:
+        config_bytes = backend.get(CONFIG_KEY)
+    except KeyError:
+        raise RepoNotFoundError(f"no ckstore repository at {path}") from None
+    config = RepoConfig.from_json(config_bytes, backend.describe(CONFIG_KEY))
+    store = ObjectStore(backend, settings=config.encoding)
+    refs = RefStore(backend)
+    ctx = RepoContext(root, backend, config, store, refs, CommitGraph(backend, store, refs))
+    if open_alternates:
+        for location in read_paths(backend, ALTERNATES_KEY):
+            try:
+                if depth >= MAX_BASE_DEPTH:
+                    raise UnsupportedFormatError("base repositories nest too deeply")
+                base = open_context(location, depth=depth + 1)
+            except CkstoreError as exc:
+                ctx.broken_alternates.append(f"{location}: {exc}")
+                continue
+            ctx.add_base(base)
+    return ctx
+
+
+def init_context(
+    path: str | os.PathLike[str], config: RepoConfig, backend: Backend | None = None,
+) -> RepoContext:
+    """Create a repository with ``config`` (on a new local folder unless ``backend`` is given)."""
+    config.validate()
+    if backend is None:
+        backend = LocalBackend(prepare_new_repository(path, CONFIG_KEY))
+    if not backend.put_if_absent(CONFIG_KEY, config.to_json()):
+        raise RefExistsError(f"a repository already exists at {path}")
+    RefStore(backend).set_head_branch("main")
+    return open_context(path, backend=backend)
+
+
+def memory_context(config: RepoConfig) -> RepoContext:
+    return init_context("<memory>", config, backend=MemoryBackend())
+
+
+def find_context(explicit: str | os.PathLike[str] | None = None, start: str | os.PathLike[str] | None = None) -> RepoContext:
+    """``explicit``, else $CKSTORE_REPO, else the nearest .ckstore at or above ``start``."""
+    if explicit:
+        return open_context(explicit)
+    env = os.environ.get(REPO_ENV)
+    if env:
+        return open_context(env)
+    found = find_repository(start or Path.cwd(), CONFIG_KEY, DEFAULT_DIR)
+    if found is None:
+        raise RepoNotFoundError(
+            "no ckstore repository here or in any parent directory (use --repo, set CKSTORE_REPO, or run 'ckstore init')"
+        )
+    return open_context(found)
