@@ -145,6 +145,8 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
 def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None,
              merge_lora: bool) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
+    if merge_lora and (shard_size is not None or only):
+        raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
     result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=_progress(),
                            shard_size=shard_size, merge_lora=merge_lora)
     click.echo(
@@ -319,6 +321,11 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
 def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
        keep_every: int | None, dry_run: bool, repack: bool) -> None:
     """Delete old commits (with retention options; tags are always kept) and unneeded objects."""
+    for flag, value in (("--keep-last", keep_last), ("--keep-best", keep_best), ("--keep-every", keep_every)):
+        if value is not None and value < 1:
+            raise InvalidInputError(f"{flag} must be at least 1")
+    if keep_best is not None and not metric:
+        raise InvalidInputError("--keep-best needs --metric NAME")
     report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
                      keep_every=keep_every, dry_run=dry_run, repack=repack)
     verb = "would delete" if dry_run else "deleted"

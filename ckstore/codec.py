@@ -194,10 +194,6 @@ def _grouped_parts(raw: bytes | memoryview | np.ndarray, width: int, level: int)
     return sum(len(x) for x in parts), parts
 
 
-def _grouped_body(raw: bytes | memoryview | np.ndarray, width: int, level: int) -> bytes:
-    return b"".join(_grouped_parts(raw, width, level)[1])
-
-
 def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int, op: DeltaOp) -> np.ndarray:
     """What a delta stores: raw XOR base, or raw - base element-wise (as bytes)."""
     if op == DeltaOp.XOR:

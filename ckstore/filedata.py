@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import IntegrityError, InvalidInputError
 from .manifest import Commit, FileEntry, TensorEntry, parse_json
 from .safetensors_format import parse_header
 from .store import ObjectStore
@@ -39,3 +40,13 @@ def state_document(store: ObjectStore, commit: Commit) -> Any:
         return None
     entry = next(f for f in commit.files if f.path == commit.state.values)
     return parse_json(read_file_bytes(store, entry))
+
+
+def state_values(store: ObjectStore, oid: str, commit: Commit) -> Any:
+    """The encoded value of a training-state commit's document (tensors appear as $tensor)."""
+    if commit.state is None:
+        raise InvalidInputError(f"commit {oid[:12]} holds files, not a training state")
+    doc = state_document(store, commit)
+    if not isinstance(doc, dict) or "value" not in doc:
+        raise IntegrityError(f"commit {oid[:12]}: malformed state document")
+    return doc["value"]

@@ -55,7 +55,7 @@ def find_adapter(commit: Commit) -> tuple[FileEntry, FileEntry]:
             config = next((c for c in commit.files if c.path == config_path), None)
             if config is not None:
                 return f, config
-    raise InvalidInputError(f"--merge-lora: the commit has no {ADAPTER_WEIGHTS} with an {ADAPTER_CONFIG} beside it")
+    raise InvalidInputError(f"LoRA merge: the commit has no {ADAPTER_WEIGHTS} with an {ADAPTER_CONFIG} beside it")
 
 
 def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
@@ -67,7 +67,7 @@ def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
             if re.match(rf"(.*\.)?({key})$", module):
                 return value
         except re.error:
-            raise InvalidInputError(f"--merge-lora: rank/alpha pattern {key!r} is not a regular expression") from None
+            raise InvalidInputError(f"LoRA merge: rank/alpha pattern {key!r} is not a regular expression") from None
     return default
 
 
@@ -78,7 +78,7 @@ def _match(name: str, base_names: list[str]) -> str:
     near = [b for b in base_names if b.endswith("." + name) or name.endswith("." + b)]
     if len(near) != 1:
         raise InvalidInputError(
-            f"--merge-lora: adapter tensor for {name!r} matches {len(near)} base tensors; cannot merge"
+            f"LoRA merge: adapter tensor for {name!r} matches {len(near)} base tensors; cannot merge"
         )
     return near[0]
 
@@ -90,7 +90,7 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[Output]:
         config = json.loads(read_file_bytes(store, config_file))
         r_default, alpha_default = int(config["r"]), float(config["lora_alpha"])
     except (ValueError, KeyError, TypeError):
-        raise InvalidInputError(f"--merge-lora: {config_file.path} is not a PEFT LoRA config") from None
+        raise InvalidInputError(f"LoRA merge: {config_file.path} is not a PEFT LoRA config") from None
     folder = _folder(weights.path)
     base_files = [f for f in commit.files if f is not weights and f is not config_file and f.kind == "safetensors"]
     # The adapter's own files are not written; an adapter committed beside the base files (the
@@ -112,7 +112,7 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[Output]:
             updates.setdefault(_match(key, names), _Update(key)).replacement = t
     for target, u in updates.items():
         if u.replacement is None and (u.a is None or u.b is None):
-            raise InvalidInputError(f"--merge-lora: {u.module} has lora_A without lora_B or the reverse")
+            raise InvalidInputError(f"LoRA merge: {u.module} has lora_A without lora_B or the reverse")
         if u.a is not None and u.b is not None:
             _check_shapes(owner[target][1], u.a, u.b, bool(config.get("fan_in_fan_out")))
 
@@ -149,9 +149,9 @@ def _check_shapes(weight: TensorEntry, a: TensorEntry, b: TensorEntry, transpose
         shape = shape[::-1] if transpose else shape
         if tuple(weight.shape) == shape:
             return
-        raise InvalidInputError(f"--merge-lora: update for {weight.name!r} has shape {shape}, "
+        raise InvalidInputError(f"LoRA merge: update for {weight.name!r} has shape {shape}, "
                                 f"the weight {tuple(weight.shape)}")
-    raise InvalidInputError(f"--merge-lora: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {weight.name!r} "
+    raise InvalidInputError(f"LoRA merge: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {weight.name!r} "
                             "do not form a rank-r product")
 
 
@@ -169,7 +169,7 @@ def _merge_fn(store: ObjectStore, weight: TensorEntry, u: _Update, scale: float,
 
             from .torch_tensors import dtype_of_code
         except ImportError:
-            raise MissingDependencyError("--merge-lora needs torch (pip install torch)") from None
+            raise MissingDependencyError("merging LoRA weights needs torch (pip install torch)") from None
         assert u.a is not None and u.b is not None
 
         def load(t: TensorEntry) -> torch.Tensor:
@@ -182,7 +182,7 @@ def _merge_fn(store: ObjectStore, weight: TensorEntry, u: _Update, scale: float,
         if transpose:
             delta = delta.T
         if delta.shape != w.shape:
-            raise InvalidInputError(f"--merge-lora: update for {weight.name!r} has shape {tuple(delta.shape)}, "
+            raise InvalidInputError(f"LoRA merge: update for {weight.name!r} has shape {tuple(delta.shape)}, "
                                     f"the weight {tuple(w.shape)}")
         out = (w.to(compute) + delta).to(w.dtype).contiguous()
         return out.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -14,12 +14,13 @@ from typing import Any
 
 from . import history
 from .backend.base import Backend
-from .checkout import CheckoutResult, plan_outputs, total_size, write_outputs
+from .checkout import CheckoutResult, total_size, write_outputs
 from .commit import commit_sources, encode_metadata
 from .config import RepoConfig
 from .context import DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context
-from .errors import InvalidInputError, RefNotFoundError
-from .filedata import read_file_bytes, state_document
+from .errors import RefNotFoundError
+from .export import plan_checkout
+from .filedata import read_file_bytes, state_values
 from .gc import GcReport, collect_garbage
 from .history import LogEntry, Stats, TensorChange
 from .ids import ObjectId
@@ -128,7 +129,6 @@ class Repo:
         return self._ctx.graph.read_commit(oid)
 
     def pruned(self) -> dict[ObjectId, tuple[ObjectId, ...]]:
-        """Commits gc deleted on purpose, each with its parents (see graph.py)."""
         return self._ctx.graph.pruned()
 
     def reachable_commits(self) -> list[ObjectId]:
@@ -188,19 +188,7 @@ class Repo:
         ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead;
         ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
-        commit = self.read_commit(self.resolve(ref))
-        if merge_lora:
-            if shard_size is not None or only:
-                raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
-            from .lora import plan_merged
-
-            outputs = plan_merged(self.store, commit)
-        elif shard_size is not None:
-            from .shards import parse_size, plan_shards
-
-            outputs = plan_shards(self.store, commit, parse_size(shard_size), only)
-        else:
-            outputs = plan_outputs(self.store, commit, only)
+        outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
         bar = progress(total_size(outputs), "checkout") if progress else None
         try:
             return write_outputs(self.store, outputs, Path(out_dir), force, bar.update if bar else None)
@@ -255,16 +243,8 @@ class Repo:
 
     def state_document(self, ref: str) -> Any:
         """The typed-JSON non-tensor part of a training-state commit (tensors appear as $tensor)."""
-        from .errors import IntegrityError
-
         oid = self.resolve(ref)
-        commit = self.read_commit(oid)
-        if commit.state is None:
-            raise InvalidInputError(f"commit {oid[:12]} holds files, not a training state")
-        doc = state_document(self.store, commit)
-        if not isinstance(doc, dict) or "value" not in doc:
-            raise IntegrityError(f"commit {oid[:12]}: malformed state document")
-        return doc["value"]
+        return state_values(self.store, oid, self.read_commit(oid))
 
     def diff(self, a: str, b: str) -> list[TensorChange]:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""

@@ -38,9 +38,9 @@ class RetentionPolicy:
         for name in ("keep_last", "keep_best", "keep_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1")
+                raise InvalidInputError(f"{name} must be at least 1")
         if self.keep_best is not None and not self.metric:
-            raise InvalidInputError("--keep-best needs --metric NAME")
+            raise InvalidInputError("keep_best needs a metric to rank commits by")
 
     @property
     def active(self) -> bool:
