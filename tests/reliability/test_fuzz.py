@@ -183,7 +183,6 @@ class RepositoryMachine(RuleBasedStateMachine):
         self.order: list[str] = []  # every commit made, oldest first
         self.live: set[str] = set()
         self.corrupted = False
-        self.n = 0
 
     def teardown(self) -> None:
         self.patches.close()
@@ -194,8 +193,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         self._commit("main", 0)
 
     def _commit(self, branch: str, seed: int) -> None:
-        self.n += 1
-        src = self.tmp / f"src{self.n}"
+        src = self.tmp / f"src{len(self.order)}"
         src.mkdir()
         (src / "model.safetensors").write_bytes(st_bytes([
             ("shared", "U8", [300], bytes(300)),
@@ -249,16 +247,22 @@ class RepositoryMachine(RuleBasedStateMachine):
         del self.refs[ref]
 
     @precondition(lambda self: not self.corrupted)
-    @rule(keep_last=st.none() | st.integers(1, 3))
-    def gc(self, keep_last: int | None) -> None:
+    @rule()
+    def gc(self) -> None:
+        """Keeps every commit a ref reaches; those only deleted refs reached go."""
+        self.repo.gc()
+        self.live &= {oid for tip in self.refs.values() for oid in self._chain(tip)}
+        count("stateful_gcs")
+
+    @precondition(lambda self: not self.corrupted)
+    @rule(keep_last=st.integers(1, 3))
+    def gc_keep_last(self, keep_last: int) -> None:
+        """Keeps every tagged commit and, per branch, the ``keep_last`` newest kept ones (log's order)."""
         self.repo.gc(keep_last=keep_last)
-        if keep_last is None:  # every commit a ref reaches; those of deleted refs go
-            keep = {oid for tip in self.refs.values() for oid in self._chain(tip)}
-        else:  # every tag; per branch its tip and the keep_last newest commits log lists
-            keep = {oid for ref, oid in self.refs.items() if ref.startswith("refs/tags/")}
-            for ref, tip in self.refs.items():
-                if ref.startswith("refs/heads/"):
-                    keep.update([oid for oid in self._chain(tip) if oid in self.live][:keep_last])
+        keep = {oid for ref, oid in self.refs.items() if ref.startswith("refs/tags/")}
+        for ref, tip in self.refs.items():
+            if ref.startswith("refs/heads/"):
+                keep.update([oid for oid in self._chain(tip) if oid in self.live][:keep_last])
         self.live &= keep
         count("stateful_gcs")
 
@@ -271,7 +275,7 @@ class RepositoryMachine(RuleBasedStateMachine):
             oid = self.parents[oid]
         return out
 
-    @precondition(lambda self: not self.corrupted)
+    @precondition(lambda self: not self.corrupted and len(self.order) >= 3)  # damage a grown repository
     @rule(which=st.integers(0, 10**6), where=st.integers(0, 10**6), bit=st.integers(0, 7))
     def corrupt(self, which: int, where: int, bit: int) -> None:
         ids = sorted(self.repo.store.iter_ids())  # the same ids every run (reproducible_commits)
@@ -311,9 +315,12 @@ class RepositoryMachine(RuleBasedStateMachine):
         assert found == self.refs
 
     @invariant()
-    def fsck_clean_until_corruption(self) -> None:
+    def store_matches_the_model_until_corruption(self) -> None:
+        """fsck is clean and the stored commits are exactly those gc should have kept."""
         if not self.corrupted:
             assert self.repo.fsck(read_data=True) == []
+            stored = {oid for oid in self.repo.store.iter_ids() if self.repo.store.kind(oid) == Kind.COMMIT}
+            assert stored == self.live
 
     @invariant()
     def every_live_ref_checks_out(self) -> None:
