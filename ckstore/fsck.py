@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .errors import CkstoreError
 from .ids import ObjectId
 from .pipeline import ordered_map
-from .refs import HEADS, LOCK_SUFFIX, TAGS
+from .refs import HEADS, TAGS
 from .store import MAX_CHAIN_DEPTH
 
 if TYPE_CHECKING:
@@ -65,16 +65,16 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
-        for key in repo.backend.list(prefix):
-            if key.endswith(LOCK_SUFFIX):
-                continue
+        for key, ref in repo.refs.entries(prefix):
             try:
-                oid = repo.refs.read(key)
+                if ref is None:
+                    raise repo.refs.stray_error(key)
+                oid = repo.refs.read(ref)
             except CkstoreError as exc:
                 problems.append(str(exc))
                 continue
             if oid is not None:
-                tips.append((key, oid))
+                tips.append((ref, oid))
 
     needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
     seen: set[str] = set()

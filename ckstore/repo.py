@@ -37,7 +37,7 @@ from .gc import GcReport, collect_garbage
 from .history import LogEntry, Stats, TensorChange
 from .ingest import MemoryFile, ParentChunks, SourceFile, collect_sources, ingest, parent_chunks
 from .manifest import Commit, FileEntry, decode_commit, encode_commit, parse_json
-from .refs import HEADS, TAGS, RefStore, check_ref_name
+from .refs import HEADS, TAGS, RefStore, check_ref_name, ref_candidates
 from .retention import RetentionPolicy, best
 from .store import ObjectStore
 from .values import encode_value
@@ -244,13 +244,7 @@ class Repo:
             return oid
         if is_object_id(name) and self.store.has(name) and self._is_commit(name):
             return ObjectId(name)
-        if name.startswith(("refs/heads/", "refs/tags/")):
-            check_ref_name(name[len("refs/"):])
-            candidates = [name]
-        else:
-            check_ref_name(name, "revision")
-            candidates = [HEADS + name, TAGS + name]
-        for ref in candidates:
+        for ref in ref_candidates(name):
             oid = self.refs.read(ref)
             if oid is not None:
                 return oid

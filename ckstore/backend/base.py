@@ -32,7 +32,8 @@ from contextlib import AbstractContextManager, contextmanager
 
 from ..errors import InvalidPathError
 
-_KEY_PART = re.compile(r"[A-Za-z0-9._@+-]+")
+# '%' carries the escapes of ref names (refs.encode_ref); no character here can change a path.
+_KEY_PART = re.compile(r"[A-Za-z0-9._@+%-]+")
 
 
 def check_key(key: str) -> str:
