@@ -2,10 +2,10 @@
 
 A ref is the file ``refs/heads/<name>`` or ``refs/tags/<name>`` holding a commit id and a
 newline; names follow git's check-ref-format and are percent-encoded into backend keys
-(docs/format.md section 6). ``HEAD`` holds ``ref: refs/heads/<branch>``. An update takes ``<ref>.lock`` with an
-exclusive create (as git's lockfile.h does), re-reads the ref, checks it still holds the value
-the caller expects, replaces it atomically and drops the lock: concurrent writers serialise and
-exactly one of two racing updates from the same old value wins.
+(docs/format.md section 6). ``HEAD`` holds ``ref: refs/heads/<branch>``. An update takes
+``<ref>.lock`` with an exclusive create (as git's lockfile.h does), re-reads the ref, checks it
+still holds the value the caller expects, replaces it atomically and drops the lock: concurrent
+writers serialise and exactly one of two racing updates from the same old value wins.
 """
 
 from __future__ import annotations
