@@ -11,7 +11,7 @@ from .errors import CkstoreError
 from .graph import kept_parents
 from .ids import ObjectId
 from .pipeline import ordered_map
-from .refs import HEADS, LOCK_SUFFIX, TAGS
+from .refs import HEADS, TAGS
 from .store import MAX_CHAIN_DEPTH, ObjectStore
 
 
@@ -63,16 +63,16 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
-        for key in ctx.backend.list(prefix):
-            if key.endswith(LOCK_SUFFIX):
-                continue
+        for key, ref in ctx.refs.entries(prefix):
             try:
-                oid = ctx.refs.read(key)
+                if ref is None:
+                    raise ctx.refs.stray_error(key)
+                oid = ctx.refs.read(ref)
             except CkstoreError as exc:
                 problems.append(str(exc))
                 continue
             if oid is not None:
-                tips.append((key, oid))
+                tips.append((ref, oid))
 
     needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
     seen: set[str] = set()

@@ -154,7 +154,7 @@ class Repo:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self.wait()
-        branch = check_ref_name(branch or self.head_branch, "branch name")
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
         return commit_sources(self._ctx, sources, message, branch, meta, progress,
@@ -172,7 +172,7 @@ class Repo:
         """
         from .state import STATE_TENSORS, STATE_VALUES, state_files
 
-        branch = check_ref_name(branch or self.head_branch, "branch name")
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
         based = resolve_base(self._ctx, base, base_repo)
 
