@@ -10,6 +10,7 @@ from .context import RepoContext
 from .errors import CkstoreError
 from .graph import kept_parents
 from .ids import ObjectId
+from .overlay import link_problems
 from .pipeline import ordered_map
 from .refs import HEADS, TAGS
 from .store import MAX_CHAIN_DEPTH, ObjectStore
@@ -59,7 +60,7 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
         ctx.refs.head_branch()
     except CkstoreError as exc:
         problems.append(str(exc))
-    problems.extend(f"base repository unreachable: {b}" for b in ctx.broken_alternates)
+    problems.extend(link_problems(ctx))  # each names the relink command that repairs it
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):

@@ -27,7 +27,7 @@ from .history import LogEntry, Stats, TensorChange
 from .ids import ObjectId
 from .ingest import collect_sources
 from .manifest import Commit, StateFiles
-from .overlay import resolve_base
+from .overlay import RelinkReport, relink, resolve_base
 from .pipeline import ProgressBar, ProgressFactory
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
@@ -298,6 +298,12 @@ class Repo:
         from .repack import repack
 
         return repack(self._ctx)
+
+    def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
+               prune: bool = False) -> RelinkReport:
+        """Repair overlay links after a move: ``bases`` are base repositories' new locations,
+        ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
+        return relink(self._ctx, bases, dependents, prune)
 
     def fsck(self, read_data: bool = False) -> list[str]:
         from .fsck import check
