@@ -156,4 +156,8 @@ def boto3_provider(profile: str) -> Any:
             f"AWS profile {profile!r} gets its credentials from a process, SSO or a role, which needs "
             "boto3 (pip install boto3), or export the keys as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
         ) from None
-    return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    except Exception as exc:  # botocore's many error classes; all mean "no credentials from it"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StorageError(f"AWS profile {profile!r} gave no credentials: {first}") from None

@@ -43,6 +43,8 @@ from .transport import (
 _STATUS = re.compile(r"status code: (\d{3})( [A-Za-z ]+)?")
 _RETRIES = re.compile(r"after (\d+) retries")
 _OS_MESSAGE = re.compile(r'message: "([^"]+)"')
+_BULK_CODE = re.compile(r"request failed for key [^:]*: ([^(]*)\(code: (\w+)\)")
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
 _CUSTOM_ERROR = re.compile(r'error: "([^"]+)"')
 
 
@@ -116,6 +118,8 @@ class S3Transport(Transport):
         ex = self._obs.exceptions
         text = str(exc)
         code, message = _xml(text, "Code"), _xml(text, "Message")
+        if code is None and (bulk := _BULK_CODE.search(text)):  # DeleteObjects reports per key
+            code, message = bulk.group(2), bulk.group(1).strip()
         status = _STATUS.search(text)
         retries = _RETRIES.search(text)
         spent = f" (gave up after {retries.group(1)} retries)" if retries and retries.group(1) != "0" else ""
@@ -124,7 +128,7 @@ class S3Transport(Transport):
         detail = f"{code}: {message}" if code and message else code or message or ""
         if code == "NoSuchBucket":
             return StorageError(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint}")
-        if isinstance(exc, (ex.PermissionDeniedError, ex.UnauthenticatedError)) or (
+        if isinstance(exc, (ex.PermissionDeniedError, ex.UnauthenticatedError)) or code in _DENIED or (
                 status and status.group(1) in ("401", "403")):
             return StorageError(
                 f"{where}: access denied while {what} ({detail or _status_text(status) or 'forbidden'}); "

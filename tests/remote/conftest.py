@@ -12,6 +12,7 @@ then SIGKILL, and its unix sockets are removed (it leaves them behind).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -44,6 +45,7 @@ class S3Server:
     log: Path
     startup_seconds: float
     ports: dict[str, int] = field(default_factory=dict)
+    reader: tuple[str, str] = ("", "")  # an identity that may read and list, not write
 
     @property
     def env(self) -> dict[str, str]:
@@ -148,10 +150,20 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) 
     ports = dict(zip(names, free_ports(len(names))))
     ports["admin.port"], ports["admin.port.grpc"] = _admin_ports()
     access_key, secret_key = "ck" + secrets.token_hex(8), secrets.token_hex(16)
+    reader_key, reader_secret = "rd" + secrets.token_hex(8), secrets.token_hex(16)
+    identities = {"identities": [
+        {"name": "admin", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+         "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+        # Valid credentials without write permission: "permission denied" is not "wrong key".
+        {"name": "reader", "credentials": [{"accessKey": reader_key, "secretKey": reader_secret}],
+         "actions": ["Read", "List"]},
+    ]}
+    (folder / "s3.json").write_text(json.dumps(identities))
     cmd = [
         binary, "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
         "-master.telemetry=false", "-s3.autoCreateBucket=false", f"-bucket={BUCKET}",
+        f"-s3.config={folder / 's3.json'}",
         f"-s3.localSocket={folder / 's3.sock'}", f"-filer.localSocket={folder / 'filer.sock'}",
         *(f"-{name}={port}" for name, port in ports.items()),
     ]
@@ -162,7 +174,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) 
     started = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, BUCKET, log, 0.0, ports)
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, BUCKET, log, 0.0, ports,
+                      reader=(reader_key, reader_secret))
     try:
         while not _ready(server):
             if proc.poll() is not None or time.monotonic() - started > STARTUP_TIMEOUT:

@@ -241,6 +241,21 @@ def test_wrong_credentials(s3_server: S3Server) -> None:
             _one_line_storage_error(excinfo, "access denied", "check the credentials")
 
 
+def test_permission_denied(s3_server: S3Server) -> None:
+    writer = S3Transport(s3_server.bucket, "perm", s3_server.options(), env=s3_server.env)
+    writer.put("k", b"readable")
+    key, secret = s3_server.reader
+    reader = S3Transport(s3_server.bucket, "perm", s3_server.options(),
+                         env={**s3_server.env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret})
+    assert reader.get("k") == b"readable"
+    reader.check()
+    for call in (lambda: reader.put("k", b"x"), lambda: reader.put_if_absent("new", b"x"), lambda: reader.delete("k")):
+        with pytest.raises(StorageError) as excinfo:
+            call()
+        _one_line_storage_error(excinfo, "access denied", "AccessDenied")
+    assert writer.get("k") == b"readable"
+
+
 def test_missing_bucket(s3_server: S3Server) -> None:
     t = S3Transport("no-such-bucket", "x", s3_server.options(), env=s3_server.env)
     for call in (lambda: t.get("k"), lambda: t.put("k", b"1"), lambda: t.put_if_absent("k", b"1"),
