@@ -21,9 +21,10 @@ own: temporary and lock files). Every implementation must satisfy these obligati
 * ``get_versioned(key)`` returns ``(value, token)``; ``put_if_match(key, data, token)`` stores
   only when the key's current value still has that token (``None``: only when the key is
   absent) and says whether it did: a compare-and-swap. Of concurrent callers holding the same
-  token, at most one wins. Tokens are opaque strings (an S3 ETag; a content hash for folders),
-  equal for equal contents, so a swap back to an earlier value is not detected (nor needs to be
-  for refs). A failed precondition is the False return, never an error. Caveat: when a request
+  token, at most one wins. Tokens are opaque strings (an S3 ETag; a content hash for folders):
+  a value rewritten with the same bytes may keep its token (a swap back to an earlier value can
+  go unnoticed, which refs do not mind), and callers must not rely on either outcome. A failed
+  precondition is the False return, never an error. Caveat: when a request
   that did succeed is retried after its answer was lost (a dropped connection), the retry finds
   the new value and reports False; callers that get False re-read the value and may find their
   own write there.

