@@ -254,6 +254,16 @@ def _parse_table(table: bytes | memoryview, count: int, data_end: int, what: str
     return tuple(entries)
 
 
+def _check_frame(what: str, part: str, magic_ok: bool, version: int, reserved_ok: bool) -> None:
+    """The fixed fields of a pack header, pack trailer or index header."""
+    if not magic_ok:
+        raise _fail(what, f"its {part} lacks the magic bytes")
+    if version != PACK_VERSION:
+        raise _fail(what, f"unknown version {version} in its {part}")
+    if not reserved_ok:
+        raise _fail(what, f"reserved bytes of its {part} are not zero")
+
+
 def _check_count(count: int, what: str) -> None:
     if not 0 < count <= MAX_PACK_OBJECTS:
         raise _fail(what, f"object count {count} out of range 1..{MAX_PACK_OBJECTS}")
@@ -273,12 +283,7 @@ def parse_index(data: bytes | memoryview, pack_id: str | None = None) -> PackInd
     if len(view) < INDEX_HEADER.size + CHECKSUM_SIZE:
         raise _fail(what, f"{len(view)} bytes is shorter than the smallest index")
     magic, version, reserved, raw_pack, size, count, reserved2 = INDEX_HEADER.unpack_from(view)
-    if magic != INDEX_MAGIC:
-        raise _fail(what, "it does not start with the index magic bytes")
-    if version != PACK_VERSION:
-        raise _fail(what, f"unknown index version {version}")
-    if reserved != _ZERO3 or reserved2 != _ZERO4:
-        raise _fail(what, "reserved bytes are not zero")
+    _check_frame(what, "index header", magic == INDEX_MAGIC, version, reserved == _ZERO3 and reserved2 == _ZERO4)
     if pack_id is not None and raw_pack.hex() != pack_id:
         raise _fail(what, f"it describes pack {raw_pack.hex()}")
     what = f"index of pack {raw_pack.hex()}"
@@ -304,12 +309,7 @@ def tail_length(trailer: bytes | memoryview, pack_size: int, pack_id: str) -> in
     if len(trailer) < TRAILER.size:
         raise _fail(what, "its trailer is truncated")
     count, version, reserved, _, magic = TRAILER.unpack_from(trailer, len(trailer) - TRAILER.size)
-    if magic != PACK_MAGIC:
-        raise _fail(what, "it does not end with the pack magic bytes")
-    if version != PACK_VERSION:
-        raise _fail(what, f"unknown pack version {version}")
-    if reserved != _ZERO3:
-        raise _fail(what, "reserved trailer bytes are not zero")
+    _check_frame(what, "trailer", magic == PACK_MAGIC, version, reserved == _ZERO3)
     _check_count(count, what)
     needed = TRAILER.size + count * ENTRY.size
     if PACK_HEADER.size + count * HEADER_SIZE + needed > pack_size:
@@ -351,12 +351,7 @@ def parse_pack(data: bytes | memoryview, pack_id: str | None = None) -> PackInde
         raise _fail(what, "its bytes do not hash to its name")
     _check_size(len(view), what)
     magic, version, reserved = PACK_HEADER.unpack_from(view)
-    if magic != PACK_MAGIC:
-        raise _fail(what, "it does not start with the pack magic bytes")
-    if version != PACK_VERSION:
-        raise _fail(what, f"unknown pack version {version}")
-    if reserved != _ZERO3:
-        raise _fail(what, "reserved header bytes are not zero")
+    _check_frame(what, "header", magic == PACK_MAGIC, version, reserved == _ZERO3)
     index = index_from_tail(view[len(view) - tail_length(view, len(view), digest):], len(view), digest)
     for e in index.entries:
         try:

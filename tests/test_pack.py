@@ -233,7 +233,7 @@ def test_valid_spec_pack_is_accepted() -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"magic": b"CKPX"}, "magic"),
-    ({"version": 2}, "unknown pack version"),
+    ({"version": 2}, "unknown version 2 in its trailer"),
     ({"reserved": b"\0\1\0"}, "reserved"),
     ({"checksum": b"\0" * 32}, "checksum"),
     ({"count": 0}, "out of range"),

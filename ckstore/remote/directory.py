@@ -208,13 +208,7 @@ class DirectoryTransport(Transport):
         path = self._path(key)
         try:
             self._ensure_dir(path.parent)
-            tmp = self._write_temp(data)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-            fsync_path(path.parent)
+            _replace(self._write_temp(data), path)
         except OSError as exc:
             raise self._error(exc, "writing", key) from None
 
@@ -259,12 +253,7 @@ class DirectoryTransport(Transport):
                 tmp = self._write_temp(data)
                 if token is None:
                     return self._link_new(tmp, path)
-                try:
-                    os.replace(tmp, path)
-                except BaseException:
-                    _unlink_quietly(tmp)
-                    raise
-                fsync_path(path.parent)
+                _replace(tmp, path)
                 return True
         except OSError as exc:
             raise self._error(exc, "writing", key) from None
@@ -315,6 +304,16 @@ class DirectoryTransport(Transport):
 
 def _info(key: str, st: os.stat_result) -> ObjectInfo:
     return ObjectInfo(key, st.st_size, datetime.fromtimestamp(st.st_mtime, tz=timezone.utc))
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Rename a durable temporary file over ``path`` and make the new entry durable."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    fsync_path(path.parent)
 
 
 def _unlink_quietly(path: Path) -> None:
