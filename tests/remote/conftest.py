@@ -167,7 +167,7 @@ def seaweedfs(folder: Path, extra_args: tuple[str, ...] = ()) -> Iterator[S3Serv
     cmd = [
         binary, "mini", f"-dir={folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        "-master.telemetry=false", "-s3.autoCreateBucket=false", f"-bucket={BUCKET}",
+        "-master.telemetry=false", "-s3.autoCreateBucket=false", f"-bucket={BUCKET}", "-volume.preStopSeconds=0",
         f"-s3.config={folder / 's3.json'}",
         f"-s3.localSocket={folder / 's3.sock'}", f"-filer.localSocket={folder / 'filer.sock'}",
         *(f"-{name}={port}" for name, port in ports.items()), *extra_args,
