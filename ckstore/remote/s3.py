@@ -5,8 +5,8 @@ exponential backoff and jitter on throttling, 5xx answers and dropped connection
 ``max_retries`` and ``retry_timeout``), multipart uploads for large puts, connection reuse.
 Conditional writes are S3's own: ``If-None-Match: *`` for put_if_absent and ``If-Match: <ETag>``
 for put_if_match (AWS S3 since 2024, SeaweedFS, MinIO, Ceph RGW, R2). A server that ignores
-these headers would make every conditional put "win"; the remote protocol must not be pointed at
-one (docs/format.md, remotes).
+these headers would make every conditional put "win"; ``Transport.honours_conditional_writes``
+detects one, so the remote protocol can refuse it or fall back to a lock protocol.
 
 One thing here is not the library's: ``get_ranges`` merges nearby ranges itself and asks obstore
 for the merged ranges without its own merging, because obstore 0.12's merging panics (a Rust

@@ -154,6 +154,25 @@ class Transport(ABC):
     def check(self) -> None:
         """Raise StorageError unless the location answers and can be listed."""
 
+    def honours_conditional_writes(self, key: str) -> bool:
+        """Whether put_if_absent and put_if_match really are conditional here.
+
+        Some S3-compatible servers ignore If-None-Match and If-Match and store anyway, which would
+        make every writer "win" a compare-and-swap; the remote protocol asks once (when a remote
+        is added) and falls back to a lock protocol on such servers. Writes, then deletes, ``key``
+        (which must not be in use).
+        """
+        self.put(key, b"probe 1")
+        try:
+            if self.put_if_absent(key, b"probe 2"):
+                return False
+            _, token = self.get_versioned(key)
+            if self.put_if_match(key, b"probe 3", token + "x"):  # a token no value can have
+                return False
+            return self.get(key) == b"probe 1"
+        finally:
+            self.delete(key)
+
     def describe(self, key: str = "") -> str:
         """A key's full address, for messages."""
         return f"{self.url.rstrip('/')}/{key}" if key else self.url

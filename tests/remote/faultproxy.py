@@ -45,6 +45,7 @@ class FaultProxy:
         self.seen: list[Seen] = []
         self._fail: list[int] = []  # statuses for the next matching requests, in order
         self._drop = 0
+        self.ignore_conditions = False  # act as a server that ignores If-None-Match / If-Match
         self._match: Callable[[str, str], bool] = _any
         proxy = self
 
@@ -73,6 +74,16 @@ class FaultProxy:
                 if status is not None:
                     proxy._record(self, status)
                     self._answer_error(status)
+                    return
+                if proxy.ignore_conditions and self.command == "PUT" and (
+                        self.headers.get("If-None-Match") or self.headers.get("If-Match")):
+                    # Such a server stores the object whatever the precondition says; the
+                    # headers are signed, so the proxy cannot strip them and forward: it answers.
+                    proxy._record(self, 200)
+                    self.send_response(200)
+                    self.send_header("ETag", '"ignored"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
                 self._forward(body)
 

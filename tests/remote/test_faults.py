@@ -123,6 +123,14 @@ def test_large_put_is_multipart_and_publishes_nothing_when_completion_fails(
     assert remote.get("big") == data
 
 
+def test_a_server_that_ignores_conditional_writes_is_detected(remote: S3Transport, proxy: FaultProxy) -> None:
+    assert remote.honours_conditional_writes("probe") is True
+    assert remote.head("probe") is None
+    proxy.ignore_conditions = True
+    assert remote.honours_conditional_writes("probe") is False
+    assert remote.head("probe") is None
+
+
 # ---- packs: request counts ----------------------------------------------------------------------
 
 

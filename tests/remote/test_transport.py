@@ -199,6 +199,8 @@ def test_invalid_keys_are_refused(transport: Transport) -> None:
 
 def test_check_passes_on_a_usable_remote(transport: Transport) -> None:
     transport.check()
+    assert transport.honours_conditional_writes("probe") is True
+    assert transport.head("probe") is None
 
 
 # ---- failures ---------------------------------------------------------------------------------
