@@ -97,10 +97,10 @@ def external_needs(ctx: RepoContext, seen: set[str] | None = None) -> tuple[set[
             dependent = open_context(path)
         except CkstoreError:
             continue  # a deleted overlay repository needs nothing any more
-        # What the dependent's own gc keeps: its reachable commits plus, transitively, the
-        # in-repository bases of its overlays ...
+        # What the dependent's own gc may keep: commits its refs or reflogs reach plus,
+        # transitively, the in-repository bases of its overlays ...
         mine: set[str] = set()
-        for oid in dependent.graph.with_overlay_bases(dependent.graph.reachable_commits()):
+        for oid in dependent.graph.with_overlay_bases(dependent.graph.live_commits()):
             commit = dependent.graph.read_commit(oid)
             mine.update(c.id for c in commit.all_chunks())
             if commit.base is not None and commit.base.repo is not None:

@@ -4,7 +4,8 @@ A ref is the file ``refs/heads/<name>`` or ``refs/tags/<name>`` holding a commit
 newline. ``HEAD`` holds ``ref: refs/heads/<branch>``. An update takes ``<ref>.lock`` with an
 exclusive create (as git's lockfile.h does), re-reads the ref, checks it still holds the value
 the caller expects, replaces it atomically and drops the lock: concurrent writers serialise and
-exactly one of two racing updates from the same old value wins.
+exactly one of two racing updates from the same old value wins. Every change is recorded in
+the ref's reflog (reflog.py) under the same lock, before the ref file changes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .errors import (
     StorageError,
 )
 from .ids import ObjectId, is_object_id
+from .reflog import RefLog, switch_what
 
 HEADS = "refs/heads/"
 TAGS = "refs/tags/"
@@ -70,6 +72,9 @@ def check_ref_name(name: str, what: str = "ref name") -> str:
 class RefStore:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        # The logs live under the same keys as the refs (below logs/): give RefLog the ref-key
+        # encoding (and its inverse) wherever ref names map to keys other than themselves.
+        self.logs = RefLog(backend)
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -103,8 +108,23 @@ class RefStore:
             raise IntegrityError("HEAD is corrupt: it does not name a branch")
         return check_ref_name(data[len("ref: " + HEADS):-1], "branch name in HEAD")
 
-    def set_head_branch(self, branch: str) -> None:
-        self.backend.replace(HEAD, f"ref: {HEADS}{check_ref_name(branch, 'branch name')}\n".encode())
+    def set_head_branch(self, branch: str, reason: str | None = None) -> None:
+        """Point HEAD at ``branch``; with a ``reason``, under HEAD's lock and logged in HEAD's
+        reflog (old and new: the commits HEAD meant before and after)."""
+        value = f"ref: {HEADS}{check_ref_name(branch, 'branch name')}\n".encode()
+        if reason is None:  # a new repository: nothing to record
+            self.backend.replace(HEAD, value)
+            return
+        with self._locked(HEAD):
+            try:
+                old_branch: str | None = self.head_branch()
+            except (IntegrityError, InvalidRefNameError):
+                old_branch = None  # a damaged HEAD: switching is how it is repaired
+            if old_branch == branch:
+                return
+            old = self.read(HEADS + old_branch) if old_branch else None
+            self.logs.append(HEAD, old, self.read(HEADS + branch), switch_what(reason, old_branch, branch))
+            self.backend.replace(HEAD, value)
 
     # ---- writing -----------------------------------------------------------------------------
 
@@ -171,8 +191,9 @@ class RefStore:
         if any(True for _ in self.backend.list(ref + "/")):
             raise RefExistsError(f"cannot create {ref}: refs exist below it")
 
-    def update(self, ref: str, new: ObjectId, expected: ObjectId | None | _Any = ANY) -> None:
-        """Point ``ref`` at ``new`` if it still holds ``expected`` (None: must not exist yet)."""
+    def update(self, ref: str, new: ObjectId, expected: ObjectId | None | _Any = ANY, reason: str = "update") -> None:
+        """Point ``ref`` at ``new`` if it still holds ``expected`` (None: must not exist yet);
+        ``reason`` is what its reflog entry says ("commit: <message>", "reset: moving to …")."""
         if self.read(ref) is None:
             # Checked before taking the lock too: "a/b.lock" cannot even be created when "a" is a ref.
             self._check_no_dir_conflict(ref)
@@ -186,12 +207,25 @@ class RefStore:
                 )
             if current is None:
                 self._check_no_dir_conflict(ref)
+            if current == new:
+                return  # nothing changes, nothing to record
+            self.logs.append(ref, current, new, reason)
             self.backend.replace(ref, f"{new}\n".encode())
 
-    def delete(self, ref: str) -> bool:
+    def delete(self, ref: str, expected: ObjectId | _Any = ANY, reason: str = "delete") -> bool:
+        """Delete ``ref`` if it still holds ``expected``; False when it does not exist. Its
+        reflog stays (with this deletion as its last entry), so its commits can be restored."""
         if self.read(ref) is None:
             return False  # nothing to lock; "a/b" may not even be lockable when "a" is a ref
         with self._locked(ref):
+            current = self.read(ref)
+            if current is None:
+                return False
+            if not isinstance(expected, _Any) and current != expected:
+                raise RefChangedError(
+                    f"{_short(ref)} moved from {expected[:12]} to {current[:12]} while this command ran"
+                )
+            self.logs.append(ref, current, None, reason)
             return self.backend.delete(ref)
 
 
