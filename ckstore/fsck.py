@@ -60,7 +60,7 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
     except CkstoreError as exc:
         problems.append(str(exc))
     problems.extend(f"base repository unreachable: {b}" for b in ctx.broken_alternates)
-    problems.extend(ctx.refs.logs.problems(lambda oid: store.has(oid) and graph.is_commit(oid)))
+    problems.extend(ctx.refs.logs.problems(store.has))
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):

@@ -107,9 +107,11 @@ def _surviving_reflogs(ctx: RepoContext, logs: dict[str, list[Entry]], prune_now
     history: dict[ObjectId | None, set[ObjectId]] = {None: set()}
     present: dict[ObjectId, bool] = {}
 
-    def is_commit(oid: ObjectId) -> bool:
+    def exists(oid: ObjectId) -> bool:
+        # Presence only: a commit that is there but unreadable stops gc when its history is
+        # walked, as any kept commit would, rather than being dropped as stale.
         if oid not in present:
-            present[oid] = oid not in pruned and _is_commit(ctx, oid)
+            present[oid] = oid not in pruned and ctx.store.has(oid)
         return present[oid]
 
     out = {}
@@ -117,7 +119,7 @@ def _surviving_reflogs(ctx: RepoContext, logs: dict[str, list[Entry]], prune_now
         tip = _head_commit(ctx) if ref == HEAD_LOG else refs.read(ref)
         if tip not in history:
             history[tip] = graph.reachable_from([tip]) if tip is not None else set()
-        out[ref] = surviving(entries, history[tip].__contains__, is_commit, expiry)
+        out[ref] = surviving(entries, history[tip].__contains__, exists, expiry)
     return out
 
 

@@ -240,7 +240,7 @@ class CommitGraph:
     def reflog_commits(self) -> set[ObjectId]:
         """Every commit that some reflog entry names and that still exists (expired or not)."""
         named = {i for entries in self.refs.logs.read_all().values() for e in entries for i in e.ids}
-        return {oid for oid in named if self.store.has(oid) and self.is_commit(oid)}
+        return {oid for oid in named if self.store.has(oid)}
 
     def live_commits(self) -> set[ObjectId]:
         """What this repository's gc may keep: commits reachable from a ref or a reflog entry."""

@@ -165,13 +165,13 @@ class RefLog:
                 entries.append(entry)
         return entries, problems
 
-    def problems(self, is_commit: Callable[[ObjectId], bool]) -> list[str]:
+    def problems(self, exists: Callable[[ObjectId], bool]) -> list[str]:
         """fsck: corrupt lines, and entries naming commits that are gone (gc drops those)."""
         out = []
         for ref in self.refs():
             entries, problems = self._parse(ref)
             out.extend(problems)
-            missing = sorted({i for e in entries for i in e.ids if not is_commit(i)})
+            missing = sorted({i for e in entries for i in e.ids if not exists(i)})
             out.extend(f"reflog of {ref}: names missing commit {i}; 'ckstore gc' drops such entries" for i in missing)
         return out
 
@@ -232,13 +232,13 @@ class Expiry:
 
 
 def surviving(entries: Iterable[Entry], from_tip: Callable[[ObjectId], bool],
-              is_commit: Callable[[ObjectId], bool], expiry: Expiry) -> list[Entry]:
+              exists: Callable[[ObjectId], bool], expiry: Expiry) -> list[Entry]:
     """The entries of one ref that survive expiry. ``from_tip``: whether a commit is reachable
     from the ref's current value; an entry naming a commit that is gone is dropped too."""
     out = []
     for entry in entries:
         age = expiry.at - entry.time
-        if not all(is_commit(i) for i in entry.ids) or age > expiry.reachable:
+        if not all(exists(i) for i in entry.ids) or age > expiry.reachable:
             continue
         if age > expiry.unreachable and not all(from_tip(i) for i in entry.ids):
             continue

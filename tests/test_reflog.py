@@ -8,15 +8,20 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckstore import reflog as reflog_module
+from ckstore.backend.base import Backend
+from ckstore.backend.local import LocalBackend
+from ckstore.backend.memory import MemoryBackend
 from ckstore.errors import (
     ForceRequiredError,
     InvalidInputError,
     RefExistsError,
     RefNotFoundError,
 )
-from ckstore.reflog import DAY, Entry, parse_line
+from ckstore.reflog import DAY, Entry, RefLog, parse_line
 from ckstore.repo import Repo
 
 from helpers import checkpoint, object_count, tree_digest
@@ -276,6 +281,48 @@ def test_lines_round_trip_and_text_is_cleaned(repo: Repo) -> None:
     repo.refs.logs.append(MAIN, None, "2" * 64, "commit: line\tone\nline two \ud800 é")  # type: ignore[arg-type]
     (entry,) = repo.refs.logs.read(MAIN)
     assert entry.what == "commit: line one line two   é" and " " not in entry.who
+
+
+ids = st.none() | st.text("0123456789abcdef", min_size=64, max_size=64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(old=ids, new=ids, stamp=st.floats(0, 4e9), what=st.text(max_size=400))
+def test_any_entry_survives_its_line_with_its_text_cleaned(old: str | None, new: str | None, stamp: float,
+                                                           what: str) -> None:
+    log = RefLog(MemoryBackend())
+    clock = reflog_module.now
+    reflog_module.now = lambda: stamp  # type: ignore[assignment]
+    try:
+        log.append(MAIN, old, new, what)  # type: ignore[arg-type]
+    finally:
+        reflog_module.now = clock  # type: ignore[assignment]
+    (entry,) = log.read(MAIN)
+    none = "0" * 64
+    assert (entry.old, entry.new) == (None if old in (None, none) else old, None if new in (None, none) else new)
+    assert abs(entry.time - stamp) <= 1e-6 * max(1.0, stamp) and len(entry.what) <= 300
+    assert entry.what == "".join(c if c.isprintable() else " " for c in what)[:300]
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), st.integers(0, 300)), min_size=1, max_size=12), local=st.booleans())
+def test_torn_appends_never_lose_or_merge_a_complete_entry(tmp_path_factory: pytest.TempPathFactory,
+                                                           steps: list[tuple[bool, int]], local: bool) -> None:
+    """Each step appends an entry, or (a crash) only a prefix of its line: readers see exactly the
+    complete entries, in order, whatever tore before."""
+    backend: Backend = LocalBackend(tmp_path_factory.mktemp("log")) if local else MemoryBackend()
+    log = RefLog(backend)
+    expected: list[str] = []
+    for n, (torn, cut) in enumerate(steps):
+        oid = f"{n + 1:064x}"
+        if torn:
+            line = Entry(MAIN, None, oid, 1.0, "me", "x").line()  # type: ignore[arg-type]
+            data = backend.get(log.key(MAIN)) if backend.exists(log.key(MAIN)) else b""
+            backend.replace(log.key(MAIN), data + line[: min(cut, len(line) - 1)])
+        else:
+            log.append(MAIN, None, oid, "x")  # type: ignore[arg-type]
+            expected.append(oid)
+        assert [e.new for e in log.read(MAIN)] == expected
 
 
 # ---- expiry ---------------------------------------------------------------------------------------
