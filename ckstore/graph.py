@@ -134,13 +134,7 @@ class CommitGraph:
             return oid
         if is_object_id(name) and self.store.has(name) and self.is_commit(name):
             return ObjectId(name)
-        if name.startswith(("refs/heads/", "refs/tags/")):
-            check_ref_name(name[len("refs/"):])
-            candidates = [name]
-        else:
-            check_ref_name(name, "revision")
-            candidates = [HEADS + name, TAGS + name]
-        for ref in candidates:
+        for ref in _ref_candidates(name, "revision"):
             oid = self.refs.read(ref)
             if oid is not None:
                 return oid
@@ -161,12 +155,7 @@ class CommitGraph:
             logs = self.refs.logs
             branches = {ref[len(HEADS):]: logs.read(ref) for ref in logs.refs() if ref.startswith(HEADS)}
             return HEAD, head_view(logs.read(HEAD_LOG), branches, self.head_branch())
-        if name.startswith(("refs/heads/", "refs/tags/")):
-            check_ref_name(name[len("refs/"):])
-            candidates = [name]
-        else:
-            check_ref_name(name, "ref name")
-            candidates = [HEADS + name, TAGS + name]
+        candidates = _ref_candidates(name, "ref name")
         for ref in candidates:
             entries = self.refs.logs.read(ref)
             if entries:
@@ -283,6 +272,15 @@ class CommitGraph:
             out.append(commit)
             oid = commit.parents[0] if commit.parents else None
         return out
+
+
+def _ref_candidates(name: str, what: str) -> list[str]:
+    """The full ref names ``name`` may mean, branch first; refuses invalid names."""
+    if name.startswith(("refs/heads/", "refs/tags/")):
+        check_ref_name(name[len("refs/"):])
+        return [name]
+    check_ref_name(name, what)
+    return [HEADS + name, TAGS + name]
 
 
 def _short_name(ref: str) -> str:

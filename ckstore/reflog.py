@@ -165,15 +165,14 @@ class RefLog:
                 entries.append(entry)
         return entries, problems
 
-    def problems(self, exists: Callable[[ObjectId], bool]) -> list[str]:
-        """fsck: corrupt lines, and entries naming commits that are gone (gc drops those)."""
-        out = []
+    def check(self) -> tuple[list[tuple[str, ObjectId]], list[str]]:
+        """fsck: (ref, commit) for every commit an entry names, and one problem per corrupt line."""
+        named, problems = [], []
         for ref in self.refs():
-            entries, problems = self._parse(ref)
-            out.extend(problems)
-            missing = sorted({i for e in entries for i in e.ids if not exists(i)})
-            out.extend(f"reflog of {ref}: names missing commit {i}; 'ckstore gc' drops such entries" for i in missing)
-        return out
+            entries, bad = self._parse(ref)
+            problems.extend(bad)
+            named.extend(dict.fromkeys((ref, i) for e in entries for i in e.ids))
+        return named, problems
 
     def rewrite(self, ref: str, entries: list[Entry]) -> None:
         """Replace a log by its surviving entries (gc, under the exclusive repository lock)."""

@@ -46,7 +46,8 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
         click.echo(f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
                    " 'ckstore gc --prune-now' deletes them")
     if report.deletes_every_commit:
-        click.echo(f"{'this would delete' if dry_run else 'deleted'} every commit of the repository")
+        click.echo("this gc would delete every commit of the repository (it needs --force)" if dry_run
+                   else "deleted every commit of the repository")
     click.echo(
         f"{verb} {len(deleted)} commit(s) and {report.deleted_objects} object(s), "
         f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"

@@ -87,7 +87,7 @@ def _iso(stamp: float) -> str:
 @pass_repo
 def reflog(repo: Repo, ref: str | None, max_count: int | None, as_json: bool) -> None:
     """Every change of REF (a branch or tag, deleted ones too, or HEAD), newest first; of every
-    ref without REF. Each line's NAME@{n} is a revision: 'ckstore branch NAME NAME@{1}' undoes
+    ref without REF. Each line's NAME@{n} is a revision: 'ckstore branch -f NAME NAME@{1}' undoes
     the last change."""
     entries = repo.reflog(ref)[:max_count]
     if as_json:
