@@ -203,6 +203,16 @@ def test_switch_changes_the_branch_commits_go_to(cli: Cli, tmp_path: Path) -> No
     assert Repo(tmp_path / "repo").branches()["from-tag"] == c1
 
 
+def test_switch_to_the_deleted_current_branch_says_it_is_gone(cli: Cli, tmp_path: Path) -> None:
+    cli("init", str(tmp_path / "repo"), repo=False)
+    commits(Repo(tmp_path / "repo"), tmp_path, 1)
+    cli("switch", "-c", "exp")
+    cli("switch", "main")
+    cli("branch", "-d", "--force", "main")
+    assert "no branch 'main'" in cli("switch", "main", code=3).stderr
+    assert "switched to branch exp" in cli("switch", "exp").output
+
+
 def test_commit_to_another_branch_from_an_empty_one_logs_the_head_move(repo: Repo, tmp_path: Path) -> None:
     (c1,) = commits(repo, tmp_path, 1, branch="pretrained")
     assert repo.head_branch == "pretrained"

@@ -54,7 +54,7 @@ def switch(repo: Repo, name: str, start: str | None, create: bool) -> None:
     """Make NAME the current branch: the one commit and reset move."""
     if start and not create:
         raise InvalidInputError("switch takes START only with -c (to create the branch there)")
-    if name == repo.head_branch and not create:
+    if name == repo.head_branch and not create and name in repo.branches():
         click.echo(f"already on branch {name}")
         return
     oid = repo.switch(name, (start or "HEAD") if create else None)
