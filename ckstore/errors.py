@@ -113,6 +113,11 @@ class RefExistsError(ConflictError):
     """Creating a branch or tag that already exists."""
 
 
+class ForceRequiredError(ConflictError):
+    """An action that could lose commits without --force: deleting the current or the only
+    branch, a gc that would delete every commit."""
+
+
 class StorageError(CkstoreError):
     """The storage backend failed: no space left, an I/O error, permissions."""
 

@@ -61,6 +61,8 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
     except CkstoreError as exc:
         problems.append(str(exc))
     problems.extend(link_problems(ctx))  # each names the relink command that repairs it
+    logged, reflog_problems = ctx.refs.logs.check()
+    problems.extend(reflog_problems)
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
@@ -77,7 +79,10 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
 
     needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
     seen: set[str] = set()
-    todo = [(oid, f"ref {key}") for key, oid in tips]
+    # Commits the reflog names are kept by gc and restorable, so they must be whole too; walked
+    # after the refs' history (todo is a stack), so damage both reach is named from a ref.
+    todo = [(oid, f"reflog of {ref}; 'ckstore gc' drops entries whose commits are gone") for ref, oid in logged]
+    todo += [(oid, f"ref {key}") for key, oid in tips]
     while todo:
         oid, via = todo.pop()
         if oid in seen:

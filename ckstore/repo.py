@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import history
+from . import branches, history
 from .backend.base import Backend
 from .background import BackgroundCommits
 from .checkout import CheckoutResult, total_size, write_outputs
@@ -29,10 +29,11 @@ from .ingest import collect_sources
 from .manifest import Commit, StateFiles
 from .overlay import RelinkReport, relink, resolve_base
 from .pipeline import ProgressBar, ProgressFactory
+from .reflog import Entry as ReflogEntry
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
 
-__all__ = ["DEFAULT_DIR", "ProgressBar", "ProgressFactory", "Repo"]
+__all__ = ["DEFAULT_DIR", "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo"]
 
 
 class Repo:
@@ -105,24 +106,36 @@ class Repo:
     def tags(self) -> dict[str, ObjectId]:
         return self.refs.list(TAGS)
 
-    def create_branch(self, name: str, ref: str = "HEAD") -> ObjectId:
-        return self._create_ref(HEADS, check_ref_name(name, "branch name"), ref)
+    def create_branch(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
+        """Create branch ``name`` at ``ref``; ``force`` moves it there if it exists."""
+        return branches.create(self._ctx, "branch", name, ref, force)[1]
 
-    def create_tag(self, name: str, ref: str = "HEAD") -> ObjectId:
-        return self._create_ref(TAGS, check_ref_name(name, "tag name"), ref)
+    def create_tag(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
+        return branches.create(self._ctx, "tag", name, ref, force)[1]
 
-    def _create_ref(self, prefix: str, name: str, ref: str) -> ObjectId:
-        oid = self.resolve(ref)
-        self.refs.update(prefix + name, oid, expected=None)
-        return oid
+    def delete_branch(self, name: str, force: bool = False) -> ObjectId:
+        """Delete a branch; return the commit it held. The current or only branch needs ``force``."""
+        return branches.delete(self._ctx, "branch", name, force)
 
-    def delete_branch(self, name: str) -> None:
-        if not self.refs.delete(HEADS + check_ref_name(name, "branch name")):
-            raise RefNotFoundError(f"no branch {name!r}")
+    def delete_tag(self, name: str) -> ObjectId:
+        return branches.delete(self._ctx, "tag", name)
 
-    def delete_tag(self, name: str) -> None:
-        if not self.refs.delete(TAGS + check_ref_name(name, "tag name")):
-            raise RefNotFoundError(f"no tag {name!r}")
+    def switch(self, name: str, create_at: str | None = None) -> ObjectId:
+        """Make ``name`` the current branch (created at ``create_at`` if given); return its commit."""
+        return branches.switch(self._ctx, name, create_at)
+
+    def reset(self, ref: str) -> tuple[ObjectId | None, ObjectId]:
+        """Move the current branch to ``ref``; return (its old commit, the new one)."""
+        return branches.reset(self._ctx, ref)
+
+    def reflog(self, ref: str | None = None) -> list[tuple[str, ReflogEntry]]:
+        """(``name@{n}``, entry) newest first: of ``ref`` (a branch or tag, deleted ones too, or
+        HEAD), or of every ref when None."""
+        graph = self._ctx.graph
+        if ref is None:
+            return graph.reflog_all()
+        name, entries = graph.reflog(ref)
+        return [(f"{name}@{{{n}}}", e) for n, e in enumerate(entries)]
 
     def resolve(self, spec: str) -> ObjectId:
         """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, or any of these + ``~N``/``^``."""
@@ -286,13 +299,16 @@ class Repo:
     def gc(
         self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
         maximize: bool = False, keep_every: int | None = None, dry_run: bool = False, repack: bool = False,
+        prune_now: bool = False, force: bool = False,
     ) -> GcReport:
         """Delete commits outside the retention policy (if any) and every object no kept commit needs.
 
-        With ``repack``, kept objects are re-encoded first (newest commits whole, older ones deltas).
+        Commits that unexpired reflog entries name are kept (``prune_now``: expire every entry
+        the refs no longer reach first). With ``repack``, kept objects are re-encoded first
+        (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
         """
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
-        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack)
+        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force)
 
     def repack(self) -> Any:
         from .repack import repack

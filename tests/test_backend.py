@@ -318,3 +318,27 @@ def test_local_batch_is_invisible_until_flushed_and_leaves_no_temporaries(tmp_pa
         assert not backend.exists("objects/ab/x") and list(backend.list("")) == []
     assert backend.get("objects/ab/x") == b"x"
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_append_line_creates_appends_and_cuts_a_torn_tail(backend: Backend) -> None:
+    backend.append_line("logs/a/.log", b"one\n")
+    backend.append_line("logs/a/.log", b"two\n")
+    assert backend.get("logs/a/.log") == b"one\ntwo\n"
+    backend.replace("logs/a/.log", b"one\ntwo\nthr")  # an append torn by a crash
+    backend.append_line("logs/a/.log", b"four\n")
+    assert backend.get("logs/a/.log") == b"one\ntwo\nfour\n"
+    backend.replace("logs/b", b"torn, no newline at all")
+    backend.append_line("logs/b", b"x\n")
+    assert backend.get("logs/b") == b"x\n"
+    for bad in (b"no newline", b"two\nlines\n", b"\n\n"):
+        with pytest.raises(ValueError):
+            backend.append_line("logs/a/.log", bad)
+    assert backend.get("logs/a/.log") == b"one\ntwo\nfour\n"
+
+
+def test_local_append_line_cuts_a_torn_tail_longer_than_its_read_block(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.replace("log", b"first\n" + b"y" * 200_000)
+    backend.append_line("log", b"second\n")
+    assert backend.get("log") == b"first\nsecond\n"
+    assert list((tmp_path / "tmp").iterdir()) == []

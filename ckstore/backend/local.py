@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..errors import InvalidInputError, LockedError, RefExistsError, StorageError
 from ..fsio import fsync_path, mutating_step
-from .base import Backend, check_key, check_prefix
+from .base import Backend, check_key, check_line, check_prefix
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
@@ -116,6 +116,17 @@ def prepare_new_repository(path: str | os.PathLike[str], marker: str) -> Path:
     except OSError as exc:
         raise _storage_error(exc, f"creating {root}") from None
     return root
+
+
+def _last_line_end(fd: int, end: int, block: int = 1 << 16) -> int:
+    """Offset just past the last newline before ``end`` (0 when there is none)."""
+    while end > 0:
+        start = max(0, end - block)
+        found = os.pread(fd, end - start, start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        end = start
+    return 0
 
 
 def _storage_error(exc: OSError, doing: str) -> StorageError:
@@ -231,6 +242,34 @@ class LocalBackend(Backend):
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         return self._install(key, data, exclusive=True)
+
+    def append_line(self, key: str, line: bytes) -> None:
+        """Append in place: the file is never rewritten, so a long reflog costs one write."""
+        path = self._path(check_key(key))
+        check_line(line)
+        try:
+            self._ensure_dir(path.parent)
+            mutating_step()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                end = new_file_end = os.fstat(fd).st_size
+                if end and os.pread(fd, 1, end - 1) != b"\n":
+                    end = _last_line_end(fd, end)
+                    mutating_step()
+                    os.ftruncate(fd, end)  # a line torn by a crash: it must not run into ours
+                view = memoryview(line)
+                mutating_step()
+                while view:
+                    written = os.pwrite(fd, view, end)
+                    view, end = view[written:], end + written
+                mutating_step()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not new_file_end:  # the file may be new: make its directory entry durable too
+                self._fsync_dir(path.parent)
+        except OSError as exc:
+            raise _storage_error(exc, f"appending to {self.describe(key)}") from None
 
     def delete(self, key: str) -> bool:
         path = self._path(key)

@@ -164,7 +164,8 @@ def refs_of(repo_path: Path) -> dict[str, str]:
 
 
 def ref_locks(repo_path: Path) -> list[Path]:
-    return sorted((repo_path / "refs").rglob("*.lock"))
+    head = repo_path / "HEAD.lock"  # switch locks HEAD
+    return sorted((repo_path / "refs").rglob("*.lock")) + ([head] if head.exists() else [])
 
 
 def checkout_digest(repo: Repo, oid: str, scratch: Path) -> dict[str, str]:
