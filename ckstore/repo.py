@@ -17,7 +17,9 @@ from .backend.base import Backend
 from .checkout import CheckoutResult, total_size, write_outputs
 from .commit import commit_sources, encode_metadata
 from .config import RepoConfig
-from .context import DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context
+from .context import (
+    DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
+)
 from .errors import RefNotFoundError
 from .export import plan_checkout
 from .filedata import read_file_bytes, state_values
@@ -47,8 +49,15 @@ class Repo:
     def init(
         cls, path: str | os.PathLike[str] = DEFAULT_DIR, *, chunk_size: int | None = None,
         zstd_level: int | None = None, max_delta_depth: int | None = None, backend: Backend | None = None,
+        exist_ok: bool = False,
     ) -> Repo:
-        return cls(_context=init_context(path, _config(chunk_size, zstd_level, max_delta_depth), backend))
+        """Create a repository; with ``exist_ok`` open the one already at ``path`` instead (settings
+        given here must then match its own)."""
+        config = _config(chunk_size, zstd_level, max_delta_depth)
+        if exist_ok:
+            given = {"chunk_size": chunk_size, "zstd_level": zstd_level, "max_delta_depth": max_delta_depth}
+            return cls(_context=open_or_init_context(path, config, backend, [k for k, v in given.items() if v is not None]))
+        return cls(_context=init_context(path, config, backend))
 
     @classmethod
     def memory(cls, **config: int) -> Repo:
@@ -141,18 +150,20 @@ class Repo:
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
         branch: str | None = None, metadata: Mapping[str, Any] | None = None,
         progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
+        raw: bool = False,
     ) -> str:
         """Record files and directories as one commit on ``branch``; return the commit id.
 
         With ``base`` (and optionally ``base_repo``) the commit is an overlay: every file of the
         base commit that the given paths do not replace is inherited, and tensors equal to the
-        base's cost nothing.
+        base's cost nothing. A pickle checkpoint given as a path is refused unless ``raw``
+        (``import_checkpoint`` stores its tensors); see ``ingest.collect_sources``.
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         branch = check_ref_name(branch or self.head_branch, "branch name")
         meta = encode_metadata(metadata)
-        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
+        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
         return commit_sources(self._ctx, sources, message, branch, meta, progress,
                               base=resolve_base(self._ctx, base, base_repo))
 

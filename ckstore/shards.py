@@ -23,7 +23,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from .checkout import Output, full_output, select_tensors
+from .checkout import Output, check_patterns, full_output, select_tensors
 from .errors import InvalidInputError
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry
 from .filedata import file_context, header_metadata
@@ -107,6 +107,8 @@ def plan_shards(
 ) -> list[Output]:
     """Outputs for a sharded checkout: the shards, their index, and the other files unchanged."""
     inputs = [f for f in commit.files if _is_sharded_input(f)]
+    if only:
+        check_patterns([t for f in inputs for t in f.tensors], only)
     tensors: dict[str, tuple[FileEntry, TensorEntry]] = {}
     for f in inputs:
         for t in select_tensors(f.tensors, only) if only else f.tensors:

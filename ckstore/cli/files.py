@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, PickleCheckpointError
 from ..repo import Repo
 from .base import parse_meta, progress_factory, human, main, pass_repo
 
@@ -28,14 +28,19 @@ def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_de
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Typed metadata (repeatable).")
 @click.option("--base", metavar="REF", help="Record the commit as an overlay on this base commit.")
 @click.option("--base-repo", metavar="PATH", help="Repository holding --base (referenced, not copied).")
+@click.option("--raw", is_flag=True, help="Store pickle checkpoints as opaque files (else: use 'ckstore import').")
 @pass_repo
 def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, meta: tuple[str, ...],
-           base: str | None, base_repo: str | None) -> None:
+           base: str | None, base_repo: str | None, raw: bool) -> None:
     """Record safetensors files or directories as one commit; print its id."""
     if base_repo and not base:
         base = "HEAD"
-    oid = repo.commit(list(paths), message=message, branch=branch, metadata=parse_meta(meta), progress=progress_factory(),
-                      base=base, base_repo=base_repo)
+    try:
+        oid = repo.commit(list(paths), message=message, branch=branch, metadata=parse_meta(meta),
+                          progress=progress_factory(), base=base, base_repo=base_repo, raw=raw)
+    except PickleCheckpointError as exc:
+        raise PickleCheckpointError(f"{exc.path} is a PyTorch pickle checkpoint: 'ckstore import {exc.path}' stores "
+                                    "its tensors safely; --raw commits it as one opaque file") from None
     click.echo(oid)
 
 
