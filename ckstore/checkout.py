@@ -24,7 +24,7 @@ from .errors import InvalidPathError, OutputExistsError, StorageError, TensorNot
 from .fsio import fsync_path, mutating_step, pid_alive
 from .ids import chunk_id
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
-from .pipeline import ordered_map
+from .pipeline import ProgressFactory, ordered_map
 from .filedata import file_context, header_metadata
 from .safetensors_format import emit_header
 from .store import ObjectStore
@@ -222,6 +222,19 @@ def write_outputs(
 
 def total_size(outputs: list[Output]) -> int:
     return sum(o.size for o in outputs)
+
+
+def write_with_progress(
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: ProgressFactory | None,
+    desc: str = "checkout",
+) -> CheckoutResult:
+    """``write_outputs`` with a progress bar over the bytes to write (when a factory is given)."""
+    bar = progress(total_size(outputs), desc) if progress else None
+    try:
+        return write_outputs(store, outputs, out_dir, force, bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
 
 
 def select_tensors(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> list[TensorEntry]:

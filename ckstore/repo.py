@@ -14,14 +14,14 @@ from typing import Any
 
 from . import history
 from .backend.base import Backend
-from .checkout import CheckoutResult, total_size, write_outputs
+from .checkout import CheckoutResult, write_with_progress
 from .commit import commit_sources, encode_metadata
 from .config import RepoConfig
 from .context import (
     DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
 )
 from .errors import RefNotFoundError
-from .export import plan_checkout
+from .export import plan_checkout, plan_export
 from .filedata import read_file_bytes, state_values
 from .gc import GcReport, collect_garbage
 from .history import LogEntry, Stats, TensorChange
@@ -33,7 +33,7 @@ from .pipeline import ProgressBar, ProgressFactory
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
 
-__all__ = ["DEFAULT_DIR", "ProgressBar", "ProgressFactory", "Repo"]
+__all__ = ["DEFAULT_DIR", "CheckoutResult", "ProgressBar", "ProgressFactory", "Repo"]
 
 
 class Repo:
@@ -200,12 +200,24 @@ class Repo:
         ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
-        bar = progress(total_size(outputs), "checkout") if progress else None
-        try:
-            return write_outputs(self.store, outputs, Path(out_dir), force, bar.update if bar else None)
-        finally:
-            if bar:
-                bar.close()
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress)
+
+    def export(
+        self, ref: str, out_dir: str | os.PathLike[str], *, prefix: str | None = None,
+        weights: Sequence[str] | None = None, files_from: str | None = None, shard_size: int | str | None = None,
+        force: bool = False, progress: ProgressFactory | None = None,
+    ) -> CheckoutResult:
+        """Write exactly the model of ``ref`` as a folder ``from_pretrained`` loads (see export.py).
+
+        ``prefix``: the key whose tensors are the model, removed from their names (a training
+        state: "model" by default); ``weights``: globs of the safetensors files holding the model
+        (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
+        whose config, tokenizer and other files are copied instead of ``ref``'s own.
+        """
+        source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
+        outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
+                              files_from=source, shard_size=shard_size)
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, "export")
 
     def import_checkpoint(self, path: str | os.PathLike[str], **options: Any) -> list[Any]:
         """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""

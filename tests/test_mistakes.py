@@ -3,7 +3,6 @@ matches nothing, checkout onto a file in the way, a closed output pipe, and init
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import subprocess

@@ -38,7 +38,7 @@ def small_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for i in range(2):
         folder = root / f"ep{i}"
         checkpoint(folder / "model.safetensors", seed=i)
-        (folder / "config.json").write_text('{"epoch": %d}' % i)
+        (folder / "config.json").write_text(json.dumps({"epoch": i}))
         repo.commit(folder, message=f"epoch {i}", metadata={"loss": 1.0 / (i + 1)})
     repo.create_tag("first", "HEAD~1")
     return root / "repo"
