@@ -131,7 +131,7 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw:
         warnings.warn(CkstoreWarning(
             f"storing {len(pickles)} pickle file(s) as opaque blobs, without per-tensor dedup ({', '.join(pickles[:3])}"
             f"{', …' if len(pickles) > 3 else ''}); import converts a pickle checkpoint to tensors (ckstore import)"),
-            stacklevel=4)
+            stacklevel=3)
     return sorted(found.values(), key=lambda s: s.path)
 
 
