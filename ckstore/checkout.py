@@ -102,9 +102,9 @@ def _target(out_dir: Path, rel: str) -> Path:
 def _blocking_file(out_dir: Path, rel: str) -> Path | None:
     """An existing non-folder where the output needs a folder: ``out_dir`` itself or a parent of
     ``rel`` in it. --force does not remove it: it is not a version of any file being written."""
-    folder = out_dir
-    for part in ("", *rel.split("/")[:-1]):
-        folder = folder / part if part else folder
+    parents = rel.split("/")[:-1]
+    for depth in range(len(parents) + 1):
+        folder = out_dir.joinpath(*parents[:depth])
         if not (folder.exists() or folder.is_symlink()):
             return None
         if not folder.is_dir():
