@@ -29,7 +29,7 @@ from .history import LogEntry, Stats, TensorChange
 from .ids import ObjectId
 from .ingest import collect_sources
 from .manifest import Commit, StateFiles
-from .overlay import resolve_base
+from .overlay import RelinkReport, relink, resolve_base
 from .pipeline import ProgressBar, ProgressFactory
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
@@ -165,7 +165,7 @@ class Repo:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self.wait()
-        branch = check_ref_name(branch or self.head_branch, "branch name")
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
         return commit_sources(self._ctx, sources, message, branch, meta, progress,
@@ -183,7 +183,7 @@ class Repo:
         """
         from .state import STATE_TENSORS, STATE_VALUES, state_files
 
-        branch = check_ref_name(branch or self.head_branch, "branch name")
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
         based = resolve_base(self._ctx, base, base_repo)
 
@@ -321,6 +321,12 @@ class Repo:
         from .repack import repack
 
         return repack(self._ctx)
+
+    def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
+               prune: bool = False) -> RelinkReport:
+        """Repair overlay links after a move: ``bases`` are base repositories' new locations,
+        ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
+        return relink(self._ctx, bases, dependents, prune)
 
     def fsck(self, read_data: bool = False) -> list[str]:
         from .fsck import check
