@@ -15,12 +15,14 @@ from typing import Any
 from . import branches, history
 from .backend.base import Backend
 from .background import BackgroundCommits
-from .checkout import CheckoutResult, total_size, write_outputs
+from .checkout import CheckoutResult, write_with_progress
 from .commit import commit_sources, encode_metadata
 from .config import RepoConfig
-from .context import DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context
+from .context import (
+    DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
+)
 from .errors import RefNotFoundError
-from .export import plan_checkout
+from .export import plan_checkout, plan_export
 from .filedata import read_file_bytes, state_values
 from .gc import GcReport, collect_garbage
 from .history import LogEntry, Stats, TensorChange
@@ -33,7 +35,7 @@ from .reflog import Entry as ReflogEntry
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
 
-__all__ = ["DEFAULT_DIR", "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo"]
+__all__ = ["DEFAULT_DIR", "CheckoutResult", "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo"]
 
 
 class Repo:
@@ -51,8 +53,15 @@ class Repo:
     def init(
         cls, path: str | os.PathLike[str] = DEFAULT_DIR, *, chunk_size: int | None = None,
         zstd_level: int | None = None, max_delta_depth: int | None = None, backend: Backend | None = None,
+        exist_ok: bool = False,
     ) -> Repo:
-        return cls(_context=init_context(path, _config(chunk_size, zstd_level, max_delta_depth), backend))
+        """Create a repository; with ``exist_ok`` open the one already at ``path`` instead (settings
+        given here must then match its own)."""
+        config = _config(chunk_size, zstd_level, max_delta_depth)
+        if exist_ok:
+            given = {"chunk_size": chunk_size, "zstd_level": zstd_level, "max_delta_depth": max_delta_depth}
+            return cls(_context=open_or_init_context(path, config, backend, [k for k, v in given.items() if v is not None]))
+        return cls(_context=init_context(path, config, backend))
 
     @classmethod
     def memory(cls, **config: int) -> Repo:
@@ -157,19 +166,21 @@ class Repo:
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
         branch: str | None = None, metadata: Mapping[str, Any] | None = None,
         progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
+        raw: bool = False,
     ) -> str:
         """Record files and directories as one commit on ``branch``; return the commit id.
 
         With ``base`` (and optionally ``base_repo``) the commit is an overlay: every file of the
         base commit that the given paths do not replace is inherited, and tensors equal to the
-        base's cost nothing.
+        base's cost nothing. A pickle checkpoint given as a path is refused unless ``raw``
+        (``import_checkpoint`` stores its tensors); see ``ingest.collect_sources``.
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self.wait()
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
-        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
+        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
         return commit_sources(self._ctx, sources, message, branch, meta, progress,
                               base=resolve_base(self._ctx, base, base_repo))
 
@@ -225,12 +236,24 @@ class Repo:
         ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
-        bar = progress(total_size(outputs), "checkout") if progress else None
-        try:
-            return write_outputs(self.store, outputs, Path(out_dir), force, bar.update if bar else None)
-        finally:
-            if bar:
-                bar.close()
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress)
+
+    def export(
+        self, ref: str, out_dir: str | os.PathLike[str], *, prefix: str | None = None,
+        weights: Sequence[str] | None = None, files_from: str | None = None, shard_size: int | str | None = None,
+        force: bool = False, progress: ProgressFactory | None = None,
+    ) -> CheckoutResult:
+        """Write exactly the model of ``ref`` as a folder ``from_pretrained`` loads (see export.py).
+
+        ``prefix``: the key whose tensors are the model, removed from their names (a training
+        state: "model" by default); ``weights``: globs of the safetensors files holding the model
+        (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
+        whose config, tokenizer and other files are copied instead of ``ref``'s own.
+        """
+        source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
+        outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
+                              files_from=source, shard_size=shard_size)
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, "export")
 
     def import_checkpoint(self, path: str | os.PathLike[str], **options: Any) -> list[Any]:
         """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""
