@@ -371,7 +371,10 @@ class RefStore:
                     f"{_short(ref)} moved from {expected[:12]} to {current[:12]} while this command ran"
                 )
             self.logs.append(ref, current, None, reason)
-            return self.backend.delete(encode_ref(ref))
+            deleted = self.backend.delete(encode_ref(ref))
+        # Once the lock file is gone too: folders that only held this ref must not block "a".
+        self.backend.prune_folders(encode_ref(ref), "/".join(ref.split("/")[:2]))
+        return deleted
 
 
 def _short(ref: str) -> str:

@@ -4,6 +4,7 @@ for every ref change, gc that keeps what the reflog names until it expires."""
 from __future__ import annotations
 
 import json
+import shlex
 import threading
 from pathlib import Path
 
@@ -221,6 +222,22 @@ def test_commit_to_another_branch_from_an_empty_one_logs_the_head_move(repo: Rep
 
 
 # ---- revisions ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["lr=3e-4", "run#12", "exp(1)", "ünïcødé", "a/b/c"])
+def test_names_git_accepts_have_reflogs_that_survive_deletion(cli: Cli, tmp_path: Path, name: str) -> None:
+    cli("init", str(tmp_path / "repo"), repo=False)
+    (c1,) = commits(Repo(tmp_path / "repo"), tmp_path, 1)
+    cli("branch", name)
+    deleted = cli("branch", "-d", name).output
+    assert f"'ckstore branch {shlex.quote(name)} {c1[:12]}' restores it" in deleted
+    cli("branch", "a")  # its log and that of a deleted "a/b/c" never collide in logs/
+    cli("branch", "-d", "a")
+    assert [e["selector"] for e in strict_json(cli("reflog", name, "--json").output)] == [  # type: ignore[union-attr]
+        f"{name}@{{0}}", f"{name}@{{1}}"]
+    cli("branch", name, f"{name}@{{1}}")
+    assert Repo(tmp_path / "repo").branches()[name] == c1
+    assert Repo(tmp_path / "repo").fsck() == []
 
 
 def test_reflog_revisions(repo: Repo, tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def gc_keeps_everything_needed(base: Path, overlays: dict[Path, tuple[str, Path]
     b.delete_branch("pretrained", force=True)
     b.gc(prune_now=True, force=True)
     for path in overlays:
-        Repo(path).gc()
+        Repo(path).gc(prune_now=True)
     for i, (path, (ref, folder)) in enumerate(overlays.items()):
         assert_whole(path, ref, folder, out / str(i))
     assert Repo(base).fsck(read_data=True) == []

@@ -119,6 +119,11 @@ class Backend(ABC):
         """Where a key lives, for error messages."""
         return key
 
+    def prune_folders(self, key: str, stop: str) -> None:
+        """Remove the folders that held the deleted ``key`` while they are empty, up to (not
+        including) the folder ``stop``: a deleted ref ``a/b`` must not leave a folder ``a`` that
+        blocks a new ref ``a``. Backends without folders have nothing to do."""
+
     def append_line(self, key: str, line: bytes) -> None:
         """Append ``line`` (one line ending in ``\\n``) to the value at ``key``, creating it.
 

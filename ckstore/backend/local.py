@@ -212,15 +212,21 @@ class LocalBackend(Backend):
         try:
             self._ensure_dir(path.parent)
             tmp = self._write_temp(data)
-            mutating_step()
-            if exclusive:
+            for attempt in range(3):
+                mutating_step()
                 try:
-                    os.link(tmp, path)
+                    if exclusive:
+                        os.link(tmp, path)
+                    else:
+                        os.replace(tmp, path)
+                        tmp = None
+                    break
                 except FileExistsError:
                     return False
-            else:
-                os.replace(tmp, path)
-                tmp = None
+                except FileNotFoundError:
+                    if attempt == 2 or not tmp.exists():
+                        raise
+                    self._ensure_dir(path.parent)  # a ref deletion pruned the empty folder meanwhile
             self._fsync_dir(path.parent)
             return True
         except OSError as exc:
@@ -281,6 +287,16 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise _storage_error(exc, f"deleting {self.describe(key)}") from None
         return True
+
+    def prune_folders(self, key: str, stop: str) -> None:
+        path, top = self._path(key).parent, self.root / check_key(stop)
+        while path != top and top in path.parents:
+            mutating_step()
+            try:
+                os.rmdir(path)
+            except OSError:
+                return  # not empty (another ref, or a writer's new lock file), or gone already
+            path = path.parent
 
     def size(self, key: str) -> int | None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from datetime import datetime, timezone
 
@@ -26,7 +27,8 @@ def _refs_command(kind: str) -> Callable[..., None]:
             if ref:
                 raise InvalidInputError(f"{kind} -d takes one name, not a REF")
             old = repo.delete_branch(name, force=force) if kind == "branch" else repo.delete_tag(name)
-            click.echo(f"deleted {kind} {name} (was {old[:12]}); 'ckstore {kind} {name} {old[:12]}' restores it")
+            restore = f"ckstore {kind} {shlex.quote(name)} {old[:12]}"
+            click.echo(f"deleted {kind} {name} (was {old[:12]}); '{restore}' restores it")
         elif name is not None:  # an empty name is refused as a name, not taken as "list"
             oid = (repo.create_branch if kind == "branch" else repo.create_tag)(name, ref or "HEAD", force=force)
             click.echo(f"{kind} {name} -> {oid}")
