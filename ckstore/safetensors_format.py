@@ -321,8 +321,14 @@ def _load_json(raw: bytes) -> _Object:
         _fail(f"header is not valid JSON: {exc.msg} at character {exc.pos}")
     except RecursionError:
         _fail("header JSON is nested too deeply")
-    # Lone surrogates can only come from \\u escapes: skip the walk over strings without any.
-    _check_tree(value, _SURROGATE_ESCAPE.search(text) is not None)
+    # The walk costs seconds on a header of 50,000 tensors, so only when needed: lone surrogates
+    # can only come from \\u escapes, and only ignored fields can nest deep and still be valid
+    # (too deep a known field fails its type check).
+    check_strings = _SURROGATE_ESCAPE.search(text) is not None
+    if check_strings or not isinstance(value, _Object) or any(
+        isinstance(entry, _Object) and len(entry) > len(_TENSOR_FIELDS) for _, entry in value
+    ):
+        _check_tree(value, check_strings)
     if not isinstance(value, _Object):
         _fail("header JSON is not an object")
     return value
