@@ -19,7 +19,6 @@ torch is imported lazily: ``import ckstore`` and the rest of the CLI stay torch-
 
 from __future__ import annotations
 
-import copyreg
 import os
 import pickletools
 import re
@@ -105,7 +104,8 @@ def offending_global(message: str) -> str | None:
 @dataclass
 class GlobalRef:
     """A global a pickle names: by GLOBAL/INST (text), STACK_GLOBAL (two strings on the stack) or
-    EXT1/2/4 (a copyreg extension code), and the opcode that calls or instantiates it, if any."""
+    EXT1/2/4 (a copyreg extension code, named as such), and the opcode that calls or instantiates
+    it, if any."""
 
     name: str
     opcode: str
@@ -182,10 +182,9 @@ def _scan_one(stream: _Bounded, found: list[GlobalRef], first_op: dict[int, tupl
             found.append(ref := GlobalRef(f"{module}.{qualname}" if named else "<a computed name>", name, pos or 0))
             stack.append(ref)
         elif name in ("EXT1", "EXT2", "EXT4"):
-            # The writer's registry is unknown; this process's (usually empty) registry may name it.
-            key = copyreg._inverted_registry.get(arg)  # type: ignore[attr-defined]
-            label = f"{key[0]}.{key[1]} (extension code {arg})" if key else f"with copyreg extension code {arg}"
-            found.append(ref := GlobalRef(label, name, pos or 0))
+            # The global is whatever the unpickling process registered under the code (copyreg's
+            # extension registry); the writer's intent is unknowable here, so the code is named.
+            found.append(ref := GlobalRef(f"with copyreg extension code {arg}", name, pos or 0))
             stack.append(ref)
         elif name in _STRINGS:
             stack.append(arg)
