@@ -250,7 +250,9 @@ def ingest(
                     layout = read_layout(f, str(source.source), source.size)
             except OSError as exc:
                 raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
-            segments = [[] for _ in range(1 + len(layout.tensors))]
+            if layout.plain_reason is not None:
+                layout = None  # safetensors reads it, the manifest cannot model it: plain bytes (format.md 13)
+            segments = [[] for _ in range(1 + len(layout.tensors))] if layout else [[]]
         else:
             segments = [[]]
         plans.append(_Plan(source, layout, segments))
