@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .context import RepoContext
 from .ids import ObjectId
 from .overlay import external_needs
+from .pipeline import ProgressFactory
 from .repack import repack_locked
 from .retention import RetentionPolicy, select_kept
 
@@ -23,12 +24,42 @@ class GcReport:
     dry_run: bool
     pruned_commits: list[ObjectId] = field(default_factory=list)  # deleted by the retention policy
     deleted_objects: int = 0
-    freed_bytes: int = 0
+    freed_bytes: int = 0  # "stored" bytes of the deleted objects (docs/design.md, "Size figures")
     temp_files: int = 0
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The commits gc keeps, and why; what they need is ``live_objects``."""
+
+    reachable: set[ObjectId]
+    chosen: set[ObjectId]  # kept by the policy (without one: every reachable commit)
+    pinned: set[ObjectId]  # needed by dependent (overlay) repositories, whatever the policy
+    commits: set[ObjectId]  # chosen + pinned + the in-repository bases of kept overlays
+    external: set[str]  # local objects that dependent repositories need
+
+
+def kept_commits(ctx: RepoContext, policy: RetentionPolicy) -> Kept:
+    graph, store = ctx.graph, ctx.store
+    reachable = set(graph.reachable_commits())
+    chosen = select_kept(graph, policy) if policy.active else set(reachable)
+    needed_commits, needed_objects = external_needs(ctx)
+    pinned = {c for c in needed_commits if store.has_local(c)}
+    return Kept(reachable, chosen, pinned, graph.with_overlay_bases(chosen | pinned),
+                {c for c in needed_objects if store.has_local(c)})
+
+
+def live_objects(ctx: RepoContext, kept: Kept) -> set[str]:
+    """Every object the kept commits need: themselves, their chunks, and kept deltas' bases."""
+    chunks = set(kept.external)
+    for oid in kept.commits:
+        chunks.update(c.id for c in ctx.graph.read_commit(oid).all_chunks())
+    return ctx.store.with_delta_bases(chunks) | kept.commits
 
 
 def collect_garbage(
     ctx: RepoContext, policy: RetentionPolicy | None = None, dry_run: bool = False, repack: bool = False,
+    progress: ProgressFactory | None = None,
 ) -> GcReport:
     """Prune commits the policy drops and delete every object no kept commit needs.
 
@@ -40,25 +71,26 @@ def collect_garbage(
     report = GcReport(dry_run)
     graph, store = ctx.graph, ctx.store
     with ctx.backend.exclusive_lock():
-        reachable = set(graph.reachable_commits())
-        keep = select_kept(graph, policy) if policy.active else set(reachable)
-        needed_commits, needed_objects = external_needs(ctx)
-        keep = graph.with_overlay_bases(keep | {c for c in needed_commits if store.has_local(c)})
-        report.pruned_commits = sorted(reachable - keep)
+        kept = kept_commits(ctx, policy)
+        report.pruned_commits = sorted(kept.reachable - kept.commits)
         if repack and not dry_run:
-            repack_locked(ctx, keep)
-        chunks: set[str] = {c for c in needed_objects if store.has_local(c)}
-        for oid in keep:
-            chunks.update(c.id for c in graph.read_commit(oid).all_chunks())
-        pruned = graph.pruned_after(keep, reachable)
-        live = store.with_delta_bases(chunks) | set(keep)
-        victims = [oid for oid in store.iter_ids() if oid not in live]
+            repack_locked(ctx, kept.commits, progress)
+        pruned = graph.pruned_after(kept.commits, kept.reachable)
+        live = live_objects(ctx, kept)
+        victims = {oid: store.stored_size(oid) or 0 for oid in store.iter_ids() if oid not in live}
         report.deleted_objects = len(victims)
-        report.freed_bytes = sum(store.stored_size(oid) or 0 for oid in victims)
+        report.freed_bytes = sum(victims.values())
         if dry_run:
             return report
         graph.write_pruned(pruned)
-        for oid in victims:
-            store.delete(oid)
+        bar = progress(report.freed_bytes, "gc") if progress and victims else None
+        try:
+            for oid, size in victims.items():
+                store.delete(oid)
+                if bar:
+                    bar.update(size)
+        finally:
+            if bar:
+                bar.close()
         report.temp_files = ctx.backend.clean_temporary()
     return report

@@ -7,6 +7,7 @@ diff, stats, gc and repack are checked against what gc really frees on disk.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -172,6 +173,7 @@ def test_every_json_output_is_strict_and_documented(cli: Cli, tmp_path: Path) ->
     check("branch", "-d", "exp")
     check("tag")
     check("tag", "v1")
+    check("tag", "-d", "v1")
     check("checkout", "HEAD", "-o", str(tmp_path / "out"))
     check("fsck")
     check("fsck", "--read-data")
@@ -244,7 +246,7 @@ def test_gc_frees_what_dry_run_and_stats_announced(cli: Cli, tmp_path: Path) -> 
 def test_log_and_diff_agree_and_the_last_commit_holds_what_stats_stores(cli: Cli, tmp_path: Path) -> None:
     ids = make_history(tmp_path, cli, epochs=3)
     log = {e["id"]: e for e in strict_json(cli("log", "--sizes", "--json").stdout)}
-    for parent, child in zip(ids, ids[1:]):
+    for parent, child in itertools.pairwise(ids):
         diff = strict_json(cli("diff", parent, child, "--json").stdout)
         assert diff["totals"]["new_bytes"] == log[child]["new_bytes"] > 0
         text = cli("diff", parent, child).stdout
@@ -343,7 +345,7 @@ def test_gc_dry_run_names_commits_with_message_and_metadata(cli: Cli, tmp_path: 
     ids = make_history(tmp_path, cli, epochs=3)
     text = cli("gc", "--keep-last", "1", "--dry-run").stdout
     line = next(x for x in text.splitlines() if ids[0][:12] in x)
-    assert "epoch 0" in line and "val_loss=1.000" in line
+    assert "epoch 0" in line and "val_loss=1.0" in line
     doc = strict_json(cli("gc", "--keep-last", "1", "--dry-run", "--json").stdout)
     pruned = {c["id"]: c for c in doc["pruned_commits"]}
     assert pruned[ids[0]]["message"] == "epoch 0" and pruned[ids[0]]["metadata"]["epoch"] == 0
@@ -386,7 +388,7 @@ def test_fsck_repack_and_gc_report_progress(cli: Cli, tmp_path: Path) -> None:
 def test_cli_passes_progress_to_fsck_repack_and_gc(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_history(tmp_path, cli, epochs=2)
     rec = Recorder()
-    import ckstore.cli.maintenance as maintenance
+    from ckstore.cli import maintenance
 
     monkeypatch.setattr(maintenance, "progress_factory", lambda: rec)
     cli("fsck", "--read-data")
