@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -119,10 +119,9 @@ def log(graph: CommitGraph, ref: str | None = None, limit: int | None = None,
                 heapq.heappush(heap, (_neg_time(graph.read_commit(parent).time), parent))
         out.append(LogEntry(oid, commit, tuple(gone)))
     names = decorations(graph)
-    winner = next((e.id for e in ranked(out, *best)[:1]), None) if best else None
-    return [LogEntry(e.id, e.commit, e.pruned_parents, _with_best(names.get(e.id, Decorations()),
-                                                              best[0] if best and e.id == winner else None))
-            for e in out]
+    top = ranked(out, *best)[:1] if best else []
+    marked = {top[0].id: (best[0],)} if best and top else {}
+    return [replace(e, refs=replace(names.get(e.id, Decorations()), best=marked.get(e.id, ()))) for e in out]
 
 
 def ranked(history: list[LogEntry], metric: str, maximize: bool) -> list[LogEntry]:
@@ -133,13 +132,10 @@ def ranked(history: list[LogEntry], metric: str, maximize: bool) -> list[LogEntr
     return [e for _, e in scored]
 
 
-def _with_best(d: Decorations, metric: str | None) -> Decorations:
-    return d if metric is None else Decorations(d.head, d.branches, d.tags, (*d.best, metric))
-
-
 def new_objects(old: Commit | None, new: Commit) -> dict[str, tuple[str, str | None]]:
     """The "new" objects of ``new`` against ``old``: chunks ``new``'s files use and ``old``'s use
-    nowhere, each with the first (path, tensor) using it (None: a whole file or a header)."""
+    nowhere, each with the first position using it (a tensor, ``positions.HEADER``, or None for
+    a plain file)."""
     have = {c.id for c in old.all_chunks()} if old is not None else set()
     out: dict[str, tuple[str, str | None]] = {}
     for (path, name), chunks in position_chunks(new.files, header=True).items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from ckstore.cli import main
@@ -396,3 +399,55 @@ def test_cli_passes_progress_to_fsck_repack_and_gc(cli: Cli, tmp_path: Path, mon
     Repo(tmp_path / "repo").store.put_chunk(b"garbage" * 100)
     cli("gc")
     assert set(rec.bars) == {"fsck", "repack", "gc"}
+
+
+# ---- pieces: the strict encoder, the summary ----------------------------------------------------
+
+_json_like = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=20)
+
+
+@given(_json_like)
+def test_print_json_is_strict_for_any_value(value: Any) -> None:
+    from ckstore.cli.base import json_safe
+
+    text = json.dumps(json_safe(value), allow_nan=False)  # would raise on a non-finite float
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, float) and not math.isfinite(a):
+            return isinstance(b, str) and (math.isnan(float(b)) if math.isnan(a) else float(b) == a)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return len(a) == len(b) and all(map(same, a, b))
+        return a == b
+
+    assert same(value, strict_json(text))
+
+
+def test_show_groups_a_training_state_and_caps_many_groups(cli: Cli, tmp_path: Path) -> None:
+    import torch
+
+    repo = Repo.init(tmp_path / "repo")
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    repo.commit_state({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1})
+    text = cli("show").stdout
+    state_file = text[text.index("state.safetensors"):]
+    assert "8 tensors" in state_file.splitlines()[0]
+    model_line = next(line for line in state_file.splitlines() if line.strip().startswith("model "))
+    assert "2 tensors" in model_line and "optimizer state" not in model_line
+    optim_line = next(line for line in state_file.splitlines() if line.strip().startswith("optimizer "))
+    assert "optimizer state" in optim_line and "6 tensors" in optim_line
+    assert "exp_avg ×2" in optim_line and "exp_avg_sq ×2" in optim_line and "step ×2" in optim_line
+
+    many = {f"block{i}.weight": np.full(10 + i, i, np.float32) for i in range(12)}
+    cli("commit", str(_save(tmp_path / "many" / "m.safetensors", many)))
+    lines = cli("show").stdout.splitlines()
+    groups = lines[lines.index(next(x for x in lines if x.startswith("m.safetensors"))) + 1:]
+    assert len(groups) == 8 and groups[-1].strip().startswith("(other groups)  5 tensors")
+    assert groups[0].strip().startswith("block11")  # the largest first

@@ -59,11 +59,10 @@ def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, .
     """Write the files of REF into DIR, byte-identical to what was committed."""
     if merge_lora and (shard_size is not None or only):
         raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
-    oid = repo.resolve(ref)
-    result = repo.checkout(oid, out_dir, force=force, only=list(only) or None, progress=progress_factory(),
+    result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=progress_factory(),
                            shard_size=shard_size, merge_lora=merge_lora)
     if as_json:
-        print_json({"commit": oid, "output": out_dir, "written": result.written, "unchanged": result.unchanged,
+        print_json({"commit": repo.resolve(ref), "output": out_dir, "written": result.written, "unchanged": result.unchanged,
                     "bytes_written": result.bytes_written})
         return
     click.echo(
