@@ -80,8 +80,9 @@ class DeltaOp(IntEnum):
     SUB = 2
 
 
-# Encodings a repository of each format version may contain (version 1 knew only raw and zstd).
-ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: frozenset(Encoding)}
+# Encodings a repository of each format version may contain (version 1 knew only raw and zstd;
+# version 3 changed link files, not objects).
+ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: frozenset(Encoding), 3: frozenset(Encoding)}
 _INT_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _SIGNED_DTYPES = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 

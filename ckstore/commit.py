@@ -20,7 +20,6 @@ from .ingest import MemoryFile, SourceFile, ingest
 from .manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit
 from .overlay import merge_files
 from .pipeline import ProgressFactory
-from .positions import PositionChunks, position_chunks
 from .refs import HEADS
 from .values import encode_value
 
@@ -51,8 +50,8 @@ def commit_sources(
         # another repository and must not change); a branch's new chunks are stored whole and
         # the parent's re-encoded against them, so the branch tip is cheap to read.
         overlay = bool(base_commit and ctx.config.encoding.max_delta_depth)
-        hints = position_chunks(base_commit.files) if overlay and base_commit else None
-        recent = () if overlay else _recent_chunks(ctx, branch)
+        hints = base_commit.files if overlay and base_commit else None
+        recent = () if overlay else _recent_files(ctx, branch)
         try:
             # One durability barrier for all of the commit's chunks; they are durable under
             # their names when the block ends, before the manifest is written (format.md §8).
@@ -69,15 +68,15 @@ def commit_sources(
         return record_commit(ctx, files, added, message, branch, meta, state, base)
 
 
-def _recent_chunks(ctx: RepoContext, branch: str) -> list[PositionChunks]:
-    """The chunks by position of the branch tip and its first parents, newest first, as many
-    as a chain can be long: the tip's are re-encoded against the new commit's, the older ones
-    tell how long the chain below each of them already is."""
+def _recent_files(ctx: RepoContext, branch: str) -> list[tuple[FileEntry, ...]]:
+    """The files of the branch tip and its first parents, newest first, as many as a chain can
+    be long: the tip's chunks are re-encoded against the new commit's, the older ones tell how
+    long the chain below each of them already is."""
     depth = ctx.config.encoding.max_delta_depth
     if not depth:
         return []
     tip = ctx.refs.read(HEADS + branch)
-    return [position_chunks(c.files) for c in ctx.graph.first_parents(tip, depth + 1)]
+    return [c.files for c in ctx.graph.first_parents(tip, depth + 1)]
 
 
 def record_commit(

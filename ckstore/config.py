@@ -10,7 +10,11 @@ from .codec import ENCODINGS_BY_REPO_VERSION, Encoding
 from .errors import IntegrityError, InvalidInputError, UnsupportedFormatError
 
 CONFIG_KEY = "config.json"
-REPO_FORMAT_VERSION = 2  # 2: byte-grouped and delta chunk encodings (docs/format.md)
+REPO_FORMAT_VERSION = 3  # the newest this ckstore reads (docs/format.md): 2 added byte-grouped and
+# delta chunk encodings, 3 relative link entries. New repositories start at 2 and become 3 when they
+# first record a relative link, so an older ckstore keeps reading every repository without one.
+NEW_REPO_VERSION = 2
+RELATIVE_LINKS_VERSION = 3
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and faster (docs/benchmarks.md)
 DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
@@ -23,7 +27,7 @@ class EncodingSettings:
 
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH  # 0: never a delta
-    repo_version: int = REPO_FORMAT_VERSION
+    repo_version: int = NEW_REPO_VERSION
 
     @property
     def allowed(self) -> frozenset[Encoding]:
@@ -37,7 +41,7 @@ class RepoConfig:
     max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH
     # A version-1 repository stays version 1 (raw and zstd objects only, so older ckstore can
     # still read it) until repack upgrades it.
-    version: int = REPO_FORMAT_VERSION
+    version: int = NEW_REPO_VERSION
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {"ckstore": "repository", "version": self.version,
@@ -76,5 +80,5 @@ class RepoConfig:
             raise InvalidInputError(f"{where}: zstd_level must be between 1 and 22")
         if not isinstance(self.max_delta_depth, int) or not 0 <= self.max_delta_depth <= MAX_DELTA_DEPTH_LIMIT:
             raise InvalidInputError(f"{where}: max_delta_depth must be between 0 and {MAX_DELTA_DEPTH_LIMIT}")
-        if self.version not in (1, 2):
+        if not isinstance(self.version, int) or not 1 <= self.version <= REPO_FORMAT_VERSION:
             raise UnsupportedFormatError(f"{where}: unknown repository format version {self.version}")

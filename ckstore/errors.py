@@ -52,6 +52,11 @@ class ObjectMissingError(NotFoundError):
     """A referenced object is absent from the object store."""
 
 
+class DependentNotFoundError(NotFoundError):
+    """An overlay repository listed in ``dependents`` cannot be opened: gc refuses rather than
+    delete what it may need (it may have moved)."""
+
+
 class IntegrityError(CkstoreError):
     """Stored data does not match its name, or cannot be decoded: the repository is damaged."""
 

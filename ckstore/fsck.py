@@ -10,8 +10,9 @@ from .context import RepoContext
 from .errors import CkstoreError
 from .graph import kept_parents
 from .ids import ObjectId
+from .overlay import link_problems
 from .pipeline import ProgressFactory, ordered_map
-from .refs import HEADS, LOCK_SUFFIX, TAGS
+from .refs import HEADS, TAGS
 from .store import MAX_CHAIN_DEPTH, ObjectStore
 
 
@@ -59,20 +60,20 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
         ctx.refs.head_branch()
     except CkstoreError as exc:
         problems.append(str(exc))
-    problems.extend(f"base repository unreachable: {b}" for b in ctx.broken_alternates)
+    problems.extend(link_problems(ctx))  # each names the relink command that repairs it
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
-        for key in ctx.backend.list(prefix):
-            if key.endswith(LOCK_SUFFIX):
-                continue
+        for key, ref in ctx.refs.entries(prefix):
             try:
-                oid = ctx.refs.read(key)
+                if ref is None:
+                    raise ctx.refs.stray_error(key)
+                oid = ctx.refs.read(ref)
             except CkstoreError as exc:
                 problems.append(str(exc))
                 continue
             if oid is not None:
-                tips.append((key, oid))
+                tips.append((ref, oid))
 
     needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
     seen: set[str] = set()

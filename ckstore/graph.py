@@ -26,7 +26,7 @@ from .errors import (
 )
 from .ids import ObjectId, is_id_prefix, is_object_id
 from .manifest import Commit, decode_commit
-from .refs import HEADS, TAGS, RefStore, check_ref_name
+from .refs import HEADS, TAGS, RefStore, ref_candidates
 from .store import ObjectStore
 
 PRUNED_KEY = "pruned"
@@ -129,13 +129,7 @@ class CommitGraph:
             return oid
         if is_object_id(name) and self.store.has(name) and self.is_commit(name):
             return ObjectId(name)
-        if name.startswith(("refs/heads/", "refs/tags/")):
-            check_ref_name(name[len("refs/"):])
-            candidates = [name]
-        else:
-            check_ref_name(name, "revision")
-            candidates = [HEADS + name, TAGS + name]
-        for ref in candidates:
+        for ref in ref_candidates(name):
             oid = self.refs.read(ref)
             if oid is not None:
                 return oid

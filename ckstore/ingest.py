@@ -18,7 +18,7 @@ from typing import BinaryIO
 from .errors import InvalidInputError, InvalidPathError, SafetensorsFormatError, StorageError
 from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
-from .positions import HEADER, Position, PositionChunks, chunk_at, element_width
+from .positions import HEADER, ChunkIndex, Position, chunk_at, element_width
 from .safetensors_format import SafetensorsLayout, header_length, parse_header
 from .store import ObjectStore, PutResult
 
@@ -175,13 +175,14 @@ def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
 
 def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
-    parent: PositionChunks | None = None, history: Sequence[PositionChunks] = (),
+    parent: Sequence[FileEntry] | None = None, history: Sequence[Sequence[FileEntry]] = (),
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
 
     Two ways to use the previous version of a chunk (the chunk at the same index of the same
-    tensor): ``parent`` (an overlay's base commit) offers it as the base of a forward delta;
-    ``history`` (the branch's newest commits, parent first) stores each new chunk whole and
+    tensor, found by ``positions.ChunkIndex``: by position, else by tensor name): ``parent`` (an
+    overlay's base commit's files) offers it as the base of a forward delta; ``history`` (the
+    files of the branch's newest commits, parent first) stores each new chunk whole and
     re-encodes the parent's chunk as a delta against it (``ObjectStore.reverse_delta``), so the
     newest commit of a branch is always the cheap one to read. Bytes added is net of what the
     re-encoding saved.
@@ -202,6 +203,9 @@ def ingest(
         else:
             segments = [[]]
         plans.append(_Plan(source, layout, segments))
+    new_files = {p.source.path: [t.name for t in p.layout.tensors] for p in plans if p.layout is not None}
+    base_index = ChunkIndex(parent, new_files) if parent is not None else None
+    history_index = [ChunkIndex(files, new_files) for files in history]
 
     def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
         p_index, s_index, c_index, piece = job
@@ -210,12 +214,12 @@ def ingest(
             # Headers are not delta candidates at commit: unchanged ones dedup, changed ones are
             # small (repack may still pair them).
             return p_index, s_index, len(piece), store.put_chunk(piece, width)
-        if parent is not None:
+        if base_index is not None:
             return p_index, s_index, len(piece), store.put_chunk(
-                piece, width, chunk_at(parent, position, c_index, len(piece)))
+                piece, width, chunk_at(base_index, position, c_index, len(piece)))
         result = store.put_chunk(piece, width)
-        if result.stored and history:
-            older = [chunk_at(h, position, c_index, len(piece)) for h in history]
+        if result.stored and history_index:
+            older = [chunk_at(h, position, c_index, len(piece)) for h in history_index]
             if older[0] is not None and older[0] != result.id:
                 saved = store.reverse_delta(older[0], len(piece), width, result.id, piece, older[1:])
                 result = PutResult(result.id, result.stored + saved)

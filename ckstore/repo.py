@@ -14,6 +14,7 @@ from typing import Any
 
 from . import history
 from .backend.base import Backend
+from .background import BackgroundCommits
 from .checkout import CheckoutResult, total_size, write_outputs
 from .commit import commit_sources, encode_metadata
 from .config import RepoConfig
@@ -26,7 +27,7 @@ from .history import Decorations, Diff, LogEntry, TensorChange
 from .ids import ObjectId
 from .ingest import collect_sources
 from .manifest import Commit, StateFiles
-from .overlay import resolve_base
+from .overlay import RelinkReport, relink, resolve_base
 from .pipeline import ProgressBar, ProgressFactory
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
@@ -41,6 +42,8 @@ class Repo:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
                  _context: RepoContext | None = None) -> None:
         self._ctx = _context or open_context(path, backend=backend)
+        self._background: BackgroundCommits | None = None
+        self.commits_in_flight = 1  # background commits: snapshots held at once (host memory)
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -151,7 +154,8 @@ class Repo:
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        branch = check_ref_name(branch or self.head_branch, "branch name")
+        self.wait()
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
         return commit_sources(self._ctx, sources, message, branch, meta, progress,
@@ -160,16 +164,35 @@ class Repo:
     def commit_state(
         self, state: object, message: str = "", branch: str | None = None,
         metadata: Mapping[str, Any] | None = None, progress: ProgressFactory | None = None,
-        base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
-    ) -> str:
-        """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id."""
+        base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: bool = False,
+    ) -> Any:
+        """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id.
+
+        With ``background`` the tensors are copied and a ``CommitHandle`` is returned at once;
+        hashing, encoding and writing go on in the background (see background.py).
+        """
         from .state import STATE_TENSORS, STATE_VALUES, state_files
 
-        branch = check_ref_name(branch or self.head_branch, "branch name")
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
-        sources = state_files(state)  # refuses unencodable values before anything is stored
-        return commit_sources(self._ctx, sources, message, branch, meta, progress,
-                              state=StateFiles(STATE_VALUES, STATE_TENSORS), base=resolve_base(self._ctx, base, base_repo))
+        based = resolve_base(self._ctx, base, base_repo)
+
+        def write(sources: Sequence[Any]) -> str:
+            return commit_sources(self._ctx, sources, message, branch, meta, progress,
+                                  state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
+
+        if background:
+            if self._background is None:
+                self._background = BackgroundCommits(self.commits_in_flight)
+            return self._background.submit(lambda: state_files(state, snapshot=True), write)
+        self.wait()
+        return write(state_files(state))  # refuses unencodable values before anything is stored
+
+    def wait(self) -> None:
+        """Wait for background commits; raise the error of one that failed unobserved."""
+        if self._background is not None:
+            self._background.wait()
+            self._background.raise_unobserved()
 
     def load_state(
         self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Any = "cpu", lazy: bool = False
@@ -297,6 +320,12 @@ class Repo:
         from .repack import repack
 
         return repack(self._ctx, progress)
+
+    def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
+               prune: bool = False) -> RelinkReport:
+        """Repair overlay links after a move: ``bases`` are base repositories' new locations,
+        ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
+        return relink(self._ctx, bases, dependents, prune)
 
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from .fsck import check

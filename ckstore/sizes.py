@@ -16,6 +16,10 @@
   commit frees exactly this (tests/test_cli_output.py checks it for every commit).
 - **unreferenced** (now): stored bytes that no kept commit needs; plain ``gc`` frees exactly this.
 
+Held alone and unreferenced depend on what overlay repositories of this one need; while one of
+them cannot be opened (it may have moved) gc refuses to run, and these two figures are None
+(unknown) rather than an error: stats and log still answer.
+
 So ``stored = needed by the kept commits + unreferenced``, and the newest commit of a branch
 usually holds little alone: its parent's deltas need its chunks as their bases.
 """
@@ -27,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .context import RepoContext
-from .errors import IntegrityError, ObjectMissingError
+from .errors import DependentNotFoundError, IntegrityError, ObjectMissingError
 from .gc import Kept, kept_commits, live_objects
 from .graph import kept_parents
 from .history import new_objects, stored_bytes
@@ -42,8 +46,8 @@ class Stats:
     stored_bytes: int  # every object file of this repository
     commits: int  # reachable commits
     objects: int
-    unreferenced_bytes: int = 0  # what plain gc would free now
-    unreferenced_objects: int = 0
+    unreferenced_bytes: int | None = 0  # what plain gc would free now (None: unknown, see above)
+    unreferenced_objects: int | None = 0
 
     @property
     def ratio(self) -> float:
@@ -55,25 +59,27 @@ class CommitSizes:
     logical_bytes: int
     added_bytes: int  # recorded when committed
     new_bytes: int  # now, against the first kept parent (all of its objects for a root)
-    held_alone_bytes: int  # now: what deleting only this commit frees
+    held_alone_bytes: int | None  # now: what deleting only this commit frees (None: unknown)
 
 
 def stats(ctx: RepoContext) -> Stats:
-    kept = kept_commits(ctx, RetentionPolicy())
-    live = live_objects(ctx, kept)
     store = ctx.store
     ids = list(store.iter_ids())
+    reachable = ctx.graph.reachable_commits()
+    logical = sum(ctx.graph.read_commit(c).logical_bytes for c in reachable)
+    kept = _kept(ctx)
+    if kept is None:
+        return Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), None, None)
+    live = live_objects(ctx, kept)
     garbage = [oid for oid in ids if oid not in live]
-    logical = sum(ctx.graph.read_commit(c).logical_bytes for c in kept.reachable)
-    return Stats(logical, stored_bytes(store, ids), len(kept.reachable), len(ids),
-                 stored_bytes(store, garbage), len(garbage))
+    return Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), stored_bytes(store, garbage), len(garbage))
 
 
 def commit_sizes(ctx: RepoContext, oids: Iterable[ObjectId]) -> dict[ObjectId, CommitSizes]:
     """The per-commit figures of ``oids`` (one pass over the kept commits' objects)."""
     graph, store = ctx.graph, ctx.store
-    kept = kept_commits(ctx, RetentionPolicy())
-    needs = _needs(ctx, kept)
+    kept = _kept(ctx)
+    needs = _needs(ctx, kept) if kept is not None else {}
     holders: Counter[str] = Counter()
     for objects in needs.values():
         holders.update(objects)
@@ -83,9 +89,17 @@ def commit_sizes(ctx: RepoContext, oids: Iterable[ObjectId]) -> dict[ObjectId, C
         commit = graph.read_commit(oid)
         parent = next((p for p in kept_parents(commit.parents, pruned) if store.has(p)), None)
         new = stored_bytes(store, new_objects(graph.read_commit(parent) if parent else None, commit))
-        out[oid] = CommitSizes(commit.logical_bytes, commit.added_bytes, new,
-                               _held_alone(ctx, kept, needs, holders, oid))
+        held = _held_alone(ctx, kept, needs, holders, oid) if kept is not None else None
+        out[oid] = CommitSizes(commit.logical_bytes, commit.added_bytes, new, held)
     return out
+
+
+def _kept(ctx: RepoContext) -> Kept | None:
+    """What plain gc keeps; None while a dependent repository cannot be opened."""
+    try:
+        return kept_commits(ctx, RetentionPolicy())
+    except DependentNotFoundError:
+        return None
 
 
 def _held_alone(ctx: RepoContext, kept: Kept, needs: dict[str, set[str]], holders: Counter[str],

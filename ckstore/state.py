@@ -51,6 +51,8 @@ class _Flattener:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     specs: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     shared: dict[tuple[Any, ...], dict[str, JSONValue]] = field(default_factory=dict)
+    snapshot: bool = False  # take private copies (background commits: training goes on mutating)
+    device_copies: bool = False  # a non-blocking device-to-host copy is in flight
 
     def _name(self, path: KeyPath) -> str:
         # Plain dotted names ("model.layer1.weight"), what users and safetensors tools expect
@@ -80,7 +82,8 @@ class _Flattener:
             raise UnencodableValueError(f"tensor at {where} is on the meta device and holds no data")
         name = self._name(path)
         # resolve_conj/neg: a lazily conjugated view has no bytes of its own to reinterpret.
-        stored = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        stored = self._private_copy(value) if self.snapshot else (
+            value.detach().to("cpu").resolve_conj().resolve_neg().contiguous())
         payload: dict[str, JSONValue] = {"name": name}
         code = ST_CODES.get(stored.dtype)
         if code is None:  # safetensors has no name for it: raw bytes + the real dtype and shape
@@ -94,6 +97,22 @@ class _Flattener:
         if key is not None:
             self.shared[key] = payload
         return payload
+
+    def _private_copy(self, value: torch.Tensor) -> torch.Tensor:
+        """One copy the caller can no longer change: CPU tensors cloned, device tensors copied
+        into pinned host memory without blocking (``finish`` synchronizes once)."""
+        source = value.detach().resolve_conj().resolve_neg()
+        if source.device.type == "cpu":
+            return source.clone(memory_format=torch.contiguous_format)
+        pinned = torch.cuda.is_available()
+        out = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
+        out.copy_(source, non_blocking=pinned)
+        self.device_copies = self.device_copies or pinned
+        return out
+
+    def finish(self) -> None:
+        if self.device_copies:
+            torch.cuda.synchronize()
 
     def leaf(self, path: KeyPath, value: object) -> tuple[str, JSONValue] | Any:
         if isinstance(value, torch.Tensor):
@@ -122,10 +141,15 @@ class _Flattener:
         return NotImplemented
 
 
-def state_files(state: object) -> list[MemoryFile]:
-    """The two in-memory files that represent ``state`` (raises before anything is stored)."""
-    flat = _Flattener()
+def state_files(state: object, snapshot: bool = False) -> list[MemoryFile]:
+    """The two in-memory files that represent ``state`` (raises before anything is stored).
+
+    With ``snapshot`` every tensor is copied, so the caller may change its tensors as soon as
+    this returns (background commits); otherwise the files view the caller's tensors.
+    """
+    flat = _Flattener(snapshot=snapshot)
     skeleton = encode_value(state, leaf=flat.leaf)
+    flat.finish()
     names = list(flat.tensors)
     header, _ = emit_header([(n, *flat.specs[n]) for n in names], {"format": "ckstore-state"})
     segments = [memoryview(header)] + [bytes_of(flat.tensors[n]) for n in names]

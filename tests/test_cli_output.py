@@ -451,3 +451,21 @@ def test_show_groups_a_training_state_and_caps_many_groups(cli: Cli, tmp_path: P
     groups = lines[lines.index(next(x for x in lines if x.startswith("m.safetensors"))) + 1:]
     assert len(groups) == 8 and groups[-1].strip().startswith("(other groups)  5 tensors")
     assert groups[0].strip().startswith("block11")  # the largest first
+
+
+def test_figures_that_need_a_missing_dependent_are_unknown_not_an_error(cli: Cli, tmp_path: Path) -> None:
+    """gc refuses while an overlay repository of this one cannot be opened (it may have moved);
+    stats and log --sizes still answer, and say which figures they cannot know."""
+    Repo.init(tmp_path / "repo", chunk_size=4096)
+    cli("commit", str(epoch_folder(tmp_path / "src", 0)))
+    Repo.init(tmp_path / "overlay", chunk_size=4096)
+    cli("commit", str(epoch_folder(tmp_path / "src", 1)), "--base-repo", str(tmp_path / "repo"),
+        repo=tmp_path / "overlay")
+    shutil.move(tmp_path / "overlay", tmp_path / "moved")
+    stats = strict_json(cli("stats", "--json").stdout)
+    assert stats["unreferenced_bytes"] is None and stats["unreferenced_objects"] is None
+    assert stats["stored_bytes"] == disk_bytes(tmp_path / "repo") and stats["commits"] == 1
+    assert "unknown" in cli("stats").stdout
+    entry = strict_json(cli("log", "--sizes", "--json").stdout)[0]
+    assert entry["held_alone_bytes"] is None and entry["new_bytes"] > 0
+    assert "held alone unknown" in cli("log", "--sizes").stdout

@@ -234,6 +234,7 @@ def _cli_commit(repo: Path, folder: Path, env: dict[str, str]) -> subprocess.Com
                           env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_commit_killed_at_every_step_while_reencoding_parents_leaves_every_commit_readable(tmp_path: Path) -> None:
     """SIGKILL at each mutating step of a commit that stores new chunks, re-encodes its parent's
     and writes the manifest and ref: afterwards fsck --read-data is clean and every commit

@@ -34,7 +34,8 @@ from contextlib import AbstractContextManager, contextmanager
 
 from ..errors import InvalidPathError
 
-_KEY_PART = re.compile(r"[A-Za-z0-9._@+-]+")
+# '%' carries the escapes of ref names (refs.encode_ref); no character here can change a path.
+_KEY_PART = re.compile(r"[A-Za-z0-9._@+%-]+")
 # How long an operation waits for the repository lock (a gc or repack may hold it that long).
 REPO_LOCK_TIMEOUT = 600.0
 

@@ -71,7 +71,7 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
         return
     for e in entries:
         c = e.commit
-        extra = (f"{human(figures[e.id].new_bytes)} new, {human(figures[e.id].held_alone_bytes)} held alone now"
+        extra = (f"{human(figures[e.id].new_bytes)} new, {_held_text(figures[e.id].held_alone_bytes)}"
                  if sizes else "")
         if oneline:
             click.echo(commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else ""))
@@ -87,6 +87,11 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
         if c.message:
             click.echo(f"\n    {c.message}")
         click.echo()
+
+
+def _held_text(n: int | None) -> str:
+    # None: an overlay repository of this one cannot be opened (gc refuses too; fsck names it).
+    return f"{human(n)} held alone now" if n is not None else "held alone unknown (a dependent repository is missing)"
 
 
 @main.command()
@@ -249,4 +254,8 @@ def stats(repo: Repo, as_json: bool) -> None:
         return
     click.echo(f"commits:  {s.commits}\nobjects:  {s.objects}\nlogical:  {human(s.logical_bytes)}")
     click.echo(f"stored:   {human(s.stored_bytes)}\nratio:    {s.ratio:.3f} (stored / logical)")
-    click.echo(f"unreferenced: {human(s.unreferenced_bytes)} in {s.unreferenced_objects} object(s) (plain gc frees this)")
+    if s.unreferenced_bytes is None:
+        click.echo("unreferenced: unknown (a dependent repository cannot be opened; 'ckstore fsck' names it)")
+    else:
+        click.echo(f"unreferenced: {human(s.unreferenced_bytes)} in {s.unreferenced_objects} object(s) "
+                   "(plain gc frees this)")

@@ -22,14 +22,14 @@ def _refs_command(kind: str) -> Callable[..., None]:
     def command(repo: Repo, name: str | None, ref: str | None, delete: bool, as_json: bool) -> None:
         listing = repo.branches() if kind == "branch" else repo.tags()
         if delete:
-            if not name:
+            if name is None:
                 raise InvalidInputError(f"{kind} -d needs a name")
             (repo.delete_branch if kind == "branch" else repo.delete_tag)(name)
             if as_json:
                 print_json({"deleted": name, "id": listing.get(name)})
             else:
                 click.echo(f"deleted {kind} {name}")
-        elif name:
+        elif name is not None:  # an empty name is refused as a name, not taken as "list"
             oid = (repo.create_branch if kind == "branch" else repo.create_tag)(name, ref or "HEAD")
             if as_json:
                 print_json({"name": name, "id": oid})

@@ -2,15 +2,16 @@
 
 When ``CKSTORE_RELIABILITY_REPORT`` names a file, the counts the tests recorded (kills survived,
 faults injected, bit flips detected, hostile inputs refused…) are merged into it as JSON at the
-end of the session; ``scripts/reliability_report.py`` turns them into the doc's figures.
+end of the session; ``scripts/reliability_report.py`` turns them into the doc's figures. Under
+pytest-xdist every worker ends its own session and merges its counts, one at a time (flock).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -24,11 +25,16 @@ def reliability_report() -> Iterator[None]:
     target = os.environ.get("CKSTORE_RELIABILITY_REPORT")
     if not target or not COUNTS:
         return
-    path = Path(target)
-    doc = json.loads(path.read_text()) if path.is_file() else {}
-    for key, value in COUNTS.items():
-        doc[key] = doc.get(key, 0) + value
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    with open(target, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        doc = json.loads(text) if text else {}
+        for key, value in COUNTS.items():
+            doc[key] = doc.get(key, 0) + value
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 @pytest.fixture(scope="session")

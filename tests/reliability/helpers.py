@@ -4,6 +4,7 @@ torch, and the oracle that decides whether a repository kept its promises."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 import resource
@@ -11,9 +12,15 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
+
+import ckstore.provenance
+import ckstore.repo
 from ckstore.repo import Repo
 from ckstore.safetensors_format import emit_header
 from ckstore.store import object_key
@@ -99,6 +106,28 @@ def write_checkpoint(folder: Path, seed: int, n: int = 1536) -> dict[str, str]:
     (folder / "model.safetensors").write_bytes(checkpoint_bytes(seed, n))
     (folder / "config.json").write_text(f'{{"seed": {seed}}}\n')
     return tree_digest(folder)
+
+
+@contextmanager
+def reproducible_commits() -> Iterator[None]:
+    """Commits made inside get the same ids in every run, on every machine.
+
+    A commit id hashes the commit time and the provenance (host, user, the git commit of the
+    working directory). Drawn inputs that map onto ids or object sizes (which object to damage,
+    which byte) would pick different targets each run: hypothesis could neither replay an
+    example nor keep a derandomized run the same. Time here is one second per commit from a fixed
+    start, so ids stay distinct.
+    """
+    ticks = itertools.count()
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def clock() -> str:
+        return (start + timedelta(seconds=next(ticks))).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ckstore.repo, "_now", clock)  # raises if the name moves: update it here
+        patch.setattr(ckstore.provenance, "collect", lambda cwd=None: {"ckstore": "test", "python": "3"})
+        yield
 
 
 # ---- the oracle ----------------------------------------------------------------------------

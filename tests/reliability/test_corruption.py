@@ -22,8 +22,8 @@ from ckstore.errors import CkstoreError, IntegrityError, NotFoundError
 from ckstore.repo import Repo
 
 from .helpers import (
-    assert_clean_error, checkout_digest, count, flip_bit, object_path, refs_of, run_cli, temp_files, tree_digest,
-    write_checkpoint,
+    assert_clean_error, checkout_digest, count, flip_bit, object_path, refs_of, reproducible_commits, run_cli, temp_files,
+    tree_digest, write_checkpoint,
 )
 
 
@@ -42,12 +42,13 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Damaged:
     root = tmp_path_factory.mktemp("pristine")
     repo = Repo.init(root / "repo", chunk_size=4096)
     contents = {}
-    for seed, branch in ((1, "main"), (2, "main"), (3, "other")):
-        digest = write_checkpoint(root / "src", seed, 1200)
-        if branch == "other" and "other" not in repo.branches():
-            repo.create_branch("other", "main")
-        contents[repo.commit([root / "src"], branch=branch)] = digest
-        shutil.rmtree(root / "src")
+    with reproducible_commits():  # the same targets for the same draws in every run
+        for seed, branch in ((1, "main"), (2, "main"), (3, "other")):
+            digest = write_checkpoint(root / "src", seed, 1200)
+            if branch == "other" and "other" not in repo.branches():
+                repo.create_branch("other", "main")
+            contents[repo.commit([root / "src"], branch=branch)] = digest
+            shutil.rmtree(root / "src")
     commits = list(contents)
     repo.create_tag("first", commits[0])
     users: dict[str, dict[str, str]] = {}

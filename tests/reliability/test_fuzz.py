@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, assume, given, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ckstore.codec import HEADER, HEADER_SIZE, Encoding, Kind, decode, encode, parse_header
 from ckstore.errors import CkstoreError, IntegrityError, SafetensorsFormatError
@@ -25,7 +27,7 @@ from ckstore.manifest import canonical_json, decode_commit, encode_commit
 from ckstore.repo import Repo
 from ckstore.safetensors_format import DTYPE_BITS, emit_header, parse_header as parse_st
 
-from .helpers import count, flip_bit, object_path, st_bytes, tree_digest
+from .helpers import count, flip_bit, object_path, reproducible_commits, st_bytes, tree_digest
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ID = "ab" * 32
@@ -154,36 +156,44 @@ def test_accepted_safetensors_headers_re_emit_to_the_same_layout(
 class RepositoryMachine(RuleBasedStateMachine):
     """Commit, branch, tag, gc with retention, corruption and checkout against a model.
 
-    Model: ``contents`` (commit -> file digests), ``parents``, ``refs`` (ref -> commit). gc with
-    ``keep_last`` keeps, per branch, the N newest commits of its first-parent chain plus every
-    tagged commit; refs never move. Until a corruption, fsck is clean and every live ref checks
-    out exactly what was committed; afterwards every ref either checks out exactly or fails with a
-    ckstore error, and fsck reports the damage.
-    """
+    Model: ``contents`` (commit -> file digests), ``parents``, ``refs`` (ref -> commit), ``live``
+    (commits gc kept). gc keeps every commit a ref reaches, or with ``keep_last`` every tagged
+    commit plus, per branch, the N newest kept commits of its chain; refs are created and deleted,
+    never moved. Until a corruption, fsck is clean, every ref checks out exactly what was committed,
+    and a ref is created on any kept commit but refused on a deleted one or an existing name;
+    afterwards every ref either checks out exactly or fails with a ckstore error, and fsck reports
+    the damage.
 
-    commits = Bundle("commits")
+    Replayable by construction: strategies are fixed (names from constant lists, plain integers);
+    a rule maps its integers onto the model's current state (commits in creation order, refs
+    sorted) instead of assuming on it; and commit ids are fixed by reproducible_commits(), so the
+    same draws damage the same byte of the same object. An ``assume`` on state that varied with the
+    wall clock made hypothesis raise FlakyStrategyDefinition.
+    """
 
     def __init__(self) -> None:
         super().__init__()
+        self.patches = ExitStack()
+        self.patches.enter_context(reproducible_commits())
         self.tmp = Path(tempfile.mkdtemp(prefix="ckstore-stateful-"))
         self.repo = Repo.init(self.tmp / "repo", chunk_size=4096)
         self.contents: dict[str, dict[str, str]] = {}
         self.parents: dict[str, str | None] = {}
         self.refs: dict[str, str] = {}
+        self.order: list[str] = []  # every commit made, oldest first
         self.live: set[str] = set()
         self.corrupted = False
-        self.n = 0
 
     def teardown(self) -> None:
+        self.patches.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    @initialize(target=commits)
-    def first(self) -> str:
-        return self._commit("main", 0)
+    @initialize()
+    def first(self) -> None:
+        self._commit("main", 0)
 
-    def _commit(self, branch: str, seed: int) -> str:
-        self.n += 1
-        src = self.tmp / f"src{self.n}"
+    def _commit(self, branch: str, seed: int) -> None:
+        src = self.tmp / f"src{len(self.order)}"
         src.mkdir()
         (src / "model.safetensors").write_bytes(st_bytes([
             ("shared", "U8", [300], bytes(300)),
@@ -194,65 +204,81 @@ class RepositoryMachine(RuleBasedStateMachine):
         ref = f"refs/heads/{branch}"
         oid = self.repo.commit([src], branch=branch)
         shutil.rmtree(src)
+        assert oid not in self.contents
         self.parents[oid] = self.refs.get(ref)
-        self.contents.setdefault(oid, digest)
+        self.contents[oid] = digest
         self.refs[ref] = oid
+        self.order.append(oid)
         self.live.add(oid)
         count("stateful_commits")
-        return oid
 
-    @rule(target=commits, branch=st.sampled_from(["main", "dev", "exp/a"]), seed=st.integers(0, 20))
-    def commit(self, branch: str, seed: int) -> str:
-        ref = f"refs/heads/{branch}"
-        assume(ref in self.refs or branch == "main")
-        return self._commit(branch, seed)
+    @rule(branch=st.integers(0, 2), seed=st.integers(0, 20))
+    def commit(self, branch: int, seed: int) -> None:
+        heads = sorted(ref for ref in self.refs if ref.startswith("refs/heads/"))
+        self._commit(heads[branch % len(heads)].removeprefix("refs/heads/"), seed)
 
-    @rule(name=st.sampled_from(["dev", "exp/a", "exp/b"]), base=commits)
-    def branch(self, name: str, base: str) -> None:
-        assume(base in self.live and f"refs/heads/{name}" not in self.refs)
-        if self._refused_after_corruption(self.repo.create_branch, name, base):
-            return
-        self.refs[f"refs/heads/{name}"] = base
-
-    @rule(name=st.sampled_from(["v1", "v2", "rel/x"]), base=commits)
-    def tag(self, name: str, base: str) -> None:
-        assume(base in self.live and f"refs/tags/{name}" not in self.refs)
-        if self._refused_after_corruption(self.repo.create_tag, name, base):
-            return
-        self.refs[f"refs/tags/{name}"] = base
-
-    def _refused_after_corruption(self, create: Any, name: str, base: str) -> bool:
-        """A damaged commit may be refused as a base (a ckstore error); never otherwise."""
+    @rule(kind=st.sampled_from(["heads", "tags"]), name=st.sampled_from(["dev", "exp/a", "rel/x"]),
+          base=st.integers(0, 10**6), pruned=st.booleans())
+    def create_ref(self, kind: str, name: str, base: int, pruned: bool) -> None:
+        """On a kept commit, or (``pruned``, once gc pruned some) on a pruned one: refused."""
+        gone = [oid for oid in self.order if oid not in self.live]
+        pool = gone if pruned and gone else [oid for oid in self.order if oid in self.live]
+        oid = pool[base % len(pool)]
+        ref = f"refs/{kind}/{name}"
+        allowed = oid in self.live and ref not in self.refs
         try:
-            create(name, base)
-        except CkstoreError:
-            assert self.corrupted
-            return True
-        return False
+            (self.repo.create_branch if kind == "heads" else self.repo.create_tag)(name, oid)
+        except CkstoreError as exc:
+            # A damaged commit may be refused as a base too (its header names no commit).
+            assert not allowed or self.corrupted, f"{ref} on kept commit {oid} refused: {exc}"
+            return
+        assert allowed, f"{ref} on {'a pruned commit' if oid not in self.live else 'an existing name'} accepted"
+        self.refs[ref] = oid
+
+    @rule(which=st.integers(0, 10**6))
+    def delete_ref(self, which: int) -> None:
+        """Any ref but main (HEAD's branch); its commits are then kept only through other refs."""
+        names = sorted(ref for ref in self.refs if ref != "refs/heads/main")
+        if not names:
+            return
+        ref = names[which % len(names)]
+        kind, name = ref.split("/", 2)[1:]
+        (self.repo.delete_branch if kind == "heads" else self.repo.delete_tag)(name)
+        del self.refs[ref]
 
     @precondition(lambda self: not self.corrupted)
-    @rule(keep_last=st.none() | st.integers(1, 3))
-    def gc(self, keep_last: int | None) -> None:
-        self.repo.gc(keep_last=keep_last)
-        if keep_last is None:
-            return
-        keep = {oid for ref, oid in self.refs.items() if ref.startswith("refs/tags/")}
-        for ref, tip in self.refs.items():
-            if ref.startswith("refs/heads/"):
-                oid: str | None = tip
-                for _ in range(keep_last):
-                    if oid is None or oid not in self.live:
-                        break
-                    keep.add(oid)
-                    oid = self.parents.get(oid)
-        self.live &= keep
+    @rule()
+    def gc(self) -> None:
+        """Keeps every commit a ref reaches; those only deleted refs reached go."""
+        self.repo.gc()
+        self.live &= {oid for tip in self.refs.values() for oid in self._chain(tip)}
         count("stateful_gcs")
 
     @precondition(lambda self: not self.corrupted)
+    @rule(keep_last=st.integers(1, 3))
+    def gc_keep_last(self, keep_last: int) -> None:
+        """Keeps every tagged commit and, per branch, the ``keep_last`` newest kept ones (log's order)."""
+        self.repo.gc(keep_last=keep_last)
+        keep = {oid for ref, oid in self.refs.items() if ref.startswith("refs/tags/")}
+        for ref, tip in self.refs.items():
+            if ref.startswith("refs/heads/"):
+                keep.update([oid for oid in self._chain(tip) if oid in self.live][:keep_last])
+        self.live &= keep
+        count("stateful_gcs")
+
+    def _chain(self, tip: str) -> list[str]:
+        """``tip`` and its ancestors, newest first, pruned ones included (history walks through them)."""
+        out: list[str] = []
+        oid: str | None = tip
+        while oid is not None:
+            out.append(oid)
+            oid = self.parents[oid]
+        return out
+
+    @precondition(lambda self: not self.corrupted and len(self.order) >= 3)  # damage a grown repository
     @rule(which=st.integers(0, 10**6), where=st.integers(0, 10**6), bit=st.integers(0, 7))
     def corrupt(self, which: int, where: int, bit: int) -> None:
-        # Ids depend on commit times, so draws are positions, not values (hypothesis replays them).
-        ids = sorted(self.repo.store.iter_ids())
+        ids = sorted(self.repo.store.iter_ids())  # the same ids every run (reproducible_commits)
         oid = ids[which % len(ids)]
         path = object_path(self.repo.path, oid)  # type: ignore[arg-type]
         flip_bit(path, where % path.stat().st_size, bit)
@@ -265,21 +291,19 @@ class RepositoryMachine(RuleBasedStateMachine):
             assert problems and all(oid in p for p in problems), problems
             count("stateful_corruptions")
 
-    @rule(target=commits, ref=st.sampled_from(["main", "dev", "exp/a", "v1", "v2", "rel/x"]))
-    def checkout(self, ref: str) -> str:
-        full = next((r for r in (f"refs/heads/{ref}", f"refs/tags/{ref}") if r in self.refs), None)
-        assume(full is not None)
-        oid = self.refs[full]  # type: ignore[index]
-        self._check_out(oid)
-        return oid
+    @rule(ref=st.integers(0, 10**6))
+    def checkout(self, ref: int) -> None:
+        """By full ref name (a branch and a tag may share a short name; the branch wins)."""
+        names = sorted(self.refs)
+        self._check_out(self.refs[names[ref % len(names)]], names[ref % len(names)])
 
-    def _check_out(self, oid: str) -> None:
+    def _check_out(self, oid: str, spec: str | None = None) -> None:
         out = self.tmp / "out"
         shutil.rmtree(out, ignore_errors=True)
         try:
-            self.repo.checkout(oid, out)
+            self.repo.checkout(spec or oid, out)
         except CkstoreError:
-            assert self.corrupted, f"checkout of {oid} failed on an undamaged repository"
+            assert self.corrupted, f"checkout of {spec or oid} failed on an undamaged repository"
             return
         assert tree_digest(out) == self.contents[oid]
         count("stateful_checkouts")
@@ -291,9 +315,12 @@ class RepositoryMachine(RuleBasedStateMachine):
         assert found == self.refs
 
     @invariant()
-    def fsck_clean_until_corruption(self) -> None:
+    def store_matches_the_model_until_corruption(self) -> None:
+        """fsck is clean and the stored commits are exactly those gc should have kept."""
         if not self.corrupted:
             assert self.repo.fsck(read_data=True) == []
+            stored = {oid for oid in self.repo.store.iter_ids() if self.repo.store.kind(oid) == Kind.COMMIT}
+            assert stored == self.live
 
     @invariant()
     def every_live_ref_checks_out(self) -> None:
@@ -302,6 +329,6 @@ class RepositoryMachine(RuleBasedStateMachine):
 
 
 RepositoryMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=50, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
 )
-test_repository_state_machine = RepositoryMachine.TestCase
+test_repository_state_machine = pytest.mark.slow(RepositoryMachine.TestCase)
