@@ -469,3 +469,17 @@ def test_figures_that_need_a_missing_dependent_are_unknown_not_an_error(cli: Cli
     entry = strict_json(cli("log", "--sizes", "--json").stdout)[0]
     assert entry["held_alone_bytes"] is None and entry["new_bytes"] > 0
     assert "held alone unknown" in cli("log", "--sizes").stdout
+
+
+def test_import_json_lists_the_commits_made_before_a_refused_file(cli: Cli, tmp_path: Path) -> None:
+    import torch
+
+    Repo.init(tmp_path / "repo")
+    (tmp_path / "ckpts").mkdir()
+    torch.save({"w": torch.ones(3)}, tmp_path / "ckpts" / "a_good.pt")
+    torch.save({"where": Path("x")}, tmp_path / "ckpts" / "b_bad.pt")  # a global weights_only refuses
+    result = cli("import", str(tmp_path / "ckpts"), "--recursive", "--json", code=5)
+    doc = strict_json(result.stdout)
+    assert [Path(i["source"]).name for i in doc["imported"]] == ["a_good.pt"]
+    assert doc["imported"][0]["commit"] == Repo(tmp_path / "repo").resolve("HEAD")
+    assert result.stderr.startswith("ckstore: ") and result.stderr.count("\n") == 1
