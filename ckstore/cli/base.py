@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import sys
 import warnings
@@ -60,19 +61,41 @@ def parse_meta(pairs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+# A bar appears only once an operation has run this long: quick commands stay quiet.
+PROGRESS_DELAY = 0.5
+
+
 def progress_factory() -> Callable[[int, str], ProgressBar] | None:
     if not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
     def make(total: int, desc: str) -> ProgressBar:
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False)
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False,
+                    delay=PROGRESS_DELAY)
 
     return make
 
 
+def json_safe(value: Any) -> Any:
+    """JSON has no NaN or infinities: they become the strings "NaN", "Infinity", "-Infinity"
+    (docs/cli-json.md), which ``float()`` reads back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def print_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+    """Every ``--json`` document goes through here: strict JSON (RFC 8259), whatever the data."""
+    click.echo(json.dumps(json_safe(doc), indent=2, ensure_ascii=False, allow_nan=False, default=str))
+
+
+def short(oid: str) -> str:
+    return oid[:12]
 
 
 def output_closed() -> NoReturn:
