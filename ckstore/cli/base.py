@@ -17,6 +17,7 @@ from functools import update_wrapper
 from typing import Any, NoReturn
 
 import click
+import click.shell_completion
 
 from ..errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ..repo import ProgressBar, Repo
@@ -136,6 +137,17 @@ class _Group(click.Group):
             die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
         except MemoryError:
             die("out of memory", 1)
+
+
+def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[click.shell_completion.CompletionItem]:
+    """Shell completion of REF arguments: branches, tags and HEAD of the repository in use
+    (``eval "$(_CKSTORE_COMPLETE=bash_source ckstore)"``; README, "Shell completion")."""
+    try:
+        repo = Repo.find(ctx.find_root().params.get("repo_path"))
+        names = ["HEAD", *repo.branches(), *repo.tags()]
+    except CkstoreError:
+        return []  # outside a repository there is nothing to offer, and completion must not fail
+    return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 
 def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:

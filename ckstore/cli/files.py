@@ -6,7 +6,7 @@ import click
 
 from ..errors import InvalidInputError, PickleCheckpointError
 from ..repo import CheckoutResult, Repo
-from .base import human, main, parse_meta, pass_repo, print_json, progress_factory
+from .base import complete_ref, human, main, parse_meta, pass_repo, print_json, progress_factory
 
 
 @main.command()
@@ -50,7 +50,7 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
 
 
 @main.command()
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete_ref)
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
 @click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Only tensors matching this glob (repeatable).")
@@ -82,7 +82,7 @@ def _report_written(result: CheckoutResult) -> None:
 
 
 @main.command()
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete_ref)
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
 @click.option("--prefix", metavar="KEY",
               help="Export the tensors under KEY, without it (a training state: default 'model'; e.g. 'module.').")

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from ..repo import Decorations, Repo
-from .base import human, main, pass_repo, print_json, short
+from .base import complete_ref, human, main, pass_repo, print_json, short
 
 _STATUS_MARKS = {"added": "+", "removed": "-", "changed": "~", "unchanged": "="}
 
@@ -47,7 +47,7 @@ def commit_line(oid: str, commit: Any, refs: Decorations | None = None) -> str:
 
 
 @main.command()
-@click.argument("ref", required=False)
+@click.argument("ref", required=False, shell_complete=complete_ref)
 @click.option("-n", "--max-count", "limit", type=click.IntRange(min=1), metavar="N", help="Show at most N commits.")
 @click.option("--oneline", is_flag=True, help="One line per commit: short id, names, message, metadata.")
 @click.option("--sizes", is_flag=True, help="Also compute each commit's new and held-alone bytes now (reads object headers).")
@@ -95,7 +95,7 @@ def _held_text(n: int | None) -> str:
 
 
 @main.command()
-@click.argument("ref", default="HEAD", required=False)
+@click.argument("ref", default="HEAD", required=False, shell_complete=complete_ref)
 @click.option("--tensors", "list_tensors", is_flag=True, help="List every tensor (default: a summary per file).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output, always with every tensor (docs/cli-json.md).")
 @pass_repo
@@ -195,8 +195,8 @@ def _state_lines(value: Any) -> list[str]:
 
 
 @main.command()
-@click.argument("a")
-@click.argument("b")
+@click.argument("a", shell_complete=complete_ref)
+@click.argument("b", shell_complete=complete_ref)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:

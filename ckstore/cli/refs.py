@@ -10,14 +10,14 @@ import click
 
 from ..errors import InvalidInputError
 from ..repo import ReflogEntry, Repo
-from .base import main, pass_repo, print_json
+from .base import complete_ref, main, pass_repo, print_json
 
 
 def _refs_command(kind: str) -> Callable[..., None]:
     plural = "branches" if kind == "branch" else "tags"
 
     @click.argument("name", required=False)
-    @click.argument("ref", required=False)
+    @click.argument("ref", required=False, shell_complete=complete_ref)
     @click.option("-d", "--delete", is_flag=True, help=f"Delete the {kind}.")
     @click.option("-f", "--force", is_flag=True,
                   help=f"Move an existing {kind} to REF; with -d, delete even the current or only branch.")
@@ -78,7 +78,7 @@ def switch(repo: Repo, name: str, start: str | None, create: bool) -> None:
 
 
 @main.command()
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete_ref)
 @pass_repo
 def reset(repo: Repo, ref: str) -> None:
     """Move the current branch to REF (the commit it left stays in the reflog)."""
@@ -97,7 +97,7 @@ def _iso(stamp: float) -> str:
 
 
 @main.command()
-@click.argument("ref", required=False)
+@click.argument("ref", required=False, shell_complete=complete_ref)
 @click.option("-n", "--max-count", type=click.IntRange(min=1), metavar="N", help="Only the N newest entries.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_repo
