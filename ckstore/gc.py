@@ -22,6 +22,7 @@ from .codec import Kind
 from .context import RepoContext
 from .errors import CkstoreError, ForceRequiredError
 from .ids import ObjectId
+from .pipeline import ProgressFactory
 from .overlay import external_needs
 from .reflog import HEAD_LOG, Entry, Expiry, surviving
 from .refs import HEADS
@@ -38,13 +39,52 @@ class GcReport:
     expired_entries: int = 0  # reflog entries dropped
     deletes_every_commit: bool = False  # no commit is left (refused without force)
     deleted_objects: int = 0
-    freed_bytes: int = 0
+    freed_bytes: int = 0  # "stored" bytes of the deleted objects (docs/design.md, "Size figures")
     temp_files: int = 0
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The commits gc keeps, and why; what they need is ``live_objects``."""
+
+    reachable: set[ObjectId]  # from branches and tags
+    chosen: set[ObjectId]  # kept by the policy (without one: every reachable commit)
+    pinned: set[ObjectId]  # needed by dependent (overlay) repositories, whatever the policy
+    logged: set[ObjectId]  # named by unexpired reflog entries, with their history
+    commits: set[ObjectId]  # chosen + reflog-only + pinned + the in-repository bases of kept overlays
+    external: set[str]  # local objects that dependent repositories need
+    logs: dict[str, list[Entry]] = field(default_factory=dict)  # every reflog, as read
+    alive: dict[str, list[Entry]] = field(default_factory=dict)  # the entries that survive expiry
+
+
+def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = False) -> Kept:
+    graph, store = ctx.graph, ctx.store
+    reachable = graph.reachable_from(graph.tips())
+    logs = ctx.refs.logs.read_all()
+    alive = _surviving_reflogs(ctx, logs, prune_now)
+    logged = graph.reachable_from({i for entries in alive.values() for e in entries for i in e.ids})
+    chosen = select_kept(graph, policy) if policy.active else set(reachable)
+    needed_commits, needed_objects = external_needs(ctx)
+    pinned = {c for c in needed_commits if store.has_local(c)}
+    # A retention policy thins branches, not what only the reflog holds.
+    commits = graph.with_overlay_bases(chosen | (logged - reachable) | pinned)
+    # Entries naming a commit this run deletes (a policy pruned it) go with it.
+    alive = {ref: [e for e in entries if set(e.ids) <= commits] for ref, entries in alive.items()}
+    return Kept(reachable, chosen, pinned, logged, commits, {c for c in needed_objects if store.has_local(c)},
+                logs, alive)
+
+
+def live_objects(ctx: RepoContext, kept: Kept) -> set[str]:
+    """Every object the kept commits need: themselves, their chunks, and kept deltas' bases."""
+    chunks = set(kept.external)
+    for oid in kept.commits:
+        chunks.update(c.id for c in ctx.graph.read_commit(oid).all_chunks())
+    return ctx.store.with_delta_bases(chunks) | kept.commits
 
 
 def collect_garbage(
     ctx: RepoContext, policy: RetentionPolicy | None = None, dry_run: bool = False, repack: bool = False,
-    prune_now: bool = False, force: bool = False,
+    prune_now: bool = False, force: bool = False, progress: ProgressFactory | None = None,
 ) -> GcReport:
     """Expire reflog entries, prune commits the policy drops and delete every object no kept
     commit needs.
@@ -58,42 +98,37 @@ def collect_garbage(
     report = GcReport(dry_run)
     graph, store = ctx.graph, ctx.store
     with ctx.backend.exclusive_lock():
-        reachable = graph.reachable_from(graph.tips())
-        logs = ctx.refs.logs.read_all()
-        alive = _surviving_reflogs(ctx, logs, prune_now)
-        logged = graph.reachable_from({i for entries in alive.values() for e in entries for i in e.ids})
-        keep = select_kept(graph, policy) if policy.active else set(reachable)
-        keep |= logged - reachable  # a retention policy thins branches, not what only the reflog holds
-        needed_commits, needed_objects = external_needs(ctx)
-        keep = graph.with_overlay_bases(keep | {c for c in needed_commits if store.has_local(c)})
-        report.pruned_commits = sorted(reachable - keep)
-        report.reflog_commits = sorted(logged - reachable)
-        if not keep and not force and not dry_run:
+        kept = kept_commits(ctx, policy, prune_now)
+        report.pruned_commits = sorted(kept.reachable - kept.commits)
+        report.reflog_commits = sorted(kept.logged - kept.reachable)
+        if not kept.commits and not force and not dry_run:
             _refuse_deleting_every_commit(ctx, prune_now)
-        # Entries naming a commit this run deletes (a policy pruned it) go with it.
-        alive = {ref: [e for e in entries if set(e.ids) <= keep] for ref, entries in alive.items()}
-        report.expired_entries = sum(len(logs[ref]) - len(alive[ref]) for ref in logs)
+        report.expired_entries = sum(len(kept.logs[ref]) - len(kept.alive[ref]) for ref in kept.logs)
         if repack and not dry_run:
-            repack_locked(ctx, keep)
-        chunks: set[str] = {c for c in needed_objects if store.has_local(c)}
-        for oid in keep:
-            chunks.update(c.id for c in graph.read_commit(oid).all_chunks())
-        pruned = graph.pruned_after(keep, reachable | logged)
-        live = store.with_delta_bases(chunks) | set(keep)
-        victims = [oid for oid in store.iter_ids() if oid not in live]
+            repack_locked(ctx, kept.commits, progress)
+        pruned = graph.pruned_after(kept.commits, kept.reachable | kept.logged)
+        live = live_objects(ctx, kept)
+        victims = {oid: store.stored_size(oid) or 0 for oid in store.iter_ids() if oid not in live}
         by_policy = set(report.pruned_commits)
         report.unreachable_commits = sorted(v for v in victims if v not in by_policy and _is_commit(ctx, v))
-        report.deletes_every_commit = not keep and bool(report.pruned_commits or report.unreachable_commits)
+        report.deletes_every_commit = not kept.commits and bool(report.pruned_commits or report.unreachable_commits)
         report.deleted_objects = len(victims)
-        report.freed_bytes = sum(store.stored_size(oid) or 0 for oid in victims)
+        report.freed_bytes = sum(victims.values())
         if dry_run:
             return report
         graph.write_pruned(pruned)
-        for ref, entries in alive.items():
-            if len(entries) != len(logs[ref]):
+        for ref, entries in kept.alive.items():
+            if len(entries) != len(kept.logs[ref]):
                 ctx.refs.logs.rewrite(ref, entries)
-        for oid in victims:
-            store.delete(oid)
+        bar = progress(report.freed_bytes, "gc") if progress and victims else None
+        try:
+            for oid, size in victims.items():
+                store.delete(oid)
+                if bar:
+                    bar.update(size)
+        finally:
+            if bar:
+                bar.close()
         report.temp_files = ctx.backend.clean_temporary()
     return report
 

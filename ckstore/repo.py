@@ -25,7 +25,7 @@ from .errors import RefNotFoundError
 from .export import plan_checkout, plan_export
 from .filedata import read_file_bytes, state_values
 from .gc import GcReport, collect_garbage
-from .history import LogEntry, Stats, TensorChange
+from .history import Decorations, Diff, LogEntry, TensorChange
 from .ids import ObjectId
 from .ingest import collect_sources
 from .manifest import Commit, StateFiles
@@ -34,8 +34,10 @@ from .pipeline import ProgressBar, ProgressFactory
 from .reflog import Entry as ReflogEntry
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
+from .sizes import CommitSizes, Stats
 
-__all__ = ["DEFAULT_DIR", "CheckoutResult", "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo"]
+__all__ = ["DEFAULT_DIR", "CheckoutResult", "CommitSizes", "Decorations", "Diff", "ProgressBar", "ProgressFactory",
+           "ReflogEntry", "Repo", "Stats", "TensorChange"]
 
 
 class Repo:
@@ -278,9 +280,20 @@ class Repo:
 
     # ---- history and inspection ----------------------------------------------------------------
 
-    def log(self, ref: str | None = None) -> list[LogEntry]:
-        """Commits reachable from ``ref`` (default HEAD), newest first."""
-        return history.log(self._ctx.graph, ref)
+    def log(self, ref: str | None = None, limit: int | None = None, best: tuple[str, bool] | None = None) -> list[LogEntry]:
+        """Commits reachable from ``ref`` (default HEAD), newest first, at most ``limit``, with the
+        names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
+        return history.log(self._ctx.graph, ref, limit, best)
+
+    def decorations(self) -> dict[ObjectId, Decorations]:
+        """Branches and tags by the commit they point at (HEAD marks its branch's)."""
+        return history.decorations(self._ctx.graph)
+
+    def commit_sizes(self, oids: Sequence[str]) -> dict[ObjectId, CommitSizes]:
+        """Each commit's size figures: logical, added when committed, new, held alone (sizes.py)."""
+        from . import sizes
+
+        return sizes.commit_sizes(self._ctx, [self.resolve(o) for o in oids])
 
     def show(self, ref: str = "HEAD") -> tuple[ObjectId, Commit]:
         oid = self.resolve(ref)
@@ -305,13 +318,22 @@ class Repo:
         oid = self.resolve(ref)
         return state_values(self.store, oid, self.read_commit(oid))
 
-    def diff(self, a: str, b: str) -> list[TensorChange]:
+    def diff(self, a: str, b: str) -> Diff:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
         return history.diff(self._ctx.graph, a, b)
 
+    def summary(self, ref: str = "HEAD") -> list[Any]:
+        """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
+        from .summary import summarise
+
+        oid = self.resolve(ref)
+        return summarise(self.read_commit(oid), self.from_base(oid))
+
     def stats(self) -> Stats:
-        """Logical bytes over all commits, bytes stored, and counts."""
-        return history.stats(self._ctx.graph)
+        """Logical bytes over all commits, bytes stored (and unreferenced), and counts."""
+        from . import sizes
+
+        return sizes.stats(self._ctx)
 
     def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
         """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
@@ -322,7 +344,7 @@ class Repo:
     def gc(
         self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
         maximize: bool = False, keep_every: int | None = None, dry_run: bool = False, repack: bool = False,
-        prune_now: bool = False, force: bool = False,
+        prune_now: bool = False, force: bool = False, progress: ProgressFactory | None = None,
     ) -> GcReport:
         """Delete commits outside the retention policy (if any) and every object no kept commit needs.
 
@@ -331,12 +353,13 @@ class Repo:
         (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
         """
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
-        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force)
+        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
+                               progress=progress)
 
-    def repack(self) -> Any:
+    def repack(self, progress: ProgressFactory | None = None) -> Any:
         from .repack import repack
 
-        return repack(self._ctx)
+        return repack(self._ctx, progress)
 
     def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
                prune: bool = False) -> RelinkReport:
@@ -344,10 +367,10 @@ class Repo:
         ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
         return relink(self._ctx, bases, dependents, prune)
 
-    def fsck(self, read_data: bool = False) -> list[str]:
+    def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from .fsck import check
 
-        return check(self._ctx, read_data=read_data)
+        return check(self._ctx, read_data=read_data, progress=progress)
 
 
 def _config(chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None) -> RepoConfig:

@@ -236,8 +236,9 @@ def test_show_and_diff_cli(tmp_path: Path, folders: tuple[Path, Path, dict, dict
     marks = {t["name"]: t["from_base"] for t in files["model.safetensors"]["tensors"]}
     assert marks == {"embed.weight": True, "layer.weight": False, "layer.bias": False,
                      "norm.weight": False, "head1.weight": False}
-    text = cli(*repo, "show", oid).output
+    text = cli(*repo, "show", oid, "--tensors").output
     assert f"Base:   {base_id}" in text
+    assert "1 of 5 tensors from base" in cli(*repo, "show", oid).output
     assert [line for line in text.splitlines() if "(from base)" in line] == [
         line for line in text.splitlines() if "embed.weight" in line]
 
@@ -245,7 +246,7 @@ def test_show_and_diff_cli(tmp_path: Path, folders: tuple[Path, Path, dict, dict
     assert f"relative L2 change {torch_rel_l2(base_t['layer.weight'], tuned_t['layer.weight']):.3g}" in out
     assert "- model.safetensors:pooler.weight" in out and "+ model.safetensors:head1.weight" in out
     assert "embed.weight" not in out
-    as_json = {(c["path"], c["name"]): c for c in json.loads(cli(*repo, "diff", base_id, oid, "--json").output)}
+    as_json = {(c["path"], c["name"]): c for c in json.loads(cli(*repo, "diff", base_id, oid, "--json").output)["changes"]}
     assert as_json[("model.safetensors", "norm.weight")]["rel_l2"] == pytest.approx(
         torch_rel_l2(base_t["norm.weight"], tuned_t["norm.weight"]), rel=1e-6)
 

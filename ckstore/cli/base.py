@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import sys
 import warnings
@@ -16,6 +17,7 @@ from functools import update_wrapper
 from typing import Any, NoReturn
 
 import click
+import click.shell_completion
 
 from ..errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ..repo import ProgressBar, Repo
@@ -60,19 +62,41 @@ def parse_meta(pairs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+# A bar appears only once an operation has run this long: quick commands stay quiet.
+PROGRESS_DELAY = 0.5
+
+
 def progress_factory() -> Callable[[int, str], ProgressBar] | None:
     if not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
     def make(total: int, desc: str) -> ProgressBar:
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False)
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False,
+                    delay=PROGRESS_DELAY)
 
     return make
 
 
+def json_safe(value: Any) -> Any:
+    """JSON has no NaN or infinities: they become the strings "NaN", "Infinity", "-Infinity"
+    (docs/cli-json.md), which ``float()`` reads back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def print_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+    """Every ``--json`` document goes through here: strict JSON (RFC 8259), whatever the data."""
+    click.echo(json.dumps(json_safe(doc), indent=2, ensure_ascii=False, allow_nan=False, default=str))
+
+
+def short(oid: str) -> str:
+    return oid[:12]
 
 
 def output_closed() -> NoReturn:
@@ -113,6 +137,17 @@ class _Group(click.Group):
             die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
         except MemoryError:
             die("out of memory", 1)
+
+
+def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[click.shell_completion.CompletionItem]:
+    """Shell completion of REF arguments: branches, tags and HEAD of the repository in use
+    (``eval "$(_CKSTORE_COMPLETE=bash_source ckstore)"``; README, "Shell completion")."""
+    try:
+        repo = Repo.find(ctx.find_root().params.get("repo_path"))
+        names = ["HEAD", *repo.branches(), *repo.tags()]
+    except CkstoreError:
+        return []  # outside a repository there is nothing to offer, and completion must not fail
+    return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 
 def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:

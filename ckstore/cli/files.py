@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import click
 
 from ..errors import InvalidInputError, PickleCheckpointError
 from ..repo import CheckoutResult, Repo
-from .base import parse_meta, progress_factory, human, main, pass_repo
+from .base import complete_ref, human, main, parse_meta, pass_repo, print_json, progress_factory
 
 
 @main.command()
@@ -29,9 +28,10 @@ def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_de
 @click.option("--base", metavar="REF", help="Record the commit as an overlay on this base commit.")
 @click.option("--base-repo", metavar="PATH", help="Repository holding --base (referenced, not copied).")
 @click.option("--raw", is_flag=True, help="Store pickle checkpoints as opaque files (else: use 'ckstore import').")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, meta: tuple[str, ...],
-           base: str | None, base_repo: str | None, raw: bool) -> None:
+           base: str | None, base_repo: str | None, raw: bool, as_json: bool) -> None:
     """Record safetensors files or directories as one commit; print its id."""
     if base_repo and not base:
         base = "HEAD"
@@ -41,11 +41,16 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
     except PickleCheckpointError as exc:
         raise PickleCheckpointError(f"{exc.path} is a PyTorch pickle checkpoint: 'ckstore import {exc.path}' stores "
                                     "its tensors safely; --raw commits it as one opaque file") from None
-    click.echo(oid)
+    if as_json:
+        c = repo.read_commit(oid)
+        print_json({"id": oid, "branch": c.branch, "message": c.message, "logical_bytes": c.logical_bytes,
+                    "added_bytes": c.added_bytes})
+    else:
+        click.echo(oid)
 
 
 @main.command()
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete_ref)
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
 @click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Only tensors matching this glob (repeatable).")
@@ -53,14 +58,19 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
               help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json"
                    " (all top-level safetensors files; 'ckstore export' writes only the model).")
 @click.option("--merge-lora", is_flag=True, help="Write the base model with the commit's PEFT LoRA adapter merged in.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None,
-             merge_lora: bool) -> None:
+             merge_lora: bool, as_json: bool) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
     if merge_lora and (shard_size is not None or only):
         raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
     result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=progress_factory(),
                            shard_size=shard_size, merge_lora=merge_lora)
+    if as_json:
+        print_json({"commit": repo.resolve(ref), "output": out_dir, "written": result.written, "unchanged": result.unchanged,
+                    "bytes_written": result.bytes_written})
+        return
     _report_written(result)
 
 
@@ -72,7 +82,7 @@ def _report_written(result: CheckoutResult) -> None:
 
 
 @main.command()
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete_ref)
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
 @click.option("--prefix", metavar="KEY",
               help="Export the tensors under KEY, without it (a training state: default 'model'; e.g. 'module.').")
@@ -103,10 +113,20 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
 @click.option("-m", "--message", default=None, help="Commit message (default: the file's name).")
 @click.option("--branch", help="Branch to commit to (default: the current branch).")
 @click.option("--delete-source", is_flag=True, help="Delete each file once its commit is verified.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, delete_source: bool) -> None:
+def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, delete_source: bool,
+            as_json: bool) -> None:
     """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle)."""
-    # Printed as each file lands: if a later file is refused, the commits made so far are known.
-    for result in repo.iter_import(path, recursive=recursive, message=message, branch=branch,
-                                   delete_source=delete_source):
-        click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")
+    # Printed as each file lands: if a later file is refused, the commits made so far are known
+    # (with --json, the document lists them before the error line reaches stderr).
+    done = []
+    try:
+        for result in repo.iter_import(path, recursive=recursive, message=message, branch=branch,
+                                       delete_source=delete_source):
+            done.append({"commit": result.commit, "source": str(result.source), "deleted": result.deleted})
+            if not as_json:
+                click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")
+    finally:
+        if as_json:
+            print_json({"imported": done})

@@ -10,17 +10,20 @@ import click
 
 from ..errors import InvalidInputError
 from ..repo import ReflogEntry, Repo
-from .base import main, pass_repo, print_json
+from .base import complete_ref, main, pass_repo, print_json
 
 
 def _refs_command(kind: str) -> Callable[..., None]:
+    plural = "branches" if kind == "branch" else "tags"
+
     @click.argument("name", required=False)
-    @click.argument("ref", required=False)
+    @click.argument("ref", required=False, shell_complete=complete_ref)
     @click.option("-d", "--delete", is_flag=True, help=f"Delete the {kind}.")
     @click.option("-f", "--force", is_flag=True,
                   help=f"Move an existing {kind} to REF; with -d, delete even the current or only branch.")
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
     @pass_repo
-    def command(repo: Repo, name: str | None, ref: str | None, delete: bool, force: bool) -> None:
+    def command(repo: Repo, name: str | None, ref: str | None, delete: bool, force: bool, as_json: bool) -> None:
         if delete:
             if name is None:
                 raise InvalidInputError(f"{kind} -d needs a name")
@@ -28,16 +31,27 @@ def _refs_command(kind: str) -> Callable[..., None]:
                 raise InvalidInputError(f"{kind} -d takes one name, not a REF")
             old = repo.delete_branch(name, force=force) if kind == "branch" else repo.delete_tag(name)
             restore = f"ckstore {kind} {shlex.quote(name)} {old[:12]}"
-            click.echo(f"deleted {kind} {name} (was {old[:12]}); '{restore}' restores it")
+            if as_json:
+                print_json({"deleted": name, "id": old})
+            else:
+                click.echo(f"deleted {kind} {name} (was {old[:12]}); '{restore}' restores it")
         elif name is not None:  # an empty name is refused as a name, not taken as "list"
             oid = (repo.create_branch if kind == "branch" else repo.create_tag)(name, ref or "HEAD", force=force)
-            click.echo(f"{kind} {name} -> {oid}")
+            if as_json:
+                print_json({"name": name, "id": oid})
+            else:
+                click.echo(f"{kind} {name} -> {oid}")
         else:
+            listing = repo.branches() if kind == "branch" else repo.tags()
+            if as_json:
+                doc: dict[str, object] = {"current": repo.head_branch} if kind == "branch" else {}
+                print_json({**doc, plural: dict(sorted(listing.items()))})
+                return
             current = repo.head_branch if kind == "branch" else None
-            for key, oid in sorted((repo.branches() if kind == "branch" else repo.tags()).items()):
-                click.echo(f"{'*' if key == current else ' '} {key:<30} {oid[:12]}")
+            width = max(map(len, listing), default=0)
+            for key, oid in sorted(listing.items()):
+                click.echo(f"{'*' if key == current else ' '} {key:<{width}}  {oid[:12]}")
 
-    plural = "branches" if kind == "branch" else "tags"
     command.__doc__ = (f"List {plural}, create {kind} NAME at REF (default HEAD; -f moves an existing one),"
                        f" or delete one with -d.")
     return command
@@ -64,7 +78,7 @@ def switch(repo: Repo, name: str, start: str | None, create: bool) -> None:
 
 
 @main.command()
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete_ref)
 @pass_repo
 def reset(repo: Repo, ref: str) -> None:
     """Move the current branch to REF (the commit it left stays in the reflog)."""
@@ -83,7 +97,7 @@ def _iso(stamp: float) -> str:
 
 
 @main.command()
-@click.argument("ref", required=False)
+@click.argument("ref", required=False, shell_complete=complete_ref)
 @click.option("-n", "--max-count", type=click.IntRange(min=1), metavar="N", help="Only the N newest entries.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_repo
