@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
-
-from .errors import CkstoreError, IntegrityError  # noqa: E402
-from .repo import Repo  # noqa: E402
+from .errors import CkstoreError, IntegrityError
+from .repo import Repo
+from .version import __version__
 
 __all__ = ["CkstoreError", "IntegrityError", "Repo", "__version__", "rng_state", "set_rng_state"]
 

@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backend.local import fault_point, fsync_path
-from .errors import InvalidPathError, OutputExistsError, StorageError
+from .errors import InvalidPathError, OutputExistsError, StorageError, TensorNotFoundError
+from .fsio import fsync_path, mutating_step, pid_alive
 from .ids import chunk_id
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
-from .pipeline import ordered_map
-from .refs import pid_alive
-from .safetensors_format import emit_header, parse_header
+from .pipeline import ProgressFactory, ordered_map
+from .filedata import file_context, header_metadata
+from .safetensors_format import emit_header
 from .store import ObjectStore
 
 Progress = Callable[[int], None]
@@ -47,7 +47,7 @@ Piece = ChunkRef | bytes | Callable[[], bytes]
 
 
 @dataclass(frozen=True)
-class _Output:
+class Output:
     """What to write at one path: a sequence of byte pieces (chunks or a re-emitted header)."""
 
     path: str
@@ -55,33 +55,29 @@ class _Output:
     size: int
 
 
-def _context(path: str, tensor: str | None) -> str:
-    return f" (file {path!r}, tensor {tensor!r})" if tensor else f" (file {path!r})"
-
-
-def _full_output(f: FileEntry) -> _Output:
-    pieces: list[tuple[Piece, str]] = [(c, _context(f.path, None)) for c in f.header + f.chunks]
+def full_output(f: FileEntry) -> Output:
+    pieces: list[tuple[Piece, str]] = [(c, file_context(f.path, None)) for c in f.header + f.chunks]
     for t in f.tensors:
-        pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
-    return _Output(f.path, tuple(pieces), f.size)
+        pieces.extend((c, file_context(f.path, t.name)) for c in t.chunks)
+    return Output(f.path, tuple(pieces), f.size)
 
 
-def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) -> _Output | None:
+def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) -> Output | None:
     keep = select_tensors(f.tensors, patterns)
     if not keep:
         return None
     if len(keep) == len(f.tensors):
-        return _full_output(f)
-    original = b"".join(store.get_chunk(c.id, c.size, _context(f.path, None)) for c in f.header)
-    metadata = parse_header(original, f.size).metadata
-    header, _ = emit_header([(t.name, t.dtype, t.shape) for t in keep], metadata)
+        return full_output(f)
+    header, _ = emit_header([(t.name, t.dtype, t.shape) for t in keep], header_metadata(store, f))
     pieces: list[tuple[Piece, str]] = [(header, "")]
     for t in keep:
-        pieces.extend((c, _context(f.path, t.name)) for c in t.chunks)
-    return _Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep))
+        pieces.extend((c, file_context(f.path, t.name)) for c in t.chunks)
+    return Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep))
 
 
-def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[_Output]:
+def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[Output]:
+    if only:
+        check_patterns([t for f in commit.files if f.kind == "safetensors" for t in f.tensors], only)
     outputs = []
     for f in commit.files:
         if only and f.kind == "safetensors":
@@ -89,7 +85,7 @@ def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None)
             if out is not None:
                 outputs.append(out)
         else:
-            outputs.append(_full_output(f))
+            outputs.append(full_output(f))
     return outputs
 
 
@@ -103,7 +99,20 @@ def _target(out_dir: Path, rel: str) -> Path:
     return target
 
 
-def _same_file(target: Path, output: _Output) -> bool:
+def _blocking_file(out_dir: Path, rel: str) -> Path | None:
+    """An existing non-folder where the output needs a folder: ``out_dir`` itself or a parent of
+    ``rel`` in it. --force does not remove it: it is not a version of any file being written."""
+    parents = rel.split("/")[:-1]
+    for depth in range(len(parents) + 1):
+        folder = out_dir.joinpath(*parents[:depth])
+        if not (folder.exists() or folder.is_symlink()):
+            return None
+        if not folder.is_dir():
+            return folder
+    return None
+
+
+def _same_file(target: Path, output: Output) -> bool:
     """True when the existing file holds exactly the bytes ``output`` would write: chunk regions
     hash to their chunk's name and literal pieces compare equal, so nothing is decoded. Computed
     pieces (merged LoRA weights) cannot be checked without computing them: never "the same"."""
@@ -133,25 +142,25 @@ def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator
     return ordered_map(get, outputs)
 
 
-def _write_one(store: ObjectStore, target: Path, output: _Output, progress: Progress | None) -> None:
+def _write_one(store: ObjectStore, target: Path, output: Output, progress: Progress | None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
     try:
-        fault_point()
+        mutating_step()
         with open(tmp, "xb") as f:
             for data in _fetch(store, output.pieces):
                 f.write(data)
                 if progress:
                     progress(len(data))
             f.flush()
-            fault_point()
+            mutating_step()
             os.fsync(f.fileno())
-        fault_point()
+        mutating_step()
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fault_point()
+    mutating_step()
     fsync_path(target.parent)
 
 
@@ -174,12 +183,15 @@ def remove_dead_temporaries(folder: Path) -> int:
 
 
 def write_outputs(
-    store: ObjectStore, outputs: list[_Output], out_dir: Path, force: bool, progress: Progress | None = None
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: Progress | None = None
 ) -> CheckoutResult:
     result = CheckoutResult()
-    todo: list[tuple[Path, _Output]] = []
+    todo: list[tuple[Path, Output]] = []
     conflicts = []
     for output in outputs:
+        blocker = _blocking_file(out_dir, output.path)
+        if blocker is not None:
+            raise OutputExistsError(f"{blocker} is not a directory, and the checkout writes {output.path} below it")
         target = _target(out_dir, output.path)
         if target.exists() or target.is_symlink():
             if target.is_dir():
@@ -208,9 +220,30 @@ def write_outputs(
     return result
 
 
-def total_size(outputs: list[_Output]) -> int:
+def total_size(outputs: list[Output]) -> int:
     return sum(o.size for o in outputs)
+
+
+def write_with_progress(
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: ProgressFactory | None,
+    desc: str = "checkout",
+) -> CheckoutResult:
+    """``write_outputs`` with a progress bar over the bytes to write (when a factory is given)."""
+    bar = progress(total_size(outputs), desc) if progress else None
+    try:
+        return write_outputs(store, outputs, out_dir, force, bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
 
 
 def select_tensors(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> list[TensorEntry]:
     return [t for t in tensors if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
+
+
+def check_patterns(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> None:
+    """Every pattern must match a tensor: a mistyped one must not check out the rest silently."""
+    names = [t.name for t in tensors]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise TensorNotFoundError(f"no tensor of the commit matches {pattern!r}")

@@ -6,19 +6,17 @@ tensor that need it. A damaged object is reported once, however many commits sha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .context import RepoContext
 from .errors import CkstoreError
+from .graph import kept_parents
 from .ids import ObjectId
+from .overlay import link_problems
 from .pipeline import ordered_map
-from .refs import HEADS, LOCK_SUFFIX, TAGS
-from .store import MAX_CHAIN_DEPTH
-
-if TYPE_CHECKING:
-    from .repo import Repo
+from .refs import HEADS, TAGS
+from .store import MAX_CHAIN_DEPTH, ObjectStore
 
 
-def _check_bases(repo: Repo, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]]) -> list[str]:
+def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]]) -> list[str]:
     """Every delta's base exists and its chain ends in a whole object within the depth limit."""
     problems: list[str] = []
     depth_of: dict[str, int] = {}  # objects whose chain is known to be sound
@@ -30,12 +28,12 @@ def _check_bases(repo: Repo, chunks: list[str], present: set[str], needed: dict[
                 problems.append(f"object {start} ({needed[start][1]}): delta chain is cyclic or longer than "
                                 f"{MAX_CHAIN_DEPTH}")
                 break
-            if oid not in present and not repo.store.has(oid):  # an overlay's base may be in a base repository
+            if oid not in present and not store.has(oid):  # an overlay's base may be in a base repository
                 problems.append(f"object {chain[-1]} is a delta of missing object {oid} ({needed[start][1]})")
                 break
             chain.append(oid)
             try:
-                oid = repo.store.base_of(oid)
+                oid = store.base_of(oid)
             except CkstoreError as exc:
                 problems.append(str(exc))
                 break
@@ -47,60 +45,61 @@ def _check_bases(repo: Repo, chunks: list[str], present: set[str], needed: dict[
     return problems
 
 
-def check(repo: Repo, read_data: bool = False) -> list[str]:
+def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
     problems: list[str] = []
-    # Check what is on disk now: commits this Repo read earlier are cached, and a cached copy
-    # would hide a commit object deleted or damaged since.
-    repo._commits.clear()
+    graph, store = ctx.graph, ctx.store
+    # Check what is on disk now: commits read earlier are cached, and a cached copy would hide
+    # a commit object deleted or damaged since.
+    graph.cache.clear()
     try:
-        pruned = repo.pruned()
+        pruned = graph.pruned()
     except CkstoreError as exc:
         problems.append(str(exc))
         pruned = {}
     try:
-        repo.refs.head_branch()
+        ctx.refs.head_branch()
     except CkstoreError as exc:
         problems.append(str(exc))
-    problems.extend(f"base repository unreachable: {b}" for b in repo.broken_alternates)
+    problems.extend(link_problems(ctx))  # each names the relink command that repairs it
+    logged, reflog_problems = ctx.refs.logs.check()
+    problems.extend(reflog_problems)
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
-        for key in repo.backend.list(prefix):
-            if key.endswith(LOCK_SUFFIX):
-                continue
+        for key, ref in ctx.refs.entries(prefix):
             try:
-                oid = repo.refs.read(key)
+                if ref is None:
+                    raise ctx.refs.stray_error(key)
+                oid = ctx.refs.read(ref)
             except CkstoreError as exc:
                 problems.append(str(exc))
                 continue
             if oid is not None:
-                tips.append((key, oid))
+                tips.append((ref, oid))
 
     needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
     seen: set[str] = set()
-    todo = [(oid, f"ref {key}") for key, oid in tips]
+    # Commits the reflog names are kept by gc and restorable, so they must be whole too; walked
+    # after the refs' history (todo is a stack), so damage both reach is named from a ref.
+    todo = [(oid, f"reflog of {ref}; 'ckstore gc' drops entries whose commits are gone") for ref, oid in logged]
+    todo += [(oid, f"ref {key}") for key, oid in tips]
     while todo:
         oid, via = todo.pop()
         if oid in seen:
             continue
         seen.add(oid)
         try:
-            commit = repo.read_commit(oid)
+            commit = graph.read_commit(oid)
         except CkstoreError as exc:
             problems.append(f"{exc} (reached from {via})")
             continue
         if commit.base is not None:
-            base_id = commit.base["commit"]
-            if commit.base["repo"] is None:
-                todo.append((ObjectId(base_id), f"overlay commit {oid[:12]}"))  # type: ignore[arg-type]
-            elif not repo.store.has(base_id):  # type: ignore[arg-type]
-                problems.append(f"commit {oid}: base commit {base_id} in {commit.base['repo']} is unreachable")
-        parents = list(commit.parents)
-        while parents:
-            parent = parents.pop()
-            if parent in pruned:
-                parents.extend(pruned[parent])  # walk on to the older commits gc kept
-            elif parent not in seen:
+            if commit.base.repo is None:
+                todo.append((commit.base.commit, f"overlay commit {oid[:12]}"))
+            elif not store.has(commit.base.commit):
+                problems.append(f"commit {oid}: base commit {commit.base.commit} in {commit.base.repo} is unreachable")
+        for parent in kept_parents(commit.parents, pruned):  # walk on to the older commits gc kept
+            if parent not in seen:
                 todo.append((parent, f"commit {oid[:12]}"))
         for f in commit.files:
             for chunk in f.header + f.chunks:
@@ -109,25 +108,25 @@ def check(repo: Repo, read_data: bool = False) -> list[str]:
                 for chunk in t.chunks:
                     needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}, tensor {t.name!r}"))
 
-    present = set(repo.store.iter_ids())
+    present = set(store.iter_ids())
     for oid, (_, where) in sorted(needed.items()):
-        if oid not in present and not repo.store.has(oid):
+        if oid not in present and not store.has(oid):
             problems.append(f"object {oid} is missing ({where})")
-    chain_problems = _check_bases(repo, [oid for oid in sorted(needed) if oid in present], present, needed)
+    chain_problems = _check_bases(store, [oid for oid in sorted(needed) if oid in present], present, needed)
 
     if read_data:
         def verify(oid: str) -> str | None:
             try:
                 if oid in needed:
                     size, where = needed[oid]
-                    repo.store.get_chunk(oid, size, f" ({where})")
+                    store.get_chunk(oid, size, f" ({where})")
                 elif oid not in seen:  # commits were verified when read above
-                    repo.store.verify(oid)
+                    store.verify(oid)
             except CkstoreError as exc:
                 return str(exc)
             return None
 
-        elsewhere = {oid for oid in needed if oid not in present and repo.store.has(oid)}  # in base repos
+        elsewhere = {oid for oid in needed if oid not in present and store.has(oid)}  # in base repos
         order = sorted(present | elsewhere)
         failed = {oid: p for oid, p in zip(order, ordered_map(verify, order)) if p}
         # A damaged object is reported once: its read failure names its file and tensor.

@@ -5,13 +5,11 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
 
+from .graph import CommitGraph, kept_parents
 from .ids import ObjectId
-from .manifest import Commit, TensorEntry
-
-if TYPE_CHECKING:
-    from .repo import Repo
+from .manifest import Commit
+from .positions import position_chunks
 
 
 @dataclass(frozen=True)
@@ -42,36 +40,32 @@ class Stats:
         return self.stored_bytes / self.logical_bytes if self.logical_bytes else 0.0
 
 
-def log(repo: Repo, ref: str | None = None) -> list[LogEntry]:
+def log(graph: CommitGraph, ref: str | None = None) -> list[LogEntry]:
     """Commits reachable from ``ref`` (default HEAD), newest first."""
-    start = repo.resolve(ref or "HEAD")
-    pruned = repo.pruned()
+    start = graph.resolve(ref or "HEAD")
+    pruned = graph.pruned()
     seen = {start}
-    heap = [(_neg_time(repo.read_commit(start).time), start)]
+    heap = [(_neg_time(graph.read_commit(start).time), start)]
     out = []
     while heap:
         _, oid = heapq.heappop(heap)
-        commit = repo.read_commit(oid)
-        gone = [p for p in commit.parents if p in pruned or not repo.store.has(p)]
-        todo = list(commit.parents)
-        while todo:
-            parent = todo.pop(0)
-            if parent in pruned:
-                todo.extend(pruned[parent])  # older kept commits stay in the history
-            elif not repo.store.has(parent):
-                continue
-            elif parent not in seen:
+        commit = graph.read_commit(oid)
+        gone = [p for p in commit.parents if p in pruned or not graph.store.has(p)]
+        for parent in kept_parents(commit.parents, pruned):  # older kept commits stay in the history
+            if parent not in seen and graph.store.has(parent):
                 seen.add(parent)
-                heapq.heappush(heap, (_neg_time(repo.read_commit(parent).time), parent))
+                heapq.heappush(heap, (_neg_time(graph.read_commit(parent).time), parent))
         out.append(LogEntry(oid, commit, tuple(gone)))
     return out
 
 
-def diff(repo: Repo, a: str, b: str) -> list[TensorChange]:
+def diff(graph: CommitGraph, a: str, b: str) -> list[TensorChange]:
     """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-    old, new = repo.read_commit(repo.resolve(a)), repo.read_commit(repo.resolve(b))
+    store = graph.store
+    old, new = graph.read_commit(graph.resolve(a)), graph.read_commit(graph.resolve(b))
     old_items, new_items = _items(old), _items(new)
-    old_tensors, new_tensors = _tensors(old), _tensors(new)
+    old_tensors = {(f.path, t.name): t for f in old.files for t in f.tensors}
+    new_tensors = {(f.path, t.name): t for f in new.files for t in f.tensors}
     have = {c.id for c in old.all_chunks()}
     out = []
     for key, chunks in new_items.items():
@@ -83,22 +77,22 @@ def diff(repo: Repo, a: str, b: str) -> list[TensorChange]:
         else:
             status = "changed"
             if key in old_tensors:
-                from .overlay import relative_l2  # numpy, only when a diff needs it
+                from .magnitude import relative_l2  # numpy, only when a diff needs it
 
-                rel_l2 = relative_l2(repo.store, old_tensors[key], new_tensors[key])
-        cost = sum(repo.store.stored_size(c) or 0 for c in dict.fromkeys(chunks) if c not in have)
+                rel_l2 = relative_l2(store, old_tensors[key], new_tensors[key])
+        cost = sum(store.stored_size(c) or 0 for c in dict.fromkeys(chunks) if c not in have)
         out.append(TensorChange(key[0], key[1], status, cost, rel_l2))
     out.extend(TensorChange(k[0], k[1], "removed", 0) for k in old_items if k not in new_items)
     return out
 
 
-def stats(repo: Repo) -> Stats:
-    commits = repo.reachable_commits()
+def stats(graph: CommitGraph) -> Stats:
+    commits = graph.reachable_commits()
     stored = objects = 0
-    for oid in repo.store.iter_ids():
-        stored += repo.store.stored_size(oid) or 0
+    for oid in graph.store.iter_ids():
+        stored += graph.store.stored_size(oid) or 0
         objects += 1
-    logical = sum(repo.read_commit(c).logical_bytes for c in commits)
+    logical = sum(graph.read_commit(c).logical_bytes for c in commits)
     return Stats(logical, stored, len(commits), objects)
 
 
@@ -106,16 +100,5 @@ def _neg_time(time: str) -> float:
     return -datetime.fromisoformat(time).timestamp()
 
 
-def _tensors(commit: Commit) -> dict[tuple[str, str | None], TensorEntry]:
-    return {(f.path, t.name): t for f in commit.files for t in f.tensors}
-
-
 def _items(commit: Commit) -> dict[tuple[str, str | None], list[str]]:
-    out: dict[tuple[str, str | None], list[str]] = {}
-    for f in commit.files:
-        if f.kind == "safetensors":
-            for t in f.tensors:
-                out[(f.path, t.name)] = [c.id for c in t.chunks]
-        else:
-            out[(f.path, None)] = [c.id for c in f.chunks]
-    return out
+    return {pos: [c.id for c in chunks] for pos, chunks in position_chunks(commit.files, header=False).items()}

@@ -16,8 +16,6 @@ from .errors import InvalidInputError
 
 ObjectId = NewType("ObjectId", str)
 
-ID_HEX_LEN = 64
-MIN_PREFIX_LEN = 6
 _ID_RE = re.compile(r"[0-9a-f]{64}")
 _PREFIX_RE = re.compile(r"[0-9a-f]{6,64}")
 

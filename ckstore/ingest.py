@@ -10,42 +10,56 @@ tensor yields the same chunks wherever it sits in the file.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import struct
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import InvalidInputError, InvalidPathError, SafetensorsFormatError, StorageError
+from .errors import (
+    CkstoreWarning, InvalidInputError, InvalidPathError, PickleCheckpointError, SafetensorsFormatError, StorageError,
+)
 from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
-from .safetensors_format import DTYPE_BITS, SafetensorsLayout, header_length, parse_header
-from .ids import ObjectId
+from .positions import HEADER, ChunkIndex, Position, chunk_at, element_width
+from .safetensors_format import SafetensorsLayout, header_length, parse_header
 from .store import ObjectStore, PutResult
 
 Progress = Callable[[int], None]
 SAFETENSORS_SUFFIX = ".safetensors"
-# Where a chunk sits in a commit: (file path, tensor name or None for a plain file).
-Position = tuple[str, str | None]
-ParentChunks = Mapping[Position, Sequence[ChunkRef]]
-# Complex numbers are pairs of floats: group by the float, whose exponent byte repeats.
-_WIDTH_OVERRIDES = {"C64": 4}
 
 
-def element_width(dtype: str) -> int:
-    """Bytes per element for byte grouping (1 for sub-byte and byte-wide dtypes)."""
-    return _WIDTH_OVERRIDES.get(dtype, max(1, DTYPE_BITS.get(dtype, 8) // 8))
+# Every pickle opcode (pickletools.opcodes): a protocol 2+ pickle is PROTO <n> then one of these.
+_PICKLE_OPCODES = frozenset(b"()0123BCFGIJKLMNPQRSTUVX]abcdeghijlopqrstu}" + bytes(range(0x80, 0x99)))
+_ZIP_LOCAL = struct.Struct("<4s22xHH")  # signature, then file name and extra field lengths
 
 
-def parent_chunks(files: Sequence[FileEntry]) -> dict[Position, Sequence[ChunkRef]]:
-    """The chunk lists of a commit by position: the delta base candidates for its child."""
-    out: dict[Position, Sequence[ChunkRef]] = {}
-    for f in files:
-        if f.kind == "safetensors":
-            for t in f.tensors:
-                out[(f.path, t.name)] = t.chunks
-        else:
-            out[(f.path, None)] = f.chunks
-    return out
+def pickle_format(path: Path) -> str | None:
+    """"zip" for a torch.save archive, "pickle" for a protocol 2+ pickle (also torch's legacy
+    format), None otherwise. Only the first bytes are read; nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_ZIP_LOCAL.size + 256)
+    except OSError:
+        return None
+    if len(head) >= 3 and head[0] == 0x80 and 2 <= head[1] <= 5 and head[2] in _PICKLE_OPCODES:
+        return "pickle"
+    if len(head) >= _ZIP_LOCAL.size:
+        signature, name_len, _ = _ZIP_LOCAL.unpack_from(head)
+        name = head[_ZIP_LOCAL.size:_ZIP_LOCAL.size + name_len]
+        # torch.save writes its pickle first, as "<archive>/data.pkl".
+        if signature == b"PK\x03\x04" and (name == b"data.pkl" or name.endswith(b"/data.pkl")):
+            return "zip"
+    return None
+
+
+def _refuse_pickle(source: Path) -> None:
+    if pickle_format(source) is not None:
+        raise PickleCheckpointError(
+            f"{source} is a PyTorch pickle checkpoint, which commit would store as one opaque blob without per-tensor"
+            " dedup: import it (ckstore import, Repo.import_checkpoint) to store its tensors, or commit it raw",
+            str(source))
 
 
 @dataclass(frozen=True)
@@ -63,10 +77,16 @@ def _is_inside(path: Path, root: Path) -> bool:
         return False
 
 
-def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path) -> list[SourceFile]:
+def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw: bool = False) -> list[SourceFile]:
     """Files to commit: each file argument under its own name, each directory's files under
-    their path relative to it (recursively; the repository itself is skipped)."""
+    their path relative to it (recursively; the repository itself is skipped).
+
+    Unless ``raw``, a pickle checkpoint named as an argument is refused (import is the way to
+    store one), and pickles inside a directory are stored as they are with a CkstoreWarning: a
+    Trainer's checkpoint folder holds optimizer.pt, rng_state.pth… and must check out unchanged.
+    """
     found: dict[str, SourceFile] = {}
+    pickles: list[str] = []
 
     def add(rel: str, source: Path) -> None:
         rel = check_relative_path(rel)
@@ -91,7 +111,11 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path) -> l
                     full = Path(dirpath, name)
                     if full.is_file():
                         add(full.relative_to(root).as_posix(), full)
+                        if not raw and not name.endswith(SAFETENSORS_SUFFIX) and pickle_format(full):
+                            pickles.append(full.relative_to(root).as_posix())
         elif root.is_file():
+            if not raw and not root.name.endswith(SAFETENSORS_SUFFIX):
+                _refuse_pickle(root)
             add(root.name, root)
         else:
             raise InvalidInputError(f"no such file or directory: {root}")
@@ -103,6 +127,11 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path) -> l
             if parent in found:
                 raise InvalidPathError(f"{parent!r} is both a file and a directory")
             parent = parent.rsplit("/", 1)[0] if "/" in parent else None
+    if pickles:
+        warnings.warn(CkstoreWarning(
+            f"storing {len(pickles)} pickle file(s) as opaque blobs, without per-tensor dedup ({', '.join(pickles[:3])}"
+            f"{', …' if len(pickles) > 3 else ''}); import converts a pickle checkpoint to tensors (ckstore import)"),
+            stacklevel=3)
     return sorted(found.values(), key=lambda s: s.path)
 
 
@@ -185,30 +214,26 @@ def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, int, 
             raise StorageError(f"cannot read {name}: {exc.strerror}") from None
 
 
-def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position | None]:
-    """Element width and delta position of the chunks of one segment of a file."""
+def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
+    """Element width and position of the chunks of one segment of a file."""
     if plan.layout is None:
         return 1, (plan.source.path, None)
     if s_index == 0:
-        return 1, None  # the header: unchanged headers dedup, changed ones are small
+        return 1, (plan.source.path, HEADER)
     tensor = plan.layout.tensors[s_index - 1]
     return element_width(tensor.dtype), (plan.source.path, tensor.name)
 
 
-def _chunk_at(commit: ParentChunks, position: Position, index: int, size: int) -> ObjectId | None:
-    chunks = commit.get(position, ())
-    return chunks[index].id if index < len(chunks) and chunks[index].size == size else None
-
-
 def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
-    parent: ParentChunks | None = None, history: Sequence[ParentChunks] = (),
+    parent: Sequence[FileEntry] | None = None, history: Sequence[Sequence[FileEntry]] = (),
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
 
     Two ways to use the previous version of a chunk (the chunk at the same index of the same
-    tensor): ``parent`` (an overlay's base commit) offers it as the base of a forward delta;
-    ``history`` (the branch's newest commits, parent first) stores each new chunk whole and
+    tensor, found by ``positions.ChunkIndex``: by position, else by tensor name): ``parent`` (an
+    overlay's base commit's files) offers it as the base of a forward delta; ``history`` (the
+    files of the branch's newest commits, parent first) stores each new chunk whole and
     re-encodes the parent's chunk as a delta against it (``ObjectStore.reverse_delta``), so the
     newest commit of a branch is always the cheap one to read. Bytes added is net of what the
     re-encoding saved.
@@ -225,22 +250,29 @@ def ingest(
                     layout = read_layout(f, str(source.source), source.size)
             except OSError as exc:
                 raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
-            segments = [[] for _ in range(1 + len(layout.tensors))]
+            if layout.plain_reason is not None:
+                layout = None  # safetensors reads it, the manifest cannot model it: plain bytes (format.md 13)
+            segments = [[] for _ in range(1 + len(layout.tensors))] if layout else [[]]
         else:
             segments = [[]]
         plans.append(_Plan(source, layout, segments))
+    new_files = {p.source.path: [t.name for t in p.layout.tensors] for p in plans if p.layout is not None}
+    base_index = ChunkIndex(parent, new_files) if parent is not None else None
+    history_index = [ChunkIndex(files, new_files) for files in history]
 
     def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
         p_index, s_index, c_index, piece = job
         width, position = _chunk_kind(plans[p_index], s_index)
-        if position is None:
+        if position[1] == HEADER:
+            # Headers are not delta candidates at commit: unchanged ones dedup, changed ones are
+            # small (repack may still pair them).
             return p_index, s_index, len(piece), store.put_chunk(piece, width)
-        if parent is not None:
+        if base_index is not None:
             return p_index, s_index, len(piece), store.put_chunk(
-                piece, width, _chunk_at(parent, position, c_index, len(piece)))
+                piece, width, chunk_at(base_index, position, c_index, len(piece)))
         result = store.put_chunk(piece, width)
-        if result.stored and history:
-            older = [_chunk_at(h, position, c_index, len(piece)) for h in history]
+        if result.stored and history_index:
+            older = [chunk_at(h, position, c_index, len(piece)) for h in history_index]
             if older[0] is not None and older[0] != result.id:
                 saved = store.reverse_delta(older[0], len(piece), width, result.id, piece, older[1:])
                 result = PutResult(result.id, result.stored + saved)

@@ -20,15 +20,14 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .checkout import Output, Piece, full_output
 from .errors import InvalidInputError, MissingDependencyError
+from .filedata import file_context, header_metadata, read_file_bytes
 from .manifest import Commit, FileEntry, TensorEntry
-from .safetensors_format import emit_header, parse_header
-
-if TYPE_CHECKING:
-    from .checkout import Piece, _Output
-    from .store import ObjectStore
+from .safetensors_format import emit_header
+from .store import ObjectStore
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -56,12 +55,7 @@ def find_adapter(commit: Commit) -> tuple[FileEntry, FileEntry]:
             config = next((c for c in commit.files if c.path == config_path), None)
             if config is not None:
                 return f, config
-    raise InvalidInputError(f"--merge-lora: the commit has no {ADAPTER_WEIGHTS} with an {ADAPTER_CONFIG} beside it")
-
-
-def _read(store: ObjectStore, entry: FileEntry | TensorEntry, context: str) -> bytes:
-    chunks = entry.all_chunks() if isinstance(entry, FileEntry) else entry.chunks
-    return b"".join(store.get_chunk(c.id, c.size, context) for c in chunks)
+    raise InvalidInputError(f"LoRA merge: the commit has no {ADAPTER_WEIGHTS} with an {ADAPTER_CONFIG} beside it")
 
 
 def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
@@ -73,7 +67,7 @@ def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
             if re.match(rf"(.*\.)?({key})$", module):
                 return value
         except re.error:
-            raise InvalidInputError(f"--merge-lora: rank/alpha pattern {key!r} is not a regular expression") from None
+            raise InvalidInputError(f"LoRA merge: rank/alpha pattern {key!r} is not a regular expression") from None
     return default
 
 
@@ -84,21 +78,19 @@ def _match(name: str, base_names: list[str]) -> str:
     near = [b for b in base_names if b.endswith("." + name) or name.endswith("." + b)]
     if len(near) != 1:
         raise InvalidInputError(
-            f"--merge-lora: adapter tensor for {name!r} matches {len(near)} base tensors; cannot merge"
+            f"LoRA merge: adapter tensor for {name!r} matches {len(near)} base tensors; cannot merge"
         )
     return near[0]
 
 
-def plan_merged(store: ObjectStore, commit: Commit) -> list[_Output]:
+def plan_merged(store: ObjectStore, commit: Commit) -> list[Output]:
     """Outputs writing every non-adapter file, with LoRA updates merged into the base weights."""
-    from .checkout import _context, _full_output, _Output
-
     weights, config_file = find_adapter(commit)
     try:
-        config = json.loads(_read(store, config_file, f" (file {config_file.path!r})"))
+        config = json.loads(read_file_bytes(store, config_file))
         r_default, alpha_default = int(config["r"]), float(config["lora_alpha"])
     except (ValueError, KeyError, TypeError):
-        raise InvalidInputError(f"--merge-lora: {config_file.path} is not a PEFT LoRA config") from None
+        raise InvalidInputError(f"LoRA merge: {config_file.path} is not a PEFT LoRA config") from None
     folder = _folder(weights.path)
     base_files = [f for f in commit.files if f is not weights and f is not config_file and f.kind == "safetensors"]
     # The adapter's own files are not written; an adapter committed beside the base files (the
@@ -120,7 +112,7 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[_Output]:
             updates.setdefault(_match(key, names), _Update(key)).replacement = t
     for target, u in updates.items():
         if u.replacement is None and (u.a is None or u.b is None):
-            raise InvalidInputError(f"--merge-lora: {u.module} has lora_A without lora_B or the reverse")
+            raise InvalidInputError(f"LoRA merge: {u.module} has lora_A without lora_B or the reverse")
         if u.a is not None and u.b is not None:
             _check_shapes(owner[target][1], u.a, u.b, bool(config.get("fan_in_fan_out")))
 
@@ -129,24 +121,23 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[_Output]:
         alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha_default))
         return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
-    outputs = [_full_output(f) for f in others]
+    outputs = [full_output(f) for f in others]
     for f in base_files:
         mine = {name: u for name, u in updates.items() if owner[name][0] is f}
         if not mine:
-            outputs.append(_full_output(f))
+            outputs.append(full_output(f))
             continue
         tensors = [_written(t, mine.get(t.name)) for t in f.tensors]
-        metadata = parse_header(b"".join(store.get_chunk(c.id, c.size) for c in f.header), f.size).metadata
-        header, _ = emit_header([(t.name, t.dtype, t.shape) for t in tensors], metadata)
+        header, _ = emit_header([(t.name, t.dtype, t.shape) for t in tensors], header_metadata(store, f))
         pieces: list[tuple[Piece, str]] = [(header, "")]
         for original, written in zip(f.tensors, tensors):
-            ctx = _context(f.path, original.name)
+            ctx = file_context(f.path, original.name)
             u = mine.get(original.name)
             if u is None or u.replacement is not None:
                 pieces.extend((c, ctx) for c in written.chunks)
             else:
                 pieces.append((_merge_fn(store, original, u, scale(u.module), bool(config.get("fan_in_fan_out"))), ctx))
-        outputs.append(_Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in tensors)))
+        outputs.append(Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in tensors)))
     return outputs
 
 
@@ -158,9 +149,9 @@ def _check_shapes(weight: TensorEntry, a: TensorEntry, b: TensorEntry, transpose
         shape = shape[::-1] if transpose else shape
         if tuple(weight.shape) == shape:
             return
-        raise InvalidInputError(f"--merge-lora: update for {weight.name!r} has shape {shape}, "
+        raise InvalidInputError(f"LoRA merge: update for {weight.name!r} has shape {shape}, "
                                 f"the weight {tuple(weight.shape)}")
-    raise InvalidInputError(f"--merge-lora: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {weight.name!r} "
+    raise InvalidInputError(f"LoRA merge: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {weight.name!r} "
                             "do not form a rank-r product")
 
 
@@ -175,14 +166,15 @@ def _merge_fn(store: ObjectStore, weight: TensorEntry, u: _Update, scale: float,
     def merged() -> bytes:
         try:
             import torch
-            from safetensors.torch import _getdtype  # type: ignore[attr-defined]
+
+            from .torch_tensors import dtype_of_code
         except ImportError:
-            raise MissingDependencyError("--merge-lora needs torch (pip install torch)") from None
+            raise MissingDependencyError("merging LoRA weights needs torch (pip install torch)") from None
         assert u.a is not None and u.b is not None
 
         def load(t: TensorEntry) -> torch.Tensor:
-            data = bytearray(_read(store, t, f" (tensor {t.name!r})"))
-            return torch.frombuffer(data, dtype=_getdtype(t.dtype)).reshape(t.shape)
+            data = bytearray(b"".join(store.get_chunk(c.id, c.size, f" (tensor {t.name!r})") for c in t.chunks))
+            return torch.frombuffer(data, dtype=dtype_of_code(t.dtype, t.name)).reshape(t.shape)
 
         w, a, b = load(weight), load(u.a), load(u.b)
         compute = torch.float64 if w.dtype == torch.float64 else torch.float32
@@ -190,7 +182,7 @@ def _merge_fn(store: ObjectStore, weight: TensorEntry, u: _Update, scale: float,
         if transpose:
             delta = delta.T
         if delta.shape != w.shape:
-            raise InvalidInputError(f"--merge-lora: update for {weight.name!r} has shape {tuple(delta.shape)}, "
+            raise InvalidInputError(f"LoRA merge: update for {weight.name!r} has shape {tuple(delta.shape)}, "
                                     f"the weight {tuple(w.shape)}")
         out = (w.to(compute) + delta).to(w.dtype).contiguous()
         return out.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -63,6 +63,22 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class StateFiles:
+    """A training-state commit's two files: typed-JSON values and the safetensors of tensors."""
+
+    values: str
+    tensors: str
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """An overlay's base commit; ``repo`` is None when it lives in the same repository."""
+
+    commit: ObjectId
+    repo: str | None = None
+
+
+@dataclass(frozen=True)
 class Commit:
     parents: tuple[ObjectId, ...]
     time: str
@@ -73,8 +89,8 @@ class Commit:
     provenance: Mapping[str, str] = field(default_factory=dict)
     logical_bytes: int = 0
     added_bytes: int = 0
-    state: Mapping[str, str] | None = None  # training state: {"values": json path, "tensors": st path}
-    base: Mapping[str, str | None] | None = None  # overlay: {"commit": id, "repo": abs path | None}
+    state: StateFiles | None = None  # training state
+    base: BaseRef | None = None  # overlay
 
     def all_chunks(self) -> Iterator[ChunkRef]:
         for f in self.files:
@@ -126,8 +142,8 @@ def encode_commit(commit: Commit) -> bytes:
         "provenance": dict(commit.provenance),
         "logical_bytes": commit.logical_bytes,
         "added_bytes": commit.added_bytes,
-        "state": dict(commit.state) if commit.state is not None else None,
-        "base": dict(commit.base) if commit.base is not None else None,
+        "state": {"values": commit.state.values, "tensors": commit.state.tensors} if commit.state else None,
+        "base": {"commit": commit.base.commit, "repo": commit.base.repo} if commit.base else None,
         "files": [_file_json(f) for f in commit.files],
     }
     return canonical_json(doc)
@@ -240,7 +256,7 @@ def _parse_file(doc: Any, index: int) -> FileEntry:
     return entry
 
 
-def _parse_state(value: Any, kinds: Mapping[str, str]) -> dict[str, str] | None:
+def _parse_state(value: Any, kinds: Mapping[str, str]) -> StateFiles | None:
     if value is None:
         return None
     if (
@@ -249,10 +265,10 @@ def _parse_state(value: Any, kinds: Mapping[str, str]) -> dict[str, str] | None:
         or kinds.get(value["values"]) != "blob" or kinds.get(value["tensors"]) != "safetensors"
     ):
         raise IntegrityError("manifest: malformed state record")
-    return dict(value)
+    return StateFiles(value["values"], value["tensors"])
 
 
-def _parse_base(value: Any) -> dict[str, str | None] | None:
+def _parse_base(value: Any) -> BaseRef | None:
     if value is None:
         return None
     if (
@@ -262,7 +278,7 @@ def _parse_base(value: Any) -> dict[str, str | None] | None:
                                           and not _CONTROL.search(value["repo"])))
     ):
         raise IntegrityError("manifest: malformed base record")
-    return dict(value)
+    return BaseRef(ObjectId(value["commit"]), value["repo"])
 
 
 _COMMIT_FIELDS = (

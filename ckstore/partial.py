@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import InvalidInputError, TensorNotFoundError
-from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, parse_json
+from .filedata import state_document
+from .manifest import ChunkRef, Commit, FileEntry, TensorEntry
 from .pipeline import ordered_map
 from .safetensors_format import DTYPE_BITS
 from .store import ObjectStore
 
 if TYPE_CHECKING:
-    from .repo import Repo
+    from .graph import CommitGraph
 
 FRAMEWORKS = ("pt", "np")
 _NUMPY_DTYPES = {
@@ -101,7 +102,7 @@ class TensorSlice:
 class LazyTensors(Mapping[str, Any]):
     """Tensors of one commit, read on access; see the module docstring."""
 
-    def __init__(self, repo: Repo, ref: str, path: str | None = None, framework: str | None = None) -> None:
+    def __init__(self, graph: CommitGraph, ref: str, path: str | None = None, framework: str | None = None) -> None:
         if framework is None:
             framework = "pt" if _torch_available() else "np"
         if framework not in FRAMEWORKS:
@@ -109,19 +110,18 @@ class LazyTensors(Mapping[str, Any]):
         if framework == "pt" and not _torch_available():
             raise InvalidInputError("framework 'pt' needs torch; use framework='np'")
         self.framework = framework
-        self.commit_id = repo.resolve(ref)
-        self._store: ObjectStore = repo.store
+        self.commit_id = graph.resolve(ref)
+        self._store: ObjectStore = graph.store
         self.bytes_read = 0
-        commit = repo.read_commit(self.commit_id)
+        commit = graph.read_commit(self.commit_id)
         self._specs = self._collect(commit, path)
 
     def _collect(self, commit: Commit, path: str | None) -> dict[str, _Spec]:
         raw: dict[str, tuple[str, tuple[int, ...]]] = {}
         files = [f for f in commit.files if f.kind == "safetensors"]
         if commit.state is not None and path is None:
-            files = [f for f in files if f.path == commit.state["tensors"]]
-            values = next(f for f in commit.files if f.path == commit.state["values"])
-            raw = _state_raw_specs(parse_json(self._read(values.chunks, 0, values.size, values.path)))
+            files = [f for f in files if f.path == commit.state.tensors]
+            raw = _state_raw_specs(state_document(self._store, commit))
         if path is not None:
             files = [f for f in files if f.path == path]
             if not files:
@@ -237,17 +237,16 @@ class LazyTensors(Mapping[str, Any]):
         if self.framework == "pt":
             import torch
 
-            from .state import _FROM_ST, _torch_dtype
+            from .torch_tensors import FROM_ST_CODE, from_bytes, torch_dtype
 
             if spec.raw_dtype is not None:
-                dtype = _torch_dtype(spec.raw_dtype)
-            elif spec.entry.dtype in _FROM_ST:
-                dtype = _FROM_ST[spec.entry.dtype]
+                dtype = torch_dtype(spec.raw_dtype)
+            elif spec.entry.dtype in FROM_ST_CODE:
+                dtype = FROM_ST_CODE[spec.entry.dtype]
             else:
                 raise InvalidInputError(f"tensor {spec.entry.name!r}: torch has no dtype for {spec.entry.dtype}")
-            if not data:
-                return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+            raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            return from_bytes(raw, dtype, shape)
         code = _NUMPY_DTYPES.get(spec.entry.dtype) if spec.raw_dtype is None else None
         try:
             np_dtype = np.dtype(code if code else (spec.raw_dtype or ""))

@@ -11,7 +11,16 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
+
+class ProgressBar(Protocol):
+    def update(self, n: int) -> Any: ...
+
+    def close(self) -> Any: ...
+
+
+# (total, description) -> a bar: how callers (the CLI's tqdm) watch long operations.
+ProgressFactory = Callable[[int, str], ProgressBar]
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -10,7 +10,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 
 
 def _package_version(name: str) -> str | None:

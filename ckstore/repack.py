@@ -22,19 +22,15 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from .codec import encode_chunk
+from .config import DEFAULT_MAX_DELTA_DEPTH
+from .context import RepoContext
 from .errors import CkstoreError
+from .graph import CommitGraph
 from .ids import ObjectId
-from .ingest import Position, element_width
-from .manifest import Commit
 from .pipeline import ordered_map
-
-if TYPE_CHECKING:
-    from .repo import Repo
-
-REPACK_LOCK_TIMEOUT = 600.0
+from .positions import slots
 
 
 @dataclass
@@ -55,28 +51,13 @@ class _Plan:
     depth: int
 
 
-def _positions(commit: Commit) -> dict[tuple[Position | tuple[str, str], int], tuple[ObjectId, int, int]]:
-    """Every chunk of a commit by (position, index): (id, size, element width)."""
-    out: dict[tuple[Position | tuple[str, str], int], tuple[ObjectId, int, int]] = {}
-    for f in commit.files:
-        for i, c in enumerate(f.header):
-            out[((f.path, "\0header"), i)] = (c.id, c.size, 1)
-        for t in f.tensors:
-            width = element_width(t.dtype)
-            for i, c in enumerate(t.chunks):
-                out[((f.path, t.name), i)] = (c.id, c.size, width)
-        for i, c in enumerate(f.chunks):
-            out[((f.path, None), i)] = (c.id, c.size, 1)
-    return out
-
-
-def plan(repo: Repo, commits: Iterable[ObjectId], max_depth: int) -> dict[ObjectId, _Plan]:
+def plan(graph: CommitGraph, commits: Iterable[ObjectId], max_depth: int) -> dict[ObjectId, _Plan]:
     """Base and depth for every chunk of ``commits``: newest first, each against its child."""
     keep = set(commits)
-    has_child = {p for c in keep for p in repo.read_commit(c).parents}
+    has_child = {p for c in keep for p in graph.read_commit(c).parents}
     heads = sorted(keep - has_child)
     child: dict[ObjectId, ObjectId | None] = {h: None for h in heads}
-    heap = [(-datetime.fromisoformat(repo.read_commit(h).time).timestamp(), h) for h in heads]
+    heap = [(-datetime.fromisoformat(graph.read_commit(h).time).timestamp(), h) for h in heads]
     heapq.heapify(heap)
     result: dict[ObjectId, _Plan] = {}
     done: set[ObjectId] = set()
@@ -85,41 +66,39 @@ def plan(repo: Repo, commits: Iterable[ObjectId], max_depth: int) -> dict[Object
         if oid in done:
             continue
         done.add(oid)
-        commit = repo.read_commit(oid)
-        newer = _positions(repo.read_commit(child[oid])) if child[oid] else {}  # type: ignore[arg-type]
-        for where, (cid, size, width) in _positions(commit).items():
-            if cid in result:
+        commit = graph.read_commit(oid)
+        newer = slots(graph.read_commit(child[oid]).files) if child[oid] else {}  # type: ignore[arg-type]
+        for where, slot in slots(commit.files).items():
+            if slot.id in result:
                 continue
             base = newer.get(where)
-            entry = _Plan(size, width, None, 0)
-            if base and base[0] != cid and base[1] == size and base[0] in result:
-                depth = result[base[0]].depth + 1
+            entry = _Plan(slot.size, slot.width, None, 0)
+            if base and base.id != slot.id and base.size == slot.size and base.id in result:
+                depth = result[base.id].depth + 1
                 if depth <= max_depth:
-                    entry = _Plan(size, width, base[0], depth)
-            result[cid] = entry
+                    entry = _Plan(slot.size, slot.width, base.id, depth)
+            result[slot.id] = entry
         for parent in commit.parents:
             if parent in keep and parent not in done:
                 child.setdefault(parent, oid)
-                heapq.heappush(heap, (-datetime.fromisoformat(repo.read_commit(parent).time).timestamp(), parent))
+                heapq.heappush(heap, (-datetime.fromisoformat(graph.read_commit(parent).time).timestamp(), parent))
     return result
 
 
-def repack(repo: Repo) -> RepackReport:
-    with repo.backend.repo_lock(exclusive=True, timeout=REPACK_LOCK_TIMEOUT):
-        return repack_locked(repo, repo.reachable_commits())
+def repack(ctx: RepoContext) -> RepackReport:
+    with ctx.backend.exclusive_lock():
+        return repack_locked(ctx, ctx.graph.reachable_commits())
 
 
-def repack_locked(repo: Repo, commits: Iterable[ObjectId]) -> RepackReport:
+def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId]) -> RepackReport:
     """Repack the chunks of ``commits``; the caller holds the exclusive repository lock."""
     report = RepackReport()
-    if repo.config.version < 2:
-        from .config import DEFAULT_MAX_DELTA_DEPTH
-
-        repo.set_config(replace(repo.config, version=2, max_delta_depth=DEFAULT_MAX_DELTA_DEPTH))
+    if ctx.config.version < 2:
+        ctx.set_config(replace(ctx.config, version=2, max_delta_depth=DEFAULT_MAX_DELTA_DEPTH))
         report.upgraded = True
-    settings = repo.store.settings
-    planned = plan(repo, commits, settings.max_delta_depth)
-    store = repo.store
+    settings = ctx.store.settings
+    planned = plan(ctx.graph, commits, settings.max_delta_depth)
+    store = ctx.store
 
     def rewrite(item: tuple[ObjectId, _Plan]) -> tuple[int, int, bool, bool]:
         oid, p = item

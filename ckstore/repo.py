@@ -1,112 +1,51 @@
-"""``Repo``: the API every caller uses (the CLI is a thin layer over it).
+"""``Repo``: the API every caller uses (the CLI and the integrations are thin layers over it).
 
-Write order for a commit, under the shared repository lock: chunks, then the manifest, then the
-branch ref by compare-and-swap. A crash at any point leaves the refs as they were plus, at worst,
-unreferenced objects, which gc removes under the exclusive lock.
+A façade: it opens a repository (``context.RepoContext``: backend, settings, object store,
+refs, commit graph) and delegates each call to the operation module that owns it. The
+operations never import this module, so data flows one way (docs/design.md, "Layers").
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime, timezone
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from . import history, provenance
+from . import branches, history
 from .backend.base import Backend
-from .backend.local import LocalBackend
-from .backend.memory import MemoryBackend
-from .config import CONFIG_KEY, DEFAULT_CHUNK_SIZE, DEFAULT_MAX_DELTA_DEPTH, DEFAULT_ZSTD_LEVEL, RepoConfig
-from .checkout import CheckoutResult, plan_outputs, total_size, write_outputs
-from .codec import Kind
-from .errors import (
-    CkstoreError,
-    AmbiguousRefError,
-    IntegrityError,
-    InvalidInputError,
-    RefChangedError,
-    RefExistsError,
-    RefNotFoundError,
-    RepoNotFoundError,
-    UnsupportedFormatError,
+from .background import BackgroundCommits
+from .checkout import CheckoutResult, write_with_progress
+from .commit import commit_sources, encode_metadata
+from .config import RepoConfig
+from .context import (
+    DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
 )
-from .ids import ObjectId, is_id_prefix, is_object_id
+from .errors import RefNotFoundError
+from .export import plan_checkout, plan_export
+from .filedata import read_file_bytes, state_values
 from .gc import GcReport, collect_garbage
 from .history import LogEntry, Stats, TensorChange
-from .ingest import MemoryFile, ParentChunks, SourceFile, collect_sources, ingest, parent_chunks
-from .manifest import Commit, FileEntry, decode_commit, encode_commit, parse_json
-from .refs import HEADS, TAGS, RefStore, check_ref_name
+from .ids import ObjectId
+from .ingest import collect_sources
+from .manifest import Commit, StateFiles
+from .overlay import RelinkReport, relink, resolve_base
+from .pipeline import ProgressBar, ProgressFactory
+from .reflog import Entry as ReflogEntry
+from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
-from .store import ObjectStore
-from .values import encode_value
 
-PRUNED_KEY = "pruned"
-DEFAULT_DIR = ".ckstore"
-LOCK_TIMEOUT = 600.0
-_SUFFIX = re.compile(r"~(\d*)$|\^$")
-
-
-class ProgressBar(Protocol):
-    def update(self, n: int) -> Any: ...
-
-    def close(self) -> Any: ...
-
-
-ProgressFactory = Callable[[int, str], ProgressBar]
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+__all__ = ["DEFAULT_DIR", "CheckoutResult", "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo"]
 
 
 class Repo:
     """A ckstore repository. ``Repo(path)`` opens one; ``Repo.init(path)`` creates one."""
 
-    def __init__(
-        self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
-        _open_alternates: bool = True, _depth: int = 0,
-    ) -> None:
-        if backend is None:
-            if path is None:
-                raise RepoNotFoundError("no repository path given")
-            root = Path(path)
-            if not (root / CONFIG_KEY).is_file() and (root / DEFAULT_DIR / CONFIG_KEY).is_file():
-                root = root / DEFAULT_DIR
-            if not (root / CONFIG_KEY).is_file():
-                raise RepoNotFoundError(f"no ckstore repository at {path} (run 'ckstore init')")
-            backend = LocalBackend(root)
-            self.path: Path | None = root
-        else:
-            self.path = Path(path) if path is not None else None
-        self.backend = backend
-        try:
-            config_bytes = backend.get(CONFIG_KEY)
-        except KeyError:
-            raise RepoNotFoundError(f"no ckstore repository at {path}") from None
-        self.config = RepoConfig.from_json(config_bytes, backend.describe(CONFIG_KEY))
-        self.store = ObjectStore(backend, settings=self.config.encoding)
-        self.refs = RefStore(backend)
-        self._commits: dict[str, Commit] = {}
-        self.base_repos: list[Repo] = []
-        self.broken_alternates: list[str] = []  # base repositories that could not be opened (fsck)
-        if _open_alternates:
-            self._open_base_repos(_depth)
-
-    def _open_base_repos(self, depth: int) -> None:
-        from .overlay import ALTERNATES_KEY, MAX_BASE_DEPTH, read_paths
-
-        for location in read_paths(self, ALTERNATES_KEY):
-            try:
-                if depth >= MAX_BASE_DEPTH:
-                    raise UnsupportedFormatError("base repositories nest too deeply")
-                base = Repo(location, _depth=depth + 1)
-            except CkstoreError as exc:
-                self.broken_alternates.append(f"{location}: {exc}")
-                continue
-            self.base_repos.append(base)
-            self.store.alternates.append(base.store)
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
+                 _context: RepoContext | None = None) -> None:
+        self._ctx = _context or open_context(path, backend=backend)
+        self._background: BackgroundCommits | None = None
+        self.commits_in_flight = 1  # background commits: snapshots held at once (host memory)
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -114,45 +53,55 @@ class Repo:
     def init(
         cls, path: str | os.PathLike[str] = DEFAULT_DIR, *, chunk_size: int | None = None,
         zstd_level: int | None = None, max_delta_depth: int | None = None, backend: Backend | None = None,
+        exist_ok: bool = False,
     ) -> Repo:
-        config = RepoConfig(
-            chunk_size or DEFAULT_CHUNK_SIZE, zstd_level or DEFAULT_ZSTD_LEVEL,
-            DEFAULT_MAX_DELTA_DEPTH if max_delta_depth is None else max_delta_depth,
-        )
-        config.validate()
-        if backend is None:
-            root = Path(path)
-            if (root / CONFIG_KEY).exists():
-                raise RefExistsError(f"a repository already exists at {root}")
-            if root.exists() and (not root.is_dir() or any(root.iterdir())):
-                raise InvalidInputError(f"{root} exists and is not an empty directory")
-            root.mkdir(parents=True, exist_ok=True)
-            backend = LocalBackend(root)
-        if not backend.put_if_absent(CONFIG_KEY, config.to_json()):
-            raise RefExistsError(f"a repository already exists at {path}")
-        RefStore(backend).set_head_branch("main")
-        return cls(path, backend=backend)
+        """Create a repository; with ``exist_ok`` open the one already at ``path`` instead (settings
+        given here must then match its own)."""
+        config = _config(chunk_size, zstd_level, max_delta_depth)
+        if exist_ok:
+            given = {"chunk_size": chunk_size, "zstd_level": zstd_level, "max_delta_depth": max_delta_depth}
+            return cls(_context=open_or_init_context(path, config, backend, [k for k, v in given.items() if v is not None]))
+        return cls(_context=init_context(path, config, backend))
 
     @classmethod
     def memory(cls, **config: int) -> Repo:
         """A repository held in memory (tests, experiments)."""
-        return cls.init("<memory>", backend=MemoryBackend(), **config)
+        return cls(_context=memory_context(_config(**config)))
 
     @classmethod
     def find(cls, explicit: str | os.PathLike[str] | None = None, start: str | os.PathLike[str] | None = None) -> Repo:
         """``explicit``, else $CKSTORE_REPO, else the nearest .ckstore at or above ``start``."""
-        if explicit:
-            return cls(explicit)
-        env = os.environ.get("CKSTORE_REPO")
-        if env:
-            return cls(env)
-        here = Path(start or Path.cwd()).resolve()
-        for folder in (here, *here.parents):
-            if (folder / DEFAULT_DIR / CONFIG_KEY).is_file():
-                return cls(folder / DEFAULT_DIR)
-        raise RepoNotFoundError(
-            "no ckstore repository here or in any parent directory (use --repo, set CKSTORE_REPO, or run 'ckstore init')"
-        )
+        return cls(_context=find_context(explicit, start))
+
+    # ---- what the repository is made of ------------------------------------------------------
+
+    @property
+    def path(self) -> Path | None:
+        return self._ctx.path
+
+    @property
+    def backend(self) -> Backend:
+        return self._ctx.backend
+
+    @property
+    def store(self) -> Any:
+        return self._ctx.store
+
+    @property
+    def refs(self) -> Any:
+        return self._ctx.refs
+
+    @property
+    def config(self) -> RepoConfig:
+        return self._ctx.config
+
+    @property
+    def _commits(self) -> dict[str, Commit]:
+        return self._ctx.graph.cache
+
+    def set_config(self, config: RepoConfig) -> None:
+        """Replace the repository settings (they apply to objects written from now on)."""
+        self._ctx.set_config(config)
 
     # ---- refs ----------------------------------------------------------------------------------
 
@@ -166,166 +115,107 @@ class Repo:
     def tags(self) -> dict[str, ObjectId]:
         return self.refs.list(TAGS)
 
-    def create_branch(self, name: str, ref: str = "HEAD") -> ObjectId:
-        oid = self.resolve(ref)
-        self.refs.update(HEADS + check_ref_name(name, "branch name"), oid, expected=None)
-        return oid
+    def create_branch(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
+        """Create branch ``name`` at ``ref``; ``force`` moves it there if it exists."""
+        return branches.create(self._ctx, "branch", name, ref, force)[1]
 
-    def create_tag(self, name: str, ref: str = "HEAD") -> ObjectId:
-        oid = self.resolve(ref)
-        self.refs.update(TAGS + check_ref_name(name, "tag name"), oid, expected=None)
-        return oid
+    def create_tag(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
+        return branches.create(self._ctx, "tag", name, ref, force)[1]
 
-    def delete_branch(self, name: str) -> None:
-        if not self.refs.delete(HEADS + check_ref_name(name, "branch name")):
-            raise RefNotFoundError(f"no branch {name!r}")
+    def delete_branch(self, name: str, force: bool = False) -> ObjectId:
+        """Delete a branch; return the commit it held. The current or only branch needs ``force``."""
+        return branches.delete(self._ctx, "branch", name, force)
 
-    def delete_tag(self, name: str) -> None:
-        if not self.refs.delete(TAGS + check_ref_name(name, "tag name")):
-            raise RefNotFoundError(f"no tag {name!r}")
+    def delete_tag(self, name: str) -> ObjectId:
+        return branches.delete(self._ctx, "tag", name)
 
-    def pruned(self) -> dict[ObjectId, tuple[ObjectId, ...]]:
-        """Commits gc deleted on purpose, each with its parents (so history stays connected
-        through it to older kept commits); log shows them as pruned and fsck accepts them."""
-        try:
-            text = self.backend.get(PRUNED_KEY).decode("ascii", "replace")
-        except KeyError:
-            return {}
-        out: dict[ObjectId, tuple[ObjectId, ...]] = {}
-        for line in text.splitlines():
-            ids = line.split(" ")
-            if not all(is_object_id(i) for i in ids):
-                raise IntegrityError(f"{self.backend.describe(PRUNED_KEY)} is corrupt")
-            out[ObjectId(ids[0])] = tuple(ObjectId(i) for i in ids[1:])
-        return out
+    def switch(self, name: str, create_at: str | None = None) -> ObjectId:
+        """Make ``name`` the current branch (created at ``create_at`` if given); return its commit."""
+        return branches.switch(self._ctx, name, create_at)
 
-    def write_pruned(self, pruned: Mapping[str, Sequence[str]]) -> None:
-        lines = "".join(" ".join([oid, *pruned[oid]]) + "\n" for oid in sorted(pruned))
-        self.backend.replace(PRUNED_KEY, lines.encode())
+    def reset(self, ref: str) -> tuple[ObjectId | None, ObjectId]:
+        """Move the current branch to ``ref``; return (its old commit, the new one)."""
+        return branches.reset(self._ctx, ref)
+
+    def reflog(self, ref: str | None = None) -> list[tuple[str, ReflogEntry]]:
+        """(``name@{n}``, entry) newest first: of ``ref`` (a branch or tag, deleted ones too, or
+        HEAD), or of every ref when None."""
+        graph = self._ctx.graph
+        if ref is None:
+            return graph.reflog_all()
+        name, entries = graph.reflog(ref)
+        return [(f"{name}@{{{n}}}", e) for n, e in enumerate(entries)]
 
     def resolve(self, spec: str) -> ObjectId:
         """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, or any of these + ``~N``/``^``."""
-        if not isinstance(spec, str) or not spec:
-            raise InvalidInputError("empty revision")
-        base, steps = spec, 0
-        while (m := _SUFFIX.search(base)) and m.start() > 0:
-            steps += int(m.group(1)) if m.group(1) else 1
-            base = base[: m.start()]
-        oid = self._resolve_with_bases(base)
-        for _ in range(steps):
-            parents = self.read_commit(oid).parents
-            if not parents:
-                raise RefNotFoundError(f"{spec}: history of {base!r} is shorter than that")
-            if parents[0] in self.pruned():
-                raise RefNotFoundError(f"{spec}: commit {parents[0][:12]} was pruned by gc")
-            oid = parents[0]
-        return oid
-
-    def _resolve_with_bases(self, name: str) -> ObjectId:
-        """Resolve here first, then in base repositories (an overlay may name its base's commits)."""
-        try:
-            return self._resolve_name(name)
-        except RefNotFoundError:
-            if name == "HEAD":
-                raise
-            for base in self.base_repos:
-                try:
-                    return base._resolve_with_bases(name)
-                except RefNotFoundError:
-                    continue
-            raise
-
-    def _resolve_name(self, name: str) -> ObjectId:
-        if name == "HEAD":
-            branch = self.head_branch
-            oid = self.refs.read(HEADS + branch)
-            if oid is None:
-                raise RefNotFoundError(f"HEAD: branch {branch!r} has no commits yet")
-            return oid
-        if is_object_id(name) and self.store.has(name) and self._is_commit(name):
-            return ObjectId(name)
-        if name.startswith(("refs/heads/", "refs/tags/")):
-            check_ref_name(name[len("refs/"):])
-            candidates = [name]
-        else:
-            check_ref_name(name, "revision")
-            candidates = [HEADS + name, TAGS + name]
-        for ref in candidates:
-            oid = self.refs.read(ref)
-            if oid is not None:
-                return oid
-        if is_id_prefix(name):
-            matches = [oid for oid in self.store.iter_ids(name) if self._is_commit(oid)]
-            if len(matches) > 1:
-                raise AmbiguousRefError(f"commit id prefix {name!r} matches {len(matches)} commits; give more digits")
-            if matches:
-                return matches[0]
-        raise RefNotFoundError(f"unknown revision {name!r} (not a branch, tag or commit id)")
-
-    def _is_commit(self, oid: str) -> bool:
-        try:
-            return self.store.kind(oid) == Kind.COMMIT
-        except IntegrityError:
-            return False
-
-    # ---- commits -------------------------------------------------------------------------------
+        return self._ctx.graph.resolve(spec)
 
     def read_commit(self, oid: str) -> Commit:
-        commit = self._commits.get(oid)
-        if commit is None:
-            data = self.store.get_commit(oid)  # its errors already name the commit
-            try:
-                commit = decode_commit(data)
-            except IntegrityError as exc:
-                raise IntegrityError(f"commit {oid}: {exc}") from None
-            self._commits[oid] = commit
-        return commit
+        return self._ctx.graph.read_commit(oid)
+
+    def pruned(self) -> dict[ObjectId, tuple[ObjectId, ...]]:
+        return self._ctx.graph.pruned()
+
+    def reachable_commits(self) -> list[ObjectId]:
+        """Every commit reachable from a branch or tag, walking through pruned commits' parents."""
+        return self._ctx.graph.reachable_commits()
+
+    # ---- commits -------------------------------------------------------------------------------
 
     def commit(
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
         branch: str | None = None, metadata: Mapping[str, Any] | None = None,
         progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
+        raw: bool = False,
     ) -> str:
         """Record files and directories as one commit on ``branch``; return the commit id.
 
         With ``base`` (and optionally ``base_repo``) the commit is an overlay: every file of the
         base commit that the given paths do not replace is inherited, and tensors equal to the
-        base's cost nothing.
+        base's cost nothing. A pickle checkpoint given as a path is refused unless ``raw``
+        (``import_checkpoint`` stores its tensors); see ``ingest.collect_sources``.
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        branch = check_ref_name(branch or self.head_branch, "branch name")
-        meta = self.encode_metadata(metadata)
-        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
-        return self._commit_sources(sources, message, branch, meta, progress, base=self._base(base, base_repo))
-
-    def _base(self, base: str | None, base_repo: str | os.PathLike[str] | None) -> tuple[ObjectId, str | None] | None:
-        """Resolve an overlay's base commit; a base in another repository becomes an alternate."""
-        if base_repo is None:
-            return None if base is None else (self.resolve(base), None)
-        from .overlay import link_base_repo, repo_location
-
-        other = Repo(base_repo)
-        oid = other.resolve(base or "HEAD")
-        link_base_repo(self, other)
-        self.base_repos.append(other)
-        return oid, repo_location(other)
+        self.wait()
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
+        meta = encode_metadata(metadata)
+        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
+        return commit_sources(self._ctx, sources, message, branch, meta, progress,
+                              base=resolve_base(self._ctx, base, base_repo))
 
     def commit_state(
         self, state: object, message: str = "", branch: str | None = None,
         metadata: Mapping[str, Any] | None = None, progress: ProgressFactory | None = None,
-        base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
-    ) -> str:
-        """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id."""
+        base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: bool = False,
+    ) -> Any:
+        """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id.
+
+        With ``background`` the tensors are copied and a ``CommitHandle`` is returned at once;
+        hashing, encoding and writing go on in the background (see background.py).
+        """
         from .state import STATE_TENSORS, STATE_VALUES, state_files
 
-        branch = check_ref_name(branch or self.head_branch, "branch name")
-        meta = self.encode_metadata(metadata)
-        sources = state_files(state)  # refuses unencodable values before anything is stored
-        return self._commit_sources(
-            sources, message, branch, meta, progress, state={"values": STATE_VALUES, "tensors": STATE_TENSORS},
-            base=self._base(base, base_repo),
-        )
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
+        meta = encode_metadata(metadata)
+        based = resolve_base(self._ctx, base, base_repo)
+
+        def write(sources: Sequence[Any]) -> str:
+            return commit_sources(self._ctx, sources, message, branch, meta, progress,
+                                  state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
+
+        if background:
+            if self._background is None:
+                self._background = BackgroundCommits(self.commits_in_flight)
+            return self._background.submit(lambda: state_files(state, snapshot=True), write)
+        self.wait()
+        return write(state_files(state))  # refuses unencodable values before anything is stored
+
+    def wait(self) -> None:
+        """Wait for background commits; raise the error of one that failed unobserved."""
+        if self._background is not None:
+            self._background.wait()
+            self._background.raise_unobserved()
 
     def load_state(
         self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Any = "cpu", lazy: bool = False
@@ -333,105 +223,7 @@ class Repo:
         """The state committed at ``ref``, bit-exact; ``only`` filters by key prefix or glob."""
         from .state import load_state
 
-        return load_state(self, ref, only=only, device=device, lazy=lazy)
-
-    def _commit_sources(
-        self, sources: Sequence[SourceFile | MemoryFile], message: str, branch: str, meta: Any,
-        progress: ProgressFactory | None, state: Mapping[str, str] | None = None,
-        base: tuple[ObjectId, str | None] | None = None,
-    ) -> str:
-        base_commit = self.read_commit(base[0]) if base is not None else None
-        with self.backend.repo_lock(exclusive=False, timeout=LOCK_TIMEOUT):
-            bar = progress(sum(s.size for s in sources), "commit") if progress else None
-            # An overlay's tensors are forward deltas against its base's (the base may live in
-            # another repository and must not change); a branch's new chunks are stored whole and
-            # the parent's re-encoded against them, so the branch tip is cheap to read.
-            overlay = bool(base_commit and self.config.encoding.max_delta_depth)
-            hints = parent_chunks(base_commit.files) if overlay and base_commit else None
-            recent = () if overlay else self._recent_chunks(branch)
-            try:
-                # One durability barrier for all of the commit's chunks; they are durable under
-                # their names when the block ends, before the manifest is written (format.md §8).
-                with self.store.batch() as staged:
-                    files, added = ingest(
-                        staged, sources, self.config.chunk_size, bar.update if bar else None, parent=hints,
-                        history=recent,
-                    )
-            finally:
-                if bar:
-                    bar.close()
-            base_record = None
-            if base is not None and base_commit is not None:
-                from .overlay import merge_files
-
-                files = merge_files(base_commit, files)
-                base_record = {"commit": base[0], "repo": base[1]}
-            return self.record_commit(files, added, message, branch, meta, state, base_record)
-
-    def _recent_chunks(self, branch: str) -> list[ParentChunks]:
-        """The chunks by position of the branch tip and its first parents, newest first, as
-        many as a chain can be long: the tip's are re-encoded against the new commit's, the
-        older ones tell how long the chain below each of them already is."""
-        depth = self.config.encoding.max_delta_depth
-        oid = self.refs.read(HEADS + branch)
-        out: list[ParentChunks] = []
-        while oid is not None and depth and len(out) <= depth:
-            try:
-                commit = self.read_commit(oid)
-            except CkstoreError:
-                break  # pruned or damaged: only costs compression
-            out.append(parent_chunks(commit.files))
-            oid = commit.parents[0] if commit.parents else None
-        return out
-
-    def set_config(self, config: RepoConfig) -> None:
-        """Replace the repository settings (they apply to objects written from now on)."""
-        config.validate()
-        self.backend.replace(CONFIG_KEY, config.to_json())
-        self.config = config
-        self.store.settings = config.encoding
-        self.store.zstd_level = config.zstd_level
-
-    def repack(self, **kwargs: Any) -> Any:
-        from .repack import repack
-
-        return repack(self, **kwargs)
-
-    @staticmethod
-    def encode_metadata(metadata: Mapping[str, Any] | None) -> Any:
-        metadata = dict(metadata or {})
-        for key in metadata:
-            if not isinstance(key, str):
-                raise InvalidInputError(f"metadata keys must be strings, not {key!r}")
-        return encode_value(metadata)
-
-    def record_commit(
-        self, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
-        state: Mapping[str, str] | None = None, base: Mapping[str, str | None] | None = None,
-    ) -> str:
-        """Write the manifest and move ``branch`` to it (objects must be stored already)."""
-        ref = HEADS + branch
-        for _ in range(20):
-            parent = self.refs.read(ref)
-            commit = Commit(
-                parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
-                files=tuple(files), metadata=metadata, provenance=provenance.collect(),
-                logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
-            )
-            oid = self.store.put_commit(encode_commit(commit)).id
-            try:
-                self.refs.update(ref, oid, expected=parent)
-            except RefChangedError:
-                continue  # another writer advanced the branch: re-parent onto its commit, as documented
-            except RefExistsError:
-                if self.refs.read(ref) is None:
-                    raise  # a name conflict ("a" vs "a/b"), not a race
-                continue  # another writer created the branch first: re-parent onto its commit
-            if self.refs.read(HEADS + self.head_branch) is None and branch != self.head_branch:
-                self.refs.set_head_branch(branch)
-            self._commits[oid] = commit
-            return oid
-        raise RefChangedError(f"branch {branch!r} kept moving; commit not recorded")
+        return load_state(self._ctx.graph, ref, only=only, device=device, lazy=lazy)
 
     def checkout(
         self, ref: str, out_dir: str | os.PathLike[str], *, force: bool = False,
@@ -443,33 +235,29 @@ class Repo:
         ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead;
         ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
-        commit = self.read_commit(self.resolve(ref))
-        if merge_lora:
-            if shard_size is not None or only:
-                raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
-            from .lora import plan_merged
+        outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress)
 
-            outputs = plan_merged(self.store, commit)
-        elif shard_size is not None:
-            from .shards import parse_size, plan_shards
+    def export(
+        self, ref: str, out_dir: str | os.PathLike[str], *, prefix: str | None = None,
+        weights: Sequence[str] | None = None, files_from: str | None = None, shard_size: int | str | None = None,
+        force: bool = False, progress: ProgressFactory | None = None,
+    ) -> CheckoutResult:
+        """Write exactly the model of ``ref`` as a folder ``from_pretrained`` loads (see export.py).
 
-            outputs = plan_shards(self.store, commit, parse_size(shard_size), only)
-        else:
-            outputs = plan_outputs(self.store, commit, only)
-        bar = progress(total_size(outputs), "checkout") if progress else None
-        try:
-            return write_outputs(self.store, outputs, Path(out_dir), force, bar.update if bar else None)
-        finally:
-            if bar:
-                bar.close()
+        ``prefix``: the key whose tensors are the model, removed from their names (a training
+        state: "model" by default); ``weights``: globs of the safetensors files holding the model
+        (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
+        whose config, tokenizer and other files are copied instead of ``ref``'s own.
+        """
+        source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
+        outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
+                              files_from=source, shard_size=shard_size)
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, "export")
 
-    def import_checkpoint(
-        self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
-        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
-    ) -> list[Any]:
+    def import_checkpoint(self, path: str | os.PathLike[str], **options: Any) -> list[Any]:
         """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""
-        return list(self.iter_import(path, recursive=recursive, message=message, branch=branch,
-                                     delete_source=delete_source, metadata=metadata))
+        return list(self.iter_import(path, **options))
 
     def iter_import(
         self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
@@ -478,20 +266,21 @@ class Repo:
         """Like ``import_checkpoint``, yielding each file's result as its commit lands."""
         from .legacy import import_checkpoints
 
-        yield from import_checkpoints(self, path, recursive=recursive, message=message, branch=branch,
+        yield from import_checkpoints(self.commit_state, self.load_state, path, exclude=self.path,
+                                      recursive=recursive, message=message, branch=branch,
                                       delete_source=delete_source, metadata=metadata)
 
     def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> Any:
         """A lazy read-only mapping of the commit's tensors with safe_open-style slices; see partial.py."""
         from .partial import LazyTensors
 
-        return LazyTensors(self, ref, path, framework)
+        return LazyTensors(self._ctx.graph, ref, path, framework)
 
     # ---- history and inspection ----------------------------------------------------------------
 
     def log(self, ref: str | None = None) -> list[LogEntry]:
         """Commits reachable from ``ref`` (default HEAD), newest first."""
-        return history.log(self, ref)
+        return history.log(self._ctx.graph, ref)
 
     def show(self, ref: str = "HEAD") -> tuple[ObjectId, Commit]:
         oid = self.resolve(ref)
@@ -499,68 +288,69 @@ class Repo:
 
     def from_base(self, ref: str) -> set[tuple[str, str | None]]:
         """(path, tensor) pairs of an overlay commit that are identical to its base's; empty otherwise."""
-        commit = self.read_commit(self.resolve(ref))
-        if commit.base is None:
-            return set()
         from .overlay import from_base
 
-        return from_base(commit, self.read_commit(commit.base["commit"]))  # type: ignore[arg-type]
+        commit = self.read_commit(self.resolve(ref))
+        return set() if commit.base is None else from_base(commit, self.read_commit(commit.base.commit))
 
     def read_file(self, oid: str, path: str) -> bytes:
         """The bytes of one (small) committed file, verified; for sidecars and configs."""
         for f in self.read_commit(oid).files:
             if f.path == path:
-                return b"".join(self.store.get_chunk(c.id, c.size, f" (file {path!r})") for c in f.all_chunks())
+                return read_file_bytes(self.store, f)
         raise RefNotFoundError(f"commit {oid[:12]} has no file {path!r}")
 
     def state_document(self, ref: str) -> Any:
         """The typed-JSON non-tensor part of a training-state commit (tensors appear as $tensor)."""
         oid = self.resolve(ref)
-        state = self.read_commit(oid).state
-        if state is None:
-            raise InvalidInputError(f"commit {oid[:12]} holds files, not a training state")
-        doc = parse_json(self.read_file(oid, state["values"]))
-        if not isinstance(doc, dict) or "value" not in doc:
-            raise IntegrityError(f"commit {oid[:12]}: malformed state document")
-        return doc["value"]
+        return state_values(self.store, oid, self.read_commit(oid))
 
     def diff(self, a: str, b: str) -> list[TensorChange]:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-        return history.diff(self, a, b)
-
-    def reachable_commits(self) -> list[ObjectId]:
-        """Every commit reachable from a branch or tag, walking through pruned commits' parents."""
-        pruned = self.pruned()
-        todo = [*self.branches().values(), *self.tags().values()]
-        seen: set[ObjectId] = set()
-        while todo:
-            oid = todo.pop()
-            if oid in seen:
-                continue
-            seen.add(oid)
-            todo.extend(pruned[oid] if oid in pruned else self.read_commit(oid).parents)
-        return sorted(oid for oid in seen if oid not in pruned)
+        return history.diff(self._ctx.graph, a, b)
 
     def stats(self) -> Stats:
         """Logical bytes over all commits, bytes stored, and counts."""
-        return history.stats(self)
+        return history.stats(self._ctx.graph)
+
+    def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
+        """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
+        return best(self._ctx.graph, metric, mode, branch)
+
+    # ---- maintenance ---------------------------------------------------------------------------
 
     def gc(
         self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
         maximize: bool = False, keep_every: int | None = None, dry_run: bool = False, repack: bool = False,
+        prune_now: bool = False, force: bool = False,
     ) -> GcReport:
         """Delete commits outside the retention policy (if any) and every object no kept commit needs.
 
-        With ``repack``, kept objects are re-encoded first (newest commits whole, older ones deltas).
+        Commits that unexpired reflog entries name are kept (``prune_now``: expire every entry
+        the refs no longer reach first). With ``repack``, kept objects are re-encoded first
+        (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
         """
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
-        return collect_garbage(self, policy, dry_run=dry_run, repack=repack)
+        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force)
 
-    def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
-        """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
-        return best(self, metric, mode, branch)
+    def repack(self) -> Any:
+        from .repack import repack
+
+        return repack(self._ctx)
+
+    def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
+               prune: bool = False) -> RelinkReport:
+        """Repair overlay links after a move: ``bases`` are base repositories' new locations,
+        ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
+        return relink(self._ctx, bases, dependents, prune)
 
     def fsck(self, read_data: bool = False) -> list[str]:
         from .fsck import check
 
-        return check(self, read_data=read_data)
+        return check(self._ctx, read_data=read_data)
+
+
+def _config(chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None) -> RepoConfig:
+    defaults = RepoConfig()
+    return RepoConfig(chunk_size or defaults.chunk_size, zstd_level or defaults.zstd_level,
+                      defaults.max_delta_depth if max_delta_depth is None else max_delta_depth)

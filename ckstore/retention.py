@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import InvalidInputError, NotFoundError
+from .graph import CommitGraph
+from .history import LogEntry, log
 from .ids import ObjectId
-from .refs import HEADS
-
-if TYPE_CHECKING:
-    from .repo import LogEntry, Repo
+from .refs import HEADS, TAGS
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,9 @@ class RetentionPolicy:
         for name in ("keep_last", "keep_best", "keep_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1")
+                raise InvalidInputError(f"{name} must be at least 1")
         if self.keep_best is not None and not self.metric:
-            raise InvalidInputError("--keep-best needs --metric NAME")
+            raise InvalidInputError("keep_best needs a metric to rank commits by")
 
     @property
     def active(self) -> bool:
@@ -87,11 +86,11 @@ def _every(history: list[LogEntry], k: int) -> list[LogEntry]:
     return out
 
 
-def select_kept(repo: Repo, policy: RetentionPolicy) -> set[ObjectId]:
-    keep = set(repo.tags().values())
-    for name, tip in repo.branches().items():
+def select_kept(graph: CommitGraph, policy: RetentionPolicy) -> set[ObjectId]:
+    keep = set(graph.refs.list(TAGS).values())
+    for name, tip in graph.refs.list(HEADS).items():
         keep.add(tip)
-        history = repo.log(HEADS + name)
+        history = log(graph, HEADS + name)
         if policy.keep_last is not None:
             keep.update(e.id for e in history[: policy.keep_last])
         if policy.keep_best is not None and policy.metric:
@@ -101,11 +100,11 @@ def select_kept(repo: Repo, policy: RetentionPolicy) -> set[ObjectId]:
     return keep
 
 
-def best(repo: Repo, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
+def best(graph: CommitGraph, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
     """The commit of ``branch`` (default: current) with the lowest (or highest) ``metric``."""
     if mode not in ("min", "max"):
         raise InvalidInputError("mode must be 'min' or 'max'")
-    history = repo.log(HEADS + (branch or repo.head_branch))
+    history = log(graph, HEADS + (branch or graph.head_branch()))
     ranked = _ranked(history, metric, mode == "max")
     if not ranked:
         raise NotFoundError(f"no commit on the branch records a numeric metric {metric!r}")

@@ -10,7 +10,7 @@ with no index, also as the Hub does. Sizes follow transformers: ``MB``/``GB`` ar
 ``MiB``/``GiB`` binary.
 
 Nothing is copied or re-encoded: each shard is a fresh header (``emit_header``) followed by the
-stored chunks of its tensors, planned as checkout ``_Output``s, so shards are streamed, verified
+stored chunks of its tensors, planned as checkout ``Output``s, so shards are streamed, verified
 and written atomically like any checkout. Safetensors files in sub-folders belong to other
 modules (sentence-transformers' ``2_Dense/``…) and are written unchanged, like every
 non-safetensors file; a previous top-level ``*.safetensors.index.json`` is dropped because the new
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from .checkout import _context, _full_output, _Output, select_tensors
+from .checkout import Output, check_patterns, full_output, select_tensors
 from .errors import InvalidInputError
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry
-from .safetensors_format import emit_header, parse_header
+from .filedata import file_context, header_metadata
+from .safetensors_format import emit_header
 from .store import ObjectStore
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -96,50 +97,70 @@ def _is_old_index(f: FileEntry) -> bool:
 
 def _common_metadata(store: ObjectStore, files: Sequence[FileEntry]) -> dict[str, str]:
     """The inputs' ``__metadata__`` when they all agree (``{"format": "pt"}`` otherwise)."""
-    found = []
-    for f in files:
-        header = b"".join(store.get_chunk(c.id, c.size, _context(f.path, None)) for c in f.header)
-        found.append(parse_header(header, f.size).metadata)
+    found = [header_metadata(store, f) for f in files]
     first = found[0] if found else None
     return first if first is not None and all(m == first for m in found) else dict(DEFAULT_METADATA)
 
 
-def plan_shards(
-    store: ObjectStore, commit: Commit, shard_size: int, only: Sequence[str] | None = None
-) -> list[_Output]:
-    """Outputs for a sharded checkout: the shards, their index, and the other files unchanged."""
-    inputs = [f for f in commit.files if _is_sharded_input(f)]
+def gather_tensors(
+    files: Sequence[FileEntry], name_of: Callable[[TensorEntry], str | None],
+) -> dict[str, tuple[FileEntry, TensorEntry]]:
+    """The tensors of ``files`` that ``name_of`` names (None: left out), under those names, each
+    with its file; two tensors under one name cannot go into one model and are refused."""
     tensors: dict[str, tuple[FileEntry, TensorEntry]] = {}
-    for f in inputs:
-        for t in select_tensors(f.tensors, only) if only else f.tensors:
-            if t.name in tensors:
-                raise InvalidInputError(
-                    f"tensor {t.name!r} is in both {tensors[t.name][0].path} and {f.path}; cannot shard them together")
-            tensors[t.name] = (f, t)
-    if not tensors:
-        raise InvalidInputError("the commit has no top-level safetensors tensors to shard")
+    for f in files:
+        for t in f.tensors:
+            name = name_of(t)
+            if name is None:
+                continue
+            if name in tensors:
+                raise InvalidInputError(f"tensor {name!r} is in both {tensors[name][0].path} and {f.path}; "
+                                        "one model cannot hold both")
+            tensors[name] = (f, t)
+    return tensors
+
+
+def plan_model_files(
+    store: ObjectStore, tensors: Mapping[str, tuple[FileEntry, TensorEntry]], shard_size: int | None,
+    metadata: dict[str, str],
+) -> list[Output]:
+    """The shards (plus their index) holding ``tensors`` under their keys, or ``model.safetensors``
+    alone when they fit one shard or ``shard_size`` is None. Each value is the committed tensor
+    and the file it came from (the key may differ from its name: a stripped prefix)."""
     order = sorted(tensors)
-    groups = split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
-    names = shard_names(len(groups))
-    metadata = _common_metadata(store, inputs)
+    groups = [order] if shard_size is None else split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
     outputs = []
     weight_map: dict[str, str] = {}
-    for shard_name, group in zip(names, groups):
-        entries = [tensors[n][1] for n in group]
-        header, _ = emit_header([(t.name, t.dtype, t.shape) for t in entries], metadata)
+    for shard_name, group in zip(shard_names(len(groups)), groups):
+        header, _ = emit_header([(n, tensors[n][1].dtype, tensors[n][1].shape) for n in group], metadata)
         pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
-        for t in entries:
-            pieces.extend((c, _context(tensors[t.name][0].path, t.name)) for c in t.chunks)
-            weight_map[t.name] = shard_name
-        outputs.append(_Output(shard_name, tuple(pieces), len(header) + sum(t.nbytes for t in entries)))
+        for n in group:
+            source, t = tensors[n]
+            pieces.extend((c, file_context(source.path, t.name)) for c in t.chunks)
+            weight_map[n] = shard_name
+        outputs.append(Output(shard_name, tuple(pieces), len(header) + sum(tensors[n][1].nbytes for n in group)))
     if len(groups) > 1:
         index = index_document(dict(sorted(weight_map.items())), sum(t.nbytes for _, t in tensors.values()))
-        outputs.append(_Output(INDEX_NAME, ((index, ""),), len(index)))
+        outputs.append(Output(INDEX_NAME, ((index, ""),), len(index)))
+    return outputs
+
+
+def plan_shards(
+    store: ObjectStore, commit: Commit, shard_size: int, only: Sequence[str] | None = None
+) -> list[Output]:
+    """Outputs for a sharded checkout: the shards, their index, and the other files unchanged."""
+    inputs = [f for f in commit.files if _is_sharded_input(f)]
+    if only:
+        check_patterns([t for f in inputs for t in f.tensors], only)
+    tensors = gather_tensors(inputs, lambda t: t.name if not only or select_tensors([t], only) else None)
+    if not tensors:
+        raise InvalidInputError("the commit has no top-level safetensors tensors to shard")
+    outputs = plan_model_files(store, tensors, shard_size, _common_metadata(store, inputs))
     written = {o.path for o in outputs}
     for f in commit.files:
         if _is_sharded_input(f) or _is_old_index(f):
             continue
         if f.path in written:
             raise InvalidInputError(f"the commit's file {f.path!r} would collide with a shard of the same name")
-        outputs.append(_full_output(f))
+        outputs.append(full_output(f))
     return outputs

@@ -23,48 +23,25 @@ import torch
 
 from .errors import IntegrityError, InvalidInputError, UnencodableValueError
 from .ingest import MemoryFile
-from .manifest import FileEntry, TensorEntry, canonical_json, parse_json
+from .filedata import state_document
+from .manifest import FileEntry, TensorEntry, canonical_json
 from .pipeline import ordered_map
 from .safetensors_format import emit_header, parse_header
+from .torch_tensors import ST_CODES, bytes_of, dtype_of_code, from_bytes, torch_dtype
 from .values import JSONValue, KeyPath, decode_value, encode_value, format_path
 
 if TYPE_CHECKING:
+    from .graph import CommitGraph
     from .manifest import Commit
-    from .repo import Repo
+    from .store import ObjectStore
 
 STATE_VALUES = "state.json"
 STATE_TENSORS = "state.safetensors"
 STATE_VERSION = 1
 
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
-}
-for _name, _code in (
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("float8_e8m0fnu", "F8_E8M0"),
-    ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-):
-    if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _code
-_FROM_ST = {code: dtype for dtype, code in _ST_DTYPES.items()}
-
-
-def _torch_dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise IntegrityError(f"unknown torch dtype {name!r} in state")
-    return dtype
-
-
 def dotted_name(path: KeyPath) -> str:
     """``("model", "0.weight")`` -> ``"model.0.weight"``: state_dict keys keep their own dots."""
     return ".".join(str(p) for p in path) if path else "<root>"
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 @dataclass
@@ -74,6 +51,8 @@ class _Flattener:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     specs: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     shared: dict[tuple[Any, ...], dict[str, JSONValue]] = field(default_factory=dict)
+    snapshot: bool = False  # take private copies (background commits: training goes on mutating)
+    device_copies: bool = False  # a non-blocking device-to-host copy is in flight
 
     def _name(self, path: KeyPath) -> str:
         # Plain dotted names ("model.layer1.weight"), what users and safetensors tools expect
@@ -103,9 +82,10 @@ class _Flattener:
             raise UnencodableValueError(f"tensor at {where} is on the meta device and holds no data")
         name = self._name(path)
         # resolve_conj/neg: a lazily conjugated view has no bytes of its own to reinterpret.
-        stored = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        stored = self._private_copy(value) if self.snapshot else (
+            value.detach().to("cpu").resolve_conj().resolve_neg().contiguous())
         payload: dict[str, JSONValue] = {"name": name}
-        code = _ST_DTYPES.get(stored.dtype)
+        code = ST_CODES.get(stored.dtype)
         if code is None:  # safetensors has no name for it: raw bytes + the real dtype and shape
             payload.update(dtype=str(stored.dtype).removeprefix("torch."), shape=list(stored.shape))
             shape = [stored.numel() * stored.element_size()]
@@ -117,6 +97,22 @@ class _Flattener:
         if key is not None:
             self.shared[key] = payload
         return payload
+
+    def _private_copy(self, value: torch.Tensor) -> torch.Tensor:
+        """One copy the caller can no longer change: CPU tensors cloned, device tensors copied
+        into pinned host memory without blocking (``finish`` synchronizes once)."""
+        source = value.detach().resolve_conj().resolve_neg()
+        if source.device.type == "cpu":
+            return source.clone(memory_format=torch.contiguous_format)
+        pinned = torch.cuda.is_available()
+        out = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
+        out.copy_(source, non_blocking=pinned)
+        self.device_copies = self.device_copies or pinned
+        return out
+
+    def finish(self) -> None:
+        if self.device_copies:
+            torch.cuda.synchronize()
 
     def leaf(self, path: KeyPath, value: object) -> tuple[str, JSONValue] | Any:
         if isinstance(value, torch.Tensor):
@@ -145,13 +141,18 @@ class _Flattener:
         return NotImplemented
 
 
-def state_files(state: object) -> list[MemoryFile]:
-    """The two in-memory files that represent ``state`` (raises before anything is stored)."""
-    flat = _Flattener()
+def state_files(state: object, snapshot: bool = False) -> list[MemoryFile]:
+    """The two in-memory files that represent ``state`` (raises before anything is stored).
+
+    With ``snapshot`` every tensor is copied, so the caller may change its tensors as soon as
+    this returns (background commits); otherwise the files view the caller's tensors.
+    """
+    flat = _Flattener(snapshot=snapshot)
     skeleton = encode_value(state, leaf=flat.leaf)
+    flat.finish()
     names = list(flat.tensors)
     header, _ = emit_header([(n, *flat.specs[n]) for n in names], {"format": "ckstore-state"})
-    segments = [memoryview(header)] + [_bytes_of(flat.tensors[n]) for n in names]
+    segments = [memoryview(header)] + [bytes_of(flat.tensors[n]) for n in names]
     layout = parse_header(header, sum(len(s) for s in segments))
     values = canonical_json({"ckstore_state": STATE_VERSION, "value": skeleton})
     return [MemoryFile(STATE_TENSORS, layout, tuple(segments)), MemoryFile(STATE_VALUES, None, (memoryview(values),))]
@@ -179,7 +180,7 @@ def _leaf_decoder(tag: str, payload: JSONValue) -> object:
         return _TensorRef(payload["name"], tag == "ndarray", dtype if isinstance(dtype, str) else None,
                           tuple(shape) if shape is not None else None)
     if tag == "torch_dtype":
-        return _torch_dtype(payload)
+        return torch_dtype(payload)
     if tag == "torch_device" and isinstance(payload, str):
         try:
             return torch.device(payload)
@@ -193,8 +194,8 @@ def _leaf_decoder(tag: str, payload: JSONValue) -> object:
 class _TensorReader:
     """Reads single tensors of one commit's safetensors file(s), each chunk verified."""
 
-    def __init__(self, repo: Repo, files: Sequence[FileEntry], device: str | torch.device) -> None:
-        self.store = repo.store
+    def __init__(self, store: ObjectStore, files: Sequence[FileEntry], device: str | torch.device) -> None:
+        self.store = store
         self.device = device
         self.entries: dict[str, tuple[FileEntry, TensorEntry]] = {
             t.name: (f, t) for f in files for t in f.tensors
@@ -256,12 +257,10 @@ class _TensorReader:
         _, entry = self._entry(ref)
         self.bytes_read += entry.nbytes
         if ref.dtype is not None:
-            dtype, shape = _torch_dtype(ref.dtype), ref.shape or ()
+            dtype, shape = torch_dtype(ref.dtype), ref.shape or ()
         else:
-            if entry.dtype not in _FROM_ST:
-                raise IntegrityError(f"tensor {entry.name!r} has dtype {entry.dtype}, which this torch lacks")
-            dtype, shape = _FROM_ST[entry.dtype], entry.shape
-        tensor = out.view(dtype).reshape(shape) if out.numel() else torch.empty(shape, dtype=dtype)
+            dtype, shape = dtype_of_code(entry.dtype, entry.name), entry.shape
+        tensor = from_bytes(out, dtype, shape)
         return tensor.to(self.device) if str(self.device) != "cpu" else tensor
 
 
@@ -337,33 +336,32 @@ class LazyState(Mapping[Any, Any]):
         return _materialize(self._node, self._reader)
 
 
-def _skeleton(repo: Repo, commit: Commit) -> object:
+def _skeleton(store: ObjectStore, commit: Commit) -> object:
     if commit.state is None:
         return None
-    entry = next(f for f in commit.files if f.path == commit.state["values"])
-    raw = b"".join(repo.store.get_chunk(c.id, c.size, f" (file {entry.path!r})") for c in entry.chunks)
-    doc = parse_json(raw)
+    doc = state_document(store, commit)
+    entry = commit.state.values
     if not isinstance(doc, dict) or doc.get("ckstore_state") != STATE_VERSION or set(doc) != {"ckstore_state", "value"}:
-        raise IntegrityError(f"{entry.path} is not a ckstore state document")
+        raise IntegrityError(f"{entry} is not a ckstore state document")
     return decode_value(doc["value"], leaf=_leaf_decoder)
 
 
 def load_state(
-    repo: Repo, ref: str = "HEAD", *, only: str | Sequence[str] | None = None,
+    graph: CommitGraph, ref: str = "HEAD", *, only: str | Sequence[str] | None = None,
     device: str | torch.device = "cpu", lazy: bool = False,
 ) -> Any:
     """The state committed at ``ref``. A commit of plain files loads as {tensor name: tensor}."""
-    commit = repo.read_commit(repo.resolve(ref))
-    skeleton = _skeleton(repo, commit)
+    commit = graph.read_commit(graph.resolve(ref))
+    skeleton = _skeleton(graph.store, commit)
     files = [f for f in commit.files if f.kind == "safetensors"]
     if skeleton is None:
         skeleton = {t.name: _TensorRef(t.name, False, None, None) for f in files for t in f.tensors}
     else:
-        files = [f for f in files if f.path == commit.state["tensors"]]  # type: ignore[index]
+        files = [f for f in files if f.path == commit.state.tensors]  # type: ignore[union-attr]
     if only is not None:
         patterns = [only] if isinstance(only, str) else list(only)
         _, skeleton = _prune(skeleton, (), patterns)
-    reader = _TensorReader(repo, files, device)
+    reader = _TensorReader(graph.store, files, device)
     if lazy:
         if not isinstance(skeleton, Mapping):
             raise InvalidInputError("lazy loading needs a state whose top level is a mapping")

@@ -12,14 +12,13 @@ damaged repository is an IntegrityError, not a hang.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .backend.base import Backend
 from .codec import (
     BASE_ID_SIZE,
-    ENCODINGS_BY_REPO_VERSION,
     HEADER_SIZE,
     Encoding,
     Kind,
@@ -30,6 +29,7 @@ from .codec import (
     encode_delta,
     parse_header,
 )
+from .config import EncodingSettings
 from .errors import CkstoreError, IntegrityError, ObjectMissingError
 from .ids import ObjectId, chunk_id, commit_id, is_object_id
 
@@ -56,27 +56,14 @@ class PutResult:
     stored: int  # bytes this put added to the store (0 when the object existed)
 
 
-@dataclass(frozen=True)
-class EncodingSettings:
-    """How new chunk objects are encoded (repository settings, see config.RepoConfig)."""
-
-    zstd_level: int = 3
-    max_delta_depth: int = 0  # 0: never a delta
-    repo_version: int = 2
-
-    @property
-    def allowed(self) -> frozenset[Encoding]:
-        return ENCODINGS_BY_REPO_VERSION[self.repo_version]
-
-
 class ObjectStore:
-    def __init__(self, backend: Backend, zstd_level: int = 3, settings: EncodingSettings | None = None) -> None:
+    def __init__(self, backend: Backend, settings: EncodingSettings | None = None) -> None:
         self.backend = backend
-        self.settings = settings or EncodingSettings(zstd_level=zstd_level, repo_version=1)
-        self.zstd_level = self.settings.zstd_level
+        self.settings = settings or EncodingSettings()
         # Base repositories' stores (overlays): reads fall through to them, and an object one of
         # them holds is referenced, never copied. Writes and deletes stay local.
         self.alternates: list[ObjectStore] = []
+        self.missing_hint = ""  # appended to "object … is missing" (a base repository that moved)
         # Objects reverse_delta has re-encoded (or decided not to) through this store.
         self._claimed: set[str] = set()
         self._claim_lock = threading.Lock()
@@ -94,7 +81,7 @@ class ObjectStore:
         key = object_key(oid)
         if self.has(oid):
             return PutResult(oid, 0)
-        data = encode(raw, kind, self.zstd_level)
+        data = encode(raw, kind, self.settings.zstd_level)
         return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
 
     def put_chunk(self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None) -> PutResult:
@@ -146,6 +133,25 @@ class ObjectStore:
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
         return None if base is None else ObjectId(base)
+
+    def with_delta_bases(self, chunks: Iterable[str]) -> set[str]:
+        """``chunks`` plus every delta base they need, transitively (reads object headers only)."""
+        live = set(chunks)
+        todo = list(live)
+        while todo:
+            oid = todo.pop()
+            try:
+                base = self.base_of(oid)
+            except ObjectMissingError:
+                continue  # nothing to follow; fsck reports the missing object
+            except IntegrityError as exc:
+                # Without its header we cannot know what it needs, so deleting anything could
+                # lose data: stop rather than guess.
+                raise IntegrityError(f"{exc}; gc stopped, run 'ckstore fsck'") from None
+            if base is not None and base not in live:
+                live.add(base)
+                todo.append(base)
+        return live
 
     @contextmanager
     def batch(self) -> Iterator[ObjectStore]:
@@ -244,7 +250,7 @@ class ObjectStore:
                     return alt._read_any(oid, n, context)
                 except ObjectMissingError:
                     continue
-            raise ObjectMissingError(f"object {oid} is missing{context}") from None
+            raise ObjectMissingError(f"object {oid} is missing{context}{self.missing_hint}") from None
 
     def get_chunk(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes:
         """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""

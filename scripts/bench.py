@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_data import RUNS, ensure_checkpoints  # noqa: E402
 
-from ckstore.backend.local import fsync_path  # noqa: E402
+from ckstore.fsio import fsync_path  # noqa: E402
 from ckstore import Repo  # noqa: E402
 from ckstore.codec import encode_chunk  # noqa: E402
 from ckstore.safetensors_format import DTYPE_BITS  # noqa: E402

@@ -229,7 +229,8 @@ def test_branches_from_one_commit_each_keep_their_tip_whole(tmp_path: Path) -> N
 
 
 def _cli_commit(repo: Path, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckstore.cli", "--repo", str(repo), "commit", str(folder)],
+    fault_cli = Path(__file__).resolve().parent / "fault_cli.py"  # the CLI with the tests' fault injection
+    return subprocess.run([sys.executable, str(fault_cli), "--repo", str(repo), "commit", str(folder)],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -110,7 +110,8 @@ def _trainer(epochs: int, plugins: list[Any], callbacks: list[Any], root: Path) 
     )
 
 
-def test_lightning_checkpoint_io_commits_and_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_lightning_checkpoint_io_commits_and_resumes_exactly(tmp_path: Path, background: bool) -> None:
     pl = pytest.importorskip("lightning.pytorch")
     from ckstore.integrations.lightning import CkstoreCheckpointIO, read_pointer
 
@@ -122,7 +123,7 @@ def test_lightning_checkpoint_io_commits_and_resumes_exactly(tmp_path: Path) -> 
     _trainer(3, [], [], tmp_path / "straight").fit(straight, loader())
 
     repo = Repo.init(tmp_path / "repo")
-    io = CkstoreCheckpointIO(repo, branch="run1")
+    io = CkstoreCheckpointIO(repo, branch="run1", background=background)
     ckpt_dir = tmp_path / "ckpts"
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, monitor="train_loss", save_top_k=1, save_last=True)
     pl.seed_everything(0)
@@ -181,14 +182,15 @@ class DictData(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-@pytest.mark.parametrize("on, save_strategy", [("epoch", "no"), ("save", "steps")])
-def test_hf_trainer_callback_commits_and_restores(tmp_path: Path, on: str, save_strategy: str) -> None:
+@pytest.mark.parametrize("on, save_strategy, background", [("epoch", "no", False), ("save", "steps", False),
+                                                         ("save", "steps", True)])
+def test_hf_trainer_callback_commits_and_restores(tmp_path: Path, on: str, save_strategy: str, background: bool) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from ckstore.integrations.hf import CkstoreCallback, restore
 
     repo = Repo.init(tmp_path / "repo")
-    callback = CkstoreCallback(repo, branch="hf", on=on)
+    callback = CkstoreCallback(repo, branch="hf", on=on, background=background)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), num_train_epochs=2, per_device_train_batch_size=8, learning_rate=0.01,
         save_strategy=save_strategy, save_steps=2, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,

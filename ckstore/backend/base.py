@@ -12,8 +12,13 @@ suite that runs against each one):
 * ``get`` of a missing key raises ``KeyError``; ``delete`` of a missing key returns False.
 * ``list(prefix)`` yields every key under a folder-like prefix, never temporary files.
 * ``repo_lock(exclusive=…)`` is a reader/writer lock over the whole repository, released when
-  the holder exits, even by a crash: commits hold it shared, gc holds it exclusively.
+  the holder exits, even by a crash: commits hold it shared, gc holds it exclusively. It is the
+  only locking seam above the backend: the local backend uses ``flock``; a backend on object
+  storage, where no such lock exists, implements it with lock objects and a grace period.
 * Storage failures surface as ``ckstore.errors.StorageError`` with a one-line message.
+* ``append_line(key, line)`` adds one ``\n``-terminated line at the end of a value, durably; a
+  line that a crash tore during an earlier append (a value not ending in ``\n``) is cut off
+  first, so it never runs into the new one. Callers serialise appends to one key.
 * ``batch()`` yields a view of the backend whose ``put_if_absent`` and ``replace_object`` may be
   deferred: a put is visible through the view at once (``get``, ``size``, ``exists``, a second
   put of the key returns False), and every put is durable and visible to everyone when the
@@ -32,7 +37,10 @@ from contextlib import AbstractContextManager, contextmanager
 
 from ..errors import InvalidPathError
 
-_KEY_PART = re.compile(r"[A-Za-z0-9._@+-]+")
+# '%' carries the escapes of ref names (refs.encode_ref); no character here can change a path.
+_KEY_PART = re.compile(r"[A-Za-z0-9._@+%-]+")
+# How long an operation waits for the repository lock (a gc or repack may hold it that long).
+REPO_LOCK_TIMEOUT = 600.0
 
 
 def check_key(key: str) -> str:
@@ -41,6 +49,13 @@ def check_key(key: str) -> str:
     if not key or any(p in ("", ".", "..") or not _KEY_PART.fullmatch(p) for p in parts):
         raise InvalidPathError(f"invalid storage key {key!r}")
     return key
+
+
+def check_line(line: bytes) -> bytes:
+    """``append_line`` takes exactly one line: a torn-tail repair must never cut a record in two."""
+    if not line.endswith(b"\n") or b"\n" in line[:-1]:
+        raise ValueError("append_line takes one line ending in a newline")
+    return line
 
 
 def check_prefix(prefix: str) -> str:
@@ -77,6 +92,14 @@ class Backend(ABC):
     @abstractmethod
     def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]: ...
 
+    def shared_lock(self) -> AbstractContextManager[None]:
+        """The repository lock as writers of new objects hold it (commits, ref updates)."""
+        return self.repo_lock(exclusive=False, timeout=REPO_LOCK_TIMEOUT)
+
+    def exclusive_lock(self) -> AbstractContextManager[None]:
+        """The repository lock as gc and repack hold it."""
+        return self.repo_lock(exclusive=True, timeout=REPO_LOCK_TIMEOUT)
+
     @abstractmethod
     def clean_temporary(self) -> int:
         """Remove temporary files left by interrupted writers; only safe under the exclusive lock."""
@@ -95,6 +118,24 @@ class Backend(ABC):
     def describe(self, key: str) -> str:
         """Where a key lives, for error messages."""
         return key
+
+    def prune_folders(self, key: str, stop: str) -> None:
+        """Remove the folders that held the deleted ``key`` while they are empty, up to (not
+        including) the folder ``stop``: a deleted ref ``a/b`` must not leave a folder ``a`` that
+        blocks a new ref ``a``. Backends without folders have nothing to do."""
+
+    def append_line(self, key: str, line: bytes) -> None:
+        """Append ``line`` (one line ending in ``\\n``) to the value at ``key``, creating it.
+
+        This default rewrites the value atomically (correct for any backend, linear in its
+        size); backends that can append in place override it.
+        """
+        check_line(line)
+        try:
+            old = self.get(key)
+        except KeyError:
+            old = b""
+        self.replace(key, old[: old.rfind(b"\n") + 1] + line)
 
     @contextmanager
     def batch(self) -> Iterator[Backend]:

@@ -17,11 +17,8 @@ The repository lock is ``fcntl.flock`` on the file ``lock``: the kernel drops it
 dies, so a killed commit can never wedge gc. (flock is not reliable on every network filesystem;
 docs/design.md says so.)
 
-Test-only fault injection: when the environment variable ``CKSTORE_FAULT`` is ``ACTION@K``, the
-K-th mutating step (write, fsync, link, rename, unlink, mkdir; checkout's output files count too,
-through ``fault_point``) of this process does ACTION instead:
-``kill`` (SIGKILL itself), ``enospc`` or ``eio`` (raise that OSError). ``CKSTORE_FAULT_COUNT=path``
-makes the process write its step count to that file, so a harness can enumerate every K.
+Every mutating step (write, fsync, link, rename, unlink, mkdir) goes through
+``fsio.mutating_step``, the seam the crash and fault-injection tests use.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import signal
 import threading
 import time
 import uuid
@@ -39,42 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from ..errors import LockedError, StorageError
-from .base import Backend, check_key, check_prefix
+from ..errors import InvalidInputError, LockedError, RefExistsError, StorageError
+from ..fsio import fsync_path, mutating_step
+from .base import Backend, check_key, check_line, check_prefix
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
-
-
-class _FaultPlan:
-    def __init__(self) -> None:
-        spec = os.environ.get("CKSTORE_FAULT", "")
-        self.action, _, k = spec.partition("@")
-        self.at = int(k) if k.isdigit() else 0
-        self.count_file = os.environ.get("CKSTORE_FAULT_COUNT")
-        self.steps = 0
-
-    def step(self) -> None:
-        self.steps += 1
-        if self.count_file:
-            with open(self.count_file, "w") as f:
-                f.write(str(self.steps))
-        if self.steps != self.at:
-            return
-        if self.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.action == "enospc":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        if self.action == "eio":
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-
-_FAULTS = _FaultPlan()
-
-
-def fault_point() -> None:
-    """One mutating step outside the backend (checkout output files), for the test-only hook."""
-    _FAULTS.step()
 
 
 def _load_syncfs() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -120,13 +86,47 @@ def _move_if_absent(src: Path, dst: Path) -> bool | None:
     return None
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or folder by path (a folder's fsync makes its entries durable)."""
-    fd = os.open(path, os.O_RDONLY)
+def locate_repository(path: str | os.PathLike[str], marker: str, default_dir: str) -> Path | None:
+    """The repository folder at ``path`` (or its ``default_dir`` child): where ``marker`` exists."""
+    root = Path(path)
+    for candidate in (root, root / default_dir):
+        if (candidate / marker).is_file():
+            return candidate
+    return None
+
+
+def find_repository(start: str | os.PathLike[str], marker: str, default_dir: str) -> Path | None:
+    """The nearest ``default_dir`` holding ``marker`` at or above ``start``."""
+    here = Path(start).resolve()
+    for folder in (here, *here.parents):
+        if (folder / default_dir / marker).is_file():
+            return folder / default_dir
+    return None
+
+
+def prepare_new_repository(path: str | os.PathLike[str], marker: str) -> Path:
+    """Create the folder for a new repository; refuse one that exists with anything in it."""
+    root = Path(path)
+    if (root / marker).exists():
+        raise RefExistsError(f"a repository already exists at {root}")
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise InvalidInputError(f"{root} exists and is not an empty directory")
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _storage_error(exc, f"creating {root}") from None
+    return root
+
+
+def _last_line_end(fd: int, end: int, block: int = 1 << 16) -> int:
+    """Offset just past the last newline before ``end`` (0 when there is none)."""
+    while end > 0:
+        start = max(0, end - block)
+        found = os.pread(fd, end - start, start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        end = start
+    return 0
 
 
 def _storage_error(exc: OSError, doing: str) -> StorageError:
@@ -167,7 +167,7 @@ class LocalBackend(Backend):
             raise _storage_error(exc, f"reading {self.describe(key)}") from None
 
     def _fsync_dir(self, path: Path) -> None:
-        _FAULTS.step()
+        mutating_step()
         fsync_path(path)
 
     def _ensure_dir(self, path: Path, created: set[Path] | None = None) -> None:
@@ -176,7 +176,7 @@ class LocalBackend(Backend):
         if path.is_dir():
             return
         self._ensure_dir(path.parent, created)
-        _FAULTS.step()
+        mutating_step()
         try:
             os.mkdir(path)
         except FileExistsError:
@@ -190,14 +190,14 @@ class LocalBackend(Backend):
         tmp_dir = self.root / TMP_DIR
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / f"{uuid.uuid4().hex}.tmp"
-        _FAULTS.step()
+        mutating_step()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             if sync:
-                _FAULTS.step()
+                mutating_step()
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -212,15 +212,21 @@ class LocalBackend(Backend):
         try:
             self._ensure_dir(path.parent)
             tmp = self._write_temp(data)
-            _FAULTS.step()
-            if exclusive:
+            for attempt in range(3):
+                mutating_step()
                 try:
-                    os.link(tmp, path)
+                    if exclusive:
+                        os.link(tmp, path)
+                    else:
+                        os.replace(tmp, path)
+                        tmp = None
+                    break
                 except FileExistsError:
                     return False
-            else:
-                os.replace(tmp, path)
-                tmp = None
+                except FileNotFoundError:
+                    if attempt == 2 or not tmp.exists():
+                        raise
+                    self._ensure_dir(path.parent)  # a ref deletion pruned the empty folder meanwhile
             self._fsync_dir(path.parent)
             return True
         except OSError as exc:
@@ -243,16 +249,54 @@ class LocalBackend(Backend):
     def create_exclusive(self, key: str, data: bytes) -> bool:
         return self._install(key, data, exclusive=True)
 
+    def append_line(self, key: str, line: bytes) -> None:
+        """Append in place: the file is never rewritten, so a long reflog costs one write."""
+        path = self._path(check_key(key))
+        check_line(line)
+        try:
+            self._ensure_dir(path.parent)
+            mutating_step()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                end = new_file_end = os.fstat(fd).st_size
+                if end and os.pread(fd, 1, end - 1) != b"\n":
+                    end = _last_line_end(fd, end)
+                    mutating_step()
+                    os.ftruncate(fd, end)  # a line torn by a crash: it must not run into ours
+                view = memoryview(line)
+                mutating_step()
+                while view:
+                    written = os.pwrite(fd, view, end)
+                    view, end = view[written:], end + written
+                mutating_step()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not new_file_end:  # the file may be new: make its directory entry durable too
+                self._fsync_dir(path.parent)
+        except OSError as exc:
+            raise _storage_error(exc, f"appending to {self.describe(key)}") from None
+
     def delete(self, key: str) -> bool:
         path = self._path(key)
         try:
-            _FAULTS.step()
+            mutating_step()
             path.unlink()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return False
         except OSError as exc:
             raise _storage_error(exc, f"deleting {self.describe(key)}") from None
         return True
+
+    def prune_folders(self, key: str, stop: str) -> None:
+        path, top = self._path(key).parent, self.root / check_key(stop)
+        while path != top and top in path.parents:
+            mutating_step()
+            try:
+                os.rmdir(path)
+            except OSError:
+                return  # not empty (another ref, or a writer's new lock file), or gone already
+            path = path.parent
 
     def size(self, key: str) -> int | None:
         try:
@@ -316,7 +360,7 @@ class LocalBackend(Backend):
         platform lacks it, an fsync of each of ``paths`` (files or folders), run concurrently so
         the filesystem can commit them together."""
         if self.use_syncfs and _SYNCFS is not None:
-            _FAULTS.step()
+            mutating_step()
             fd = os.open(self.root, os.O_RDONLY)
             try:
                 if _SYNCFS(fd) == 0:
@@ -328,7 +372,7 @@ class LocalBackend(Backend):
                 raise OSError(err, os.strerror(err))
         todo = sorted(set(paths))
         for _ in todo:
-            _FAULTS.step()  # one step per fsync, counted up front (the fsyncs run in parallel)
+            mutating_step()  # one step per fsync, counted up front (the fsyncs run in parallel)
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(fsync_path, todo))
 
@@ -435,7 +479,7 @@ class LocalBatch(Backend):
     @staticmethod
     def _unlink(tmp: Path) -> None:
         try:
-            _FAULTS.step()
+            mutating_step()
             tmp.unlink(missing_ok=True)
         except OSError:
             pass  # a stray temporary file is harmless; gc removes it
@@ -468,7 +512,7 @@ class LocalBatch(Backend):
                 path = self.inner._path(key)
                 self.inner._ensure_dir(path.parent, folders)
                 folders.add(path.parent)
-                _FAULTS.step()
+                mutating_step()
                 moved = _move_if_absent(tmp, path)
                 if moved is False:
                     lost.add(key)  # another writer stored it first: same name, same bytes
@@ -480,7 +524,7 @@ class LocalBatch(Backend):
             for key, tmp, after in replaces:
                 if after is not None and after in lost:
                     continue
-                _FAULTS.step()
+                mutating_step()
                 os.replace(tmp, self.inner._path(key))
                 del leftovers[tmp]
             # No barrier for the replacements: the old and the new encoding decode to the same

@@ -32,13 +32,15 @@ except ImportError:  # pragma: no cover - depends on what is installed
 class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
     """Commit the training state to ckstore on Trainer saves or at epoch ends."""
 
-    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None, on: str = "save") -> None:
+    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None, on: str = "save",
+                 background: bool = False) -> None:
         if on not in ("save", "epoch"):
             raise InvalidInputError("on must be 'save' or 'epoch'")
         root = None if isinstance(repo, Repo) else Path(repo)
         self.repo = repo if isinstance(repo, Repo) else (Repo(root) if root.exists() else Repo.init(root))  # type: ignore[arg-type]
         self.branch = branch
         self.on = on
+        self.background = background  # the Trainer waits only for a copy of the tensors
         self.commits: list[str] = []
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -65,9 +67,15 @@ class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
         metadata = {**scalar_metrics(metrics), "step": state.global_step}
         if state.epoch is not None:
             metadata["epoch"] = int(round(state.epoch)) if abs(state.epoch - round(state.epoch)) < 1e-9 else state.epoch
-        oid = self.repo.commit_state(snapshot, message=f"trainer step {state.global_step}", branch=self.branch,
-                                     metadata=metadata)
-        self.commits.append(oid)
+        result = self.repo.commit_state(snapshot, message=f"trainer step {state.global_step}", branch=self.branch,
+                                        metadata=metadata, background=self.background)
+        if self.background:
+            result.add_done_callback(self.commits.append)
+        else:
+            self.commits.append(result)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.repo.wait()  # every commit recorded (or its error raised) before train() returns
 
 
 def restore(repo: Repo, ref: str, model: Any, optimizer: Any = None, scheduler: Any = None,

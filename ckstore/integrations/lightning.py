@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def write_pointer(path: str | os.PathLike[str], repo: Repo, commit: str) -> None
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     doc = {"format": POINTER_FORMAT, "commit": commit, "repo": str(repo.path) if repo.path else None}
-    tmp = target.with_name(target.name + ".ckstore-tmp")
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.ckstore-tmp")
     tmp.write_text(json.dumps(doc) + "\n")
     os.replace(tmp, target)
 
@@ -66,12 +67,18 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
-    """Lightning ``CheckpointIO`` that commits checkpoints to a ckstore repository."""
+    """Lightning ``CheckpointIO`` that commits checkpoints to a ckstore repository.
 
-    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None) -> None:
+    With ``background=True`` (what Lightning's ``AsyncCheckpointIO`` does for files) a save
+    waits only for a copy of the checkpoint's tensors; the commit is written on a worker thread
+    and the pointer file appears once it is recorded. ``teardown`` (end of fit) waits for it.
+    """
+
+    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None, background: bool = False) -> None:
         super().__init__()
         self.repo = repo if isinstance(repo, Repo) else _open_or_init(repo)
         self.branch = branch
+        self.background = background
         self.last_commit: str | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -82,13 +89,24 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
             # ModelCheckpoint(monitor=...) records the score this save is ranked by.
             if isinstance(state, dict) and isinstance(state.get("monitor"), str) and "current_score" in state:
                 metadata.update(scalar_metrics({state["monitor"]: state["current_score"]}))
-        self.last_commit = self.repo.commit_state(
+        result = self.repo.commit_state(
             plain(checkpoint), message=f"lightning checkpoint {Path(path).name}", branch=self.branch,
-            metadata={**metadata, "checkpoint": Path(path).name},
+            metadata={**metadata, "checkpoint": Path(path).name}, background=self.background,
         )
-        write_pointer(path, self.repo, self.last_commit)
+        if self.background:
+            result.add_done_callback(lambda oid: self._recorded(path, oid))
+        else:
+            self._recorded(path, result)
+
+    def _recorded(self, path: Any, oid: str) -> None:
+        self.last_commit = oid
+        write_pointer(path, self.repo, oid)
+
+    def teardown(self) -> None:
+        self.repo.wait()  # raises a background commit's error rather than losing it
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        self.repo.wait()
         # weights_only is about unpickling, which ckstore never does: every load is "weights only".
         pointer = read_pointer(path)
         ref = pointer["commit"] if pointer else str(path)
@@ -102,6 +120,7 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the pointer file only; the commit remains until ``ckstore gc`` retention drops it."""
+        self.repo.wait()
         if read_pointer(path) is not None:
             os.remove(path)
 

@@ -28,7 +28,8 @@ from ckstore.store import object_key
 # Figures for docs/reliability.md (written out by conftest.py when CKSTORE_RELIABILITY_REPORT is set).
 COUNTS: Counter[str] = Counter()
 
-CLI = (sys.executable, "-m", "ckstore.cli")
+# The CLI with the tests' fault injection (CKSTORE_FAULT / CKSTORE_FAULT_COUNT, see tests/fault_cli.py).
+CLI = (sys.executable, str(Path(__file__).resolve().parent.parent / "fault_cli.py"))
 MEMORY_LIMIT = 1 << 30
 TEMP_SUFFIXES = (".ckstore-tmp", ".tmp")
 
@@ -163,7 +164,8 @@ def refs_of(repo_path: Path) -> dict[str, str]:
 
 
 def ref_locks(repo_path: Path) -> list[Path]:
-    return sorted((repo_path / "refs").rglob("*.lock"))
+    head = repo_path / "HEAD.lock"  # switch locks HEAD
+    return sorted((repo_path / "refs").rglob("*.lock")) + ([head] if head.exists() else [])
 
 
 def checkout_digest(repo: Repo, oid: str, scratch: Path) -> dict[str, str]:

@@ -1,0 +1,144 @@
+"""What every command shares: the group, error handling, repository lookup, output helpers.
+
+Errors are the contract: every ``CkstoreError`` becomes ``ckstore: <one line>`` on stderr and its
+class's exit code (see errors.py); no traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from functools import update_wrapper
+from typing import Any, NoReturn
+
+import click
+
+from ..errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
+from ..repo import ProgressBar, Repo
+
+EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141  # 128 + SIGPIPE
+
+
+def die(message: str, code: int) -> NoReturn:
+    click.echo(f"ckstore: {message}", err=True)
+    sys.exit(code)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_meta_value(text: str) -> Any:
+    """``--meta`` values are typed: ints and floats stay numbers, true/false booleans, else str."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_meta(pairs: tuple[str, ...]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidInputError(f"--meta expects KEY=VALUE, got {pair!r}")
+        out[key] = parse_meta_value(value)
+    return out
+
+
+def progress_factory() -> Callable[[int, str], ProgressBar] | None:
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    def make(total: int, desc: str) -> ProgressBar:
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False)
+
+    return make
+
+
+def print_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+
+
+def output_closed() -> NoReturn:
+    """The reader of our output went away (``ckstore log | head -1``): not an error to report.
+    stdout is pointed at /dev/null so the interpreter's final flush cannot fail again, and the
+    exit code is a closed pipe's, as git's (the shell shows nothing for it)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real file (tests capture output in memory): nothing will flush to a pipe
+    sys.exit(EXIT_PIPE)
+
+
+def show_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for w in caught:
+        if issubclass(w.category, CkstoreWarning):
+            click.echo(f"ckstore: warning: {w.message}", err=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CkstoreWarning)
+                result = super().invoke(ctx)
+            show_warnings(caught)
+            return result
+        except BrokenPipeError:
+            output_closed()
+        except CkstoreError as exc:
+            die(str(exc), exc.exit_code)
+        except KeyboardInterrupt:
+            die("interrupted", EXIT_INTERRUPTED)
+        except OSError as exc:
+            die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
+        except MemoryError:
+            die("out of memory", 1)
+
+
+def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Find the repository when the command runs (so `ckstore CMD --help` works anywhere)."""
+
+    @click.pass_context
+    def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
+        return ctx.invoke(f, Repo.find(ctx.find_root().params.get("repo_path")), *args, **kwargs)
+
+    return update_wrapper(wrapper, f)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--repo", "repo_path", metavar="PATH", help="Repository (default: $CKSTORE_REPO, else the nearest .ckstore).")
+@click.version_option(package_name="ckstore")
+@click.pass_context
+def main(ctx: click.Context, repo_path: str | None) -> None:
+    """ckstore: a content-addressed, deduplicating store for training checkpoints."""
+
+
+def run() -> None:
+    try:
+        main(prog_name="ckstore", standalone_mode=True)
+    finally:
+        try:
+            sys.stdout.flush()  # output still buffered when the command returned
+        except BrokenPipeError:
+            output_closed()
+

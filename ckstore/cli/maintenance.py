@@ -1,0 +1,104 @@
+"""Commands that look after a repository: gc, repack, config, fsck."""
+
+from __future__ import annotations
+
+
+import click
+
+from ..errors import IntegrityError, InvalidInputError
+from ..repo import Repo
+from .base import die, human, main, pass_repo
+
+
+@main.command()
+@click.option("--keep-last", type=int, metavar="N", help="Keep the N newest commits of every branch.")
+@click.option("--keep-best", type=int, metavar="N", help="Keep the N best commits of every branch by --metric.")
+@click.option("--metric", metavar="NAME", help="Metadata metric for --keep-best (lower is better unless --max).")
+@click.option("--max", "maximize", is_flag=True, help="Higher --metric is better.")
+@click.option("--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position).")
+@click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
+@click.option("--repack", is_flag=True, help="Re-encode the kept objects first (newest commits whole).")
+@click.option("--prune-now", is_flag=True,
+              help="Expire now every reflog entry the refs no longer reach, so its commits go too.")
+@click.option("--force", is_flag=True, help="Run even if it would delete every commit.")
+@pass_repo
+def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
+       keep_every: int | None, dry_run: bool, repack: bool, prune_now: bool, force: bool) -> None:
+    """Delete old commits (with retention options; tags are always kept) and unneeded objects.
+
+    Commits that a branch or tag no longer names stay while the reflog names them (30 days by
+    default, see 'ckstore config'); --prune-now deletes them now."""
+    for flag, value in (("--keep-last", keep_last), ("--keep-best", keep_best), ("--keep-every", keep_every)):
+        if value is not None and value < 1:
+            raise InvalidInputError(f"{flag} must be at least 1")
+    if keep_best is not None and not metric:
+        raise InvalidInputError("--keep-best needs --metric NAME")
+    report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
+                     keep_every=keep_every, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force)
+    verb = "would delete" if dry_run else "deleted"
+    deleted = [*report.pruned_commits, *report.unreachable_commits]
+    for oid in deleted:
+        click.echo(f"{verb} commit {oid}")
+    if report.expired_entries:
+        click.echo(f"{'would expire' if dry_run else 'expired'} {report.expired_entries} reflog entr"
+                   f"{'y' if report.expired_entries == 1 else 'ies'}")
+    if report.reflog_commits:
+        click.echo(f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
+                   " 'ckstore gc --prune-now' deletes them")
+    if report.deletes_every_commit:
+        click.echo("this gc would delete every commit of the repository (it needs --force)" if dry_run
+                   else "deleted every commit of the repository")
+    click.echo(
+        f"{verb} {len(deleted)} commit(s) and {report.deleted_objects} object(s), "
+        f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
+    )
+
+
+@main.command()
+@pass_repo
+def repack(repo: Repo) -> None:
+    """Re-encode every kept object with the current settings: newest commits whole, older ones deltas."""
+    r = repo.repack()
+    if r.upgraded:
+        click.echo("upgraded the repository to format version 2")
+    click.echo(
+        f"repacked {r.objects} object(s): rewrote {r.rewritten}, {r.deltas} now deltas; "
+        f"{human(r.bytes_before)} -> {human(r.bytes_after)}"
+    )
+
+
+_SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth", "reflog_expire_days", "reflog_expire_unreachable_days")
+
+
+@main.command(name="config")
+@click.argument("key", required=False, type=click.Choice(_SETTINGS))
+@click.argument("value", required=False, type=int)
+@pass_repo
+def config_command(repo: Repo, key: str | None, value: int | None) -> None:
+    """Show the repository settings, or set KEY to VALUE (applies to objects written later)."""
+    from dataclasses import replace
+
+    if key is None:
+        for name in ("version", *_SETTINGS):
+            click.echo(f"{name} = {getattr(repo.config, name)}")
+        return
+    if value is None:
+        click.echo(getattr(repo.config, key))
+        return
+    if key == "max_delta_depth" and repo.config.version < 2:
+        raise InvalidInputError("a version-1 repository has no deltas; run 'ckstore repack' to upgrade it first")
+    repo.set_config(replace(repo.config, **{key: value}))
+    click.echo(f"{key} = {value}")
+
+
+@main.command()
+@click.option("--read-data", is_flag=True, help="Also decompress and re-hash every object.")
+@pass_repo
+def fsck(repo: Repo, read_data: bool) -> None:
+    """Check that every ref, manifest and object is present and sound."""
+    problems = repo.fsck(read_data=read_data)
+    for problem in problems:
+        click.echo(problem)
+    if problems:
+        die(f"{len(problems)} problem(s) found", IntegrityError.exit_code)
+    click.echo("no problems found" + (" (all data re-hashed)" if read_data else ""))

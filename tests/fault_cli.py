@@ -1,0 +1,48 @@
+"""``python tests/fault_cli.py ARGS…``: the ckstore CLI with test-only fault injection.
+
+The environment variable ``CKSTORE_FAULT=ACTION@K`` makes the K-th mutating file-system step of
+the process (every write, fsync, link, rename, unlink and mkdir of the local backend and of
+checkout's output files; see ckstore/fsio.py) do ACTION instead: ``kill`` (SIGKILL itself),
+``enospc`` or ``eio`` (raise that OSError). ``CKSTORE_FAULT_COUNT=PATH`` writes the running step
+count to PATH, so a harness can enumerate every K. The production code only offers the seam.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout under test
+
+from ckstore import fsio  # noqa: E402
+from ckstore.cli import run  # noqa: E402
+
+
+class FaultPlan:
+    def __init__(self, spec: str, count_file: str | None) -> None:
+        self.action, _, k = spec.partition("@")
+        self.at = int(k) if k.isdigit() else 0
+        self.count_file = count_file
+        self.steps = 0
+
+    def __call__(self) -> None:
+        self.steps += 1
+        if self.count_file:
+            with open(self.count_file, "w") as f:
+                f.write(str(self.steps))
+        if self.steps != self.at:
+            return
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.action == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if self.action == "eio":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+if __name__ == "__main__":
+    fsio.observe_steps(FaultPlan(os.environ.get("CKSTORE_FAULT", ""), os.environ.get("CKSTORE_FAULT_COUNT")))
+    run()

@@ -1,0 +1,202 @@
+"""Background commits: the caller waits for a snapshot only; errors and exit are never silent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckstore import Repo
+from ckstore.background import CommitHandle
+from ckstore.errors import StorageError
+
+
+def _state(seed: int = 0) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(32, 64, generator=g))
+    return {"model": model.state_dict(), "step": seed}
+
+
+def test_background_commit_stores_the_snapshot_not_later_changes(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "repo")
+    state = _state()
+    expected = state["model"]["weight"].clone()  # type: ignore[index]
+    handle = repo.commit_state(state, message="step 0", background=True)
+    assert isinstance(handle, CommitHandle)
+    with torch.no_grad():  # training goes on mutating its tensors in place
+        state["model"]["weight"].add_(1.0)  # type: ignore[index]
+    oid = handle.result(timeout=60)
+    assert torch.equal(repo.load_state(oid)["model"]["weight"], expected)
+    assert repo.log()[0].id == oid
+
+
+def test_training_resumes_bit_exact_from_a_background_commit(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(6)]
+
+    def step(m: torch.nn.Module, o: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        loss = torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        return loss.item()
+
+    repo = Repo.init(tmp_path / "repo")
+    for batch in data[:3]:
+        step(model, opt, batch)
+    handle = repo.commit_state({"model": model.state_dict(), "optimizer": opt.state_dict()}, background=True)
+    losses = [step(model, opt, batch) for batch in data[3:]]  # runs while the commit is written
+    state = Repo(tmp_path / "repo").load_state(handle.result(timeout=60))
+    resumed = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    resumed.load_state_dict(state["model"])
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    opt2.load_state_dict(state["optimizer"])
+    assert [step(resumed, opt2, batch) for batch in data[3:]] == losses
+
+
+def test_at_most_one_snapshot_in_flight_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = Repo.init(tmp_path / "repo")
+    release = threading.Event()
+    import ckstore.repo as repo_module
+
+    real = repo_module.commit_sources
+
+    def slow(*args: object, **kwargs: object) -> str:
+        release.wait(30)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(repo_module, "commit_sources", slow)
+    first = repo.commit_state(_state(1), background=True)
+    second: list[CommitHandle] = []
+    waiter = threading.Thread(target=lambda: second.append(repo.commit_state(_state(2), background=True)))
+    waiter.start()
+    time.sleep(0.5)
+    assert not second and not first.done()  # the second snapshot waits for the first commit
+    release.set()
+    waiter.join(30)
+    ids = [first.result(30), second[0].result(30)]
+    assert [e.id for e in repo.log()] == ids[::-1]
+
+
+def test_a_failed_background_commit_raises_on_result_and_on_the_next_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = Repo.init(tmp_path / "repo")
+    repo.commit_state(_state(0))
+
+    def full(*args: object, **kwargs: object) -> str:
+        raise StorageError("No space left on device while writing objects")
+
+    import ckstore.repo as repo_module
+
+    monkeypatch.setattr(repo_module, "commit_sources", full)
+    handle = repo.commit_state(_state(1), background=True)
+    with pytest.raises(StorageError, match="No space"):
+        handle.result(30)
+    unobserved = repo.commit_state(_state(2), background=True)
+    while not unobserved.done():
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(StorageError, match="No space"):
+        repo.commit_state(_state(3))  # the next commit reports the failure nobody looked at
+    assert len(repo.log()) == 1 and repo.fsck() == []
+    repo.commit_state(_state(4))  # reported once: the repository carries on
+    assert len(repo.log()) == 2
+
+
+def test_interpreter_exit_waits_for_pending_commits(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import torch
+        from ckstore import Repo
+        repo = Repo.init({str(tmp_path / "repo")!r})
+        repo.commit_state({{"w": torch.arange(1 << 20, dtype=torch.float32)}}, message="last", background=True)
+        # exits at once: the commit must still land
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    repo = Repo(tmp_path / "repo")
+    assert [e.commit.message for e in repo.log()] == ["last"]
+    assert torch.equal(repo.load_state("HEAD")["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_unobserved_failure_is_reported_at_exit(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import torch
+        import ckstore.repo
+        from ckstore import Repo
+        from ckstore.errors import StorageError
+        repo = Repo.init({str(tmp_path / "repo")!r})
+        def full(*a, **k):
+            raise StorageError("No space left on device")
+        ckstore.repo.commit_sources = full
+        repo.commit_state({{"w": torch.zeros(4)}}, background=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "background commit failed" in result.stderr and "No space" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.05, 0.1, 0.2, 0.4])
+def test_killed_with_a_commit_in_flight_leaves_a_consistent_repository(tmp_path: Path, delay: float) -> None:
+    """SIGKILL at various moments while a background commit is being written: afterwards fsck
+    is clean, the earlier commits load bit-exact, and the new one is either absent or whole."""
+    repo = Repo.init(tmp_path / "repo", chunk_size=1 << 16)
+    first = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    repo.commit_state(first, message="before")
+    script = textwrap.dedent(f"""
+        import os, signal, time, torch
+        from ckstore import Repo
+        repo = Repo({str(tmp_path / "repo")!r})
+        state = {{"w": torch.arange(1 << 20, dtype=torch.float32) * 1.0001 + 1}}
+        repo.commit_state(state, message="in flight", background=True)
+        time.sleep({delay})
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    subprocess.run([sys.executable, "-c", script], timeout=120, check=False)
+    after = Repo(tmp_path / "repo")
+    assert after.fsck(read_data=True) == []
+    messages = [e.commit.message for e in after.log()]
+    assert messages in (["before"], ["in flight", "before"])
+    assert torch.equal(after.load_state("HEAD~1" if len(messages) == 2 else "HEAD")["w"], first["w"])
+    if len(messages) == 2:
+        assert torch.equal(after.load_state("HEAD")["w"], torch.arange(1 << 20, dtype=torch.float32) * 1.0001 + 1)
+
+
+@pytest.mark.parametrize("at_step", [1, 5, 20])
+def test_disk_full_in_the_background_worker_fails_the_handle_and_keeps_the_repository(
+    tmp_path: Path, at_step: int
+) -> None:
+    import errno
+    import os
+
+    from ckstore import fsio
+
+    repo = Repo.init(tmp_path / "repo", chunk_size=1 << 16)
+    repo.commit_state({"w": torch.zeros(1 << 18)}, message="before")
+    steps = [0]
+
+    def observer() -> None:  # every step from here on is the background commit's
+        steps[0] += 1
+        if steps[0] == at_step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    fsio.observe_steps(observer)
+    try:
+        handle = repo.commit_state({"w": torch.arange(1 << 18, dtype=torch.float32)}, message="full disk",
+                                   background=True)
+        with pytest.raises(StorageError, match="No space left"):
+            handle.result(60)
+    finally:
+        fsio.observe_steps(None)
+    assert [e.commit.message for e in repo.log()] == ["before"]
+    assert repo.fsck(read_data=True) == []
+    assert repo.commit_state({"w": torch.ones(1 << 18)}, message="after") == repo.resolve("HEAD")
