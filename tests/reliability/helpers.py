@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import ckstore.commit
 import ckstore.provenance
-import ckstore.repo
 from ckstore.repo import Repo
 from ckstore.safetensors_format import emit_header
 from ckstore.store import object_key
@@ -125,7 +125,7 @@ def reproducible_commits() -> Iterator[None]:
         return (start + timedelta(seconds=next(ticks))).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ckstore.repo, "_now", clock)  # raises if the name moves: update it here
+        patch.setattr(ckstore.commit, "_now", clock)  # raises if the name moves: update it here
         patch.setattr(ckstore.provenance, "collect", lambda cwd=None: {"ckstore": "test", "python": "3"})
         yield
 
