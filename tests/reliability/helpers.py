@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import ckstore.commit
 import ckstore.provenance
+import ckstore.commit
 from ckstore.repo import Repo
 from ckstore.safetensors_format import emit_header
 from ckstore.store import object_key
