@@ -130,18 +130,23 @@ def _train(run: str, out: Path, epochs: int, steps: int, batch: int, seq: int) -
     return dirs
 
 
-def ensure_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str, list[Path]]:
-    """The epoch directories of every run at ``steps`` steps per epoch, training the runs not
-    already on disk (a run is complete once its last epoch's optimizer file exists: it is written
-    last)."""
-    out = out / f"s{steps}"
+def cached_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str, list[Path]]:
+    """The epoch directories of the runs at ``steps`` steps per epoch that are complete on disk
+    (a run is complete once its last epoch's optimizer file exists: each file is renamed into
+    place once written, the optimizer's last)."""
     result = {}
     for run in RUNS:
-        dirs = [out / run / f"epoch{e}" for e in range(1, epochs + 1)]
-        if not all((d / "optimizer.safetensors").is_file() for d in dirs):
-            dirs = train_run(run, out, epochs, steps)
-        result[run] = dirs
+        dirs = [out / f"s{steps}" / run / f"epoch{e}" for e in range(1, epochs + 1)]
+        if all((d / "optimizer.safetensors").is_file() for d in dirs):
+            result[run] = dirs
     return result
+
+
+def ensure_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str, list[Path]]:
+    """The epoch directories of every run at ``steps`` steps per epoch, training the runs not
+    already on disk."""
+    cached = cached_checkpoints(out, epochs, steps)
+    return {run: cached.get(run) or train_run(run, out / f"s{steps}", epochs, steps) for run in RUNS}
 
 
 if __name__ == "__main__":

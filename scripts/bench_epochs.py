@@ -6,9 +6,9 @@ hits both sides alike:
 
 - the baseline: safetensors ``save_file`` of the epoch's tensors (already in memory) + fsync of
   both files and their folder; ``load_file`` of both files + reading every byte;
-- ``Repo.commit`` of the epoch's files, in each naming layout (one name for every epoch, a folder
-  per epoch, a file name per epoch), each layout in a fresh repository; then checkout of the
-  newest commit into an empty folder;
+- ``Repo.commit`` of the epoch's files, in each naming layout (one name for every epoch, a file
+  name per epoch), each layout in a fresh repository; then checkout of the newest commit into an
+  empty folder;
 - ``Repo.commit_state`` of the same tensors as an in-memory state (synchronous), then
   ``load_state`` of the newest + reading every byte;
 - ``commit_state(..., background=True)``: the time until it returns (what the training loop is
@@ -42,10 +42,11 @@ from ckstore.fsio import fsync_path
 
 FILES = ("model.safetensors", "optimizer.safetensors")
 # How a training script names what it saves each epoch; the path committed for file f of epoch n.
+# (A folder per epoch, epoch_N/model.safetensors, pairs tensors by the same rule as a file name per
+# epoch — the path is new, the tensor name is not — so it is not timed separately.)
 LAYOUTS: dict[str, Callable[[int, str], str]] = {
     "one name": lambda n, f: f,
-    "epoch folders": lambda n, f: f"epoch_{n}/{f}",
-    "epoch files": lambda n, f: f.replace(".safetensors", f"_epoch_{n}.safetensors"),
+    "epoch names": lambda n, f: f.replace(".safetensors", f"_epoch_{n}.safetensors"),
 }
 
 
