@@ -37,7 +37,7 @@ CLI = "import sys; from ckstore.cli import run; sys.argv[0] = 'ckstore'; run()"
 
 def write_big_safetensors(path: Path, total: int, tensors: int = 4) -> None:
     """``tensors`` float32 tensors of ``total`` bytes together, written block by block."""
-    per = total // tensors // 4 * 4
+    per = total // tensors // 4096 * 4096  # whole rows of 1024 float32
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     for i in range(tensors):
         header[f"layer{i}.weight"] = {"dtype": "F32", "shape": [per // 4 // 1024, 1024],
