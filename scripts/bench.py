@@ -212,7 +212,6 @@ def main() -> None:
     started = time.perf_counter()
     prepare = cached_checkpoints if args.only_cached else ensure_checkpoints
     data = {steps: prepare(work / "checkpoints", steps=steps) for steps in steps_list}
-    missing = [f"{run} at {steps} steps" for steps in steps_list for run in RUNS if run not in data[steps]]
     trained = time.perf_counter() - started
     load = Load()
     # The memory tests and the machine limits use the biggest checkpoints measured.
@@ -225,18 +224,30 @@ def main() -> None:
     print(limits, flush=True)
 
     results: dict[tuple[int, str], dict] = {}
-    for steps in steps_list:
-        for run in (r for r in RUNS if r in data[steps]):
-            load.sample()
-            dirs = data[steps][run]
-            print(f"{run}, {steps} steps/epoch ...", flush=True)
-            times, stored, raw = bench_epochs.measure(dirs, work / "epochs", reps)
-            results[(steps, run)] = {"times": times, "stored": stored, "raw": raw,
-                                     "other": compressors(dirs, run, work, with_hexz=not args.quick)}
-            print(bench_report.summary_line(steps, run, results[(steps, run)]), flush=True)
+    # With --only-cached a run still training elsewhere is tried again after the others.
+    queue = [(steps, run, False) for steps in steps_list for run in RUNS]
+    missing = []
+    while queue:
+        steps, run, retried = queue.pop(0)
+        if run not in data[steps]:
+            data[steps] = cached_checkpoints(work / "checkpoints", steps=steps)
+        if run not in data[steps]:
+            if retried:
+                missing.append(f"{run} at {steps} steps")
+            else:
+                queue.append((steps, run, True))
+            continue
+        load.sample()
+        dirs = data[steps][run]
+        print(f"{run}, {steps} steps/epoch ...", flush=True)
+        times, stored, raw = bench_epochs.measure(dirs, work / "epochs", reps)
+        results[(steps, run)] = {"times": times, "stored": stored, "raw": raw,
+                                 "other": compressors(dirs, run, work, with_hexz=not args.quick)}
+        print(bench_report.summary_line(steps, run, results[(steps, run)]), flush=True)
+    results = dict(sorted(results.items(), key=lambda item: (item[0][0], RUNS.index(item[0][1]))))
 
     gap = sweeps = None
-    if args.extras:
+    if args.extras and (min(steps_list), "fp32_full") in results:
         load.sample()
         print("encoding estimate and trade-off sweeps ...", flush=True)
         dirs = data[min(steps_list)]["fp32_full"]
