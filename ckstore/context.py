@@ -9,6 +9,8 @@ alternates of this one and their graphs resolve names this one does not know.
 from __future__ import annotations
 
 import os
+import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,12 +20,25 @@ from .backend.memory import MemoryBackend
 from .config import CONFIG_KEY, RepoConfig
 from .errors import CkstoreError, InvalidInputError, RefExistsError, RepoNotFoundError, UnsupportedFormatError
 from .graph import CommitGraph
-from .links import ALTERNATES_KEY, MAX_BASE_DEPTH, read_paths
+from .links import ALTERNATES_KEY, MAX_BASE_DEPTH, Link, read_links
 from .refs import RefStore
 from .store import ObjectStore
 
 DEFAULT_DIR = ".ckstore"
 REPO_ENV = "CKSTORE_REPO"
+
+
+@dataclass(frozen=True)
+class BrokenBase:
+    """A base repository named in ``alternates`` that could not be opened."""
+
+    link: Link
+    holder: str  # the repository whose ``alternates`` names it: where ``relink`` must run
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"{self.link.entry} ({self.link.location}) cannot be opened: {self.reason}; if it moved, "
+                f"run 'ckstore --repo {shlex.quote(self.holder)} relink NEW_LOCATION'")
 
 
 @dataclass
@@ -35,7 +50,7 @@ class RepoContext:
     refs: RefStore
     graph: CommitGraph
     bases: list[RepoContext] = field(default_factory=list)
-    broken_alternates: list[str] = field(default_factory=list)  # bases that could not be opened (fsck)
+    broken_alternates: list[BrokenBase] = field(default_factory=list)  # bases that could not be opened
 
     @property
     def location(self) -> str:
@@ -43,6 +58,27 @@ class RepoContext:
         if self.path is None:
             raise InvalidInputError("an in-memory repository cannot be a base repository")
         return str(Path(self.path).resolve())
+
+    def open_bases(self, depth: int = 0) -> None:
+        """(Re)open the base repositories ``alternates`` names; record those that do not open."""
+        self.bases, self.broken_alternates = [], []
+        self.store.alternates, self.graph.bases = [], []
+        self.store.missing_hint = ""
+        if self.path is None:
+            return
+        here = self.location
+        for link in read_links(self.backend, ALTERNATES_KEY, here):
+            try:
+                if depth >= MAX_BASE_DEPTH:
+                    raise UnsupportedFormatError("base repositories nest too deeply")
+                base = open_context(link.location, depth=depth + 1)
+            except CkstoreError as exc:
+                self.broken_alternates.append(BrokenBase(link, here, why_unopened(exc)))
+                continue
+            self.add_base(base)
+        # A missing object is then most likely in the lost base (or a base's): say how to reconnect it.
+        hints = [f"; base repository {b}" for b in self.broken_alternates] + [b.store.missing_hint for b in self.bases]
+        self.store.missing_hint = next((h for h in hints if h), "")
 
     def add_base(self, base: RepoContext) -> None:
         self.bases.append(base)
@@ -81,16 +117,13 @@ def open_context(
     refs = RefStore(backend)
     ctx = RepoContext(root, backend, config, store, refs, CommitGraph(backend, store, refs))
     if open_alternates:
-        for location in read_paths(backend, ALTERNATES_KEY):
-            try:
-                if depth >= MAX_BASE_DEPTH:
-                    raise UnsupportedFormatError("base repositories nest too deeply")
-                base = open_context(location, depth=depth + 1)
-            except CkstoreError as exc:
-                ctx.broken_alternates.append(f"{location}: {exc}")
-                continue
-            ctx.add_base(base)
+        ctx.open_bases(depth)
     return ctx
+
+
+def why_unopened(exc: CkstoreError) -> str:
+    """Why a linked repository could not be opened, without advice meant for other situations."""
+    return "no repository there" if isinstance(exc, RepoNotFoundError) else str(exc)
 
 
 def init_context(
@@ -106,8 +139,27 @@ def init_context(
     return open_context(path, backend=backend)
 
 
+def open_or_init_context(
+    path: str | os.PathLike[str], config: RepoConfig, backend: Backend | None = None, check: Iterable[str] = (),
+) -> RepoContext:
+    """The repository at ``path``, created with ``config`` if there is none (a training script
+    that runs twice). A setting named in ``check`` that the existing repository has with another
+    value is refused: the caller asked for it explicitly and would silently not get it."""
+    try:
+        return init_context(path, config, backend)
+    except RefExistsError:  # there already, or created meanwhile by another process
+        ctx = open_context(path, backend=backend)
+    for name in check:
+        have, want = getattr(ctx.config, name), getattr(config, name)
+        if have != want:
+            raise InvalidInputError(f"the repository at {path} exists with {name} {have}, not {want}")
+    return ctx
+
+
 def memory_context(config: RepoConfig) -> RepoContext:
-    return init_context("<memory>", config, backend=MemoryBackend())
+    ctx = init_context("<memory>", config, backend=MemoryBackend())
+    ctx.path = None  # no location: it can be neither a base nor an overlay of another repository
+    return ctx
 
 
 def find_context(explicit: str | os.PathLike[str] | None = None, start: str | os.PathLike[str] | None = None) -> RepoContext:

@@ -10,6 +10,7 @@ from .context import RepoContext
 from .errors import CkstoreError
 from .graph import kept_parents
 from .ids import ObjectId
+from .overlay import link_problems
 from .pipeline import ordered_map
 from .refs import HEADS, TAGS
 from .store import MAX_CHAIN_DEPTH, ObjectStore
@@ -59,7 +60,9 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
         ctx.refs.head_branch()
     except CkstoreError as exc:
         problems.append(str(exc))
-    problems.extend(f"base repository unreachable: {b}" for b in ctx.broken_alternates)
+    problems.extend(link_problems(ctx))  # each names the relink command that repairs it
+    logged, reflog_problems = ctx.refs.logs.check()
+    problems.extend(reflog_problems)
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
@@ -76,7 +79,10 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
 
     needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
     seen: set[str] = set()
-    todo = [(oid, f"ref {key}") for key, oid in tips]
+    # Commits the reflog names are kept by gc and restorable, so they must be whole too; walked
+    # after the refs' history (todo is a stack), so damage both reach is named from a ref.
+    todo = [(oid, f"reflog of {ref}; 'ckstore gc' drops entries whose commits are gone") for ref, oid in logged]
+    todo += [(oid, f"ref {key}") for key, oid in tips]
     while todo:
         oid, via = todo.pop()
         if oid in seen:

@@ -63,6 +63,7 @@ class ObjectStore:
         # Base repositories' stores (overlays): reads fall through to them, and an object one of
         # them holds is referenced, never copied. Writes and deletes stay local.
         self.alternates: list[ObjectStore] = []
+        self.missing_hint = ""  # appended to "object … is missing" (a base repository that moved)
         # Objects reverse_delta has re-encoded (or decided not to) through this store.
         self._claimed: set[str] = set()
         self._claim_lock = threading.Lock()
@@ -249,7 +250,7 @@ class ObjectStore:
                     return alt._read_any(oid, n, context)
                 except ObjectMissingError:
                     continue
-            raise ObjectMissingError(f"object {oid} is missing{context}") from None
+            raise ObjectMissingError(f"object {oid} is missing{context}{self.missing_hint}") from None
 
     def get_chunk(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes:
         """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""

@@ -6,18 +6,22 @@ class's exit code (see errors.py); no traceback reaches the user.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sys
+import warnings
 from collections.abc import Callable
 from functools import update_wrapper
 from typing import Any, NoReturn
 
 import click
 
-from ..errors import CkstoreError, InvalidInputError, StorageError
+from ..errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ..repo import ProgressBar, Repo
 
 EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141  # 128 + SIGPIPE
 
 
 def die(message: str, code: int) -> NoReturn:
@@ -71,10 +75,36 @@ def print_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
 
 
+def output_closed() -> NoReturn:
+    """The reader of our output went away (``ckstore log | head -1``): not an error to report.
+    stdout is pointed at /dev/null so the interpreter's final flush cannot fail again, and the
+    exit code is a closed pipe's, as git's (the shell shows nothing for it)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real file (tests capture output in memory): nothing will flush to a pipe
+    sys.exit(EXIT_PIPE)
+
+
+def show_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for w in caught:
+        if issubclass(w.category, CkstoreWarning):
+            click.echo(f"ckstore: warning: {w.message}", err=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CkstoreWarning)
+                result = super().invoke(ctx)
+            show_warnings(caught)
+            return result
+        except BrokenPipeError:
+            output_closed()
         except CkstoreError as exc:
             die(str(exc), exc.exit_code)
         except KeyboardInterrupt:
@@ -104,5 +134,11 @@ def main(ctx: click.Context, repo_path: str | None) -> None:
 
 
 def run() -> None:
-    main(prog_name="ckstore", standalone_mode=True)
+    try:
+        main(prog_name="ckstore", standalone_mode=True)
+    finally:
+        try:
+            sys.stdout.flush()  # output still buffered when the command returned
+        except BrokenPipeError:
+            output_closed()
 

@@ -18,22 +18,38 @@ from .base import die, human, main, pass_repo
 @click.option("--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position).")
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @click.option("--repack", is_flag=True, help="Re-encode the kept objects first (newest commits whole).")
+@click.option("--prune-now", is_flag=True,
+              help="Expire now every reflog entry the refs no longer reach, so its commits go too.")
+@click.option("--force", is_flag=True, help="Run even if it would delete every commit.")
 @pass_repo
 def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
-       keep_every: int | None, dry_run: bool, repack: bool) -> None:
-    """Delete old commits (with retention options; tags are always kept) and unneeded objects."""
+       keep_every: int | None, dry_run: bool, repack: bool, prune_now: bool, force: bool) -> None:
+    """Delete old commits (with retention options; tags are always kept) and unneeded objects.
+
+    Commits that a branch or tag no longer names stay while the reflog names them (30 days by
+    default, see 'ckstore config'); --prune-now deletes them now."""
     for flag, value in (("--keep-last", keep_last), ("--keep-best", keep_best), ("--keep-every", keep_every)):
         if value is not None and value < 1:
             raise InvalidInputError(f"{flag} must be at least 1")
     if keep_best is not None and not metric:
         raise InvalidInputError("--keep-best needs --metric NAME")
     report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
-                     keep_every=keep_every, dry_run=dry_run, repack=repack)
+                     keep_every=keep_every, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force)
     verb = "would delete" if dry_run else "deleted"
-    for oid in report.pruned_commits:
+    deleted = [*report.pruned_commits, *report.unreachable_commits]
+    for oid in deleted:
         click.echo(f"{verb} commit {oid}")
+    if report.expired_entries:
+        click.echo(f"{'would expire' if dry_run else 'expired'} {report.expired_entries} reflog entr"
+                   f"{'y' if report.expired_entries == 1 else 'ies'}")
+    if report.reflog_commits:
+        click.echo(f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
+                   " 'ckstore gc --prune-now' deletes them")
+    if report.deletes_every_commit:
+        click.echo("this gc would delete every commit of the repository (it needs --force)" if dry_run
+                   else "deleted every commit of the repository")
     click.echo(
-        f"{verb} {len(report.pruned_commits)} commit(s) and {report.deleted_objects} object(s), "
+        f"{verb} {len(deleted)} commit(s) and {report.deleted_objects} object(s), "
         f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
     )
 
@@ -51,7 +67,7 @@ def repack(repo: Repo) -> None:
     )
 
 
-_SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth")
+_SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth", "reflog_expire_days", "reflog_expire_unreachable_days")
 
 
 @main.command(name="config")
