@@ -57,14 +57,6 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def touch(tree: Any) -> int:
     """Read every byte of every tensor (a lazy or mapped load pays for its data here)."""
     if isinstance(tree, torch.Tensor):
@@ -139,7 +131,7 @@ class EpochBench:
             def save() -> None:
                 for f, part in zip(FILES, ("model", "optimizer")):
                     save_file(state[part], str(folder / f))
-                    fsync_file(folder / f)
+                    fsync_path(folder / f)
                 fsync_path(folder)
 
             times.append(timed(save))
@@ -190,7 +182,7 @@ class EpochBench:
 
         def torch_save() -> None:
             torch.save(state, target)
-            fsync_file(target)
+            fsync_path(target)
             fsync_path(folder)
 
         self._add("torch.save", timed(torch_save))

@@ -70,8 +70,14 @@ def _label(steps: int, run: str) -> str:
     return f"{run}, {steps}"
 
 
+def _table(text: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A paragraph, then a markdown table."""
+    lines = [text, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def summary_line(steps: int, run: str, r: dict[str, Any]) -> str:
-    t, stored, raw = r["times"], r["stored"], r["raw"]
+    t, stored = r["times"], r["stored"]
     zipnn = r["other"]["zipnn"][0]
     worst = max(stored[k] for k in [*LAYOUTS, "state"]) / zipnn
     return (f"{run} {steps}: stored {worst:.2f}x ZipNN; commit {t['commit one name'] / t['save']:.2f}x, "
@@ -83,33 +89,36 @@ def storage(results: Results) -> str:
     head = ["steps/epoch", "run", "raw MB", "zstd -3 / file", "ZipNN", "hexz (vs previous)", "torch.save", "DCP",
             *(f"ckstore, {layout}" for layout in LAYOUTS), "ckstore, commit_state", "ckstore / ZipNN (worst)",
             "target"]
-    lines = [
+    rows = []
+    for (steps, run), r in results.items():
+        raw, stored, other = r["raw"], r["stored"], r["other"]
+        hexz = _frac(other["hexz"][0] / raw) if "hexz" in other else "–"
+        ours = [stored[k] for k in [*LAYOUTS, "state"]]
+        rows.append([str(steps), run, f"{raw / MB:.0f}", _frac(other["zstd"][0] / raw), _frac(other["zipnn"][0] / raw),
+                     hexz, _frac(stored["torch.save"] / raw), _frac(stored["dcp"] / raw), *(_frac(v / raw) for v in ours),
+                     f"**{max(ours) / other['zipnn'][0]:.2f}**", f"≤ {STORED_TARGETS[run]:.2f}"])
+    return _table(
         "Bytes stored for the 4 epochs together, as a fraction of their raw size. zstd (level 3), ZipNN and "
         "torch formats store each epoch on its own; hexz packs each file against the previous epoch's pack. "
         "ckstore commits each epoch to one repository in two namings of the same files — one name every "
         "epoch (`model.safetensors`) and a name per epoch (`model_epoch_N.safetensors`, as training scripts and "
         "Lightning's `epoch=N-step=M.ckpt` name them) — and as an in-memory state (`commit_state`). The ratio to "
-        "ZipNN is the worst of the three.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
-    for (steps, run), r in results.items():
-        raw, stored, other = r["raw"], r["stored"], r["other"]
-        hexz = _frac(other["hexz"][0] / raw) if "hexz" in other else "–"
-        ours = [stored[k] for k in [*LAYOUTS, "state"]]
-        cells = [str(steps), run, f"{raw / MB:.0f}", _frac(other["zstd"][0] / raw), _frac(other["zipnn"][0] / raw), hexz,
-                 _frac(stored["torch.save"] / raw), _frac(stored["dcp"] / raw), *(_frac(v / raw) for v in ours),
-                 f"**{max(ours) / other['zipnn'][0]:.2f}**", f"≤ {STORED_TARGETS[run]:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        "ZipNN is the worst of the three.", head, rows)
 
 
 def writing(results: Results) -> str:
     head = ["steps/epoch", "run", "epoch MB", "save_file + fsync", *(f"commit, {layout}" for layout in LAYOUTS),
             "commit_state", "background: blocked", "background: recorded", "first commit (no parent)",
             "torch.save + fsync", "DCP save", "DCP async_save: blocked"]
-    lines = [
+    rows = []
+    for (steps, run), r in results.items():
+        t = r["times"]
+        save = t["save"]
+        rows.append([str(steps), run, f"{r['raw'] / 4 / MB:.0f}", f"{save:.2f}",
+                     *(_ratio(t[f"commit {layout}"], save) for layout in LAYOUTS), _ratio(t["commit_state"], save),
+                     _ratio(t["blocked"], save), _ratio(t["background"], save), f"{t['commit1 one name']:.2f}",
+                     _ratio(t["torch.save"], save), _ratio(t["dcp"], save), _ratio(t["dcp_async blocked"], save)])
+    return _table(
         "Seconds per epoch (mean of epochs 2–4, which have a parent to delta against), ratio to safetensors "
         "`save_file` + fsync of the same tensors (already in memory) in brackets. `commit` is `Repo.commit` of the "
         "epoch's files in each naming (page cache warm, as right after a training script wrote them); "
@@ -117,40 +126,21 @@ def writing(results: Results) -> str:
         "blocked is the time until the call returns (the training loop's wait: the snapshot copy), recorded the "
         "time until `handle.result()` returns, each commit finishing before the next starts. torch.save and "
         "single-process `torch.distributed.checkpoint` (FileSystemWriter, files synced) save the newest epoch's "
-        "state.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
-    for (steps, run), r in results.items():
-        t = r["times"]
-        save = t["save"]
-        cells = [str(steps), run, f"{r['raw'] / 4 / MB:.0f}", f"{save:.2f}",
-                 *(_ratio(t[f"commit {layout}"], save) for layout in LAYOUTS), _ratio(t["commit_state"], save),
-                 _ratio(t["blocked"], save), _ratio(t["background"], save), f"{t['commit1 one name']:.2f}",
-                 _ratio(t["torch.save"], save), _ratio(t["dcp"], save), _ratio(t["dcp_async blocked"], save)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        "state.", head, rows)
 
 
 def reading(results: Results) -> str:
     head = ["steps/epoch", "run", "save_file + fsync", *(f"checkout newest, {layout}" for layout in LAYOUTS),
             "load_file + touch", "load_state + touch"]
-    lines = [
+    rows = [[str(steps), run, f"{r['times']['save']:.2f}",
+             *(_ratio(r["times"][f"checkout {layout}"], r["times"]["save"]) for layout in LAYOUTS),
+             f"{r['times']['load']:.2f}", _ratio(r["times"]["load_state"], r["times"]["load"])]
+            for (steps, run), r in results.items()]
+    return _table(
         "Seconds. Checkout of the newest commit writes its files into an empty folder (durably, as a commit's "
         "files are); ratio to `save_file` + fsync of the same tensors. `load_state` of the newest `commit_state` "
         "and reading every byte of every tensor; ratio to safetensors `load_file` of the same two files (page "
-        "cache warm: it maps them) and reading every byte.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
-    for (steps, run), r in results.items():
-        t = r["times"]
-        cells = [str(steps), run, f"{t['save']:.2f}", *(_ratio(t[f"checkout {layout}"], t["save"]) for layout in LAYOUTS),
-                 f"{t['load']:.2f}", _ratio(t["load_state"], t["load"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        "cache warm: it maps them) and reading every byte.", head, rows)
 
 
 def limits_section(results: Results, limits: dict[str, float]) -> tuple[str, float, float]:
