@@ -20,8 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .codec import Kind, decode, delta_base
-from .context import RepoContext, init_context
 from .config import RepoConfig
+from .context import RepoContext, init_context
 from .errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
 from .ids import ObjectId, commit_id
 from .manifest import Commit, decode_commit
@@ -82,29 +82,35 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
     store, graph = ctx.store, ctx.graph
     remote.catalogue()
     where = remote.locate(exclude=remote.read_condemned().claimed())
+    theirs = remote.read_pruned()
     commits: dict[ObjectId, Commit] = {}
     boundary: set[ObjectId] = set()  # parents the remote no longer has (its gc pruned them)
-    frontier = [t for t in dict.fromkeys(tips) if not store.has(t)]
+    frontier: list[ObjectId] = [t for t in dict.fromkeys(tips) if not store.has(t)]
     for tip in frontier:
         if tip not in where:
             raise IntegrityError(f"remote {remote.name}: a ref names commit {tip}, which no pack there holds")
     while frontier:
-        present = [oid for oid in frontier if oid in where]
-        boundary.update(oid for oid in frontier if oid not in where)
+        # A pruned commit may still lie in a pack that holds live objects too: not fetched.
+        present = [oid for oid in frontier if oid in where and oid not in theirs]
+        boundary.update(oid for oid in frontier if oid not in present)
         for oid, pack_id, data in read_objects(remote, where, present):
             commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
             commits[ObjectId(oid)] = commit
             report.bytes += len(data)
-        nxt: list[ObjectId] = []
+        nxt = []
+        for oid in frontier:  # a commit the remote gc pruned: history goes on with its parents
+            for p in theirs.get(oid, ()):
+                if p not in commits and p not in nxt and not store.has(p):
+                    nxt.append(ObjectId(p))
         for oid in present:
             c = commits[ObjectId(oid)]
             for p in [*c.parents, *([c.base.commit] if c.base is not None else [])]:
                 if p not in commits and p not in nxt and not store.has(p):
                     nxt.append(p)
         frontier = nxt
-    if boundary:
+    if boundary:  # history continues through the remote gc's record of what it pruned
         pruned = graph.pruned()
-        graph.write_pruned({**pruned, **{b: pruned.get(b, ()) for b in boundary}})
+        graph.write_pruned({**pruned, **{b: pruned.get(b, tuple(theirs.get(b, ()))) for b in boundary}})
     for oid in _oldest_first(commits):
         _land_commit(ctx, remote, where, oid, commits[oid], report)
         report.commits += 1
@@ -220,5 +226,5 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
     for branch, oid in branches.items():
         ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
     if branches:
-        ctx.refs.set_head_branch("main" if "main" in branches else sorted(branches)[0])
+        ctx.refs.set_head_branch("main" if "main" in branches else min(branches))
     return ctx, report

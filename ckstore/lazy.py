@@ -13,10 +13,13 @@ re-hashed by the store as any other read.
 from __future__ import annotations
 
 from .context import RepoContext
-from .errors import ObjectMissingError
+from .codec import Kind, parse_header
+from .errors import IntegrityError, ObjectMissingError, RefNotFoundError
+from .fetch import verify_commit
+from .ids import ObjectId
 from .refs import HEADS, TAGS
-from .remote.layout import Located, RemoteRepo
-from .remotes import cache_backend, default_name, open_remote, tracking_ref
+from .remote.layout import Located, RemoteRepo, pack_key
+from .remotes import cache_backend, default_name, open_remote
 from .store import ObjectStore, object_key
 
 
@@ -48,30 +51,55 @@ class RemoteObjects(ObjectStore):
         loc = self.where().get(oid)
         if loc is None:
             raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
+        where = f" (read from {self.remote.describe(pack_key(loc.pack_id))})"
         ((_, data),) = self.remote.read_objects(loc.pack_id, [loc.entry])
         self.fetched_bytes += len(data)
         self.fetched_objects += 1
-        # Cached as fetched; the store decodes and re-hashes it on every use, so a damaged
-        # copy is an IntegrityError, never data.
+        self._verify(oid, data, context + where)  # before it is cached: a damaged copy never sticks
         self.backend.put_if_absent(key, data)
         return data if n is None else data[:n]
 
+    def _verify(self, oid: str, data: bytes, context: str) -> None:
+        try:
+            header = parse_header(data)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
+        if header.kind == Kind.COMMIT:
+            verify_commit(oid, data, context.strip(" ()"))
+        else:
+            self._decode_chunk(oid, data, header.raw_len, context, 0)
+
+
+class RemoteNames:
+    """Resolves the remote's branch and tag names (``NAME/BRANCH``, and ``BRANCH`` or ``TAG``
+    when this repository has no such name) as a base graph does, without writing any ref here:
+    a ref naming a commit whose objects are not here would look like damage to fsck."""
+
+    def __init__(self, name: str, refs: dict[str, str]) -> None:
+        self.names: dict[str, ObjectId] = {}
+        for ref, oid in refs.items():
+            for prefix in (HEADS, TAGS):
+                if ref.startswith(prefix):
+                    short = ref[len(prefix):]
+                    self.names.setdefault(short, ObjectId(oid))
+                    if prefix == HEADS:
+                        self.names[f"{name}/{short}"] = ObjectId(oid)
+
+    def _resolve_with_bases(self, name: str) -> ObjectId:
+        if name in self.names:
+            return self.names[name]
+        raise RefNotFoundError(f"unknown revision {name!r} (not a branch, tag or commit id, here or on the remote)")
+
 
 def attach(ctx: RepoContext, name: str | None = None) -> RemoteObjects:
-    """Make ``ctx`` read missing objects from remote ``name`` and resolve its refs as NAME/BRANCH
-    (the remote's current refs are recorded as remote-tracking refs, without fetching objects)."""
+    """Make ``ctx`` read missing objects from remote ``name`` and resolve its branch and tag names."""
     name = default_name(ctx) if name is None else name
     remote = open_remote(ctx, name)
     remote.require_format()
     lazy = RemoteObjects(remote, ObjectStore(cache_backend(ctx, name), ctx.store.settings))
     ctx.store.alternates.append(lazy)
-    for ref, oid in remote.list_refs().items():
-        local = tracking_ref(name, ref)
-        if local is not None and ctx.refs.read(local) != oid:
-            ctx.refs.update(local, oid, reason=f"remote {name}: refs read for a lazy read")
-        elif ref.startswith(TAGS) and ctx.refs.read(ref) is None:
-            ctx.refs.update(ref, oid, expected=None, reason=f"remote {name}: tag read for a lazy read")
+    ctx.graph.bases.append(RemoteNames(name, remote.list_refs()))  # type: ignore[arg-type]
     return lazy
 
 
-__all__ = ["HEADS", "RemoteObjects", "attach"]
+__all__ = ["RemoteNames", "RemoteObjects", "attach"]

@@ -17,7 +17,7 @@ deletes an object a ref is about to need (docs/design.md, "Remote gc").
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -55,11 +55,12 @@ def full_ref(ctx: RepoContext, name: str) -> str:
     raise RefNotFoundError(f"no branch or tag {name!r} to push")
 
 
-def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId]) -> list[str]:
+def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Mapping[str, Sequence[str]] = {}) -> list[str]:
     """Every object the history of ``tips`` needs, in a reader-friendly order: for each commit
-    (oldest first) its chunks in file order, then the commit; then any delta base not listed."""
+    (oldest first) its chunks in file order, then the commit; then any delta base not listed.
+    Commits pruned here or by a remote gc (``remote_pruned``) are skipped."""
     graph, store = ctx.graph, ctx.store
-    pruned = graph.pruned()
+    pruned = {**{ObjectId(k): tuple(ObjectId(p) for p in v) for k, v in remote_pruned.items()}, **graph.pruned()}
     order: list[ObjectId] = []
     seen: set[ObjectId] = set()
     todo = list(kept_parents(tips, pruned))
@@ -104,7 +105,7 @@ def push(
         plan.append((ref, new, old, token))
     if not plan:
         return report
-    wanted = needed_objects(ctx, [new for _, new, _, _ in plan])
+    wanted = needed_objects(ctx, [new for _, new, _, _ in plan], remote.read_pruned())
     checked = time.monotonic()
     relied = _send_missing(ctx, remote, wanted, target_size, report)
     while True:

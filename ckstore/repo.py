@@ -418,12 +418,12 @@ class Repo:
 
         return collect_remote(self._ctx, remote, **options)
 
-    def use_remote(self, remote: str | None = None) -> None:
+    def use_remote(self, remote: str | None = None) -> Any:
         """Read objects missing here from ``remote`` on demand (ranged reads, cached locally):
         ``checkout``, ``open`` and ``load_state`` then work on commits only the remote holds."""
         from .lazy import attach
 
-        attach(self._ctx, remote)
+        return attach(self._ctx, remote)
 
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from .fsck import check

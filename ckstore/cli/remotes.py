@@ -101,3 +101,15 @@ def clone(url: str, path: str, endpoint_url: str | None) -> None:
     ctx, r = do_clone(url, path, endpoint_url)
     click.echo(f"cloned {url} into {ctx.path}: {len(ctx.refs.list('refs/heads/'))} branch(es)")
     _fetched(r)
+
+
+def report_remote_gc(r: object, as_json: bool) -> None:
+    """Output of ``gc --remote`` (the option lives on ``gc``, in maintenance.py)."""
+    if as_json:
+        print_json({k: getattr(r, k) for k in ("remote", "dry_run", "live_objects", "pruned_commits", "condemned",
+                                                "deleted", "freed_bytes", "rescued")})
+        return
+    verb = "would delete" if r.dry_run else "deleted"  # type: ignore[attr-defined]
+    click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "  # type: ignore[attr-defined]
+               f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "  # type: ignore[attr-defined]
+               f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ docs/format.md section 15 is the normative description; in short, under the remo
     refs/heads/<ref>, refs/tags/<ref>   "<commit id>\\n", changed only by compare-and-swap
     gc/condemned.json            packs a remote gc found unreferenced (compare-and-swap)
     gc/lock.json                 held (put-if-absent) while a remote gc runs
+    gc/pruned                    commits a remote gc's retention dropped, with their parents
 
 Writers order their puts "packs, then indexes, then refs": an index names only a durable pack,
 and a ref only commits whose every object is in an indexed pack. This module knows nothing of
@@ -36,6 +37,7 @@ PACKS = "packs/"
 INDEXES = "indexes/"
 REFS = "refs/"
 CONDEMNED_KEY = "gc/condemned.json"
+PRUNED_KEY = "gc/pruned"
 GC_LOCK_KEY = "gc/lock.json"
 # How long a pack found unreferenced stays before a remote gc may delete it; also how young a
 # pack may be and still never be condemned (a push that uploaded it has not published its ref
@@ -273,6 +275,23 @@ class RemoteRepo:
     def write_condemned(self, condemned: Condemned) -> bool:
         """Compare-and-swap the condemned list; False when another writer changed it first."""
         return self.transport.put_if_match(CONDEMNED_KEY, condemned.to_bytes(), condemned.token)
+
+    def read_pruned(self) -> dict[str, tuple[str, ...]]:
+        """Commits a remote gc pruned, each with its parents (the local ``pruned`` format)."""
+        try:
+            text = self.transport.get(PRUNED_KEY).decode("ascii", "replace")
+        except NotFound:
+            return {}
+        out: dict[str, tuple[str, ...]] = {}
+        for line in text.splitlines():
+            ids = line.split(" ")
+            if not all(is_object_id(i) for i in ids):
+                raise IntegrityError(f"{self.describe(PRUNED_KEY)} is corrupt")
+            out[ids[0]] = tuple(ids[1:])
+        return out
+
+    def write_pruned(self, pruned: dict[str, tuple[str, ...]]) -> None:
+        self.transport.put(PRUNED_KEY, "".join(" ".join([o, *pruned[o]]) + "\n" for o in sorted(pruned)).encode())
 
     def rescue(self, packs: set[str]) -> set[str]:
         """Take ``packs`` off the condemned list so a push may rely on them; returns those that
