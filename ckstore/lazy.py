@@ -12,8 +12,8 @@ re-hashed by the store as any other read.
 
 from __future__ import annotations
 
-from .context import RepoContext
 from .codec import Kind, parse_header
+from .context import RepoContext
 from .errors import IntegrityError, ObjectMissingError, RefNotFoundError
 from .fetch import verify_commit
 from .ids import ObjectId

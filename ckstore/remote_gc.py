@@ -54,7 +54,6 @@ from .remotes import open_remote
 from .retention import RetentionPolicy, select_kept
 from .store import ObjectStore
 
-
 # S3 reports Last-Modified in whole seconds: a pack may be up to this much younger than it looks.
 MTIME_RESOLUTION = 1.0
 

@@ -6,7 +6,15 @@ import click
 
 from ..errors import InvalidInputError, PickleCheckpointError
 from ..repo import CheckoutResult, Repo
-from .base import complete_ref, human, main, parse_meta, pass_repo, print_json, progress_factory
+from .base import (
+    complete_ref,
+    human,
+    main,
+    parse_meta,
+    pass_repo,
+    print_json,
+    progress_factory,
+)
 
 
 @main.command()

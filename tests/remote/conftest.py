@@ -13,7 +13,9 @@ then SIGKILL, and its unix sockets are removed (it leaves them behind).
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +55,14 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory, isolated_aws_env: None) 
             yield server
     except ServerStartError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(params=["dir", "s3"])
+def remote_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str | None]:
+    """(URL, endpoint) of a fresh, empty remote of each kind."""
+    if request.param == "dir":
+        return str(tmp_path / "remote"), None
+    server: S3Server = request.getfixturevalue("s3_server")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    return f"s3://{server.bucket}/t/{uuid.uuid4().hex}", server.endpoint

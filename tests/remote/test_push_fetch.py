@@ -8,60 +8,20 @@ bytes actually handed to the transport.
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
-from safetensors.numpy import save_file
 
 from ckstore.cli import main
 from ckstore.errors import ConflictError, IntegrityError, NotFoundError, StorageError
 from ckstore.push import FetchFirstError
-from ckstore.remote.layout import INDEXES, PACKS
+from ckstore.remote.layout import PACKS
 from ckstore.repo import Repo
 
 from .conftest import S3Server
-
-CHUNK = 64 << 10
-
-
-@pytest.fixture(params=["dir", "s3"])
-def remote_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str | None]:
-    """(URL, endpoint) of a fresh, empty remote of each kind."""
-    if request.param == "dir":
-        return str(tmp_path / "remote"), None
-    server: S3Server = request.getfixturevalue("s3_server")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
-    return f"s3://{server.bucket}/t/{uuid.uuid4().hex}", server.endpoint
-
-
-def epoch_files(folder: Path, epoch: int, n: int = 256 << 10) -> Path:
-    """A training checkpoint after ``epoch`` epochs: the model drifts a little each epoch (a
-    fine-tune: most chunks change), the frozen embedding never does, the optimizer state does."""
-    rng = np.random.default_rng(0)
-    emb = rng.standard_normal(n, dtype=np.float32)
-    w = rng.standard_normal(n, dtype=np.float32)
-    step = np.random.default_rng(epoch)
-    w[: n // 4] += 0.01 * epoch * step.standard_normal(n // 4, dtype=np.float32)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({"model.embed": emb, "model.w": w, "optim.m": step.standard_normal(n // 2, dtype=np.float32)},
-              str(folder / "model.safetensors"), metadata={"epoch": str(epoch)})
-    (folder / "config.json").write_text(f'{{"epoch": {epoch}}}')
-    return folder
-
-
-def make_repo(path: Path, work: Path, epochs: range) -> tuple[Repo, list[str]]:
-    repo = Repo.init(path, chunk_size=CHUNK)
-    ids = [repo.commit(epoch_files(work / f"e{e}", e), message=f"epoch {e}") for e in epochs]
-    return repo, ids
-
-
-def digests(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+from .epochs import digests, epoch_files, make_repo
 
 
 def test_push_clone_round_trip_is_byte_identical(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
@@ -224,7 +184,7 @@ def test_remote_commands(tmp_path: Path, remote_url: tuple[str, str | None], mon
     assert result.exit_code == 0, result.output
     assert "removed remote origin" in run("remote", "remove", "origin")
     assert run("remote") == ""
-    with pytest.raises(Exception):
+    with pytest.raises(NotFoundError):
         Repo(tmp_path / "a").resolve("origin/main")
 
 

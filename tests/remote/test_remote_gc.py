@@ -15,7 +15,7 @@ from ckstore.remote_gc import MTIME_RESOLUTION
 from ckstore.remotes import open_remote
 from ckstore.repo import Repo
 
-from .test_push_fetch import digests, epoch_files, make_repo, remote_url  # noqa: F401  (fixture)
+from .epochs import digests, epoch_files, make_repo
 
 GRACE = 0.5
 
