@@ -14,7 +14,8 @@ docs/format.md section 15 is the normative description; in short, under the remo
 Writers order their puts "packs, then indexes, then refs": an index names only a durable pack,
 and a ref only commits whose every object is in an indexed pack. This module knows nothing of
 the object store or the commit graph (it sits in the remote layer, below them): push.py and
-fetch.py build on it.
+fetch.py build on it. Every write to the remote is a ``fsio.mutating_step`` (the crash tests kill
+a push at each one).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError
+from ..fsio import mutating_step
 from ..ids import ObjectId, is_object_id
 from ..pack import PackEntry, PackIndex, check_read, parse_index
 from .transport import NotFound, Transport
@@ -132,6 +134,7 @@ class RemoteRepo:
         except NotFound:
             if not create:
                 return False
+            mutating_step()
             if self.transport.put_if_absent(FORMAT_KEY, marker):
                 return True
             data = self.transport.get(FORMAT_KEY)
@@ -187,9 +190,11 @@ class RemoteRepo:
 
     def swap_ref(self, ref: str, new: str, token: str | None) -> bool:
         """Point ``ref`` at ``new`` if it still has ``token`` (None: only if absent)."""
+        mutating_step()
         return self.transport.put_if_match(self.encode_ref(ref), f"{new}\n".encode(), token)
 
     def delete_ref(self, ref: str) -> None:
+        mutating_step()
         self.transport.delete(self.encode_ref(ref))
 
     # ---- packs -----------------------------------------------------------------------------
@@ -258,7 +263,9 @@ class RemoteRepo:
 
     def upload_pack(self, pack_id: str, data: bytes, index_data: bytes) -> None:
         """Pack first, then its index: an index never names a pack that is not there."""
+        mutating_step()
         self.transport.put(pack_key(pack_id), data)
+        mutating_step()
         self.transport.put(index_key(pack_id), index_data)
         if self.cache is not None:
             self.cache.put(pack_id, index_data)
@@ -274,6 +281,7 @@ class RemoteRepo:
 
     def write_condemned(self, condemned: Condemned) -> bool:
         """Compare-and-swap the condemned list; False when another writer changed it first."""
+        mutating_step()
         return self.transport.put_if_match(CONDEMNED_KEY, condemned.to_bytes(), condemned.token)
 
     def read_pruned(self) -> dict[str, tuple[str, ...]]:
