@@ -1,12 +1,13 @@
 """``fetch``, ``pull`` and ``clone``: bring a remote's commits and the objects they need here.
 
 Every object is verified on arrival, before any ref names it: a commit is decoded and re-hashed
-in memory as soon as its bytes come; the chunks of a commit (and the delta bases they need) are
-staged in one ``Backend.batch`` with the commit and each is decoded and re-hashed there, so a
-corrupt or truncated remote object raises an IntegrityError naming the object and its pack and
-nothing of that commit lands. Commits land oldest first, each with all its objects, so the local
-invariant holds at every moment (a commit present means its objects are present) and an
-interrupted fetch resumes where it stopped: a commit already here is never fetched again.
+in memory as soon as its bytes come; its chunks (and the delta bases they need) are staged with
+it in a ``Backend.batch`` and each is decoded and re-hashed there, so a corrupt or truncated
+remote object raises an IntegrityError naming the object and its pack and nothing of that batch
+lands. Commits land oldest first, each after all its objects, in batches of about LAND_GROUP
+bytes, so the local invariant holds at every moment (a commit present means its objects are
+present) and an interrupted fetch resumes where it stopped: a commit already here is never
+fetched again.
 
 Remote-tracking refs ``refs/remotes/NAME/BRANCH`` (resolvable as ``NAME/BRANCH``) record each
 remote branch as last seen; remote tags become local tags unless a local tag of that name exists.
@@ -28,9 +29,12 @@ from .manifest import Commit, decode_commit
 from .refs import HEADS, TAGS
 from .remote.layout import Located, RemoteRepo, pack_key
 from .remotes import TRACKING, add, open_remote, tracking_ref
-from .store import MAX_COMMIT_SIZE, object_key
+from .store import MAX_COMMIT_SIZE, ObjectStore, object_key
 
 READ_WORKERS = 4
+# Commits land in batches of about this many fetched bytes: each batch costs two durability
+# barriers, and an interrupted fetch loses at most the batch in flight.
+LAND_GROUP = 256 << 20
 
 
 @dataclass
@@ -111,9 +115,17 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
     if boundary:  # history continues through the remote gc's record of what it pruned
         pruned = graph.pruned()
         graph.write_pruned({**pruned, **{b: pruned.get(b, tuple(theirs.get(b, ()))) for b in boundary}})
-    for oid in _oldest_first(commits):
-        _land_commit(ctx, remote, where, oid, commits[oid], report)
-        report.commits += 1
+    order = _oldest_first(commits)
+    while order:
+        # A group of commits lands in one batch (two durability barriers): all of it or none.
+        landed = report.bytes
+        with store.batch() as view:
+            while order and report.bytes - landed < LAND_GROUP:
+                oid = order.pop(0)
+                _land_commit(ctx, view, remote, where, oid, commits[oid], report)
+                report.commits += 1
+        for oid in commits:
+            graph.remember(oid, commits[oid])
 
 
 def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
@@ -135,37 +147,40 @@ def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
     return out
 
 
-def _land_commit(ctx: RepoContext, remote: RemoteRepo, where: dict[str, Located], oid: ObjectId, commit: Commit,
-                 report: FetchReport) -> None:
-    """One commit: its missing chunks and their delta bases, verified, then the commit itself."""
-    store = ctx.store
+def _land_commit(ctx: RepoContext, view: ObjectStore, remote: RemoteRepo, where: dict[str, Located], oid: ObjectId,
+                 commit: Commit, report: FetchReport) -> None:
+    """One commit into the batch ``view``: its missing chunks and their delta bases, each
+    decoded and re-hashed there, then the commit itself."""
     origin: dict[str, str] = {}
-    with store.batch() as view:
-        todo = [c.id for c in commit.all_chunks() if not store.has(c.id)]
-        todo.append(oid)
-        while todo:
-            absent = [o for o in dict.fromkeys(todo) if o not in origin and not view.has(o)]
-            for o in absent:
-                if o not in where:
-                    raise IntegrityError(f"remote {remote.name}: object {o} (needed by commit {oid[:12]}) is in no pack there")
-            todo = []
-            for o, pack_id, data in read_objects(remote, where, absent):
-                origin[o] = pack_id
-                report.bytes += len(data)
-                report.objects += 1
-                view.backend.put_if_absent(object_key(o), data)
-                try:
-                    base = delta_base(data)
-                except IntegrityError as exc:
-                    raise IntegrityError(f"object {o} from {remote.describe(pack_key(pack_id))} is corrupt: {exc}") from None
-                if base is not None and base not in origin and not view.has(base):
-                    todo.append(base)
-        for o, pack_id in origin.items():
+    todo = [c.id for c in commit.all_chunks() if not view.has(c.id)]
+    todo.append(oid)
+    while todo:
+        absent = [o for o in dict.fromkeys(todo) if o not in origin and not view.has(o)]
+        for o in absent:
+            if o not in where:
+                raise IntegrityError(f"remote {remote.name}: object {o} (needed by commit {oid[:12]}) is in no pack there")
+        todo = []
+        for o, pack_id, data in read_objects(remote, where, absent):
+            origin[o] = pack_id
+            report.bytes += len(data)
+            report.objects += 1
+            view.backend.put_if_absent(object_key(o), data)
             try:
-                view.verify(o)
-            except CkstoreError as exc:
-                raise IntegrityError(f"{exc} (fetched from {remote.describe(pack_key(pack_id))})") from None
-    ctx.graph.remember(oid, commit)
+                base = delta_base(data)
+            except IntegrityError as exc:
+                raise IntegrityError(f"object {o} from {remote.describe(pack_key(pack_id))} is corrupt: {exc}") from None
+            if base is not None and base not in origin and not view.has(base):
+                todo.append(base)
+    def verify(item: tuple[str, str]) -> None:
+        o, pack_id = item
+        try:
+            view.verify(o)
+        except CkstoreError as exc:
+            raise IntegrityError(f"{exc} (fetched from {remote.describe(pack_key(pack_id))})") from None
+
+    # Decoding and hashing release the GIL: every core verifies.
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(verify, origin.items()))
 
 
 def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:

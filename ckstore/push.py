@@ -41,6 +41,7 @@ class PushReport:
     objects: int = 0  # objects sent
     packs: int = 0  # packs sent
     bytes: int = 0  # pack and index bytes sent
+    pack_sizes: list[int] = field(default_factory=list)
 
 
 class FetchFirstError(RefChangedError):
@@ -174,6 +175,7 @@ def _send_missing(
             report.packs += 1
             report.objects += len(built.index)
             report.bytes += len(built.data) + len(built.index_data)
+            report.pack_sizes.append(len(built.data))
         for f in pending:
             f.result()
     remote.catalogue()
