@@ -106,7 +106,11 @@ def push(
         plan.append((ref, new, old, token))
     if not plan:
         return report
-    wanted = needed_objects(ctx, [new for _, new, _, _ in plan], remote.read_pruned())
+    tips = [new for _, new, _, _ in plan]
+    wanted = needed_objects(ctx, tips, remote.read_pruned())
+    # Commits gc pruned here that the pushed history still reaches: the remote must know them as
+    # pruned too, or its readers would look for them.
+    here = ctx.graph.pruned_after(ctx.graph.reachable_from(tips), set())
     checked = time.monotonic()
     relied = _send_missing(ctx, remote, wanted, target_size, report)
     while True:
@@ -120,6 +124,8 @@ def push(
         remote.catalogue()  # slow push: look again before the refs name anything
         relied = _send_missing(ctx, remote, wanted, target_size, report)
         checked = time.monotonic()
+    if here:
+        remote.add_pruned(here)
     for ref, new, old, token in plan:
         if not remote.swap_ref(ref, new, token):
             now, _ = remote.read_ref(ref)

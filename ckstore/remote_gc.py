@@ -165,7 +165,7 @@ def collect_remote(
             return report
         if policy.active and report.pruned_commits:
             # Before any pack goes: pushes stop sending these commits, fetches stop at them.
-            remote.write_pruned(graph.pruned_after(kept, reachable))
+            remote.add_pruned(graph.pruned_after(kept, reachable))
         claimed = _update(remote, lambda c: _claim(c, due, live_packs))
         for p in sorted(claimed):
             remote.transport.delete(index_key(p))  # first: nothing names a pack that is going

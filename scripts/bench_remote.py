@@ -177,8 +177,8 @@ def report(r: dict[str, object]) -> str:
         "re-hashes every object (zstd and byte planes, BLAKE3, on 2 cores) and writes it durably, and that, not the "
         "transfer, is its time (a profile: decoding about half, the server's answers a quarter).",
         "",
-        "Push time includes hashing nothing again (objects are sent as stored) but does read each object from the "
-        "local store, build packs and look up what the remote has (one LIST of the indexes, cached index files, the "
+        "A push hashes nothing again (objects are sent as stored); its time covers reading each object from the "
+        "local store, building packs and looking up what the remote has (one LIST of the indexes, cached index files, the "
         "condemned list, one compare-and-swap per ref). Clone time includes verifying every object (decode and "
         "re-hash) and writing it durably, which the plain download does not do. Requests per pushed epoch are a "
         "constant handful plus two PUTs per pack (pack, index): O(size / pack size), not O(chunks). "

@@ -106,8 +106,9 @@ def clone(url: str, path: str, endpoint_url: str | None) -> None:
 def report_remote_gc(r: object, as_json: bool) -> None:
     """Output of ``gc --remote`` (the option lives on ``gc``, in maintenance.py)."""
     if as_json:
-        print_json({k: getattr(r, k) for k in ("remote", "dry_run", "live_objects", "pruned_commits", "condemned",
-                                                "deleted", "freed_bytes", "rescued")})
+        doc = {k: getattr(r, k) for k in ("remote", "dry_run", "live_objects", "condemned", "deleted", "freed_bytes",
+                                           "rescued")}
+        print_json({**doc, "pruned_commits": [{"id": oid} for oid in r.pruned_commits]})  # type: ignore[attr-defined]
         return
     verb = "would delete" if r.dry_run else "deleted"  # type: ignore[attr-defined]
     click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "  # type: ignore[attr-defined]

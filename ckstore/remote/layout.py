@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -287,9 +287,12 @@ class RemoteRepo:
     def read_pruned(self) -> dict[str, tuple[str, ...]]:
         """Commits a remote gc pruned, each with its parents (the local ``pruned`` format)."""
         try:
-            text = self.transport.get(PRUNED_KEY).decode("ascii", "replace")
+            return self._parse_pruned(self.transport.get(PRUNED_KEY))
         except NotFound:
             return {}
+
+    def _parse_pruned(self, data: bytes) -> dict[str, tuple[str, ...]]:
+        text = data.decode("ascii", "replace")
         out: dict[str, tuple[str, ...]] = {}
         for line in text.splitlines():
             ids = line.split(" ")
@@ -298,8 +301,23 @@ class RemoteRepo:
             out[ids[0]] = tuple(ids[1:])
         return out
 
-    def write_pruned(self, pruned: dict[str, tuple[str, ...]]) -> None:
-        self.transport.put(PRUNED_KEY, "".join(" ".join([o, *pruned[o]]) + "\n" for o in sorted(pruned)).encode())
+    def add_pruned(self, entries: Mapping[str, Sequence[str]]) -> None:
+        """Merge ``entries`` into the pruned record by compare-and-swap (pushes of histories
+        pruned locally and remote gcs both add to it; neither may lose the other's lines)."""
+        while True:
+            try:
+                data, token = self.transport.get_versioned(PRUNED_KEY)
+            except NotFound:
+                data, token = b"", None
+            current = self._parse_pruned(data)
+            if all(o in current for o in entries):
+                return
+            merged = {**{o: tuple(p) for o, p in entries.items()}, **current}
+            text = "".join(" ".join([o, *merged[o]]) + "\n" for o in sorted(merged))
+            mutating_step()
+            if self.transport.put_if_match(PRUNED_KEY, text.encode(), token):
+                return
+            time.sleep(0.01)
 
     def rescue(self, packs: set[str]) -> set[str]:
         """Take ``packs`` off the condemned list so a push may rely on them; returns those that

@@ -197,3 +197,15 @@ def test_lazy_read_of_a_damaged_pack_is_named_and_not_cached(tmp_path: Path, rem
     again.use_remote("origin")
     again.checkout("main", tmp_path / "out2")
     assert digests(tmp_path / "out2") == digests(tmp_path / "work" / "e1")
+
+
+def test_a_history_pruned_locally_is_pushed_as_pruned(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 4))
+    a.gc(keep_last=1, prune_now=True)
+    a.add_remote("origin", url, endpoint)
+    a.push()
+    assert set(open_remote(a._ctx).read_pruned()) == set(ids[:2])
+    assert a.gc_remote(dry_run=True).live_objects > 0  # the remote's graph walks through them
+    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert b.fsck(read_data=True) == [] and [e.id for e in b.log()] == [ids[2]]
