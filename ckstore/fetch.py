@@ -2,10 +2,10 @@
 
 Every object is verified on arrival, before any ref names it: a commit is decoded and re-hashed
 in memory as soon as its bytes come; its chunks (and the delta bases they need) are staged with
-it in a ``Backend.batch`` and each is decoded and re-hashed there, so a corrupt or truncated
-remote object raises an IntegrityError naming the object and its pack and nothing of that batch
-lands. Commits land oldest first, each after all its objects, in batches of about LAND_GROUP
-bytes, so the local invariant holds at every moment (a commit present means its objects are
+in a ``Backend.batch`` and each is decoded and re-hashed there, so a corrupt or truncated remote
+object raises an IntegrityError naming the object and its pack and nothing of that batch lands.
+Commits land oldest first in groups of about LAND_GROUP bytes, each commit object written only
+after its group's batch made every object it needs durable, so the local invariant holds at every moment (a commit present means its objects are
 present) and an interrupted fetch resumes where it stopped: a commit already here is never
 fetched again.
 
@@ -88,6 +88,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
     where = remote.locate(exclude=remote.read_condemned().claimed())
     theirs = remote.read_pruned()
     commits: dict[ObjectId, Commit] = {}
+    stored: dict[ObjectId, bytes] = {}  # each commit's stored bytes, verified
     boundary: set[ObjectId] = set()  # parents the remote no longer has (its gc pruned them)
     frontier: list[ObjectId] = [t for t in dict.fromkeys(tips) if not store.has(t)]
     for tip in frontier:
@@ -100,6 +101,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         for oid, pack_id, data in read_objects(remote, where, present):
             commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
             commits[ObjectId(oid)] = commit
+            stored[ObjectId(oid)] = data
             report.bytes += len(data)
         nxt = []
         for oid in frontier:  # a commit the remote gc pruned: history goes on with its parents
@@ -118,14 +120,18 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
     order = _oldest_first(commits)
     while order:
         # A group of commits lands in one batch (two durability barriers): all of it or none.
-        landed = report.bytes
+        landed, group = report.bytes, []
         with store.batch() as view:
             while order and report.bytes - landed < LAND_GROUP:
                 oid = order.pop(0)
                 _land_commit(ctx, view, remote, where, oid, commits[oid], report)
-                report.commits += 1
-        for oid in commits:
+                group.append(oid)
+        # The commits only once their objects are durable (a batch lands in no set order).
+        for oid in group:
+            store.backend.put_if_absent(object_key(oid), stored[oid])
             graph.remember(oid, commits[oid])
+            report.commits += 1
+            report.objects += 1
 
 
 def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
@@ -149,11 +155,12 @@ def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
 
 def _land_commit(ctx: RepoContext, view: ObjectStore, remote: RemoteRepo, where: dict[str, Located], oid: ObjectId,
                  commit: Commit, report: FetchReport) -> None:
-    """One commit into the batch ``view``: its missing chunks and their delta bases, each
-    decoded and re-hashed there, then the commit itself."""
+    """The objects of one commit into the batch ``view``: its missing chunks and their delta
+    bases, each decoded and re-hashed there (the commit itself lands after the batch)."""
     origin: dict[str, str] = {}
-    todo = [c.id for c in commit.all_chunks() if not view.has(c.id)]
-    todo.append(oid)
+    chunks = {c.id for c in commit.all_chunks()}
+    todo = [c for c in chunks if not view.has(c)]
+    todo += _missing_bases(view, chunks - set(todo))
     while todo:
         absent = [o for o in dict.fromkeys(todo) if o not in origin and not view.has(o)]
         for o in absent:
@@ -169,8 +176,9 @@ def _land_commit(ctx: RepoContext, view: ObjectStore, remote: RemoteRepo, where:
                 base = delta_base(data)
             except IntegrityError as exc:
                 raise IntegrityError(f"object {o} from {remote.describe(pack_key(pack_id))} is corrupt: {exc}") from None
-            if base is not None and base not in origin and not view.has(base):
-                todo.append(base)
+            if base is not None and base not in origin:
+                # A base already here may itself lack its base (see _missing_bases).
+                todo.extend(_missing_bases(view, {base}) if view.has(base) else [base])
     def verify(item: tuple[str, str]) -> None:
         o, pack_id = item
         try:
@@ -181,6 +189,24 @@ def _land_commit(ctx: RepoContext, view: ObjectStore, remote: RemoteRepo, where:
     # Decoding and hashing release the GIL: every core verifies.
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         list(pool.map(verify, origin.items()))
+
+
+def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
+    """Delta bases that objects already here lack: a crash while an earlier fetch's batch was
+    landing can leave an object in place without its base (and without any commit naming it)."""
+    missing: list[str] = []
+    seen = set(present)
+    todo = list(present)
+    while todo:
+        base = view.base_of(todo.pop())
+        if base is None or base in seen:
+            continue
+        seen.add(base)
+        if view.has(base):
+            todo.append(base)
+        else:
+            missing.append(base)
+    return missing
 
 
 def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
