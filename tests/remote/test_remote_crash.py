@@ -211,10 +211,10 @@ def test_interrupted_fetch_resumes_with_what_is_missing(tmp_path: Path, monkeypa
         b.add_remote("origin", str(tmp_path / "remote"))
         steps = 0
 
-        def observe() -> None:
+        def observe(stop_at: int = k) -> None:
             nonlocal steps
             steps += 1
-            if steps == k:
+            if steps == stop_at:
                 raise Interrupted()
 
         fsio.observe_steps(observe)
