@@ -36,3 +36,17 @@ def make_repo(path: Path, work: Path, epochs: range) -> tuple[Repo, list[str]]:
 
 def digests(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def pushed(tmp_path: Path, url: str, endpoint: str | None, epochs: range = range(1, 2)) -> tuple[Repo, list[str]]:
+    """Repository ``a`` with ``epochs`` committed and pushed to ``url`` as remote "origin"."""
+    repo, ids = make_repo(tmp_path / "a", tmp_path / "work", epochs)
+    repo.add_remote("origin", url, endpoint)
+    repo.push()
+    return repo, ids
+
+
+def assert_checks_out(repo: Repo, ref: str, out: Path, epoch_folder: Path) -> None:
+    """``ref`` checks out byte-identical to the files committed from ``epoch_folder``."""
+    repo.checkout(ref, out)
+    assert digests(out) == digests(epoch_folder)

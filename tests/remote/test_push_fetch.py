@@ -21,7 +21,7 @@ from ckstore.remote.layout import PACKS
 from ckstore.repo import Repo
 
 from .conftest import S3Server
-from .epochs import digests, epoch_files, make_repo
+from .epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
 
 
 def test_push_clone_round_trip_is_byte_identical(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
@@ -61,9 +61,7 @@ def test_second_push_sends_only_what_the_epoch_added(tmp_path: Path, remote_url:
 
 def test_fetch_and_pull_fast_forward(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
-    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, ids = pushed(tmp_path, url, endpoint)
     b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     new = a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="epoch 2")
     a.create_tag("best")
@@ -72,16 +70,12 @@ def test_fetch_and_pull_fast_forward(tmp_path: Path, remote_url: tuple[str, str 
     assert (old, now) == (ids[0], new) and report.commits == 1
     assert b.resolve("main") == new and b.resolve("best") == new
     assert b.pull()[1:] == (new, new)  # already up to date
-    out = tmp_path / "out"
-    b.checkout("main", out)
-    assert digests(out) == digests(tmp_path / "work" / "e2")
+    assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e2")
 
 
 def test_diverged_push_needs_fetch_first_or_force(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
-    a, _ = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, _ = pushed(tmp_path, url, endpoint)
     b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="a's epoch 2")
     a.push()
@@ -142,9 +136,7 @@ def _damage(url: str, server: S3Server | None, tmp_path: Path, how: Callable[[by
 def test_damaged_remote_pack_is_detected_and_named(tmp_path: Path, remote_url: tuple[str, str | None],
                                                    damage: str, request: pytest.FixtureRequest) -> None:
     url, endpoint = remote_url
-    a, _ = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    pushed(tmp_path, url, endpoint)
     server = request.getfixturevalue("s3_server") if url.startswith("s3://") else None
 
     def flip(data: bytes) -> bytes:

@@ -15,7 +15,7 @@ from ckstore.remote_gc import MTIME_RESOLUTION
 from ckstore.remotes import open_remote
 from ckstore.repo import Repo
 
-from .epochs import digests, epoch_files, make_repo
+from .epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
 
 GRACE = 0.5
 
@@ -26,9 +26,7 @@ def packs(repo: Repo) -> set[str]:
 
 def test_unreferenced_packs_go_only_after_the_grace_period(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
-    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, ids = pushed(tmp_path, url, endpoint, range(1, 3))
     kept = packs(a)
     a.create_branch("exp", ids[0])
     a.switch("exp")
@@ -54,9 +52,7 @@ def test_unreferenced_packs_go_only_after_the_grace_period(tmp_path: Path, remot
 
 def test_a_push_rescues_a_condemned_pack_it_relies_on(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
-    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, ids = pushed(tmp_path, url, endpoint)
     remote = open_remote(a._ctx)
     remote.delete_ref("refs/heads/main")
     time.sleep(GRACE + MTIME_RESOLUTION + 0.1)
@@ -88,16 +84,12 @@ def test_retention_on_the_remote(tmp_path: Path, remote_url: tuple[str, str | No
     assert a.push().objects == 0  # pruned on the remote: not sent again
     b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and [e.id for e in b.log()] == [ids[2]]
-    out = tmp_path / "out"
-    b.checkout("main", out)
-    assert digests(out) == digests(tmp_path / "work" / "e3")
+    assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e3")
 
 
 def test_one_remote_gc_at_a_time(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
-    a, _ = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, _ = pushed(tmp_path, url, endpoint)
     open_remote(a._ctx).transport.put_if_absent(GC_LOCK_KEY, b'{"host": "h", "pid": 1, "time": 0}')
     with pytest.raises(LockedError, match="another remote gc is running"):
         a.gc_remote()
@@ -107,9 +99,7 @@ def test_gc_concurrent_with_pushes_deletes_nothing_needed(tmp_path: Path, remote
     """Pushes of new epochs and of branches that reuse old objects, while gc runs in a loop with a
     short grace period and branches come and go; afterwards every ref's commit is whole."""
     url, endpoint = remote_url
-    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, ids = pushed(tmp_path, url, endpoint)
     grace = 1.0
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -153,9 +143,7 @@ def test_gc_concurrent_with_pushes_deletes_nothing_needed(tmp_path: Path, remote
 
 def test_lazy_checkout_reads_only_the_chunks_it_needs(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
-    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, ids = pushed(tmp_path, url, endpoint)
     commit = a.read_commit(ids[0])
     model = {c.id for f in commit.files for t in f.tensors if t.name.startswith("model.") for c in t.chunks}
     model_bytes = sum(a.store.stored_size(c) or 0 for c in model)
@@ -179,9 +167,7 @@ def test_lazy_checkout_reads_only_the_chunks_it_needs(tmp_path: Path, remote_url
 def test_lazy_read_of_a_damaged_pack_is_named_and_not_cached(tmp_path: Path, remote_url: tuple[str, str | None],
                                                            request: pytest.FixtureRequest) -> None:
     url, endpoint = remote_url
-    a, _ = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
-    a.add_remote("origin", url, endpoint)
-    a.push()
+    a, _ = pushed(tmp_path, url, endpoint)
     remote = open_remote(a._ctx)
     (key,) = [i.key for i in remote.transport.list(PACKS)]
     good = remote.transport.get(key)
