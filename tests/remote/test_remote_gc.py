@@ -195,3 +195,24 @@ def test_a_history_pruned_locally_is_pushed_as_pruned(tmp_path: Path, remote_url
     assert a.gc_remote(dry_run=True).live_objects > 0  # the remote's graph walks through them
     b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and [e.id for e in b.log()] == [ids[2]]
+
+
+def test_lazy_load_state_reads_only_the_selected_tensors(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    import torch
+
+    url, endpoint = remote_url
+    a = Repo.init(tmp_path / "a", chunk_size=64 << 10)
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {"w": torch.randn(1 << 18, generator=g)}, "optim": {"m": torch.randn(1 << 19, generator=g)},
+             "epoch": 3}
+    a.commit_state(state, message="epoch 3")
+    a.add_remote("origin", url, endpoint)
+    a.push()
+    c = Repo.init(tmp_path / "c")
+    c.add_remote("origin", url, endpoint)
+    lazy = c.use_remote("origin")
+    got = c.load_state("origin/main", only="model.*")
+    assert torch.equal(got["model"]["w"], state["model"]["w"])
+    assert "m" not in got.get("optim", {})
+    # The model is 1 MiB of float32; the optimizer state (2 MiB) never moves.
+    assert lazy.fetched_bytes < 1.5 * (1 << 20)
