@@ -153,7 +153,7 @@ def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old
 
 def _send_missing(
     ctx: RepoContext, remote: RemoteRepo, wanted: list[str], target_size: int, report: PushReport,
-    forget: set[str] = frozenset(),  # type: ignore[assignment]
+    forget: frozenset[str] | set[str] = frozenset(),
 ) -> set[str]:
     """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
     in afterwards (those a push relies on)."""

@@ -28,7 +28,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -176,13 +176,13 @@ def collect_remote(
     return report
 
 
-def _update(remote: RemoteRepo, change: object) -> set[str]:
+def _update(remote: RemoteRepo, change: Callable[[Condemned], set[str]]) -> set[str]:
     """Apply ``change`` to the condemned list by compare-and-swap until it sticks."""
     while True:
         condemned = remote.read_condemned()
-        result = change(condemned)  # type: ignore[operator]
+        result = change(condemned)
         if remote.write_condemned(condemned):
-            return result  # type: ignore[no-any-return]
+            return result
         time.sleep(0.01)
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ..repo import Repo
 from .base import human, main, pass_repo, print_json, short
+
+if TYPE_CHECKING:
+    from ..fetch import FetchReport
+    from ..remote_gc import RemoteGcReport
 
 
 @main.group(invoke_without_command=True)
@@ -63,10 +69,10 @@ def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool
     click.echo(f"sent {r.objects} object(s) in {r.packs} pack(s), {human(r.bytes)} to {r.remote}")
 
 
-def _fetched(r: object) -> None:
-    for ref, old, new in r.updated:  # type: ignore[attr-defined]
+def _fetched(r: FetchReport) -> None:
+    for ref, old, new in r.updated:
         click.echo(f"{ref}: {short(old) if old else '(new)'} -> {short(new)}")
-    click.echo(f"fetched {r.commits} commit(s), {r.objects} object(s), {human(r.bytes)} from {r.remote}")  # type: ignore[attr-defined]
+    click.echo(f"fetched {r.commits} commit(s), {r.objects} object(s), {human(r.bytes)} from {r.remote}")
 
 
 @main.command()
@@ -103,14 +109,14 @@ def clone(url: str, path: str, endpoint_url: str | None) -> None:
     _fetched(r)
 
 
-def report_remote_gc(r: object, as_json: bool) -> None:
+def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
     """Output of ``gc --remote`` (the option lives on ``gc``, in maintenance.py)."""
     if as_json:
         doc = {k: getattr(r, k) for k in ("remote", "dry_run", "live_objects", "condemned", "deleted", "freed_bytes",
                                            "rescued")}
-        print_json({**doc, "pruned_commits": [{"id": oid} for oid in r.pruned_commits]})  # type: ignore[attr-defined]
+        print_json({**doc, "pruned_commits": [{"id": oid} for oid in r.pruned_commits]})
         return
-    verb = "would delete" if r.dry_run else "deleted"  # type: ignore[attr-defined]
-    click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "  # type: ignore[attr-defined]
-               f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "  # type: ignore[attr-defined]
-               f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")  # type: ignore[attr-defined]
+    verb = "would delete" if r.dry_run else "deleted"
+    click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "
+               f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "
+               f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..backend.base import Backend
 from ..errors import IntegrityError, StorageError, UnsupportedFormatError
 from ..fsio import mutating_step
 from ..ids import ObjectId, is_object_id
@@ -338,15 +339,15 @@ class RemoteRepo:
 class IndexCache:
     """Index files kept locally, by pack id (a small mapping interface over a backend)."""
 
-    def __init__(self, backend: object, folder: str) -> None:
+    def __init__(self, backend: Backend, folder: str) -> None:
         self.backend = backend
         self.folder = folder.rstrip("/") + "/"
 
     def get(self, pack_id: str) -> bytes | None:
         try:
-            return self.backend.get(self.folder + pack_id)  # type: ignore[attr-defined,no-any-return]
+            return self.backend.get(self.folder + pack_id)
         except KeyError:
             return None
 
     def put(self, pack_id: str, data: bytes) -> None:
-        self.backend.put_if_absent(self.folder + pack_id, data)  # type: ignore[attr-defined]
+        self.backend.put_if_absent(self.folder + pack_id, data)
