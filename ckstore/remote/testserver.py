@@ -3,7 +3,7 @@
 
     python -m ckstore.remote.testserver start DIR    # prints shell `export` lines, returns
     . DIR/env.sh                                     # (the same lines) AWS_ENDPOINT_URL + keys
-    python -m ckstore.remote.testserver stop DIR
+    python -m ckstore.remote.testserver stop DIR         # (else it stops itself after an hour)
 
 ``start`` runs the server in the background with its data in DIR, credentials made up for this
 server, and one bucket (``ckstore``); the printed environment points ``s3://ckstore/...`` URLs
@@ -220,16 +220,40 @@ def _exports(server: S3Server) -> str:
     return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
 
 
-def start(folder: Path) -> str:
-    """Start a server in the background (data, log, pid and env.sh in ``folder``); its exports."""
+def start(folder: Path, lifetime: float = 3600.0) -> str:
+    """Start a server in the background (data, log, pid and env.sh in ``folder``); its exports.
+
+    A detached watchdog stops it after ``lifetime`` seconds unless ``stop`` came first, so a
+    script that fails before its ``stop`` line does not leave a server running for good.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / "server.json").exists():
         raise ServerStartError(f"a test server is already recorded in {folder} (stop it first)")
     proc, server = launch(folder, bucket=DEMO_BUCKET)
     (folder / "server.json").write_text(json.dumps({"pid": proc.pid, "ports": server.ports}))
+    subprocess.Popen([sys.executable, "-m", "ckstore.remote.testserver", "expire", str(folder), "--after", str(lifetime)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
     exports = _exports(server)
     (folder / "env.sh").write_text(exports)
     return exports
+
+
+def expire(folder: Path, after: float) -> None:
+    """Stop the server recorded in ``folder`` once ``after`` seconds have passed (the watchdog)."""
+    try:
+        pid = json.loads((folder / "server.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return
+    deadline = time.monotonic() + after
+    while time.monotonic() < deadline:
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        try:
+            if json.loads((folder / "server.json").read_text())["pid"] != pid:
+                return
+        except (OSError, ValueError, KeyError):
+            return  # stopped (or another server started there): nothing to do
+    stop(folder)
 
 
 def stop(folder: Path) -> None:
@@ -245,12 +269,16 @@ def stop(folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckstore.remote.testserver",
                                      description="A local S3 server (SeaweedFS) to try ckstore remotes with.")
-    parser.add_argument("action", choices=["start", "stop"])
+    parser.add_argument("action", choices=["start", "stop", "expire"])
     parser.add_argument("folder", type=Path, help="where the server keeps its data, log and env.sh")
+    parser.add_argument("--after", type=float, default=3600.0,
+                        help="start: stop the server after this many seconds at the latest (default 3600)")
     args = parser.parse_args(argv)
     try:
         if args.action == "start":
-            sys.stdout.write(start(args.folder.absolute()))
+            sys.stdout.write(start(args.folder.absolute(), args.after))
+        elif args.action == "expire":
+            expire(args.folder.absolute(), args.after)
         else:
             stop(args.folder.absolute())
     except ServerStartError as exc:
