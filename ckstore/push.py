@@ -21,8 +21,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from .codec import delta_base
 from .context import RepoContext
-from .errors import ConflictError, LockedError, RefChangedError, RefNotFoundError
+from .errors import (
+    ConflictError,
+    IntegrityError,
+    LockedError,
+    RefChangedError,
+    RefNotFoundError,
+)
 from .graph import kept_parents
 from .ids import ObjectId
 from .pack import DEFAULT_TARGET_SIZE, BuiltPack, pack_objects
@@ -167,8 +174,22 @@ def _send_missing(
     store = ctx.store
 
     def objects() -> Iterator[tuple[str, bytes]]:
-        for oid in missing:
-            yield oid, store.read_raw(oid)
+        # The delta base is taken from the bytes actually sent: a compaction may have re-encoded
+        # an object since the list was made, and the remote must hold every base it sends.
+        queue, listed = list(missing), set(missing)
+        while queue:
+            oid = queue.pop(0)
+            data = store.read_raw(oid)
+            try:
+                base = delta_base(data)
+            except IntegrityError as exc:
+                raise IntegrityError(f"object {oid} is corrupt: {exc}; run 'ckstore fsck'") from None
+            if base is not None and base in where:
+                relied.add(where[base].pack_id)
+            elif base is not None and base not in listed:
+                listed.add(base)
+                queue.append(base)
+            yield oid, data
 
     pending: list[Future[None]] = []
     with ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
