@@ -247,7 +247,7 @@ def expire(folder: Path, after: float) -> None:
         return
     deadline = time.monotonic() + after
     while time.monotonic() < deadline:
-        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         try:
             if json.loads((folder / "server.json").read_text())["pid"] != pid:
                 return
