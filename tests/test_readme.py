@@ -290,11 +290,7 @@ def base_env(home: Path) -> dict[str, str]:
     return env
 
 
-def _slow(group: list[Section]) -> list[pytest.MarkDecorator]:
-    return []
-
-
-@pytest.mark.parametrize("group", [pytest.param(g, id=" + ".join(s.title for s in g), marks=_slow(g)) for g in GROUPS])
+@pytest.mark.parametrize("group", [pytest.param(g, id=" + ".join(s.title for s in g)) for g in GROUPS])
 def test_readme_section(group: list[Section], tmp_path: Path, request: pytest.FixtureRequest) -> None:
     home, cwd = tmp_path / "home", tmp_path / "work"
     home.mkdir(), cwd.mkdir()
@@ -366,3 +362,38 @@ def test_console_output_is_compared_loosely() -> None:
     assert pattern.fullmatch("ab12 (HEAD -> main) epoch 3\nlast\n")
     assert not pattern.fullmatch("ab12 (HEAD -> main) epoch 4\nlast\n")
     assert not pattern.fullmatch("ab12 (HEAD -> main) epoch 3\nlast\nextra\n")
+
+
+def test_a_failing_block_names_its_section_line_and_stderr(tmp_path: Path) -> None:
+    (tmp_path / "work").mkdir()
+    demo = parse(textwrap.dedent("""\
+        ## Demo
+        ```bash
+        true
+        ls no-such-file
+        ```
+        ```python
+        x = 41
+        ```
+        ```python
+        assert x + 1 == 42
+        raise ValueError("boom")
+        ```
+        ```console
+        $ echo one two
+        one  three
+        ```
+        """))[1]
+    runner = Runner(tmp_path / "work", base_env(tmp_path))
+    try:
+        with pytest.raises(pytest.fail.Exception, match=r"(?s)README.md:3 \(bash block in 'Demo'\): exit 2.*"
+                           r"No such file.*README.md:4: failed: ls no-such-file"):
+            runner.run(demo.blocks[0])
+        runner.run(demo.blocks[1])
+        with pytest.raises(pytest.fail.Exception, match=r"(?s)README.md:10 \(python block in 'Demo'\): raised.*"
+                           r"File \"README.md\", line 11.*ValueError: boom"):
+            runner.run(demo.blocks[2])  # x from the block before: one namespace per section
+        with pytest.raises(pytest.fail.Exception, match=r"(?s)line 14: `echo one two` printed other.*one two"):
+            runner.run(demo.blocks[3])
+    finally:
+        runner.close()
