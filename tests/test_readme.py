@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -304,6 +305,9 @@ def test_readme_section(group: list[Section], tmp_path: Path, request: pytest.Fi
             runner.run(block)
     finally:
         runner.close()
+    # A passing section's folder holds copies of the model (~1 GB); pytest keeps three runs' worth
+    # of temporary folders, which fills a small CI disk. A failing one stays for a look.
+    shutil.rmtree(cwd)
 
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=f"README.md:{b.line}") for b in NOT_RUN])
