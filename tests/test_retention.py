@@ -54,6 +54,9 @@ def scripted_run(path: Path, counters: str | None) -> tuple[Repo, dict[str, str]
     for i in range(9, 13):
         commit(f"m{i}", i, MAIN_LOSS[i], "main")
     repo.create_tag("release", ids["m3"])
+    # Compaction re-encodes each commit's parent on a background thread; the byte counts below
+    # (gc frees exactly what dry-run announced) hold for a repository at rest, so wait for it.
+    repo.wait()
     return repo, ids
 
 
