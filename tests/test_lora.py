@@ -117,6 +117,9 @@ def test_merge_lora_matches_peft_merge_and_unload(tmp_path: Path, variant: str) 
     if variant == "modules_to_save":
         changed |= {"classifier.weight", "classifier.bias"}
     assert_merged_like_peft(tmp_path / "out", tmp_path / "base", peft_model, changed)
+    # Checking out the same merge again into the same folder finds every file unchanged.
+    again = repo.checkout("lora", tmp_path / "out", merge_lora=True)
+    assert again.unchanged and not again.written
     # The written folder is a plain model: config.json is there, the adapter files are not.
     assert {"config.json", "model.safetensors"} <= set(tree_digest(tmp_path / "out"))
     assert not {"adapter_config.json", "adapter_model.safetensors"} & set(tree_digest(tmp_path / "out"))
