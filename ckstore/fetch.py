@@ -1,12 +1,12 @@
 """``fetch``, ``pull`` and ``clone``: bring a remote's commits and the objects they need here.
 
 Every object is verified on arrival, before any ref names it: a commit is decoded and re-hashed
-in memory as soon as its bytes come; its chunks (and the delta bases they need) are staged with
-in a ``Backend.batch`` and each is decoded and re-hashed there, so a corrupt or truncated remote
-object raises an IntegrityError naming the object and its pack and nothing of that batch lands.
-Commits land oldest first in groups of about LAND_GROUP bytes, each commit object written only
-after its group's batch made every object it needs durable, so the local invariant holds at every moment (a commit present means its objects are
-present) and an interrupted fetch resumes where it stopped: a commit already here is never
+in memory as soon as its bytes come; its chunks (and the delta bases they need) are decoded and
+re-hashed in memory as they arrive (``_Lander``) and only then staged in a ``Backend.batch``, so a
+corrupt or truncated remote object raises an IntegrityError naming the object and its pack and
+nothing of that batch lands. Commits land oldest first in groups of about LAND_GROUP bytes, each
+commit object written only after its group's batch made every object it needs durable, so the
+local invariant holds at every moment (a commit present means its objects are present) and an interrupted fetch resumes where it stopped: a commit already here is never
 fetched again.
 
 Remote-tracking refs ``refs/remotes/NAME/BRANCH`` (resolvable as ``NAME/BRANCH``) record each
