@@ -1,12 +1,12 @@
 """``fetch``, ``pull`` and ``clone``: bring a remote's commits and the objects they need here.
 
 Every object is verified on arrival, before any ref names it: a commit is decoded and re-hashed
-in memory as soon as its bytes come; its chunks (and the delta bases they need) are staged with
-in a ``Backend.batch`` and each is decoded and re-hashed there, so a corrupt or truncated remote
-object raises an IntegrityError naming the object and its pack and nothing of that batch lands.
-Commits land oldest first in groups of about LAND_GROUP bytes, each commit object written only
-after its group's batch made every object it needs durable, so the local invariant holds at every moment (a commit present means its objects are
-present) and an interrupted fetch resumes where it stopped: a commit already here is never
+in memory as soon as its bytes come; its chunks (and the delta bases they need) are decoded and
+re-hashed in memory as they arrive (``_Lander``) and only then staged in a ``Backend.batch``, so a
+corrupt or truncated remote object raises an IntegrityError naming the object and its pack and
+nothing of that batch lands. Commits land oldest first in groups of about LAND_GROUP bytes, each
+commit object written only after its group's batch made every object it needs durable, so the
+local invariant holds at every moment (a commit present means its objects are present) and an interrupted fetch resumes where it stopped: a commit already here is never
 fetched again.
 
 Remote-tracking refs ``refs/remotes/NAME/BRANCH`` (resolvable as ``NAME/BRANCH``) record each
@@ -16,6 +16,7 @@ remote branch as last seen; remote tags become local tags unless a local tag of 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,17 +25,19 @@ from .codec import Kind, decode, delta_base
 from .config import RepoConfig
 from .context import RepoContext, init_context
 from .errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
-from .ids import ObjectId, commit_id
+from .ids import ObjectId, chunk_id, commit_id
 from .manifest import Commit, decode_commit
 from .refs import HEADS, TAGS
 from .remote.layout import Located, RemoteRepo, pack_key
 from .remotes import TRACKING, add, open_remote, tracking_ref
-from .store import MAX_COMMIT_SIZE, ObjectStore, object_key
+from .store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, MAX_COMMIT_SIZE, ObjectStore, object_key
 
 READ_WORKERS = 4
 # Commits land in batches of about this many fetched bytes: each batch costs two durability
 # barriers, and an interrupted fetch loses at most the batch in flight.
 LAND_GROUP = 256 << 20
+# Downloads pause while verification workers hold this many stored bytes (memory stays bounded).
+MAX_IN_FLIGHT = 64 << 20
 
 
 @dataclass
@@ -118,20 +121,24 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         pruned = graph.pruned()
         graph.write_pruned({**pruned, **{b: pruned.get(b, tuple(theirs.get(b, ()))) for b in boundary}})
     order = _oldest_first(commits)
-    while order:
-        # A group of commits lands in one batch (two durability barriers): all of it or none.
-        landed, group = report.bytes, []
-        with store.batch() as view:
-            while order and report.bytes - landed < LAND_GROUP:
-                oid = order.pop(0)
-                _land_commit(ctx, view, remote, where, oid, commits[oid], report)
-                group.append(oid)
-        # The commits only once their objects are durable (a batch lands in no set order).
-        for oid in group:
-            store.backend.put_if_absent(object_key(oid), stored[oid])
-            graph.remember(oid, commits[oid])
-            report.commits += 1
-            report.objects += 1
+    # Decoding and hashing release the GIL: every core verifies, while the next packs download.
+    with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="verify") as pool:
+        while order:
+            # A group of commits lands in one batch (two durability barriers): all of it or none.
+            group: list[ObjectId] = []
+            with store.batch() as view:
+                lander = _Lander(view, remote, where, pool, report)
+                while order and lander.queued_bytes < LAND_GROUP:
+                    oid = order.pop(0)
+                    lander.want_commit(oid, commits[oid])
+                    group.append(oid)
+                lander.run()
+            # The commits only once their objects are durable (a batch lands in no set order).
+            for oid in group:
+                store.backend.put_if_absent(object_key(oid), stored[oid])
+                graph.remember(oid, commits[oid])
+                report.commits += 1
+                report.objects += 1
 
 
 def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
@@ -153,42 +160,181 @@ def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
     return out
 
 
-def _land_commit(ctx: RepoContext, view: ObjectStore, remote: RemoteRepo, where: dict[str, Located], oid: ObjectId,
-                 commit: Commit, report: FetchReport) -> None:
-    """The objects of one commit into the batch ``view``: its missing chunks and their delta
-    bases, each decoded and re-hashed there (the commit itself lands after the batch)."""
-    origin: dict[str, str] = {}
-    chunks = {c.id for c in commit.all_chunks()}
-    todo = [c for c in chunks if not view.has(c)]
-    todo += _missing_bases(view, chunks - set(todo))
-    while todo:
-        absent = [o for o in dict.fromkeys(todo) if o not in origin and not view.has(o)]
-        for o in absent:
-            if o not in where:
-                raise IntegrityError(f"remote {remote.name}: object {o} (needed by commit {oid[:12]}) is in no pack there")
-        todo = []
-        for o, pack_id, data in read_objects(remote, where, absent):
-            origin[o] = pack_id
-            report.bytes += len(data)
-            report.objects += 1
-            view.backend.put_if_absent(object_key(o), data)
-            try:
-                base = delta_base(data)
-            except IntegrityError as exc:
-                raise IntegrityError(f"object {o} from {remote.describe(pack_key(pack_id))} is corrupt: {exc}") from None
-            if base is not None and base not in origin:
-                # A base already here may itself lack its base (see _missing_bases).
-                todo.extend(_missing_bases(view, {base}) if view.has(base) else [base])
-    def verify(item: tuple[str, str]) -> None:
-        o, pack_id = item
-        try:
-            view.verify(o)
-        except CkstoreError as exc:
-            raise IntegrityError(f"{exc} (fetched from {remote.describe(pack_key(pack_id))})") from None
+class _Lander:
+    """The objects a group of commits needs, into the batch ``view``: downloaded a few packs at a
+    time, each object decoded and re-hashed in memory on a worker as soon as it arrives (while
+    later packs download), then staged. Nothing is staged unverified, and the batch becomes
+    durable only after ``run`` returned, so a failure leaves nothing of it behind.
 
-    # Decoding and hashing release the GIL: every core verifies.
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        list(pool.map(verify, origin.items()))
+    A delta whose base is in the same batch waits for that base's verification and is decoded
+    against the base's raw bytes kept in memory (only while a waiting delta needs them); a base
+    already here is read through the store, which verifies it. Chains are bounded as a local
+    read bounds them (store.MAX_CHAIN_DEPTH), so nothing lands that the store would refuse.
+    """
+
+    def __init__(self, view: ObjectStore, remote: RemoteRepo, where: dict[str, Located],
+                 pool: ThreadPoolExecutor, report: FetchReport) -> None:
+        self.view, self.remote, self.where, self.pool, self.report = view, remote, where, pool, report
+        self.queued: dict[str, str] = {}  # object -> the commit that first needed it (for errors)
+        self.queued_bytes = 0
+        self.origin: dict[str, str] = {}  # object -> pack id, every object downloaded here
+        self.depth: dict[str, int] = {}  # verified objects: delta links down to a whole object
+        self.raws: dict[str, bytes] = {}  # verified raw bytes of bases that deltas wait for
+        self.needed: dict[str, int] = {}  # base -> how many waiting deltas still need its raw
+        self.waiting: dict[str, list[tuple[str, str, bytes]]] = {}  # base -> deltas waiting for it
+        self.late: list[tuple[str, str, bytes]] = []  # deltas on a local base whose chain is incomplete
+        self.lock = threading.Condition()
+        self.futures: list[Future[None]] = []
+        self.in_flight = 0  # stored bytes handed to workers and not yet done (memory bound)
+        self.failed = False
+
+    def want_commit(self, oid: ObjectId, commit: Commit) -> None:
+        chunks = {c.id for c in commit.all_chunks()} - self.queued.keys()
+        todo = [c for c in chunks if not self.view.has(c)]
+        todo += _missing_bases(self.view, chunks - set(todo))
+        for o in dict.fromkeys(todo):
+            if o not in self.queued:
+                self.queued[o] = oid
+                loc = self.where.get(o)
+                self.queued_bytes += loc.entry.length if loc is not None else 0
+
+    def run(self) -> None:
+        todo = list(self.queued)
+        try:
+            while todo:
+                absent = [o for o in dict.fromkeys(todo) if o not in self.origin and not self.view.has(o)]
+                for o in absent:
+                    if o not in self.where:
+                        needer = self.queued.get(o, "?")
+                        raise IntegrityError(f"remote {self.remote.name}: object {o} (needed by commit {needer[:12]}) "
+                                             "is in no pack there")
+                    self.origin[o] = self.where[o].pack_id
+                todo = []
+                for o, pack_id, data in read_objects(self.remote, self.where, absent):
+                    self.report.bytes += len(data)
+                    self.report.objects += 1
+                    todo += self._arrive(o, pack_id, data)
+            self._drain()
+            for item in self.late:  # every base is staged now
+                self._submit(*item, wait=False)
+            self._drain()
+        except BaseException:
+            with self.lock:
+                self.failed = True
+            self._drain(quiet=True)
+            raise
+        assert not self.waiting, "a delta waited for a base that never came"
+
+    def _fail(self, o: str, pack_id: str, reason: str) -> IntegrityError:
+        return IntegrityError(f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})")
+
+    def _arrive(self, o: str, pack_id: str, data: bytes) -> list[str]:
+        """Hand one downloaded object to a worker, or park it until its base is verified; the
+        bases to download next (a delta's base the remote has and this store lacks)."""
+        try:
+            base = delta_base(data)
+        except IntegrityError as exc:
+            raise self._fail(o, pack_id, str(exc)) from None
+        if base is None:
+            self._submit(o, pack_id, data, wait=True)
+            return []
+        with self.lock:
+            if base in self.origin and base not in self.depth:  # in this batch, not verified yet
+                self._park(base, (o, pack_id, data))
+                return []
+        if base in self.origin or self.view.has(base):
+            if base not in self.origin and _missing_bases(self.view, {base}):
+                self.late.append((o, pack_id, data))  # verified once its base's chain is staged
+                return _missing_bases(self.view, {base})
+            self._submit(o, pack_id, data, wait=True)
+            return []
+        with self.lock:
+            self._park(base, (o, pack_id, data))
+        self.queued.setdefault(base, self.queued.get(o, "?"))
+        return [base]
+
+    def _park(self, base: str, item: tuple[str, str, bytes]) -> None:
+        self.waiting.setdefault(base, []).append(item)
+        self.needed[base] = self.needed.get(base, 0) + 1
+
+    def _submit(self, o: str, pack_id: str, data: bytes, wait: bool) -> None:
+        with self.lock:
+            # Downloads pause while workers hold this much; a worker releasing waiting deltas
+            # never waits (the bytes are in memory already).
+            while wait and self.in_flight > MAX_IN_FLIGHT and not self.failed:
+                self.lock.wait()
+            self.in_flight += len(data)
+            self.futures.append(self.pool.submit(self._verify, o, pack_id, data))
+
+    def _verify(self, o: str, pack_id: str, data: bytes) -> None:
+        try:
+            if not self.failed:
+                self._verify_one(o, pack_id, data)
+        finally:
+            with self.lock:
+                self.in_flight -= len(data)
+                self.lock.notify_all()
+
+    def _verify_one(self, o: str, pack_id: str, data: bytes) -> None:
+        base = delta_base(data)
+        depth = 0 if base is None else 1 + self._depth_of(base)
+        if depth > MAX_CHAIN_DEPTH:
+            raise self._fail(o, pack_id, f"delta chain longer than {MAX_CHAIN_DEPTH}")
+
+        def fetch_base(base_id: str, length: int) -> bytes:
+            with self.lock:
+                raw = self.raws.get(base_id)
+                if raw is not None:
+                    self.needed[base_id] -= 1
+                    if not self.needed[base_id]:
+                        del self.needed[base_id], self.raws[base_id]
+            return raw if raw is not None else self.view.get_chunk(base_id, length, f" (delta base of {o})")
+
+        try:
+            raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=fetch_base)
+        except CkstoreError as exc:
+            raise self._fail(o, pack_id, str(exc)) from None
+        if chunk_id(raw) != o:
+            raise self._fail(o, pack_id, "its bytes do not hash to its name")
+        self.view.backend.put_if_absent(object_key(o), data)
+        with self.lock:
+            self.depth[o] = depth
+            released = self.waiting.pop(o, [])
+            if o in self.needed:
+                self.raws[o] = raw
+        for item in released:
+            self._submit(*item, wait=False)
+
+    def _depth_of(self, oid: str) -> int:
+        """Delta links from ``oid`` (verified or here) down to a whole object."""
+        with self.lock:
+            known = self.depth.get(oid)
+        if known is not None:
+            return known
+        depth, cur = 0, self.view.base_of(oid)
+        while cur is not None and depth <= MAX_CHAIN_DEPTH:
+            depth += 1
+            cur = self.view.base_of(cur)
+        return depth
+
+    def _drain(self, quiet: bool = False) -> None:
+        """Wait for every worker task, including those that tasks submitted; the first error
+        raises (unless ``quiet``)."""
+        i = 0
+        while True:
+            with self.lock:
+                if i >= len(self.futures):
+                    return
+                fut = self.futures[i]
+            i += 1
+            try:
+                fut.result()
+            except BaseException:
+                if not quiet:
+                    with self.lock:
+                        self.failed = True
+                    self._drain(quiet=True)
+                    raise
 
 
 def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:

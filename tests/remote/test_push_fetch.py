@@ -198,3 +198,42 @@ def test_unknown_remote_and_bad_names(tmp_path: Path) -> None:
             repo.add_remote(bad, str(tmp_path / "r"))
     with pytest.raises(InvalidInputError, match="s3:// remotes only"):
         repo.add_remote("r", str(tmp_path / "r"), endpoint_url="http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("group", ["one batch", "batch per commit"])
+def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, group: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older epochs are stored as deltas of newer ones, so a clone (oldest commit first) meets
+    deltas before their bases: in one batch they wait for the base's in-memory verification, one
+    batch per commit fetches the base in a later round. Either way a damaged base is named."""
+    from ckstore import fetch as fetch_module
+    from ckstore.pack import parse_pack
+    from ckstore.remote import open_transport
+
+    if group == "batch per commit":
+        monkeypatch.setattr(fetch_module, "LAND_GROUP", 1)
+    url = (tmp_path / "remote").as_uri()
+    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 4))
+    deltas = {o: a.store.base_of(o) for o in a.store.iter_ids() if a.store.base_of(o) is not None}
+    assert deltas, "the epochs should share chunks as deltas"
+    a.add_remote("origin", url)
+    a.push()
+    b = Repo.clone(url, tmp_path / "b")
+    assert {o: b.store.base_of(o) for o in deltas} == deltas  # stayed deltas on the way
+    b.checkout(ids[0], tmp_path / "out")
+    assert digests(tmp_path / "out") == digests(tmp_path / "work" / "e1")
+    assert b.fsck(read_data=True) == []
+
+    base = next(iter(deltas.values()))
+    t = open_transport(url, None)
+    for info in t.list(PACKS):
+        data = t.get(info.key)
+        entry = parse_pack(data).find(base)
+        if entry is not None:  # flip a byte in the base's body, past its header
+            at = entry.offset + entry.length - 1
+            t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])
+    with pytest.raises(IntegrityError, match=base) as err:
+        Repo.clone(url, tmp_path / "c")
+    assert err.value.exit_code == 4
+    c = Repo(tmp_path / "c")
+    assert c.branches() == {} and c.fsck() == []
