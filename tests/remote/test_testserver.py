@@ -60,6 +60,7 @@ def test_the_watchdog_stops_a_forgotten_server(tmp_path: Path) -> None:
     assert _server(folder, "start", "--after", "1").returncode == 0
     pid = json.loads((folder / "server.json").read_text())["pid"]
     deadline = time.monotonic() + 90  # a loaded machine: the watchdog and the stop take their time
-    while _alive(pid) and time.monotonic() < deadline:
+    # The watchdog stops the server, then removes server.json: wait for both.
+    while (_alive(pid) or (folder / "server.json").exists()) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _alive(pid) and not (folder / "server.json").exists()
