@@ -15,6 +15,7 @@ from typing import Any
 
 from . import provenance
 from .context import RepoContext
+from .dcp_manifest import DcpRecord
 from .errors import InvalidInputError, RefChangedError, RefExistsError
 from .ingest import MemoryFile, SourceFile, ingest
 from .manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit
@@ -51,7 +52,7 @@ def commit_sources(
         # the parent's re-encoded against them, so the branch tip is cheap to read.
         overlay = bool(base_commit and ctx.config.encoding.max_delta_depth)
         hints = base_commit.files if overlay and base_commit else None
-        recent = () if overlay else _recent_files(ctx, branch)
+        recent = () if overlay else recent_files(ctx, branch)
         try:
             # One durability barrier for all of the commit's chunks; they are durable under
             # their names when the block ends, before the manifest is written (format.md §8).
@@ -68,7 +69,7 @@ def commit_sources(
         return record_commit(ctx, files, added, message, branch, meta, state, base)
 
 
-def _recent_files(ctx: RepoContext, branch: str) -> list[tuple[FileEntry, ...]]:
+def recent_files(ctx: RepoContext, branch: str) -> list[tuple[FileEntry, ...]]:
     """The files of the branch tip and its first parents, newest first, as many as a chain can
     be long: the tip's chunks are re-encoded against the new commit's, the older ones tell how
     long the chain below each of them already is."""
@@ -81,7 +82,7 @@ def _recent_files(ctx: RepoContext, branch: str) -> list[tuple[FileEntry, ...]]:
 
 def record_commit(
     ctx: RepoContext, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
-    state: StateFiles | None = None, base: BaseRef | None = None,
+    state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
 ) -> str:
     """Write the manifest and move ``branch`` to it (objects must be stored already)."""
     ref = HEADS + branch
@@ -92,6 +93,7 @@ def record_commit(
             parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
             files=tuple(files), metadata=metadata, provenance=origin,
             logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
+            dcp=dcp,
         )
         oid = ctx.store.put_commit(encode_commit(commit)).id
         try:

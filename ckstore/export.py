@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .checkout import Output, plan_outputs
+from .dcp.consolidate import plan_consolidated
 from .errors import InvalidInputError
 from .lora import plan_merged
 from .manifest import Commit
@@ -21,6 +22,8 @@ def plan_checkout(
         if shard_size is not None or only:
             raise InvalidInputError("merge_lora cannot be combined with shard_size or only")
         return plan_merged(store, commit)
+    if commit.dcp is not None:  # a distributed checkpoint: its full tensors, not the ranks' pieces
+        return plan_consolidated(store, commit, only, None if shard_size is None else parse_size(shard_size))
     if shard_size is not None:
         return plan_shards(store, commit, parse_size(shard_size), only)
     return plan_outputs(store, commit, only)
