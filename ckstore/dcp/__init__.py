@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Reader", "Writer"]
+__all__ = ["Reader", "Writer", "saved_commit"]
 
 
 def __getattr__(name: str) -> Any:

@@ -57,6 +57,7 @@ from ..values import encode_value
 from .metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 
 FILE_METADATA = {"format": "ckstore-dcp"}
+COMMIT_KEY = "ckstore_commit"  # in the Metadata dcp.save returns: the commit id, on every rank
 OBJECT_SUFFIX = "@bytes"  # piece names end in "@" and digits, so an item's name never equals one
 
 
@@ -84,7 +85,8 @@ class _PlanInfo:
 class Writer(StorageWriter):
     """Save a DCP checkpoint as one commit on ``branch`` (default: the repository's HEAD branch).
 
-    After ``dcp.save`` returns, ``commit_id`` holds the new commit's id on the coordinator rank.
+    After ``dcp.save`` returns, ``commit_id`` holds the new commit's id on the coordinator rank;
+    every rank finds it in the returned metadata (``saved_commit(dcp.save(...))``).
     """
 
     def __init__(self, repo: Any, branch: str | None = None, message: str = "",
@@ -199,11 +201,22 @@ class Writer(StorageWriter):
             branch = self.branch or ctx.refs.head_branch()
             added = sum(i.added for i in items)
             self.commit_id = record_commit(ctx, files, added, self.message, branch, self._meta, dcp=record)
+            # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
+            # so this is how the other ranks learn the commit.
+            metadata.storage_data = {COMMIT_KEY: self.commit_id}
         finally:
             self._release()
 
     def storage_meta(self) -> Any:
         return None
+
+
+def saved_commit(metadata: Metadata) -> str:
+    """The commit a ``dcp.save`` through ckstore's ``Writer`` made, from the metadata it returned."""
+    data = getattr(metadata, "storage_data", None)
+    if not isinstance(data, dict) or not isinstance(data.get(COMMIT_KEY), str):
+        raise InvalidInputError("this metadata does not come from a save through ckstore's Writer")
+    return data[COMMIT_KEY]
 
 
 def _object_bytes(planner: SavePlanner, item: Any) -> tuple[bytes, str]:
@@ -356,4 +369,4 @@ def _deliver_value(planner: LoadPlanner, req: Any, value: Any) -> None:
     planner.load_bytes(req, buffer)
 
 
-__all__ = ["Reader", "Writer", "rank_file", "DTYPES"]
+__all__ = ["Reader", "Writer", "rank_file", "saved_commit"]
