@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ..dcp_manifest import record_json
 from ..repo import Repo
 from .base import print_json, human, main, pass_repo
 
@@ -66,6 +67,8 @@ def show(repo: Repo, ref: str, as_json: bool) -> None:
         doc = {**_entry_json(oid, c), "base": {"commit": c.base.commit, "repo": c.base.repo} if c.base else None, "provenance": dict(c.provenance), "files": files}
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
+        if c.dcp is not None:
+            doc["dcp"] = record_json(c.dcp)
         print_json(doc)
         return
     click.echo(f"commit {oid}  ({c.branch})\nDate:   {c.time}")
@@ -80,11 +83,26 @@ def show(repo: Repo, ref: str, as_json: bool) -> None:
         click.echo("State:")
         for line in _state_lines(repo.state_document(oid)):
             click.echo(f"  {line}")
+    if c.dcp is not None:
+        _show_dcp(c.dcp)
     for f in files:
         click.echo(f"\n{f['path']}  [{f['kind']}, {human(f['size'])}{', from base' if f['from_base'] else ''}]")
-        for t in f["tensors"]:
+        for t in f["tensors"] if c.dcp is None else ():  # a DCP commit's pieces are listed above
             click.echo(f"  {t['name']:<50} {t['dtype']:<8} {str(tuple(t['shape'])):<20}"
                        f"{' (from base)' if t['from_base'] else ''}")
+
+
+def _show_dcp(record: Any) -> None:
+    """A distributed checkpoint's global tensors and which rank wrote which piece."""
+    click.echo(f"Distributed checkpoint: {record.world_size} rank(s), {len(record.tensors)} tensors, "
+               f"{len(record.objects)} other items")
+    for t in record.tensors:
+        click.echo(f"  {t.fqn:<50} {t.dtype:<9} {str(t.shape):<20}")
+        for p in t.pieces:
+            region = ", ".join(f"{o}:{o + n}" for o, n in zip(p.offsets, p.sizes))
+            click.echo(f"      rank {p.rank}: [{region}]")
+    for o in record.objects:
+        click.echo(f"  {o.fqn:<50} ({'typed value' if o.encoding == 'value' else 'opaque bytes'}, rank {o.rank})")
 
 
 def _state_lines(value: Any) -> list[str]:
