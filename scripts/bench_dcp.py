@@ -1,0 +1,137 @@
+"""Benchmark: DCP's FileSystemWriter vs ckstore's DCP Writer, side by side in one run.
+
+2 ranks (torchrun, gloo on CPU), a model of a few hundred MB sharded with FSDP2 plus its AdamW
+state, 4 training steps. After each step the same state is saved four ways: ``dcp.save`` to a
+FileSystemWriter folder, ``dcp.save`` to a ckstore repository, and the same two with
+``dcp.async_save`` (into a second folder and repository). Reported per step: rank-0 wall time of
+the synchronous saves, time training is blocked by ``async_save`` (until it returns), and bytes
+on disk after 4 steps and for step 4 alone. Prints a Markdown table (docs/benchmarks.md).
+
+    python scripts/bench_dcp.py [--layers 12] [--width 2048] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    import ckstore.dcp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = Path(args.out)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rows: list[dict[str, float]] = []
+    sizes: dict[str, list[int]] = {k: [] for k in ("fs", "ck", "fs_async", "ck_async")}
+    for step in range(4):
+        x = torch.randn(16, args.width)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd, "step": step}
+        row: dict[str, float] = {}
+        for name, make in (
+            ("fs", lambda: dcp.FileSystemWriter(str(out / "fs" / f"step{step}"))),
+            ("ck", lambda: ckstore.dcp.Writer(out / "ck", message=f"step {step}")),
+        ):
+            dist.barrier()
+            started = time.perf_counter()
+            dcp.save(sd, storage_writer=make())
+            row[name] = time.perf_counter() - started
+        for name, make in (
+            ("fs_async", lambda: dcp.FileSystemWriter(str(out / "fs_async" / f"step{step}"))),
+            ("ck_async", lambda: ckstore.dcp.Writer(out / "ck_async", message=f"step {step}")),
+        ):
+            dist.barrier()
+            started = time.perf_counter()
+            future = dcp.async_save(sd, storage_writer=make())
+            row[name] = time.perf_counter() - started  # training is blocked until here
+            future.result()
+            row[name + "_total"] = time.perf_counter() - started
+        dist.barrier()
+        if rank == 0:
+            for name in sizes:
+                sizes[name].append(du(out / name))
+        rows.append(row)
+    if rank == 0:
+        logical = sum(t.numel() * t.element_size() for t in list(model.parameters())) * 3 * dist.get_world_size()
+        (out / "result.json").write_text(json.dumps({"rows": rows, "sizes": sizes, "approx_state_bytes": logical}))
+    dist.destroy_process_group()
+
+
+def table(result: dict, args: argparse.Namespace) -> str:
+    rows, sizes = result["rows"], result["sizes"]
+    mb = 1e6
+    lines = [
+        f"2 ranks (torchrun, gloo, CPU), FSDP2 MLP of {args.layers} × Linear({args.width}, {args.width}) "
+        f"+ AdamW: state ≈ {result['approx_state_bytes'] / mb:.0f} MB, 4 steps, each saved four ways.",
+        "",
+        "| step | FileSystemWriter save s | ckstore save s | ratio | async blocked s (FS / ckstore) | ratio | async total s (FS / ckstore) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i} | {r['fs']:.2f} | {r['ck']:.2f} | {r['ck'] / r['fs']:.2f} | "
+                     f"{r['fs_async']:.2f} / {r['ck_async']:.2f} | {r['ck_async'] / r['fs_async']:.2f} | "
+                     f"{r['fs_async_total']:.2f} / {r['ck_async_total']:.2f} |")
+    fs, ck = sizes["fs"], sizes["ck"]
+    lines += [
+        "",
+        "| bytes on disk | FileSystemWriter | ckstore | ratio |",
+        "|---|---|---|---|",
+        f"| after 4 steps | {fs[-1] / mb:.1f} MB | {ck[-1] / mb:.1f} MB | {ck[-1] / fs[-1]:.3f} |",
+        f"| step 4 alone | {(fs[-1] - fs[-2]) / mb:.1f} MB | {(ck[-1] - ck[-2]) / mb:.1f} MB | "
+        f"{(ck[-1] - ck[-2]) / (fs[-1] - fs[-2]):.3f} |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--out")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import ckstore
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_dcp_"))
+    for name in ("fs", "ck", "fs_async", "ck_async"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    ckstore.Repo.init(out / "ck")
+    ckstore.Repo.init(out / "ck_async")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+                    "--worker", "--layers", str(args.layers), "--width", str(args.width), "--out", str(out)],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(table(json.loads((out / "result.json").read_text()), args))
+
+
+if __name__ == "__main__":
+    main()
