@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
                 sizes[name].append(du(out / name))
         rows.append(row)
     if rank == 0:
-        logical = sum(t.numel() * t.element_size() for t in list(model.parameters())) * 3 * dist.get_world_size()
+        logical = sum(t.numel() * t.element_size() for t in list(model.parameters())) * 3  # DTensor numel is global: model + exp_avg + exp_avg_sq
         (out / "result.json").write_text(json.dumps({"rows": rows, "sizes": sizes, "approx_state_bytes": logical}))
     dist.destroy_process_group()
 
