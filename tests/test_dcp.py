@@ -168,8 +168,11 @@ def test_a_rank_killed_mid_save_leaves_no_commit(tmp_path: Path) -> None:
     assert any(repo.store.iter_ids())  # the dead rank's chunks are there, unreferenced
     oid = _single_save(repo, "main", 2.0)  # the next save works
     assert repo.branches()["main"] == oid and repo.read_commit(oid).parents == (before["main"],)
-    repo.gc()
-    assert repo.fsck(read_data=True) == []
+    changed = {c.name for c in repo.diff(before["main"], oid) if c.status == "changed"}
+    assert changed == {"w@0,0"}  # scaled by 2; the complex tensor and the values are unchanged
+    report_ = repo.gc(keep_last=1)  # retention and sweep: the dead rank's chunks and the first save go
+    assert repo.fsck(read_data=True) == [] and [e.id for e in repo.log()][0] == oid
+    assert report_.pruned_commits == [before["main"]] and report_.deleted_objects > 0
 
 
 # ---- in one process (no process group: DCP saves as a single rank) ------------------------------
