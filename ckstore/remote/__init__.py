@@ -1,0 +1,58 @@
+"""Remotes: object-storage locations that repositories push to and fetch from.
+
+``open_transport(url)`` turns a remote URL into a Transport (transport.py states what every
+transport guarantees): ``s3://bucket[/prefix]`` is S3-compatible storage (s3.py), a path or
+``file:///path`` a plain folder (directory.py).
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import unquote, urlsplit
+
+from ..errors import InvalidInputError
+from .transport import NotFound, ObjectInfo, RemoteOptions, Transport, check_remote_key
+
+__all__ = ["NotFound", "ObjectInfo", "RemoteOptions", "Transport", "open_transport", "parse_url"]
+
+
+def parse_url(url: str) -> tuple[str, str, str]:
+    """``("s3", bucket, prefix)`` or ``("dir", absolute path, "")``; InvalidInputError otherwise."""
+    if not url or "\0" in url:
+        raise InvalidInputError(f"invalid remote URL {url!r}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "s3":
+        bucket, prefix = parts.netloc, parts.path.strip("/")
+        if not bucket:
+            raise InvalidInputError(f"remote URL {url!r} names no bucket (s3://bucket/prefix)")
+        if parts.query or parts.fragment:
+            raise InvalidInputError(f"remote URL {url!r} has a query or fragment")
+        if prefix:
+            try:
+                check_remote_key(prefix)
+            except InvalidInputError:
+                raise InvalidInputError(f"remote URL {url!r} has an invalid prefix {prefix!r}") from None
+        return "s3", bucket, prefix
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidInputError(f"remote URL {url!r} names another host; mount the share and give its path")
+        return "dir", os.path.abspath(unquote(parts.path)), ""
+    # One letter is a Windows drive, not a scheme.
+    if scheme and len(scheme) > 1:
+        raise InvalidInputError(
+            f"unsupported remote URL {url!r}: use s3://bucket/prefix, a folder path, or file:///folder"
+        )
+    return "dir", os.path.abspath(url), ""
+
+
+def open_transport(url: str, options: RemoteOptions | None = None) -> Transport:
+    """The transport for a remote URL; makes no request (``Transport.check`` does one)."""
+    kind, where, prefix = parse_url(url)
+    if kind == "s3":
+        from .s3 import S3Transport
+
+        return S3Transport(where, prefix, options)
+    from .directory import DirectoryTransport
+
+    return DirectoryTransport(where, url=where, options=options)
