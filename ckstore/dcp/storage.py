@@ -100,6 +100,7 @@ class Writer(StorageWriter):
         self._ctx: RepoContext | None = None
         self._lock: ExitStack | None = None
         self._world = 1
+        self._plan_branch: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # async_save in a separate process pickles the writer
         state = dict(self.__dict__)
@@ -138,7 +139,7 @@ class Writer(StorageWriter):
         self._release()
         self._lock = ExitStack()
         self._lock.enter_context(ctx.backend.shared_lock())  # before any rank writes: see module doc
-        self._world = len(plans)
+        self._world, self._plan_branch = len(plans), branch
         return [dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -198,7 +199,7 @@ class Writer(StorageWriter):
                 raise IntegrityError(f"{len(missing)} object(s) the ranks reported are missing (first: {missing[0]}); "
                                      "nothing was committed")
             record = build_record(metadata, results, max(self._world, len(results)))
-            branch = self.branch or ctx.refs.head_branch()
+            branch = self._plan_branch or self.branch or ctx.refs.head_branch()  # the one the ranks used
             added = sum(i.added for i in items)
             self.commit_id = record_commit(ctx, files, added, self.message, branch, self._meta, dcp=record)
             # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
