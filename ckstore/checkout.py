@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InvalidPathError, OutputExistsError, StorageError
+from .errors import InvalidPathError, OutputExistsError, StorageError, TensorNotFoundError
 from .fsio import fsync_path, mutating_step, pid_alive
 from .ids import chunk_id
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
-from .pipeline import ordered_map
+from .pipeline import ProgressFactory, ordered_map
 from .filedata import file_context, header_metadata
 from .safetensors_format import emit_header
 from .store import ObjectStore
@@ -76,6 +76,8 @@ def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) 
 
 
 def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[Output]:
+    if only:
+        check_patterns([t for f in commit.files if f.kind == "safetensors" for t in f.tensors], only)
     outputs = []
     for f in commit.files:
         if only and f.kind == "safetensors":
@@ -95,6 +97,19 @@ def _target(out_dir: Path, rel: str) -> Path:
     if resolved_parent != out_dir.resolve() and out_dir.resolve() not in resolved_parent.parents:
         raise InvalidPathError(f"output path {rel!r} leads outside {out_dir}")
     return target
+
+
+def _blocking_file(out_dir: Path, rel: str) -> Path | None:
+    """An existing non-folder where the output needs a folder: ``out_dir`` itself or a parent of
+    ``rel`` in it. --force does not remove it: it is not a version of any file being written."""
+    parents = rel.split("/")[:-1]
+    for depth in range(len(parents) + 1):
+        folder = out_dir.joinpath(*parents[:depth])
+        if not (folder.exists() or folder.is_symlink()):
+            return None
+        if not folder.is_dir():
+            return folder
+    return None
 
 
 def _same_file(target: Path, output: Output) -> bool:
@@ -174,6 +189,9 @@ def write_outputs(
     todo: list[tuple[Path, Output]] = []
     conflicts = []
     for output in outputs:
+        blocker = _blocking_file(out_dir, output.path)
+        if blocker is not None:
+            raise OutputExistsError(f"{blocker} is not a directory, and the checkout writes {output.path} below it")
         target = _target(out_dir, output.path)
         if target.exists() or target.is_symlink():
             if target.is_dir():
@@ -206,5 +224,26 @@ def total_size(outputs: list[Output]) -> int:
     return sum(o.size for o in outputs)
 
 
+def write_with_progress(
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: ProgressFactory | None,
+    desc: str = "checkout",
+) -> CheckoutResult:
+    """``write_outputs`` with a progress bar over the bytes to write (when a factory is given)."""
+    bar = progress(total_size(outputs), desc) if progress else None
+    try:
+        return write_outputs(store, outputs, out_dir, force, bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+
+
 def select_tensors(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> list[TensorEntry]:
     return [t for t in tensors if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
+
+
+def check_patterns(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> None:
+    """Every pattern must match a tensor: a mistyped one must not check out the rest silently."""
+    names = [t.name for t in tensors]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise TensorNotFoundError(f"no tensor of the commit matches {pattern!r}")

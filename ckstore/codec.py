@@ -30,11 +30,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
-import numpy as np
 import zstandard
 
 from .errors import IntegrityError
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where used: commands that decode no chunk start without numpy
 
 MAGIC = b"CKSO"
 OBJECT_VERSION = 1
@@ -83,8 +86,8 @@ class DeltaOp(IntEnum):
 # Encodings a repository of each format version may contain (version 1 knew only raw and zstd;
 # version 3 changed link files, not objects).
 ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: frozenset(Encoding), 3: frozenset(Encoding)}
-_INT_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
-_SIGNED_DTYPES = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_INT_DTYPES = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+_SIGNED_DTYPES = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ Parts = list[bytes | memoryview]
 
 def _planes(raw: bytes | memoryview | np.ndarray, width: int) -> np.ndarray:
     """Shape (width, n): plane i holds byte i (little-endian order) of every element."""
+    import numpy as np
     if width not in _INT_DTYPES or width == 1:
         return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.copy()
     # Shifting whole little-endian integers is about twice as fast as a strided transpose.
@@ -197,6 +201,7 @@ def _grouped_parts(raw: bytes | memoryview | np.ndarray, width: int, level: int)
 
 def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int, op: DeltaOp) -> np.ndarray:
     """What a delta stores: raw XOR base, or raw - base element-wise (as bytes)."""
+    import numpy as np
     if op == DeltaOp.XOR:
         return np.bitwise_xor(np.frombuffer(raw, np.uint8), np.frombuffer(base, np.uint8))
     dt = _INT_DTYPES[width]
@@ -208,6 +213,7 @@ def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int
 
 
 def _undo_residual(residual: np.ndarray, base: bytes, width: int, op: DeltaOp) -> bytes:
+    import numpy as np
     if op == DeltaOp.XOR:
         np.bitwise_xor(residual, np.frombuffer(base, np.uint8), out=residual)
         return residual.tobytes()
@@ -398,6 +404,7 @@ def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None
 
 def _decode_grouped(body: memoryview, raw_len: int) -> np.ndarray:
     """Bytes of a byte-grouped body, as a uint8 array of ``raw_len`` elements."""
+    import numpy as np
     if len(body) < 1:
         raise IntegrityError("byte-grouped body is empty")
     width = body[0]

@@ -80,6 +80,12 @@ def recent_files(ctx: RepoContext, branch: str) -> list[tuple[FileEntry, ...]]:
     return [c.files for c in ctx.graph.first_parents(tip, depth + 1)]
 
 
+def _reflog_reason(parent: str | None, message: str) -> str:
+    """git's wording: "commit: <first line>", "(initial)" for the first commit of a branch."""
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    return f"commit{'' if parent else ' (initial)'}: {first}"
+
+
 def record_commit(
     ctx: RepoContext, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
     state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
@@ -97,7 +103,7 @@ def record_commit(
         )
         oid = ctx.store.put_commit(encode_commit(commit)).id
         try:
-            ctx.refs.update(ref, oid, expected=parent)
+            ctx.refs.update(ref, oid, expected=parent, reason=_reflog_reason(parent, message))
         except RefChangedError:
             continue  # another writer advanced the branch: re-parent onto its commit, as documented
         except RefExistsError:
@@ -105,7 +111,7 @@ def record_commit(
                 raise  # a name conflict ("a" vs "a/b"), not a race
             continue  # another writer created the branch first: re-parent onto its commit
         if ctx.refs.read(HEADS + ctx.refs.head_branch()) is None and branch != ctx.refs.head_branch():
-            ctx.refs.set_head_branch(branch)
+            ctx.refs.set_head_branch(branch, reason="commit")
         ctx.graph.remember(oid, commit)
         return oid
     raise RefChangedError(f"branch {branch!r} kept moving; commit not recorded")

@@ -19,6 +19,10 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and faster (docs/benchmarks.md)
 DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
 MAX_DELTA_DEPTH_LIMIT = 16
+# git's gc.reflogExpire and gc.reflogExpireUnreachable: how long the reflog keeps commits alive.
+DEFAULT_REFLOG_EXPIRE_DAYS = 90
+DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS = 30
+MAX_REFLOG_DAYS = 36500  # a century: "never" for any practical purpose
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,16 @@ class RepoConfig:
     # A version-1 repository stays version 1 (raw and zstd objects only, so older ckstore can
     # still read it) until repack upgrades it.
     version: int = NEW_REPO_VERSION
+    reflog_expire_days: int = DEFAULT_REFLOG_EXPIRE_DAYS
+    reflog_expire_unreachable_days: int = DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {"ckstore": "repository", "version": self.version,
                                "chunk_size": self.chunk_size, "zstd_level": self.zstd_level}
         if self.version >= 2:
             doc["max_delta_depth"] = self.max_delta_depth
+        doc["reflog_expire_days"] = self.reflog_expire_days
+        doc["reflog_expire_unreachable_days"] = self.reflog_expire_unreachable_days
         return (json.dumps(doc, indent=2) + "\n").encode()
 
     @property
@@ -69,7 +77,10 @@ class RepoConfig:
                 " upgrade ckstore"
             )
         depth = doc.get("max_delta_depth", 0 if version == 1 else DEFAULT_MAX_DELTA_DEPTH)
-        config = cls(doc.get("chunk_size"), doc.get("zstd_level"), depth, version)  # type: ignore[arg-type]
+        # Repositories made before the reflog have no reflog settings: the defaults apply.
+        config = cls(doc.get("chunk_size"), doc.get("zstd_level"), depth, version,  # type: ignore[arg-type]
+                     doc.get("reflog_expire_days", DEFAULT_REFLOG_EXPIRE_DAYS),
+                     doc.get("reflog_expire_unreachable_days", DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS))
         config.validate(where)
         return config
 
@@ -80,5 +91,9 @@ class RepoConfig:
             raise InvalidInputError(f"{where}: zstd_level must be between 1 and 22")
         if not isinstance(self.max_delta_depth, int) or not 0 <= self.max_delta_depth <= MAX_DELTA_DEPTH_LIMIT:
             raise InvalidInputError(f"{where}: max_delta_depth must be between 0 and {MAX_DELTA_DEPTH_LIMIT}")
+        for name in ("reflog_expire_days", "reflog_expire_unreachable_days"):
+            days = getattr(self, name)
+            if isinstance(days, bool) or not isinstance(days, int) or not 0 <= days <= MAX_REFLOG_DAYS:
+                raise InvalidInputError(f"{where}: {name} must be a whole number of days from 0 to {MAX_REFLOG_DAYS}")
         if not isinstance(self.version, int) or not 1 <= self.version <= REPO_FORMAT_VERSION:
             raise UnsupportedFormatError(f"{where}: unknown repository format version {self.version}")

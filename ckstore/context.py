@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,23 @@ def init_context(
         raise RefExistsError(f"a repository already exists at {path}")
     RefStore(backend).set_head_branch("main")
     return open_context(path, backend=backend)
+
+
+def open_or_init_context(
+    path: str | os.PathLike[str], config: RepoConfig, backend: Backend | None = None, check: Iterable[str] = (),
+) -> RepoContext:
+    """The repository at ``path``, created with ``config`` if there is none (a training script
+    that runs twice). A setting named in ``check`` that the existing repository has with another
+    value is refused: the caller asked for it explicitly and would silently not get it."""
+    try:
+        return init_context(path, config, backend)
+    except RefExistsError:  # there already, or created meanwhile by another process
+        ctx = open_context(path, backend=backend)
+    for name in check:
+        have, want = getattr(ctx.config, name), getattr(config, name)
+        if have != want:
+            raise InvalidInputError(f"the repository at {path} exists with {name} {have}, not {want}")
+    return ctx
 
 
 def memory_context(config: RepoConfig) -> RepoContext:

@@ -2,7 +2,7 @@
 
 A DCP save is one commit whose files are one safetensors file per writing rank, holding that
 rank's pieces of the global tensors (and its non-tensor items as ``U8`` byte tensors). The
-``dcp`` record (manifest version 2, docs/format.md section 14) says what the pieces are: for each
+``dcp`` record (manifest version 2, docs/format.md section 16) says what the pieces are: for each
 global tensor its fully qualified name, dtype, global shape and, per piece, its offsets and sizes
 in the global tensor, the rank that wrote it and where it is stored (file path, tensor name). It
 is everything DCP's ``Metadata`` holds, in typed JSON, so a load never unpickles a metadata file.

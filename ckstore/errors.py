@@ -77,6 +77,14 @@ class UnsafeCheckpointError(InvalidInputError):
     """A pickle checkpoint that torch's weights_only loader refuses (it would need arbitrary code)."""
 
 
+class PickleCheckpointError(InvalidInputError):
+    """A pickle checkpoint given to commit, which would store it as one opaque blob (import converts it)."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class InvalidRefNameError(InvalidInputError):
     """A ref name that check-ref-format rules reject."""
 
@@ -113,6 +121,11 @@ class RefExistsError(ConflictError):
     """Creating a branch or tag that already exists."""
 
 
+class ForceRequiredError(ConflictError):
+    """An action that could lose commits without --force: deleting the current or the only
+    branch, a gc that would delete every commit."""
+
+
 class StorageError(CkstoreError):
     """The storage backend failed: no space left, an I/O error, permissions."""
 
@@ -123,3 +136,7 @@ class UnsupportedFormatError(CkstoreError):
     """The repository was written by a newer ckstore, or is not a ckstore repository."""
 
     exit_code = 8
+
+
+class CkstoreWarning(UserWarning):
+    """Something worth knowing that is not a failure (the CLI prints ``ckstore: warning: …``)."""

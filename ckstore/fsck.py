@@ -11,7 +11,7 @@ from .errors import CkstoreError
 from .graph import kept_parents
 from .ids import ObjectId
 from .overlay import link_problems
-from .pipeline import ordered_map
+from .pipeline import ProgressFactory, ordered_map
 from .refs import HEADS, TAGS
 from .store import MAX_CHAIN_DEPTH, ObjectStore
 
@@ -45,7 +45,7 @@ def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], neede
     return problems
 
 
-def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
+def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
     problems: list[str] = []
     graph, store = ctx.graph, ctx.store
     # Check what is on disk now: commits read earlier are cached, and a cached copy would hide
@@ -61,6 +61,8 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
     except CkstoreError as exc:
         problems.append(str(exc))
     problems.extend(link_problems(ctx))  # each names the relink command that repairs it
+    logged, reflog_problems = ctx.refs.logs.check()
+    problems.extend(reflog_problems)
 
     tips: list[tuple[str, ObjectId]] = []
     for prefix in (HEADS, TAGS):
@@ -77,7 +79,10 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
 
     needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
     seen: set[str] = set()
-    todo = [(oid, f"ref {key}") for key, oid in tips]
+    # Commits the reflog names are kept by gc and restorable, so they must be whole too; walked
+    # after the refs' history (todo is a stack), so damage both reach is named from a ref.
+    todo = [(oid, f"reflog of {ref}; 'ckstore gc' drops entries whose commits are gone") for ref, oid in logged]
+    todo += [(oid, f"ref {key}") for key, oid in tips]
     while todo:
         oid, via = todo.pop()
         if oid in seen:
@@ -123,7 +128,18 @@ def check(ctx: RepoContext, read_data: bool = False) -> list[str]:
 
         elsewhere = {oid for oid in needed if oid not in present and store.has(oid)}  # in base repos
         order = sorted(present | elsewhere)
-        failed = {oid: p for oid, p in zip(order, ordered_map(verify, order)) if p}
+        sizes = [store.stored_size(oid) or 0 for oid in order]  # objects of base repositories count there
+        bar = progress(sum(sizes), "fsck") if progress else None
+        failed = {}
+        try:
+            for oid, size, problem in zip(order, sizes, ordered_map(verify, order)):
+                if problem:
+                    failed[oid] = problem
+                if bar:
+                    bar.update(size)
+        finally:
+            if bar:
+                bar.close()
         # A damaged object is reported once: its read failure names its file and tensor.
         problems.extend(p for p in chain_problems if p.split(" ", 2)[1] not in failed)
         problems.extend(failed.values())

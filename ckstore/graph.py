@@ -26,11 +26,13 @@ from .errors import (
 )
 from .ids import ObjectId, is_id_prefix, is_object_id
 from .manifest import Commit, decode_commit
-from .refs import HEADS, TAGS, RefStore, ref_candidates
+from .reflog import HEAD_LOG, Entry, head_view, nth_value
+from .refs import HEAD, HEADS, TAGS, RefStore, ref_candidates
 from .store import ObjectStore
 
 PRUNED_KEY = "pruned"
 _SUFFIX = re.compile(r"~(\d*)$|\^$")
+_REFLOG_SUFFIX = re.compile(r"(.*)@\{(\d+)\}")
 
 Pruned = Mapping[ObjectId, tuple[ObjectId, ...]]
 
@@ -89,14 +91,17 @@ class CommitGraph:
         return self.refs.head_branch()
 
     def resolve(self, spec: str) -> ObjectId:
-        """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, or any of these + ``~N``/``^``."""
+        """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, ``NAME@{n}`` (the
+        value NAME had n changes ago, by its reflog; ``@{n}``: the current branch's), or any of
+        these + ``~N``/``^``."""
         if not isinstance(spec, str) or not spec:
             raise InvalidInputError("empty revision")
         base, steps = spec, 0
         while (m := _SUFFIX.search(base)) and m.start() > 0:
             steps += int(m.group(1)) if m.group(1) else 1
             base = base[: m.start()]
-        oid = self._resolve_with_bases(base)
+        at = _REFLOG_SUFFIX.fullmatch(base)
+        oid = self._resolve_reflog(spec, at.group(1), int(at.group(2))) if at else self._resolve_with_bases(base)
         for _ in range(steps):
             parents = self.read_commit(oid).parents
             if not parents:
@@ -141,6 +146,41 @@ class CommitGraph:
                 return matches[0]
         raise RefNotFoundError(f"unknown revision {name!r} (not a branch, tag or commit id)")
 
+    # ---- reflogs ----------------------------------------------------------------------------
+
+    def reflog(self, name: str) -> tuple[str, list[Entry]]:
+        """The reflog ``name`` means (a branch, tag — deleted ones too —, full ref name or HEAD)
+        as (its short name, entries newest first)."""
+        if name == HEAD:
+            logs = self.refs.logs
+            branches = {ref[len(HEADS):]: logs.read(ref) for ref in logs.refs() if ref.startswith(HEADS)}
+            return HEAD, head_view(logs.read(HEAD_LOG), branches, self.head_branch())
+        candidates = ref_candidates(name)
+        for ref in candidates:
+            entries = self.refs.logs.read(ref)
+            if entries:
+                return _short_name(ref), entries[::-1]
+        for ref in candidates:
+            if self.refs.read(ref) is not None:
+                return _short_name(ref), []  # made before the reflog, or its entries expired
+        raise RefNotFoundError(f"no reflog for {name!r} (not a branch or tag that ever changed here)")
+
+    def reflog_all(self) -> list[tuple[str, Entry]]:
+        """Every ref's entries with their ``name@{n}`` selector, newest first."""
+        out: list[tuple[str, Entry]] = []
+        for ref in self.refs.logs.refs():
+            name, entries = self.reflog(HEAD if ref == HEAD_LOG else ref)
+            # HEAD's view also holds branch entries: each is listed once, under its own ref.
+            out.extend((f"{name}@{{{n}}}", e) for n, e in enumerate(entries) if e.ref == ref)
+        return sorted(out, key=lambda pair: -pair[1].time)
+
+    def _resolve_reflog(self, spec: str, name: str, n: int) -> ObjectId:
+        short, entries = self.reflog(name or self.head_branch())
+        oid = nth_value(entries, n, spec, short)
+        if not (self.store.has(oid) and self.is_commit(oid)):
+            raise RefNotFoundError(f"{spec}: commit {oid[:12]} no longer exists (gc deleted it)")
+        return oid
+
     # ---- pruned history --------------------------------------------------------------------
 
     def pruned(self) -> dict[ObjectId, tuple[ObjectId, ...]]:
@@ -184,8 +224,21 @@ class CommitGraph:
 
     def reachable_commits(self) -> list[ObjectId]:
         """Every commit reachable from a branch or tag, walking through pruned commits' parents."""
+        return sorted(self.reachable_from(self.tips()))
+
+    def reflog_commits(self) -> set[ObjectId]:
+        """Every commit that some reflog entry names and that still exists (expired or not)."""
+        named = {i for entries in self.refs.logs.read_all().values() for e in entries for i in e.ids}
+        return {oid for oid in named if self.store.has(oid)}
+
+    def live_commits(self) -> set[ObjectId]:
+        """What this repository's gc may keep: commits reachable from a ref or a reflog entry."""
+        return self.reachable_from([*self.tips(), *self.reflog_commits()])
+
+    def reachable_from(self, starts: Iterable[ObjectId]) -> set[ObjectId]:
+        """``starts`` and their history, walking through pruned commits' parents."""
         pruned = self.pruned()
-        todo = list(kept_parents(self.tips(), pruned))
+        todo = list(kept_parents(starts, pruned))
         seen: set[ObjectId] = set()
         while todo:
             oid = todo.pop()
@@ -193,7 +246,7 @@ class CommitGraph:
                 continue
             seen.add(oid)
             todo.extend(kept_parents(self.read_commit(oid).parents, pruned))
-        return sorted(seen)
+        return seen
 
     def with_overlay_bases(self, keep: Iterable[ObjectId]) -> set[ObjectId]:
         """``keep`` plus the base commit (in this repository) of every kept overlay, transitively."""
@@ -219,3 +272,10 @@ class CommitGraph:
             out.append(commit)
             oid = commit.parents[0] if commit.parents else None
         return out
+
+
+def _short_name(ref: str) -> str:
+    for prefix in (HEADS, TAGS):
+        if ref.startswith(prefix):
+            return ref[len(prefix):]
+    return ref

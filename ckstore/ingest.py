@@ -10,12 +10,16 @@ tensor yields the same chunks wherever it sits in the file.
 from __future__ import annotations
 
 import os
+import struct
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import InvalidInputError, InvalidPathError, SafetensorsFormatError, StorageError
+from .errors import (
+    CkstoreWarning, InvalidInputError, InvalidPathError, PickleCheckpointError, SafetensorsFormatError, StorageError,
+)
 from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ordered_map
 from .positions import HEADER, ChunkIndex, Position, chunk_at, element_width
@@ -24,6 +28,38 @@ from .store import ObjectStore, PutResult
 
 Progress = Callable[[int], None]
 SAFETENSORS_SUFFIX = ".safetensors"
+
+
+# Every pickle opcode (pickletools.opcodes): a protocol 2+ pickle is PROTO <n> then one of these.
+_PICKLE_OPCODES = frozenset(b"()0123BCFGIJKLMNPQRSTUVX]abcdeghijlopqrstu}" + bytes(range(0x80, 0x99)))
+_ZIP_LOCAL = struct.Struct("<4s22xHH")  # signature, then file name and extra field lengths
+
+
+def pickle_format(path: Path) -> str | None:
+    """"zip" for a torch.save archive, "pickle" for a protocol 2+ pickle (also torch's legacy
+    format), None otherwise. Only the first bytes are read; nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_ZIP_LOCAL.size + 256)
+    except OSError:
+        return None
+    if len(head) >= 3 and head[0] == 0x80 and 2 <= head[1] <= 5 and head[2] in _PICKLE_OPCODES:
+        return "pickle"
+    if len(head) >= _ZIP_LOCAL.size:
+        signature, name_len, _ = _ZIP_LOCAL.unpack_from(head)
+        name = head[_ZIP_LOCAL.size:_ZIP_LOCAL.size + name_len]
+        # torch.save writes its pickle first, as "<archive>/data.pkl".
+        if signature == b"PK\x03\x04" and (name == b"data.pkl" or name.endswith(b"/data.pkl")):
+            return "zip"
+    return None
+
+
+def _refuse_pickle(source: Path) -> None:
+    if pickle_format(source) is not None:
+        raise PickleCheckpointError(
+            f"{source} is a PyTorch pickle checkpoint, which commit would store as one opaque blob without per-tensor"
+            " dedup: import it (ckstore import, Repo.import_checkpoint) to store its tensors, or commit it raw",
+            str(source))
 
 
 @dataclass(frozen=True)
@@ -41,10 +77,16 @@ def _is_inside(path: Path, root: Path) -> bool:
         return False
 
 
-def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path) -> list[SourceFile]:
+def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw: bool = False) -> list[SourceFile]:
     """Files to commit: each file argument under its own name, each directory's files under
-    their path relative to it (recursively; the repository itself is skipped)."""
+    their path relative to it (recursively; the repository itself is skipped).
+
+    Unless ``raw``, a pickle checkpoint named as an argument is refused (import is the way to
+    store one), and pickles inside a directory are stored as they are with a CkstoreWarning: a
+    Trainer's checkpoint folder holds optimizer.pt, rng_state.pth… and must check out unchanged.
+    """
     found: dict[str, SourceFile] = {}
+    pickles: list[str] = []
 
     def add(rel: str, source: Path) -> None:
         rel = check_relative_path(rel)
@@ -69,7 +111,11 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path) -> l
                     full = Path(dirpath, name)
                     if full.is_file():
                         add(full.relative_to(root).as_posix(), full)
+                        if not raw and not name.endswith(SAFETENSORS_SUFFIX) and pickle_format(full):
+                            pickles.append(full.relative_to(root).as_posix())
         elif root.is_file():
+            if not raw and not root.name.endswith(SAFETENSORS_SUFFIX):
+                _refuse_pickle(root)
             add(root.name, root)
         else:
             raise InvalidInputError(f"no such file or directory: {root}")
@@ -81,6 +127,11 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path) -> l
             if parent in found:
                 raise InvalidPathError(f"{parent!r} is both a file and a directory")
             parent = parent.rsplit("/", 1)[0] if "/" in parent else None
+    if pickles:
+        warnings.warn(CkstoreWarning(
+            f"storing {len(pickles)} pickle file(s) as opaque blobs, without per-tensor dedup ({', '.join(pickles[:3])}"
+            f"{', …' if len(pickles) > 3 else ''}); import converts a pickle checkpoint to tensors (ckstore import)"),
+            stacklevel=3)
     return sorted(found.values(), key=lambda s: s.path)
 
 
@@ -199,7 +250,9 @@ def ingest(
                     layout = read_layout(f, str(source.source), source.size)
             except OSError as exc:
                 raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
-            segments = [[] for _ in range(1 + len(layout.tensors))]
+            if layout.plain_reason is not None:
+                layout = None  # safetensors reads it, the manifest cannot model it: plain bytes (format.md 13)
+            segments = [[] for _ in range(1 + len(layout.tensors))] if layout else [[]]
         else:
             segments = [[]]
         plans.append(_Plan(source, layout, segments))

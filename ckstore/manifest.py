@@ -22,7 +22,7 @@ from .ids import ObjectId, is_object_id
 from .safetensors_format import DTYPE_BITS
 from .values import JSONValue, decode_value
 
-# Version 2 adds the ``dcp`` field (distributed checkpoints, format.md section 14). Writers emit
+# Version 2 adds the ``dcp`` field (distributed checkpoints, format.md section 16). Writers emit
 # version 1, byte for byte as before, for every commit without a dcp record, so only DCP commits
 # are refused by readers that know version 1 alone.
 MANIFEST_VERSION = 2

@@ -117,10 +117,10 @@ def external_needs(ctx: RepoContext, seen: set[str] | None = None) -> tuple[set[
             raise DependentNotFoundError(
                 f"dependent repository {link.location} of {here} cannot be opened ({why_unopened(exc)}); "
                 f"gc stopped rather than delete what it may need: {_dependent_advice(here)}") from None
-        # What the dependent's own gc keeps: its reachable commits plus, transitively, the
-        # in-repository bases of its overlays ...
+        # What the dependent's own gc may keep: commits its refs or reflogs reach plus,
+        # transitively, the in-repository bases of its overlays ...
         mine: set[str] = set()
-        for oid in dependent.graph.with_overlay_bases(dependent.graph.reachable_commits()):
+        for oid in dependent.graph.with_overlay_bases(dependent.graph.live_commits()):
             commit = dependent.graph.read_commit(oid)
             mine.update(c.id for c in commit.all_chunks())
             if commit.base is not None and commit.base.repo is not None:

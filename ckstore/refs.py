@@ -5,7 +5,8 @@ newline; names follow git's check-ref-format and are percent-encoded into backen
 (docs/format.md section 6). ``HEAD`` holds ``ref: refs/heads/<branch>``. An update takes
 ``<ref>.lock`` with an exclusive create (as git's lockfile.h does), re-reads the ref, checks it
 still holds the value the caller expects, replaces it atomically and drops the lock: concurrent
-writers serialise and exactly one of two racing updates from the same old value wins.
+writers serialise and exactly one of two racing updates from the same old value wins. Every change is recorded in
+the ref's reflog (reflog.py) under the same lock, before the ref file changes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .errors import (
     StorageError,
 )
 from .ids import ObjectId, is_object_id
+from .reflog import RefLog, switch_what
 
 HEADS = "refs/heads/"
 TAGS = "refs/tags/"
@@ -168,9 +170,17 @@ def decode_ref(key: str) -> str | None:
     return ref
 
 
+def _decode_log_ref(key: str) -> str | None:
+    """A log's ref from its key: an encoded full ref name, or HEAD (whose log is HEAD's own)."""
+    return HEAD if key == HEAD else decode_ref(key)
+
+
 class RefStore:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        # The logs live under the same keys as the refs (below logs/): give RefLog the ref-key
+        # encoding (and its inverse) wherever ref names map to keys other than themselves.
+        self.logs = RefLog(backend, encode=encode_ref, decode=_decode_log_ref)
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -224,8 +234,23 @@ class RefStore:
             raise InvalidRefNameError(f"invalid branch name in HEAD {branch!r}: {problem}")
         return branch
 
-    def set_head_branch(self, branch: str) -> None:
-        self.backend.replace(HEAD, f"ref: {HEADS}{check_ref_name(branch, 'branch name')}\n".encode())
+    def set_head_branch(self, branch: str, reason: str | None = None) -> None:
+        """Point HEAD at ``branch``; with a ``reason``, under HEAD's lock and logged in HEAD's
+        reflog (old and new: the commits HEAD meant before and after)."""
+        value = f"ref: {HEADS}{check_ref_name(branch, 'branch name')}\n".encode()
+        if reason is None:  # a new repository: nothing to record
+            self.backend.replace(HEAD, value)
+            return
+        with self._locked(HEAD):
+            try:
+                old_branch: str | None = self.head_branch()
+            except (IntegrityError, InvalidRefNameError):
+                old_branch = None  # a damaged HEAD: switching is how it is repaired
+            if old_branch == branch:
+                return
+            old = self.read(HEADS + old_branch) if old_branch else None
+            self.logs.append(HEAD, old, self.read(HEADS + branch), switch_what(reason, old_branch, branch))
+            self.backend.replace(HEAD, value)
 
     # ---- writing -----------------------------------------------------------------------------
 
@@ -310,8 +335,9 @@ class RefStore:
                     )
                 break
 
-    def update(self, ref: str, new: ObjectId, expected: ObjectId | None | _Any = ANY) -> None:
-        """Point ``ref`` at ``new`` if it still holds ``expected`` (None: must not exist yet)."""
+    def update(self, ref: str, new: ObjectId, expected: ObjectId | None | _Any = ANY, reason: str = "update") -> None:
+        """Point ``ref`` at ``new`` if it still holds ``expected`` (None: must not exist yet);
+        ``reason`` is what its reflog entry says ("commit: <message>", "reset: moving to …")."""
         if expected is None or self.read(ref) is None:
             # Checked before taking the lock too: "a/b.lock" cannot even be created when "a" is a
             # ref, and on a case-insensitive file system "Main" reads as an existing "main".
@@ -326,13 +352,29 @@ class RefStore:
                 )
             if current is None:
                 self._check_no_conflict(ref)
+            if current == new:
+                return  # nothing changes, nothing to record
+            self.logs.append(ref, current, new, reason)
             self.backend.replace(encode_ref(ref), f"{new}\n".encode())
 
-    def delete(self, ref: str) -> bool:
+    def delete(self, ref: str, expected: ObjectId | _Any = ANY, reason: str = "delete") -> bool:
+        """Delete ``ref`` if it still holds ``expected``; False when it does not exist. Its
+        reflog stays (with this deletion as its last entry), so its commits can be restored."""
         if self.read(ref) is None:
             return False  # nothing to lock; "a/b" may not even be lockable when "a" is a ref
         with self._locked(ref):
-            return self.backend.delete(encode_ref(ref))
+            current = self.read(ref)
+            if current is None:
+                return False
+            if not isinstance(expected, _Any) and current != expected:
+                raise RefChangedError(
+                    f"{_short(ref)} moved from {expected[:12]} to {current[:12]} while this command ran"
+                )
+            self.logs.append(ref, current, None, reason)
+            deleted = self.backend.delete(encode_ref(ref))
+        # Once the lock file is gone too: folders that only held this ref must not block "a".
+        self.backend.prune_folders(encode_ref(ref), "/".join(ref.split("/")[:2]))
+        return deleted
 
 
 def _short(ref: str) -> str:

@@ -28,18 +28,21 @@ from .config import DEFAULT_MAX_DELTA_DEPTH
 from .context import RepoContext
 from .errors import CkstoreError
 from .graph import CommitGraph
+from .history import stored_bytes
 from .ids import ObjectId
-from .pipeline import ordered_map
+from .pipeline import ProgressFactory, ordered_map
 from .positions import slots
 
 
 @dataclass
 class RepackReport:
     objects: int = 0  # chunk objects considered
-    rewritten: int = 0
-    deltas: int = 0  # objects stored as deltas after the repack
-    bytes_before: int = 0
+    rewritten: int = 0  # of those, re-encoded (the rest were already as planned)
+    deltas: int = 0  # of those, stored as deltas after the repack (rewritten or not)
+    bytes_before: int = 0  # "stored" bytes of the objects considered, before and after
     bytes_after: int = 0
+    stored_bytes_before: int = 0  # "stored" bytes of the whole repository, as stats reports them
+    stored_bytes_after: int = 0
     upgraded: bool = False  # the repository was upgraded from format version 1
 
 
@@ -85,14 +88,14 @@ def plan(graph: CommitGraph, commits: Iterable[ObjectId], max_depth: int) -> dic
     return result
 
 
-def repack(ctx: RepoContext) -> RepackReport:
+def repack(ctx: RepoContext, progress: ProgressFactory | None = None) -> RepackReport:
     with ctx.backend.exclusive_lock():
-        return repack_locked(ctx, ctx.graph.reachable_commits())
+        return repack_locked(ctx, ctx.graph.reachable_commits(), progress)
 
 
-def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId]) -> RepackReport:
+def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: ProgressFactory | None = None) -> RepackReport:
     """Repack the chunks of ``commits``; the caller holds the exclusive repository lock."""
-    report = RepackReport()
+    report = RepackReport(stored_bytes_before=stored_bytes(ctx.store, ctx.store.iter_ids()))
     if ctx.config.version < 2:
         ctx.set_config(replace(ctx.config, version=2, max_delta_depth=DEFAULT_MAX_DELTA_DEPTH))
         report.upgraded = True
@@ -119,12 +122,21 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId]) -> RepackReport
         store.replace_chunk(oid, data)
         return len(current), len(data), True, store.base_of(oid) is not None
 
-    for depth in range(settings.max_delta_depth + 1):
-        level = sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has(oid))
-        for before, after, changed, is_delta in ordered_map(rewrite, level):
-            report.objects += 1
-            report.bytes_before += before
-            report.bytes_after += after
-            report.rewritten += changed
-            report.deltas += is_delta
+    levels = [sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has(oid))
+              for depth in range(settings.max_delta_depth + 1)]
+    bar = progress(sum(p.size for level in levels for _, p in level), "repack") if progress else None
+    try:
+        for level in levels:
+            for (_, p), (before, after, changed, is_delta) in zip(level, ordered_map(rewrite, level)):
+                report.objects += 1
+                report.bytes_before += before
+                report.bytes_after += after
+                report.rewritten += changed
+                report.deltas += is_delta
+                if bar:
+                    bar.update(p.size)
+    finally:
+        if bar:
+            bar.close()
+    report.stored_bytes_after = stored_bytes(store, store.iter_ids())
     return report

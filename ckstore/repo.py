@@ -12,27 +12,32 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import history
+from . import branches, history
 from .backend.base import Backend
 from .background import BackgroundCommits
-from .checkout import CheckoutResult, total_size, write_outputs
+from .checkout import CheckoutResult, write_with_progress
 from .commit import commit_sources, encode_metadata
 from .config import RepoConfig
-from .context import DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context
+from .context import (
+    DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
+)
 from .errors import RefNotFoundError
-from .export import plan_checkout
+from .export import plan_checkout, plan_export
 from .filedata import read_file_bytes, state_values
 from .gc import GcReport, collect_garbage
-from .history import LogEntry, Stats, TensorChange
+from .history import Decorations, Diff, LogEntry, TensorChange
 from .ids import ObjectId
 from .ingest import collect_sources
 from .manifest import Commit, StateFiles
 from .overlay import RelinkReport, relink, resolve_base
 from .pipeline import ProgressBar, ProgressFactory
+from .reflog import Entry as ReflogEntry
 from .refs import HEADS, TAGS, check_ref_name
 from .retention import RetentionPolicy, best
+from .sizes import CommitSizes, Stats
 
-__all__ = ["DEFAULT_DIR", "ProgressBar", "ProgressFactory", "Repo"]
+__all__ = ["DEFAULT_DIR", "CheckoutResult", "CommitSizes", "Decorations", "Diff", "ProgressBar", "ProgressFactory",
+           "ReflogEntry", "Repo", "Stats", "TensorChange"]
 
 
 class Repo:
@@ -50,8 +55,15 @@ class Repo:
     def init(
         cls, path: str | os.PathLike[str] = DEFAULT_DIR, *, chunk_size: int | None = None,
         zstd_level: int | None = None, max_delta_depth: int | None = None, backend: Backend | None = None,
+        exist_ok: bool = False,
     ) -> Repo:
-        return cls(_context=init_context(path, _config(chunk_size, zstd_level, max_delta_depth), backend))
+        """Create a repository; with ``exist_ok`` open the one already at ``path`` instead (settings
+        given here must then match its own)."""
+        config = _config(chunk_size, zstd_level, max_delta_depth)
+        if exist_ok:
+            given = {"chunk_size": chunk_size, "zstd_level": zstd_level, "max_delta_depth": max_delta_depth}
+            return cls(_context=open_or_init_context(path, config, backend, [k for k, v in given.items() if v is not None]))
+        return cls(_context=init_context(path, config, backend))
 
     @classmethod
     def memory(cls, **config: int) -> Repo:
@@ -105,24 +117,36 @@ class Repo:
     def tags(self) -> dict[str, ObjectId]:
         return self.refs.list(TAGS)
 
-    def create_branch(self, name: str, ref: str = "HEAD") -> ObjectId:
-        return self._create_ref(HEADS, check_ref_name(name, "branch name"), ref)
+    def create_branch(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
+        """Create branch ``name`` at ``ref``; ``force`` moves it there if it exists."""
+        return branches.create(self._ctx, "branch", name, ref, force)[1]
 
-    def create_tag(self, name: str, ref: str = "HEAD") -> ObjectId:
-        return self._create_ref(TAGS, check_ref_name(name, "tag name"), ref)
+    def create_tag(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
+        return branches.create(self._ctx, "tag", name, ref, force)[1]
 
-    def _create_ref(self, prefix: str, name: str, ref: str) -> ObjectId:
-        oid = self.resolve(ref)
-        self.refs.update(prefix + name, oid, expected=None)
-        return oid
+    def delete_branch(self, name: str, force: bool = False) -> ObjectId:
+        """Delete a branch; return the commit it held. The current or only branch needs ``force``."""
+        return branches.delete(self._ctx, "branch", name, force)
 
-    def delete_branch(self, name: str) -> None:
-        if not self.refs.delete(HEADS + check_ref_name(name, "branch name")):
-            raise RefNotFoundError(f"no branch {name!r}")
+    def delete_tag(self, name: str) -> ObjectId:
+        return branches.delete(self._ctx, "tag", name)
 
-    def delete_tag(self, name: str) -> None:
-        if not self.refs.delete(TAGS + check_ref_name(name, "tag name")):
-            raise RefNotFoundError(f"no tag {name!r}")
+    def switch(self, name: str, create_at: str | None = None) -> ObjectId:
+        """Make ``name`` the current branch (created at ``create_at`` if given); return its commit."""
+        return branches.switch(self._ctx, name, create_at)
+
+    def reset(self, ref: str) -> tuple[ObjectId | None, ObjectId]:
+        """Move the current branch to ``ref``; return (its old commit, the new one)."""
+        return branches.reset(self._ctx, ref)
+
+    def reflog(self, ref: str | None = None) -> list[tuple[str, ReflogEntry]]:
+        """(``name@{n}``, entry) newest first: of ``ref`` (a branch or tag, deleted ones too, or
+        HEAD), or of every ref when None."""
+        graph = self._ctx.graph
+        if ref is None:
+            return graph.reflog_all()
+        name, entries = graph.reflog(ref)
+        return [(f"{name}@{{{n}}}", e) for n, e in enumerate(entries)]
 
     def resolve(self, spec: str) -> ObjectId:
         """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, or any of these + ``~N``/``^``."""
@@ -144,19 +168,21 @@ class Repo:
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
         branch: str | None = None, metadata: Mapping[str, Any] | None = None,
         progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
+        raw: bool = False,
     ) -> str:
         """Record files and directories as one commit on ``branch``; return the commit id.
 
         With ``base`` (and optionally ``base_repo``) the commit is an overlay: every file of the
         base commit that the given paths do not replace is inherited, and tensors equal to the
-        base's cost nothing.
+        base's cost nothing. A pickle checkpoint given as a path is refused unless ``raw``
+        (``import_checkpoint`` stores its tensors); see ``ingest.collect_sources``.
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self.wait()
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
-        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"))
+        sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
         return commit_sources(self._ctx, sources, message, branch, meta, progress,
                               base=resolve_base(self._ctx, base, base_repo))
 
@@ -212,12 +238,24 @@ class Repo:
         ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
-        bar = progress(total_size(outputs), "checkout") if progress else None
-        try:
-            return write_outputs(self.store, outputs, Path(out_dir), force, bar.update if bar else None)
-        finally:
-            if bar:
-                bar.close()
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress)
+
+    def export(
+        self, ref: str, out_dir: str | os.PathLike[str], *, prefix: str | None = None,
+        weights: Sequence[str] | None = None, files_from: str | None = None, shard_size: int | str | None = None,
+        force: bool = False, progress: ProgressFactory | None = None,
+    ) -> CheckoutResult:
+        """Write exactly the model of ``ref`` as a folder ``from_pretrained`` loads (see export.py).
+
+        ``prefix``: the key whose tensors are the model, removed from their names (a training
+        state: "model" by default); ``weights``: globs of the safetensors files holding the model
+        (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
+        whose config, tokenizer and other files are copied instead of ``ref``'s own.
+        """
+        source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
+        outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
+                              files_from=source, shard_size=shard_size)
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, "export")
 
     def import_checkpoint(self, path: str | os.PathLike[str], **options: Any) -> list[Any]:
         """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""
@@ -242,9 +280,20 @@ class Repo:
 
     # ---- history and inspection ----------------------------------------------------------------
 
-    def log(self, ref: str | None = None) -> list[LogEntry]:
-        """Commits reachable from ``ref`` (default HEAD), newest first."""
-        return history.log(self._ctx.graph, ref)
+    def log(self, ref: str | None = None, limit: int | None = None, best: tuple[str, bool] | None = None) -> list[LogEntry]:
+        """Commits reachable from ``ref`` (default HEAD), newest first, at most ``limit``, with the
+        names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
+        return history.log(self._ctx.graph, ref, limit, best)
+
+    def decorations(self) -> dict[ObjectId, Decorations]:
+        """Branches and tags by the commit they point at (HEAD marks its branch's)."""
+        return history.decorations(self._ctx.graph)
+
+    def commit_sizes(self, oids: Sequence[str]) -> dict[ObjectId, CommitSizes]:
+        """Each commit's size figures: logical, added when committed, new, held alone (sizes.py)."""
+        from . import sizes
+
+        return sizes.commit_sizes(self._ctx, [self.resolve(o) for o in oids])
 
     def show(self, ref: str = "HEAD") -> tuple[ObjectId, Commit]:
         oid = self.resolve(ref)
@@ -269,13 +318,22 @@ class Repo:
         oid = self.resolve(ref)
         return state_values(self.store, oid, self.read_commit(oid))
 
-    def diff(self, a: str, b: str) -> list[TensorChange]:
+    def diff(self, a: str, b: str) -> Diff:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
         return history.diff(self._ctx.graph, a, b)
 
+    def summary(self, ref: str = "HEAD") -> list[Any]:
+        """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
+        from .summary import summarise
+
+        oid = self.resolve(ref)
+        return summarise(self.read_commit(oid), self.from_base(oid))
+
     def stats(self) -> Stats:
-        """Logical bytes over all commits, bytes stored, and counts."""
-        return history.stats(self._ctx.graph)
+        """Logical bytes over all commits, bytes stored (and unreferenced), and counts."""
+        from . import sizes
+
+        return sizes.stats(self._ctx)
 
     def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
         """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
@@ -286,18 +344,22 @@ class Repo:
     def gc(
         self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
         maximize: bool = False, keep_every: int | None = None, dry_run: bool = False, repack: bool = False,
+        prune_now: bool = False, force: bool = False, progress: ProgressFactory | None = None,
     ) -> GcReport:
         """Delete commits outside the retention policy (if any) and every object no kept commit needs.
 
-        With ``repack``, kept objects are re-encoded first (newest commits whole, older ones deltas).
+        Commits that unexpired reflog entries name are kept (``prune_now``: expire every entry
+        the refs no longer reach first). With ``repack``, kept objects are re-encoded first
+        (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
         """
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
-        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack)
+        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
+                               progress=progress)
 
-    def repack(self) -> Any:
+    def repack(self, progress: ProgressFactory | None = None) -> Any:
         from .repack import repack
 
-        return repack(self._ctx)
+        return repack(self._ctx, progress)
 
     def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
                prune: bool = False) -> RelinkReport:
@@ -305,10 +367,10 @@ class Repo:
         ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
         return relink(self._ctx, bases, dependents, prune)
 
-    def fsck(self, read_data: bool = False) -> list[str]:
+    def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from .fsck import check
 
-        return check(self._ctx, read_data=read_data)
+        return check(self._ctx, read_data=read_data, progress=progress)
 
 
 def _config(chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None) -> RepoConfig:

@@ -15,13 +15,11 @@ rolling run repeatedly.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 from .errors import InvalidInputError, NotFoundError
 from .graph import CommitGraph
-from .history import LogEntry, log
+from .history import LogEntry, log, ranked
 from .ids import ObjectId
 from .refs import HEADS, TAGS
 
@@ -45,21 +43,6 @@ class RetentionPolicy:
     @property
     def active(self) -> bool:
         return any(v is not None for v in (self.keep_last, self.keep_best, self.keep_every))
-
-
-def metric_value(entry: LogEntry, metric: str) -> float | None:
-    """The numeric metric a commit recorded, or None (missing, not a number, or NaN)."""
-    value: Any = entry.commit.decoded_metadata().get(metric)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        return None
-    return float(value)
-
-
-def _ranked(history: list[LogEntry], metric: str, maximize: bool) -> list[LogEntry]:
-    scored = [(v, e) for e in history if (v := metric_value(e, metric)) is not None]
-    # Ties go to the newer commit: history is newest first and sort is stable.
-    scored.sort(key=lambda pair: -pair[0] if maximize else pair[0])
-    return [e for _, e in scored]
 
 
 def _counter(entry: LogEntry) -> int | None:
@@ -94,7 +77,7 @@ def select_kept(graph: CommitGraph, policy: RetentionPolicy) -> set[ObjectId]:
         if policy.keep_last is not None:
             keep.update(e.id for e in history[: policy.keep_last])
         if policy.keep_best is not None and policy.metric:
-            keep.update(e.id for e in _ranked(history, policy.metric, policy.maximize)[: policy.keep_best])
+            keep.update(e.id for e in ranked(history, policy.metric, policy.maximize)[: policy.keep_best])
         if policy.keep_every is not None:
             keep.update(e.id for e in _every(history, policy.keep_every))
     return keep
@@ -105,7 +88,7 @@ def best(graph: CommitGraph, metric: str, mode: str = "min", branch: str | None 
     if mode not in ("min", "max"):
         raise InvalidInputError("mode must be 'min' or 'max'")
     history = log(graph, HEADS + (branch or graph.head_branch()))
-    ranked = _ranked(history, metric, mode == "max")
-    if not ranked:
+    top = ranked(history, metric, mode == "max")
+    if not top:
         raise NotFoundError(f"no commit on the branch records a numeric metric {metric!r}")
-    return ranked[0].id
+    return top[0].id

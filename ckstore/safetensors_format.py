@@ -1,20 +1,20 @@
-"""Strict parsing and emission of safetensors headers.
+"""Parsing and emission of safetensors headers.
 
 A safetensors file is ``u64 N`` (little-endian), then N bytes of UTF-8 JSON, then the data
 section. The JSON maps tensor names to ``{"dtype", "shape", "data_offsets"}`` (offsets relative
 to the data section) plus an optional ``"__metadata__"`` object of strings.
 
-The rules follow the safetensors Rust parser, which is the reference reader, but are stricter
-wherever that parser is lenient or nondeterministic, because ckstore content-addresses what it
-accepts and must never store a file that some reader interprets differently:
-
-* ``0 < N <= MAX_HEADER_SIZE`` and ``8 + N <= file size``; the JSON starts with ``{`` and may
-  only be followed by whitespace (the writer pads with spaces to an 8-byte boundary).
-* duplicate keys (any level), NaN/Infinity, unknown or extra fields are refused.
-* every integer fits a u64 and sizes are computed with the Rust overflow checks:
-  ``prod(shape) * bits`` must not overflow, must be whole bytes, and must equal the byte span.
-* sorted by ``(begin, end)`` (ties in JSON key order) the tensors tile the data section exactly:
-  no hole, no overlap, no trailing byte.
+``parse_header`` accepts exactly the files the safetensors reference reader (the Rust crate, which
+the Python package wraps) accepts, and reads them the same way, quirks of its JSON layer (serde)
+included: whitespace before and after the JSON, unknown fields in a tensor entry (ignored), a
+tensor entry written as the array ``[dtype, shape, data_offsets]``, a dtype written as
+``{"F32": null}``, ``"__metadata__": null``, and a repeated tensor name or metadata key (the last
+one wins). It refuses what that reader refuses, with a one-line reason. ckstore content-addresses
+what it accepts, so ambiguity matters: a file that safetensors reads but that ckstore's manifest
+should not model (a repeated key, which other JSON readers may resolve the other way; a tensor
+name that is empty or holds control characters; a rank above 64 or a dimension of 2**63 or more)
+is returned with ``plain_reason`` set, and the caller stores it as plain bytes. docs/format.md
+(section 13) is the normative list.
 
 No file I/O happens here: callers read the bytes and pass them in.
 """
@@ -22,6 +22,7 @@ No file I/O happens here: callers read the bytes and pass them in.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Mapping, Sequence
@@ -45,9 +46,17 @@ _METADATA_KEY = "__metadata__"
 _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 # The Rust reader holds sizes and offsets in usize; refusing beyond u64 keeps us in agreement.
 _U64_MAX = 2**64 - 1
+_I64_MIN = -(2**63)
+# serde_json's recursion limit: arrays and objects nest at most 127 deep, the header's own
+# object counting as one.
+_MAX_DEPTH = 127
+# What the manifest models (docs/format.md sections 5 and 10); beyond it a file is stored plain.
 _MAX_DIMS = 64
-# C0, DEL and C1 controls: invisible in listings and unsafe in paths, so never a tensor name.
+_MAX_DIM = 2**63 - 1
+# C0, DEL and C1 controls: invisible in listings and able to forge lines of output.
 _CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,8 @@ class SafetensorsLayout:
     header_bytes: bytes
     metadata: dict[str, str] | None
     tensors: tuple[TensorInfo, ...]
+    # Set when safetensors reads the file but ckstore stores it as plain bytes: the reason why.
+    plain_reason: str | None = None
 
     @property
     def data_offset(self) -> int:
@@ -76,6 +87,14 @@ class SafetensorsLayout:
     @property
     def file_size(self) -> int:
         return self.data_offset + max((t.end for t in self.tensors), default=0)
+
+
+class _Object(list[tuple[str, Any]]):
+    """A JSON object as its (key, value) pairs in order, repeats kept: safetensors treats a
+    repeated key as an error, as "last one wins" or not at all depending on where it is."""
+
+    def __repr__(self) -> str:  # for error messages: show it as the JSON object it was
+        return "{" + ", ".join(f"{key!r}: {value!r}" for key, value in self) + "}"
 
 
 def _fail(message: str) -> NoReturn:
@@ -95,22 +114,35 @@ def header_length(prefix: bytes) -> int:
 
 
 def _check_text(value: str, what: str) -> None:
-    # json.loads lets lone surrogates (\ud800) through; they cannot be written back as UTF-8.
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
+    # A Python str may hold lone surrogates (\ud800); they cannot be written as UTF-8.
+    if _SURROGATES.search(value):
         _fail(f"{what} {value!r} is not valid Unicode")
 
 
-def _check_name(name: Any) -> str:
+def _check_name(name: Any) -> None:
+    """Refuse a name ckstore will not write (emit_header); parse_header stores such files plain."""
     if not isinstance(name, str):
         _fail(f"tensor name {name!r} is not a string")
-    if not name:
-        _fail("empty tensor name in header")
     _check_text(name, "tensor name")
+    reason = _name_problem(name)
+    if reason is not None:
+        _fail(reason)
+
+
+def _name_problem(name: str) -> str | None:
+    if not name:
+        return "empty tensor name in header"
     if _CONTROL_CHARS.search(name):
-        _fail(f"tensor name {name!r} contains a control character")
-    return name
+        return f"tensor name {name!r} contains a control character"
+    return None
+
+
+def _shape_problem(name: str, shape: tuple[int, ...]) -> str | None:
+    if len(shape) > _MAX_DIMS:
+        return f"tensor {name!r}: shape has {len(shape)} dimensions, more than {_MAX_DIMS}"
+    if any(d > _MAX_DIM for d in shape):
+        return f"tensor {name!r}: shape {list(shape)} has a dimension of 2**63 or more"
+    return None
 
 
 def _check_metadata(metadata: Any) -> dict[str, str]:
@@ -130,10 +162,8 @@ def _is_u64(value: Any) -> bool:
 
 
 def _check_shape(name: str, shape: Any) -> tuple[int, ...]:
-    if not isinstance(shape, (list, tuple)) or not all(_is_u64(d) for d in shape):
-        _fail(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
-    if len(shape) > _MAX_DIMS:
-        _fail(f"tensor {name!r}: shape has {len(shape)} dimensions, more than {_MAX_DIMS}")
+    if not isinstance(shape, (list, tuple)) or isinstance(shape, _Object) or not all(map(_is_u64, shape)):
+        _fail(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r:.200}")
     return tuple(shape)
 
 
@@ -154,70 +184,152 @@ def _data_size(name: str, dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def _check_dtype(name: str, dtype: Any) -> str:
+    if isinstance(dtype, _Object):
+        # serde also reads an enum variant from a one-key object: {"F32": null} is "F32".
+        if len(dtype) != 1 or dtype[0][1] is not None:
+            _fail(f"tensor {name!r}: dtype {dtype!r:.200} is neither a string nor {{\"<dtype>\": null}}")
+        dtype = dtype[0][0]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        _fail(f"tensor {name!r}: unknown dtype {dtype!r}")
+        _fail(f"tensor {name!r}: unknown dtype {dtype!r:.200}")
     return dtype
 
 
-def _parse_tensor(name: str, entry: Any) -> TensorInfo:
-    if not isinstance(entry, dict):
-        _fail(f"tensor {name!r}: entry is not an object")
-    for key in entry:
-        if key not in _TENSOR_FIELDS:
-            _fail(f"tensor {name!r}: unexpected key {key!r}")
-    for key in _TENSOR_FIELDS:
-        if key not in entry:
-            _fail(f"tensor {name!r}: missing key {key!r}")
-    dtype = _check_dtype(name, entry["dtype"])
-    shape = _check_shape(name, entry["shape"])
-    offsets = entry["data_offsets"]
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_u64, offsets))):
-        _fail(f"tensor {name!r}: data_offsets must be two non-negative integers, got {offsets!r}")
-    begin, end = offsets
-    if begin > end:
-        _fail(f"tensor {name!r}: data_offsets [{begin}, {end}] end before they begin")
-    size = _data_size(name, dtype, shape)
-    if end - begin != size:
+def _tensor_fields(name: str, entry: Any) -> list[Any]:
+    """dtype, shape and data_offsets of a tensor entry, as serde reads a struct."""
+    if isinstance(entry, _Object):
+        found: dict[str, Any] = {}
+        for key, value in entry:
+            if key in _TENSOR_FIELDS:
+                if key in found:
+                    _fail(f"tensor {name!r}: duplicate key {key!r}")
+                found[key] = value
+            # Any other key is ignored, as safetensors does; the stored header bytes keep it.
+        for key in _TENSOR_FIELDS:
+            if key not in found:
+                _fail(f"tensor {name!r}: missing key {key!r}")
+        return [found[key] for key in _TENSOR_FIELDS]
+    if isinstance(entry, list):  # serde also reads a struct from the array of its fields
+        if len(entry) != len(_TENSOR_FIELDS):
+            _fail(f"tensor {name!r}: entry is an array of {len(entry)} items, not [dtype, shape, data_offsets]")
+        return entry
+    _fail(f"tensor {name!r}: entry is not an object")
+
+
+def _read_tensor(name: str, entry: Any) -> TensorInfo:
+    """The tensor as the JSON layer reads it; sizes and offsets are checked later (_validate),
+    and only for the entry that wins when a name repeats, as in safetensors."""
+    dtype, shape, offsets = _tensor_fields(name, entry)
+    dtype = _check_dtype(name, dtype)
+    dims = _check_shape(name, shape)
+    if not (type(offsets) is list and len(offsets) == 2 and all(map(_is_u64, offsets))):
+        _fail(f"tensor {name!r}: data_offsets must be two non-negative integers, got {offsets!r:.200}")
+    return TensorInfo(name, dtype, dims, offsets[0], offsets[1])
+
+
+def _validate(tensor: TensorInfo) -> None:
+    if tensor.begin > tensor.end:
+        _fail(f"tensor {tensor.name!r}: data_offsets [{tensor.begin}, {tensor.end}] end before they begin")
+    size = _data_size(tensor.name, tensor.dtype, tensor.shape)
+    if tensor.nbytes != size:
         _fail(
-            f"tensor {name!r}: data_offsets [{begin}, {end}] span {end - begin} bytes"
-            f" but {dtype} {list(shape)} needs {size}"
+            f"tensor {tensor.name!r}: data_offsets [{tensor.begin}, {tensor.end}] span {tensor.nbytes}"
+            f" bytes but {tensor.dtype} {list(tensor.shape)} needs {size}"
         )
-    return TensorInfo(name, dtype, shape, begin, end)
 
 
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads silently keeps the last duplicate; two readers could disagree on which wins.
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            _fail(f"duplicate key {key!r} in header")
-        result[key] = value
-    return result
+def _read_metadata(value: Any) -> tuple[dict[str, str] | None, str | None]:
+    """The metadata map (None when absent or null) and, if a key repeats, the plain-file reason."""
+    if value is None:
+        return None, None
+    if not isinstance(value, _Object):
+        _fail("__metadata__ is not an object")
+    metadata: dict[str, str] = {}
+    repeated = None
+    for key, item in value:
+        if not isinstance(item, str):
+            _fail(f"__metadata__ entry {key!r} is not a string-to-string pair")
+        if key in metadata and repeated is None:
+            repeated = f"__metadata__ key {key!r} appears twice"
+        metadata[key] = item  # the last one wins, as in safetensors
+    return metadata, repeated
 
 
 def _refuse_constant(token: str) -> NoReturn:
     _fail(f"header JSON contains the non-standard constant {token}")
 
 
-def _load_json(raw: bytes) -> dict[str, Any]:
+def _out_of_range(text: str) -> NoReturn:
+    _fail(f"header JSON holds the number {text:.40} which is out of range")
+
+
+def _json_int(text: str) -> int | float:
+    # serde_json reads -0 as the float -0.0, and an integer beyond i64/u64 as a float, which
+    # is an error when it overflows f64; a float is then no valid size or offset.
+    if text == "-0":
+        return -0.0
+    try:
+        value = int(text)
+    except ValueError:  # longer than int's digit limit: far beyond f64 as well
+        _out_of_range(text)
+    if _I64_MIN <= value <= _U64_MAX:
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        _out_of_range(text)
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        _out_of_range(text)
+    return value
+
+
+def _check_tree(document: Any, check_strings: bool) -> None:
+    """serde_json's nesting limit and its refusal of lone surrogates, anywhere in the document
+    (ignored fields included: serde parses them in full)."""
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, list):  # arrays and _Object
+            if depth > _MAX_DEPTH:
+                _fail(f"header JSON is nested more than {_MAX_DEPTH} levels deep")
+            for item in value:
+                if isinstance(value, _Object):
+                    key, item = item
+                    if check_strings:
+                        _check_text(key, "header JSON string")
+                stack.append((item, depth + 1))
+        elif check_strings and isinstance(value, str):
+            _check_text(value, "header JSON string")
+
+
+def _load_json(raw: bytes) -> _Object:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         _fail(f"header is not valid UTF-8 (byte {exc.start} of the JSON)")
-    if not text.startswith("{"):
-        _fail("header JSON does not start with '{'")
     try:
-        # Trailing whitespace is accepted by json.loads, as by serde_json: it is the padding.
+        # Whitespace (space, tab, CR, LF) before and after the value is accepted here exactly as
+        # by serde_json; the writer pads with spaces.
         value = json.loads(
-            text, object_pairs_hook=_unique_object, parse_constant=_refuse_constant
+            text, object_pairs_hook=_Object, parse_constant=_refuse_constant,
+            parse_int=_json_int, parse_float=_json_float,
         )
     except json.JSONDecodeError as exc:
         _fail(f"header is not valid JSON: {exc.msg} at character {exc.pos}")
     except RecursionError:
         _fail("header JSON is nested too deeply")
-    except ValueError as exc:  # e.g. an integer literal longer than int's digit limit
-        _fail(f"header is not valid JSON: {exc}")
-    if not isinstance(value, dict):
+    # The walk costs seconds on a header of 50,000 tensors, so only when needed: lone surrogates
+    # can only come from \\u escapes, and only ignored fields can nest deep and still be valid
+    # (too deep a known field fails its type check).
+    check_strings = _SURROGATE_ESCAPE.search(text) is not None
+    if check_strings or not isinstance(value, _Object) or any(
+        isinstance(entry, _Object) and len(entry) > len(_TENSOR_FIELDS) for _, entry in value
+    ):
+        _check_tree(value, check_strings)
+    if not isinstance(value, _Object):
         _fail("header JSON is not an object")
     return value
 
@@ -234,16 +346,33 @@ def parse_header(header_bytes: bytes, file_size: int) -> SafetensorsLayout:
     document = _load_json(header_bytes[_PREFIX_LEN:])
 
     metadata: dict[str, str] | None = None
-    parsed: list[TensorInfo] = []
-    for key, entry in document.items():
+    seen_metadata = False
+    reasons: list[str] = []
+    entries: dict[str, TensorInfo] = {}
+    for key, entry in document:
         if key == _METADATA_KEY:
-            metadata = _check_metadata(entry)
+            if seen_metadata:
+                _fail(f"duplicate key {_METADATA_KEY!r} in header")
+            seen_metadata = True
+            metadata, repeated = _read_metadata(entry)
+            reasons += [repeated] if repeated else []
         else:
-            parsed.append(_parse_tensor(_check_name(key), entry))
+            tensor = _read_tensor(key, entry)
+            if entries.pop(key, None) is not None:
+                reasons.append(f"tensor name {key!r} appears twice in the header")
+            entries[key] = tensor  # the last one wins, as in safetensors
 
+    for tensor in entries.values():
+        _validate(tensor)
+        reasons += filter(None, [_name_problem(tensor.name), _shape_problem(tensor.name, tensor.shape)])
     # sorted() is stable, so zero-size tensors sharing an offset keep their JSON key order.
-    tensors = tuple(sorted(parsed, key=lambda t: (t.begin, t.end)))
-    data_size = file_size - data_offset
+    tensors = tuple(sorted(entries.values(), key=lambda t: (t.begin, t.end)))
+    _check_tiling(tensors, file_size - data_offset)
+    return SafetensorsLayout(header_bytes, metadata, tensors, reasons[0] if reasons else None)
+
+
+def _check_tiling(tensors: Sequence[TensorInfo], data_size: int) -> None:
+    """Sorted by offset, the tensors cover the data section exactly: no hole, overlap or tail."""
     position = 0
     previous: TensorInfo | None = None
     for tensor in tensors:
@@ -267,7 +396,6 @@ def parse_header(header_bytes: bytes, file_size: int) -> SafetensorsLayout:
         if previous is None:
             _fail(f"{data_size} bytes of data after a header that declares no tensors")
         _fail(f"{data_size - position} trailing bytes after the last tensor")
-    return SafetensorsLayout(header_bytes, metadata, tensors)
 
 
 def emit_header(
@@ -293,6 +421,9 @@ def emit_header(
             _fail(f"duplicate key {name!r} in header")
         _check_dtype(name, dtype)
         dims = _check_shape(name, shape)
+        problem = _shape_problem(name, dims)
+        if problem is not None:
+            _fail(problem)
         end = position + _data_size(name, dtype, dims)
         if end > _U64_MAX:
             _fail(f"tensor {name!r}: data section would exceed 2**64 bytes")

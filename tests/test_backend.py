@@ -318,3 +318,58 @@ def test_local_batch_is_invisible_until_flushed_and_leaves_no_temporaries(tmp_pa
         assert not backend.exists("objects/ab/x") and list(backend.list("")) == []
     assert backend.get("objects/ab/x") == b"x"
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_append_line_creates_appends_and_cuts_a_torn_tail(backend: Backend) -> None:
+    backend.append_line("logs/a/.log", b"one\n")
+    backend.append_line("logs/a/.log", b"two\n")
+    assert backend.get("logs/a/.log") == b"one\ntwo\n"
+    backend.replace("logs/a/.log", b"one\ntwo\nthr")  # an append torn by a crash
+    backend.append_line("logs/a/.log", b"four\n")
+    assert backend.get("logs/a/.log") == b"one\ntwo\nfour\n"
+    backend.replace("logs/b", b"torn, no newline at all")
+    backend.append_line("logs/b", b"x\n")
+    assert backend.get("logs/b") == b"x\n"
+    for bad in (b"no newline", b"two\nlines\n", b"\n\n"):
+        with pytest.raises(ValueError):
+            backend.append_line("logs/a/.log", bad)
+    assert backend.get("logs/a/.log") == b"one\ntwo\nfour\n"
+
+
+def test_local_append_line_cuts_a_torn_tail_longer_than_its_read_block(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.replace("log", b"first\n" + b"y" * 200_000)
+    backend.append_line("log", b"second\n")
+    assert backend.get("log") == b"first\nsecond\n"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_local_prune_folders_removes_only_empty_folders_below_stop(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    backend.replace("refs/heads/a/b/c", b"1")
+    backend.replace("refs/heads/a/d", b"2")
+    backend.delete("refs/heads/a/b/c")
+    backend.prune_folders("refs/heads/a/b/c", "refs/heads")
+    assert not (tmp_path / "refs/heads/a/b").exists() and (tmp_path / "refs/heads/a").is_dir()
+    backend.delete("refs/heads/a/d")
+    backend.prune_folders("refs/heads/a/d", "refs/heads")
+    assert not (tmp_path / "refs/heads/a").exists() and (tmp_path / "refs/heads").is_dir()
+    backend.replace("refs/heads/a", b"3")  # a deleted "a/…" no longer blocks "a"
+    assert backend.get("refs/heads/a") == b"3"
+    MemoryBackend().prune_folders("refs/heads/a/b", "refs/heads")  # no folders: nothing to do
+
+
+def test_local_write_survives_its_folder_being_pruned_meanwhile(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = LocalBackend(tmp_path)
+    write_temp = backend._write_temp
+
+    def then_prune(data: bytes, sync: bool = True) -> Path:
+        tmp = write_temp(data, sync)
+        (tmp_path / "refs/heads/x").rmdir()  # a concurrent deletion of the last ref in x/
+        return tmp
+
+    (tmp_path / "refs/heads/x").mkdir(parents=True)
+    monkeypatch.setattr(backend, "_write_temp", then_prune)
+    assert backend.create_exclusive("refs/heads/x/y.lock", b"lock")
+    assert backend.get("refs/heads/x/y.lock") == b"lock"

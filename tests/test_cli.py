@@ -75,12 +75,12 @@ def test_main_workflow(cli: Cli, tmp_path: Path) -> None:
     assert show["id"] == ids[1]
     tensors = {t["name"]: t for f in show["files"] for t in f["tensors"]}
     assert tensors["model.w"]["dtype"] == "F32" and tensors["model.w"]["shape"] == [4096]
-    assert "provenance" in show and "model.w" in cli("show").stdout
+    assert "provenance" in show and "model.w" in cli("show", "--tensors").stdout
     assert ids[0] in cli("tag", "v0", ids[0][:8]).stdout
     cli("branch", "exp", "HEAD~1")
     assert "exp" in cli("branch").stdout and "v0" in cli("tag").stdout
     diff = json.loads(cli("diff", "HEAD~1", "HEAD", "--json").stdout)
-    statuses = {(d["path"], d["name"]): d["status"] for d in diff}
+    statuses = {(d["path"], d["name"]): d["status"] for d in diff["changes"]}
     assert statuses[("model.safetensors", "model.w")] == "changed"
     assert statuses[("config.json", None)] == "unchanged"
     assert "changed" in cli("diff", "HEAD~1", "HEAD").stdout
@@ -95,9 +95,9 @@ def test_main_workflow(cli: Cli, tmp_path: Path) -> None:
     assert "would delete 0 commit" in cli("gc", "--keep-last", "1", "--dry-run").stdout  # exp keeps ids[1]
     cli("branch", "-d", "exp")
     dry = cli("gc", "--keep-last", "1", "--dry-run").stdout
-    assert "would delete commit " + ids[1] in dry and "would free" in dry
+    assert "would delete commit " + ids[1][:12] + " epoch 1" in dry and "would free" in dry
     assert json.loads(cli("stats", "--json").stdout) == stats
-    assert "deleted commit " + ids[1] in cli("gc", "--keep-last", "1").stdout
+    assert "deleted commit " + ids[1][:12] in cli("gc", "--keep-last", "1").stdout
     after = json.loads(cli("stats", "--json").stdout)
     assert after["commits"] == 2 and after["stored_bytes"] < stats["stored_bytes"]
     assert "pruned" in cli("log").stdout

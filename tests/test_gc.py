@@ -33,10 +33,12 @@ def test_plain_gc_removes_only_unreachable(repo: Repo, tmp_path: Path) -> None:
     assert repo.gc().deleted_objects == 0  # everything is reachable
     repo.delete_branch("exp")
     before = set(repo.store.iter_ids())
-    report = repo.gc()
+    assert repo.gc().deleted_objects == 0  # the reflog still names exp's commit
+    report = repo.gc(prune_now=True)
     after = set(repo.store.iter_ids())
     assert before - after == side_only | {side}
     assert report.deleted_objects == len(side_only) + 1 and report.pruned_commits == []
+    assert report.unreachable_commits == [side]
     assert report.freed_bytes > 0
     assert repo.fsck(read_data=True) == []
     repo.checkout("main", tmp_path / "out")

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import copyreg
+import io
 import math
 import os
 import pickle
+import struct
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_cli import Cli, cli  # noqa: F401  (fixture)
 
 from ckstore import legacy
 from ckstore.errors import IntegrityError, MissingDependencyError, UnsafeCheckpointError
 from ckstore.repo import Repo
-
-from test_cli import Cli, cli  # noqa: F401  (fixture)
 
 
 class SystemExploit:
@@ -170,6 +173,136 @@ def test_exploit_pickle_is_refused_and_never_runs(
     if writer == "zip":  # the exploit is real: full unpickling (which ckstore never does) runs it
         torch.load(path, weights_only=False)
         assert marker.exists()
+
+
+# --- hand-made pickles: every opcode that can name a global --------------------------------
+
+
+def _text(value: str) -> bytes:  # BINUNICODE
+    raw = value.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _short(value: str) -> bytes:  # SHORT_BINUNICODE (protocol 4)
+    return b"\x8c" + bytes([len(value)]) + value.encode()
+
+
+def _stack_global(module: str, name: str) -> bytes:
+    return _short(module) + _short(name) + b"\x93"
+
+
+def torch_zip(data_pkl: bytes) -> bytes:
+    """A torch.save zip archive whose data.pkl is replaced (records stored, as torch writes them)."""
+    buffer = io.BytesIO()
+    torch.save({}, buffer)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, data_pkl if info.filename.endswith("/data.pkl") else src.read(info.filename))
+    return out.getvalue()
+
+
+def torch_legacy(main: bytes) -> bytes:
+    """torch's non-zip format: magic number, protocol, system info, the object, storage keys."""
+    sys_info = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}
+    head = b"".join(pickle.dumps(v, protocol=2) for v in (0x1950A86A20F9469CFC6C, 1001, sys_info))
+    return head + main + pickle.dumps([], protocol=2)
+
+
+CONTAINERS = {"zip": torch_zip, "legacy": torch_legacy}
+
+
+def test_hand_made_containers_load_when_the_pickle_is_benign(tmp_path: Path) -> None:
+    benign = pickle.dumps({"epoch": 3, "lr": [0.5]}, protocol=2)
+    for name, wrap in CONTAINERS.items():
+        (tmp_path / name).write_bytes(wrap(benign))
+        assert legacy.load_checkpoint(tmp_path / name) == {"epoch": 3, "lr": [0.5]}
+
+
+MARKER = "MARKER"  # replaced by the test's marker path
+CMD = _text(f"touch {MARKER}") + b"\x85"  # (command,) as the argument tuple
+# name: (pickle, what the refusal must say, whether unrestricted unpickling runs the command)
+CRAFTED: dict[str, tuple[bytes, str, bool]] = {
+    "GLOBAL+REDUCE": (b"\x80\x02cposix\nsystem\n" + CMD + b"R.", "global posix.system,", True),
+    "STACK_GLOBAL+REDUCE": (b"\x80\x04" + _stack_global("posix", "system") + CMD + b"R.",
+                            "global posix.system (STACK_GLOBAL then REDUCE)", True),
+    # The module and name reach STACK_GLOBAL through the memo (BINPUT/BINGET, MEMOIZE/BINGET).
+    "STACK_GLOBAL+memo": (b"\x80\x04" + _short("posix") + b"q\x070" + _short("system") + b"\x940h\x07h\x01\x93" + CMD
+                          + b"R.", "global posix.system (STACK_GLOBAL then REDUCE)", True),
+    "INST": (b"(" + _text(f"touch {MARKER}") + b"iposix\nsystem\n.", "global posix.system (INST)", True),
+    "OBJ": (b"\x80\x04(" + _stack_global("posix", "system") + _text(f"touch {MARKER}") + b"o.",
+            "global posix.system (STACK_GLOBAL then OBJ)", True),
+    "OBJ+GLOBAL": (b"(cposix\nsystem\n" + _text(f"touch {MARKER}") + b"o.", "global posix.system,", True),
+    "NEWOBJ": (b"\x80\x04" + _stack_global("subprocess", "Popen") + b")\x81.",
+               "global subprocess.Popen (STACK_GLOBAL then NEWOBJ)", False),
+    "NEWOBJ_EX": (b"\x80\x04" + _stack_global("subprocess", "Popen") + b")}\x92.",
+                  "global subprocess.Popen (STACK_GLOBAL then NEWOBJ_EX)", False),
+    "EXT1": (b"\x80\x02\x82\x2a" + CMD + b"R.", "global with copyreg extension code 42 (EXT1 then REDUCE)", False),
+    # Registered here (fixture below), the code runs posix.system when unpickled; ckstore names the
+    # code, not what this process happens to register under it.
+    "EXT2-registered": (b"\x80\x02\x83\x34\x12" + CMD + b"R.",
+                        "global with copyreg extension code 4660 (EXT2 then REDUCE)", True),
+    "EXT4": (b"\x80\x02\x84" + struct.pack("<i", 2**31 - 1) + CMD + b"R.",
+             f"global with copyreg extension code {2**31 - 1} (EXT4 then REDUCE)", False),
+    # An allowed class, but through an opcode torch does not implement: still named.
+    "OBJ-allowed-class": (b"(ccollections\nOrderedDict\no.",
+                          "names the global collections.OrderedDict (GLOBAL then OBJ) through the pickle opcode OBJ", False),
+    "NEWOBJ_EX-allowed-class": (b"\x80\x02ccollections\nOrderedDict\n)}\x92.",
+                                ("global collections.OrderedDict (GLOBAL then NEWOBJ_EX) through the pickle"
+                                 " opcode NEWOBJ_EX"), False),
+    # torch stops at the first opcode it lacks, here the string before an allowed STACK_GLOBAL:
+    # no global is to blame, so the opcode is named.
+    "STACK_GLOBAL-allowed-class": (b"\x80\x04" + _stack_global("collections", "OrderedDict") + b")R.",
+                                   "pickle opcode SHORT_BINUNICODE (140) is not supported", False),
+}
+
+
+@pytest.fixture
+def extension_4660() -> Any:
+    copyreg.add_extension("posix", "system", 4660)
+    yield
+    copyreg.remove_extension("posix", "system", 4660)
+
+
+@pytest.mark.parametrize("container", sorted(CONTAINERS))
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_crafted_pickle_names_its_global_and_never_runs(
+    cli: Cli, tmp_path: Path, case: str, container: str, extension_4660: Any  # noqa: F811
+) -> None:
+    payload, expected, runs = CRAFTED[case]
+    marker = tmp_path / "marker"
+    payload = payload.replace(_text(f"touch {MARKER}"), _text(f"touch {marker}"))
+    path = tmp_path / "evil.pt"
+    path.write_bytes(CONTAINERS[container](payload))
+    cli("init", str(tmp_path / "repo"), repo=False)
+    result = cli("import", str(path), "--delete-source", code=UnsafeCheckpointError.exit_code)
+    assert expected in result.stderr and str(path) in result.stderr
+    assert not marker.exists() and path.exists()
+    assert Repo(tmp_path / "repo").branches() == {}
+    if runs:  # the exploit is real: unrestricted unpickling (which ckstore never does) runs it
+        pickle.loads(payload)
+        assert marker.exists()
+
+
+def test_unsupported_protocol_opcode_is_named(cli: Cli, tmp_path: Path) -> None:  # noqa: F811
+    # torch's weights_only loader lacks protocol 4's FRAME: no global to blame, the opcode is named.
+    torch.save(model_state(), tmp_path / "p4.pt", pickle_protocol=4)
+    cli("init", str(tmp_path / "repo"), repo=False)
+    result = cli("import", str(tmp_path / "p4.pt"), code=UnsafeCheckpointError.exit_code)
+    assert "pickle opcode FRAME (149) is not supported" in result.stderr
+    assert "protocol 4" in result.stderr
+
+
+def test_scan_survives_damaged_and_hostile_pickles(tmp_path: Path) -> None:
+    # A 2**60-byte BINBYTES8 length must not be allocated; a truncated pickle ends the scan.
+    huge = b"\x80\x04" + _stack_global("posix", "system") + b"\x8e" + struct.pack("<Q", 2**60) + b"xx"
+    cut = b"\x80\x02cposix\nsystem\n" + b"X\xff\xff\x00\x00abc"
+    for data in (huge, cut, b"", b"\x00garbage"):
+        (tmp_path / "f").write_bytes(data)
+        refs, _ = legacy.scan_globals(tmp_path / "f", is_zip=False)
+        assert [r.name for r in refs] == (["posix.system"] if data in (huge, cut) else [])
+    (tmp_path / "z").write_bytes(b"PK\x03\x04 not a zip")
+    assert legacy.scan_globals(tmp_path / "z", is_zip=True) == ([], {})
 
 
 def test_offending_global_parsing() -> None:

@@ -236,8 +236,9 @@ def test_show_and_diff_cli(tmp_path: Path, folders: tuple[Path, Path, dict, dict
     marks = {t["name"]: t["from_base"] for t in files["model.safetensors"]["tensors"]}
     assert marks == {"embed.weight": True, "layer.weight": False, "layer.bias": False,
                      "norm.weight": False, "head1.weight": False}
-    text = cli(*repo, "show", oid).output
+    text = cli(*repo, "show", oid, "--tensors").output
     assert f"Base:   {base_id}" in text
+    assert "1 of 5 tensors from base" in cli(*repo, "show", oid).output
     assert [line for line in text.splitlines() if "(from base)" in line] == [
         line for line in text.splitlines() if "embed.weight" in line]
 
@@ -245,7 +246,7 @@ def test_show_and_diff_cli(tmp_path: Path, folders: tuple[Path, Path, dict, dict
     assert f"relative L2 change {torch_rel_l2(base_t['layer.weight'], tuned_t['layer.weight']):.3g}" in out
     assert "- model.safetensors:pooler.weight" in out and "+ model.safetensors:head1.weight" in out
     assert "embed.weight" not in out
-    as_json = {(c["path"], c["name"]): c for c in json.loads(cli(*repo, "diff", base_id, oid, "--json").output)}
+    as_json = {(c["path"], c["name"]): c for c in json.loads(cli(*repo, "diff", base_id, oid, "--json").output)["changes"]}
     assert as_json[("model.safetensors", "norm.weight")]["rel_l2"] == pytest.approx(
         torch_rel_l2(base_t["norm.weight"], tuned_t["norm.weight"]), rel=1e-6)
 
@@ -333,17 +334,17 @@ def test_gc_with_overlays_in_both_repositories(tmp_path: Path) -> None:
     # B moves on: new commits on main, then its pretrained and b-ft branches go.
     for seed in (7, 8, 9):
         b.commit(write_folder(tmp_path / f"b{seed}", base_tensors(seed), {"seed": seed}), branch="main")
-    b.delete_branch("pretrained")
+    b.delete_branch("pretrained", force=True)  # the current branch
     b.delete_branch("b-ft")
     b_objects = set(b.store.iter_ids())
-    for kwargs in ({}, {"keep_last": 1}):
+    for kwargs in ({"prune_now": True}, {"keep_last": 1, "prune_now": True}):
         report = b.gc(**kwargs)  # type: ignore[arg-type]
         assert report.deleted_objects > 0  # b-ft's commit, then the older main commits
         assert b.store.has_local(b_base)  # O still needs it
     # In O, delete the branch of the first overlay: the second still needs it as its base.
-    o.delete_branch("ft1")
+    o.delete_branch("ft1", force=True)
     b_after = set(Repo(tmp_path / "B").store.iter_ids())
-    for kwargs in ({}, {"keep_last": 1}):
+    for kwargs in ({"prune_now": True}, {"keep_last": 1, "prune_now": True}):
         Repo(tmp_path / "O").gc(**kwargs)  # type: ignore[arg-type]
         assert set(Repo(tmp_path / "B").store.iter_ids()) == b_after  # never touched B
     o = Repo(tmp_path / "O")
@@ -366,9 +367,9 @@ def test_gc_in_base_keeps_delta_bases_of_overlays_pruned_history(tmp_path: Path)
     tip = o.commit(gens[2])  # an ordinary next epoch on the same branch: deltas of the overlay
     o.gc(keep_last=1)
     assert len(o.log()) == 1
-    b.delete_branch("pretrained")
+    b.delete_branch("pretrained", force=True)
     b.commit(gens[3], branch="main")
-    b.gc(keep_last=1)
+    b.gc(keep_last=1, prune_now=True)
     o = Repo(tmp_path / "O")
     assert o.fsck(read_data=True) == []
     assert_checkout_equals(o, tip, gens[2], tmp_path / "out")
@@ -380,15 +381,15 @@ def test_gc_dry_run_in_base_reports_nothing_the_overlay_needs(tmp_path: Path, fo
     b.commit(pretrained, branch="pretrained")
     o = Repo.init(tmp_path / "O", chunk_size=CHUNK)
     o.commit(finetuned, base="pretrained", base_repo=tmp_path / "B")
-    b.delete_branch("pretrained")
-    assert b.gc(dry_run=True).deleted_objects == 0
+    b.delete_branch("pretrained", force=True)
+    assert b.gc(dry_run=True, prune_now=True).deleted_objects == 0
     # Once the overlay repository is deleted (and forgotten: gc refuses until then, as it may only
     # have moved), its needs go with it.
     shutil.rmtree(tmp_path / "O")
     with pytest.raises(DependentNotFoundError):
-        b.gc()
+        b.gc(prune_now=True, force=True)
     b.relink(prune=True)
-    assert b.gc().deleted_objects > 0
+    assert b.gc(prune_now=True, force=True).deleted_objects > 0
     assert list(Repo(tmp_path / "B").store.iter_ids()) == []  # B has no refs left
 
 
@@ -422,7 +423,7 @@ def test_fsck_reports_a_missing_base_commit(tmp_path: Path, folders: tuple[Path,
     r = Repo.init(tmp_path / "R", chunk_size=CHUNK)
     rb = r.commit(pretrained, branch="pre")
     r.commit(finetuned, branch="ft", base="pre")
-    r.delete_branch("pre")
+    r.delete_branch("pre", force=True)
     r.store.delete(rb)
     assert any(rb in p and "overlay commit" in p for p in r.fsck())  # r read rb before: no cached copy
 

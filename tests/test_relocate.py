@@ -74,10 +74,10 @@ def gc_keeps_everything_needed(base: Path, overlays: dict[Path, tuple[str, Path]
     """gc in the base (once its own branch is gone) and in each overlay deletes nothing an overlay
     needs: every overlay checks out byte-identical afterwards."""
     b = Repo(base)
-    b.delete_branch("pretrained")
-    b.gc()
+    b.delete_branch("pretrained", force=True)
+    b.gc(prune_now=True, force=True)
     for path in overlays:
-        Repo(path).gc()
+        Repo(path).gc(prune_now=True)
     for i, (path, (ref, folder)) in enumerate(overlays.items()):
         assert_whole(path, ref, folder, out / str(i))
     assert Repo(base).fsck(read_data=True) == []
@@ -219,10 +219,10 @@ def test_gc_in_the_base_refuses_while_a_dependent_cannot_be_opened(tmp_path: Pat
     than delete what it needs. Once it is known to be deleted, --prune forgets it."""
     make_project(tmp_path / "project", data)
     base = tmp_path / "project" / "base"
-    Repo(base).delete_branch("pretrained")  # only the overlay keeps the base's objects alive
+    Repo(base).delete_branch("pretrained", force=True)  # only the overlay keeps the base's objects alive
     shutil.move(tmp_path / "project" / "ft", tmp_path / "ft-elsewhere")
     before = objects(base)
-    for kwargs in ({}, {"dry_run": True}, {"keep_last": 1}):
+    for kwargs in ({"prune_now": True, "force": True}, {"dry_run": True, "prune_now": True}, {"keep_last": 1}):
         with pytest.raises(DependentNotFoundError, match="relink --prune"):
             Repo(base).gc(**kwargs)  # type: ignore[arg-type]
     assert objects(base) == before
@@ -231,14 +231,14 @@ def test_gc_in_the_base_refuses_while_a_dependent_cannot_be_opened(tmp_path: Pat
     (tmp_path / "project" / "ft" / "config.json").write_text("{not json")
     assert Repo(base).relink(prune=True).pruned == []
     with pytest.raises(DependentNotFoundError):
-        Repo(base).gc()
+        Repo(base).gc(prune_now=True, force=True)
     # Deleted for good: --prune forgets it, and then gc frees what only it needed.
     shutil.rmtree(tmp_path / "project" / "ft")
     run = cli("--repo", base, "relink", "--prune")
     assert run.exit_code == 0 and "forgot dependent" in run.output and f"{tmp_path.resolve()}/project/ft" in run.output
     assert read_paths(Repo(base).backend, DEPENDENTS_KEY) == []
     assert Repo(base).fsck() == []
-    assert Repo(base).gc().deleted_objects == len(before)
+    assert Repo(base).gc(prune_now=True, force=True).deleted_objects == len(before)
 
 
 # ---- relink checks what it is told -----------------------------------------------------------------

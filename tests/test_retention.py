@@ -8,8 +8,8 @@ never count as freed) and a per-commit tensor, and records ``loss`` plus, by sce
 
 from __future__ import annotations
 
+import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -144,15 +144,15 @@ def test_cli_keeps_exactly_the_policy(tmp_path: Path, case: str, counters: str |
     repo, ids = scripted_run(tmp_path / "repo", counters)
     run = CliRunner()
     before = disk_bytes(repo)
-    dry = run.invoke(main, ["--repo", str(repo.path), "gc", *cli_args, "--dry-run"])
+    dry = run.invoke(main, ["--repo", str(repo.path), "gc", *cli_args, "--dry-run", "--json"])
     assert dry.exit_code == 0, dry.output
-    listed = set(re.findall(r"would delete commit ([0-9a-f]{64})", dry.output))
+    listed = {c["id"] for c in json.loads(dry.output)["pruned_commits"]}
     assert names(ids, listed) == ALL - survivors
     assert disk_bytes(repo) == before
     dry_freed = repo.gc(dry_run=True, **kwargs).freed_bytes  # type: ignore[arg-type]  # exact bytes
-    real = run.invoke(main, ["--repo", str(repo.path), "gc", *cli_args])
+    real = run.invoke(main, ["--repo", str(repo.path), "gc", *cli_args, "--json"])
     assert real.exit_code == 0, real.output
-    assert set(re.findall(r"deleted commit ([0-9a-f]{64})", real.output)) == listed
+    assert {c["id"] for c in json.loads(real.output)["pruned_commits"]} == listed
     assert before - disk_bytes(repo) == dry_freed
     assert_survivors_intact(Repo(repo.path), ids, survivors)
 

@@ -16,6 +16,9 @@ suite that runs against each one):
   only locking seam above the backend: the local backend uses ``flock``; a backend on object
   storage, where no such lock exists, implements it with lock objects and a grace period.
 * Storage failures surface as ``ckstore.errors.StorageError`` with a one-line message.
+* ``append_line(key, line)`` adds one ``\n``-terminated line at the end of a value, durably; a
+  line that a crash tore during an earlier append (a value not ending in ``\n``) is cut off
+  first, so it never runs into the new one. Callers serialise appends to one key.
 * ``batch()`` yields a view of the backend whose ``put_if_absent`` and ``replace_object`` may be
   deferred: a put is visible through the view at once (``get``, ``size``, ``exists``, a second
   put of the key returns False), and every put is durable and visible to everyone when the
@@ -46,6 +49,13 @@ def check_key(key: str) -> str:
     if not key or any(p in ("", ".", "..") or not _KEY_PART.fullmatch(p) for p in parts):
         raise InvalidPathError(f"invalid storage key {key!r}")
     return key
+
+
+def check_line(line: bytes) -> bytes:
+    """``append_line`` takes exactly one line: a torn-tail repair must never cut a record in two."""
+    if not line.endswith(b"\n") or b"\n" in line[:-1]:
+        raise ValueError("append_line takes one line ending in a newline")
+    return line
 
 
 def check_prefix(prefix: str) -> str:
@@ -108,6 +118,24 @@ class Backend(ABC):
     def describe(self, key: str) -> str:
         """Where a key lives, for error messages."""
         return key
+
+    def prune_folders(self, key: str, stop: str) -> None:
+        """Remove the folders that held the deleted ``key`` while they are empty, up to (not
+        including) the folder ``stop``: a deleted ref ``a/b`` must not leave a folder ``a`` that
+        blocks a new ref ``a``. Backends without folders have nothing to do."""
+
+    def append_line(self, key: str, line: bytes) -> None:
+        """Append ``line`` (one line ending in ``\\n``) to the value at ``key``, creating it.
+
+        This default rewrites the value atomically (correct for any backend, linear in its
+        size); backends that can append in place override it.
+        """
+        check_line(line)
+        try:
+            old = self.get(key)
+        except KeyError:
+            old = b""
+        self.replace(key, old[: old.rfind(b"\n") + 1] + line)
 
     @contextmanager
     def batch(self) -> Iterator[Backend]:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..errors import InvalidInputError, LockedError, RefExistsError, StorageError
 from ..fsio import fsync_path, mutating_step
-from .base import Backend, check_key, check_prefix
+from .base import Backend, check_key, check_line, check_prefix
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
@@ -116,6 +116,17 @@ def prepare_new_repository(path: str | os.PathLike[str], marker: str) -> Path:
     except OSError as exc:
         raise _storage_error(exc, f"creating {root}") from None
     return root
+
+
+def _last_line_end(fd: int, end: int, block: int = 1 << 16) -> int:
+    """Offset just past the last newline before ``end`` (0 when there is none)."""
+    while end > 0:
+        start = max(0, end - block)
+        found = os.pread(fd, end - start, start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        end = start
+    return 0
 
 
 def _storage_error(exc: OSError, doing: str) -> StorageError:
@@ -201,15 +212,21 @@ class LocalBackend(Backend):
         try:
             self._ensure_dir(path.parent)
             tmp = self._write_temp(data)
-            mutating_step()
-            if exclusive:
+            for attempt in range(3):
+                mutating_step()
                 try:
-                    os.link(tmp, path)
+                    if exclusive:
+                        os.link(tmp, path)
+                    else:
+                        os.replace(tmp, path)
+                        tmp = None
+                    break
                 except FileExistsError:
                     return False
-            else:
-                os.replace(tmp, path)
-                tmp = None
+                except FileNotFoundError:
+                    if attempt == 2 or not tmp.exists():
+                        raise
+                    self._ensure_dir(path.parent)  # a ref deletion pruned the empty folder meanwhile
             self._fsync_dir(path.parent)
             return True
         except OSError as exc:
@@ -232,6 +249,34 @@ class LocalBackend(Backend):
     def create_exclusive(self, key: str, data: bytes) -> bool:
         return self._install(key, data, exclusive=True)
 
+    def append_line(self, key: str, line: bytes) -> None:
+        """Append in place: the file is never rewritten, so a long reflog costs one write."""
+        path = self._path(check_key(key))
+        check_line(line)
+        try:
+            self._ensure_dir(path.parent)
+            mutating_step()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                end = new_file_end = os.fstat(fd).st_size
+                if end and os.pread(fd, 1, end - 1) != b"\n":
+                    end = _last_line_end(fd, end)
+                    mutating_step()
+                    os.ftruncate(fd, end)  # a line torn by a crash: it must not run into ours
+                view = memoryview(line)
+                mutating_step()
+                while view:
+                    written = os.pwrite(fd, view, end)
+                    view, end = view[written:], end + written
+                mutating_step()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not new_file_end:  # the file may be new: make its directory entry durable too
+                self._fsync_dir(path.parent)
+        except OSError as exc:
+            raise _storage_error(exc, f"appending to {self.describe(key)}") from None
+
     def delete(self, key: str) -> bool:
         path = self._path(key)
         try:
@@ -242,6 +287,16 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise _storage_error(exc, f"deleting {self.describe(key)}") from None
         return True
+
+    def prune_folders(self, key: str, stop: str) -> None:
+        path, top = self._path(key).parent, self.root / check_key(stop)
+        while path != top and top in path.parents:
+            mutating_step()
+            try:
+                os.rmdir(path)
+            except OSError:
+                return  # not empty (another ref, or a writer's new lock file), or gone already
+            path = path.parent
 
     def size(self, key: str) -> int | None:
         try:

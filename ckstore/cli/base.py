@@ -6,18 +6,24 @@ class's exit code (see errors.py); no traceback reaches the user.
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import os
 import sys
+import warnings
 from collections.abc import Callable
 from functools import update_wrapper
 from typing import Any, NoReturn
 
 import click
+import click.shell_completion
 
-from ..errors import CkstoreError, InvalidInputError, StorageError
+from ..errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ..repo import ProgressBar, Repo
 
 EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141  # 128 + SIGPIPE
 
 
 def die(message: str, code: int) -> NoReturn:
@@ -56,25 +62,73 @@ def parse_meta(pairs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+# A bar appears only once an operation has run this long: quick commands stay quiet.
+PROGRESS_DELAY = 0.5
+
+
 def progress_factory() -> Callable[[int, str], ProgressBar] | None:
     if not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
     def make(total: int, desc: str) -> ProgressBar:
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False)
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False,
+                    delay=PROGRESS_DELAY)
 
     return make
 
 
+def json_safe(value: Any) -> Any:
+    """JSON has no NaN or infinities: they become the strings "NaN", "Infinity", "-Infinity"
+    (docs/cli-json.md), which ``float()`` reads back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def print_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+    """Every ``--json`` document goes through here: strict JSON (RFC 8259), whatever the data."""
+    click.echo(json.dumps(json_safe(doc), indent=2, ensure_ascii=False, allow_nan=False, default=str))
+
+
+def short(oid: str) -> str:
+    return oid[:12]
+
+
+def output_closed() -> NoReturn:
+    """The reader of our output went away (``ckstore log | head -1``): not an error to report.
+    stdout is pointed at /dev/null so the interpreter's final flush cannot fail again, and the
+    exit code is a closed pipe's, as git's (the shell shows nothing for it)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real file (tests capture output in memory): nothing will flush to a pipe
+    sys.exit(EXIT_PIPE)
+
+
+def show_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for w in caught:
+        if issubclass(w.category, CkstoreWarning):
+            click.echo(f"ckstore: warning: {w.message}", err=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CkstoreWarning)
+                result = super().invoke(ctx)
+            show_warnings(caught)
+            return result
+        except BrokenPipeError:
+            output_closed()
         except CkstoreError as exc:
             die(str(exc), exc.exit_code)
         except KeyboardInterrupt:
@@ -83,6 +137,17 @@ class _Group(click.Group):
             die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
         except MemoryError:
             die("out of memory", 1)
+
+
+def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[click.shell_completion.CompletionItem]:
+    """Shell completion of REF arguments: branches, tags and HEAD of the repository in use
+    (``eval "$(_CKSTORE_COMPLETE=bash_source ckstore)"``; README, "Shell completion")."""
+    try:
+        repo = Repo.find(ctx.find_root().params.get("repo_path"))
+        names = ["HEAD", *repo.branches(), *repo.tags()]
+    except CkstoreError:
+        return []  # outside a repository there is nothing to offer, and completion must not fail
+    return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 
 def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -104,5 +169,11 @@ def main(ctx: click.Context, repo_path: str | None) -> None:
 
 
 def run() -> None:
-    main(prog_name="ckstore", standalone_mode=True)
+    try:
+        main(prog_name="ckstore", standalone_mode=True)
+    finally:
+        try:
+            sys.stdout.flush()  # output still buffered when the command returned
+        except BrokenPipeError:
+            output_closed()
 

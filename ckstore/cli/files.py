@@ -1,13 +1,12 @@
-"""Commands that move files in and out: init, commit, checkout, import."""
+"""Commands that move files in and out: init, commit, checkout, export, import."""
 
 from __future__ import annotations
 
-
 import click
 
-from ..errors import InvalidInputError
-from ..repo import Repo
-from .base import parse_meta, progress_factory, human, main, pass_repo
+from ..errors import InvalidInputError, PickleCheckpointError
+from ..repo import CheckoutResult, Repo
+from .base import complete_ref, human, main, parse_meta, pass_repo, print_json, progress_factory
 
 
 @main.command()
@@ -28,37 +27,84 @@ def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_de
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Typed metadata (repeatable).")
 @click.option("--base", metavar="REF", help="Record the commit as an overlay on this base commit.")
 @click.option("--base-repo", metavar="PATH", help="Repository holding --base (referenced, not copied).")
+@click.option("--raw", is_flag=True, help="Store pickle checkpoints as opaque files (else: use 'ckstore import').")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, meta: tuple[str, ...],
-           base: str | None, base_repo: str | None) -> None:
+           base: str | None, base_repo: str | None, raw: bool, as_json: bool) -> None:
     """Record safetensors files or directories as one commit; print its id."""
     if base_repo and not base:
         base = "HEAD"
-    oid = repo.commit(list(paths), message=message, branch=branch, metadata=parse_meta(meta), progress=progress_factory(),
-                      base=base, base_repo=base_repo)
-    click.echo(oid)
+    try:
+        oid = repo.commit(list(paths), message=message, branch=branch, metadata=parse_meta(meta),
+                          progress=progress_factory(), base=base, base_repo=base_repo, raw=raw)
+    except PickleCheckpointError as exc:
+        raise PickleCheckpointError(f"{exc.path} is a PyTorch pickle checkpoint: 'ckstore import {exc.path}' stores "
+                                    "its tensors safely; --raw commits it as one opaque file") from None
+    if as_json:
+        c = repo.read_commit(oid)
+        print_json({"id": oid, "branch": c.branch, "message": c.message, "logical_bytes": c.logical_bytes,
+                    "added_bytes": c.added_bytes})
+    else:
+        click.echo(oid)
 
 
 @main.command()
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete_ref)
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
 @click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Only tensors matching this glob (repeatable).")
 @click.option("--shard-size", metavar="SIZE",
-              help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json.")
+              help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json"
+                   " (all top-level safetensors files; 'ckstore export' writes only the model).")
 @click.option("--merge-lora", is_flag=True, help="Write the base model with the commit's PEFT LoRA adapter merged in.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None,
-             merge_lora: bool) -> None:
+             merge_lora: bool, as_json: bool) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
     if merge_lora and (shard_size is not None or only):
         raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
     result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=progress_factory(),
                            shard_size=shard_size, merge_lora=merge_lora)
+    if as_json:
+        print_json({"commit": repo.resolve(ref), "output": out_dir, "written": result.written, "unchanged": result.unchanged,
+                    "bytes_written": result.bytes_written})
+        return
+    _report_written(result)
+
+
+def _report_written(result: CheckoutResult) -> None:
     click.echo(
         f"wrote {len(result.written)} file(s), {human(result.bytes_written)}"
         + (f"; {len(result.unchanged)} already up to date" if result.unchanged else "")
     )
+
+
+@main.command()
+@click.argument("ref", shell_complete=complete_ref)
+@click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
+@click.option("--prefix", metavar="KEY",
+              help="Export the tensors under KEY, without it (a training state: default 'model'; e.g. 'module.').")
+@click.option("--weights", multiple=True, metavar="GLOB",
+              help="Safetensors files holding the model (default: model.safetensors and its shards).")
+@click.option("--files-from", metavar="REF", help="Copy config and tokenizer files from REF instead (e.g. the base model).")
+@click.option("--shard-size", metavar="SIZE", help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes).")
+@click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
+@pass_repo
+def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tuple[str, ...], files_from: str | None,
+           shard_size: str | None, force: bool) -> None:
+    """Write exactly the model of REF as a folder that from_pretrained loads.
+
+    The model's tensors (not the optimizer's) go into model.safetensors or shards, with the
+    config, tokenizer and other non-training files of REF (or of --files-from REF).
+    """
+    result = repo.export(ref, out_dir, prefix=prefix, weights=list(weights) or None, files_from=files_from,
+                         shard_size=shard_size, force=force, progress=progress_factory())
+    _report_written(result)
+    if "config.json" not in result.written + result.unchanged:
+        click.echo("ckstore: warning: the export has no config.json, which from_pretrained needs; "
+                   "--files-from REF copies one from a commit that has it (the base model)", err=True)
 
 
 @main.command(name="import")
@@ -67,10 +113,20 @@ def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, .
 @click.option("-m", "--message", default=None, help="Commit message (default: the file's name).")
 @click.option("--branch", help="Branch to commit to (default: the current branch).")
 @click.option("--delete-source", is_flag=True, help="Delete each file once its commit is verified.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, delete_source: bool) -> None:
+def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, delete_source: bool,
+            as_json: bool) -> None:
     """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle)."""
-    # Printed as each file lands: if a later file is refused, the commits made so far are known.
-    for result in repo.iter_import(path, recursive=recursive, message=message, branch=branch,
-                                   delete_source=delete_source):
-        click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")
+    # Printed as each file lands: if a later file is refused, the commits made so far are known
+    # (with --json, the document lists them before the error line reaches stderr).
+    done = []
+    try:
+        for result in repo.iter_import(path, recursive=recursive, message=message, branch=branch,
+                                       delete_source=delete_source):
+            done.append({"commit": result.commit, "source": str(result.source), "deleted": result.deleted})
+            if not as_json:
+                click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")
+    finally:
+        if as_json:
+            print_json({"imported": done})

@@ -1,4 +1,8 @@
-"""Commands that read history: log, show, diff, stats, best."""
+"""Commands that read history: log, show, diff, stats, best.
+
+Their figures are defined once in ckstore/sizes.py (docs/design.md, "Size figures"); their
+``--json`` fields are documented in docs/cli-json.md.
+"""
 
 from __future__ import annotations
 
@@ -8,76 +12,122 @@ from typing import Any
 import click
 
 from ..dcp_manifest import record_json
-from ..repo import Repo
-from .base import print_json, human, main, pass_repo
+from ..repo import Decorations, Repo
+from .base import complete_ref, human, main, pass_repo, print_json, short
+
+_STATUS_MARKS = {"added": "+", "removed": "-", "changed": "~", "unchanged": "="}
 
 
-def _entry_json(oid: str, commit: Any, pruned: tuple[str, ...] = ()) -> dict[str, Any]:
+def _entry_json(oid: str, commit: Any, pruned: tuple[str, ...] = (), refs: Decorations | None = None) -> dict[str, Any]:
+    refs = refs or Decorations()
     return {
         "id": oid, "time": commit.time, "branch": commit.branch, "message": commit.message,
         "parents": list(commit.parents), "pruned_parents": list(pruned),
         "metadata": commit.decoded_metadata(), "logical_bytes": commit.logical_bytes,
         "added_bytes": commit.added_bytes,
+        "head": refs.head, "branches": list(refs.branches), "tags": list(refs.tags), "best": list(refs.best),
     }
 
 
-def _meta_text(metadata: dict[str, Any]) -> str:
+def meta_text(metadata: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in metadata.items())
 
 
+def decoration_text(refs: Decorations) -> str:
+    """git's style: ``(HEAD -> main, exp, tag: v1, best val_loss)``, or nothing."""
+    names = [f"HEAD -> {b}" if refs.head and i == 0 else b for i, b in enumerate(refs.branches)]
+    names += [f"tag: {t}" for t in refs.tags] + [f"best {m}" for m in refs.best]
+    return f" ({', '.join(names)})" if names else ""
+
+
+def commit_line(oid: str, commit: Any, refs: Decorations | None = None) -> str:
+    """One line naming a commit: short id, names, message, metadata (log --oneline, gc)."""
+    meta = meta_text(commit.decoded_metadata())
+    text = f"{short(oid)}{decoration_text(refs or Decorations())} {commit.message or '(no message)'}"
+    return f"{text}  [{meta}]" if meta else text
+
+
 @main.command()
-@click.argument("ref", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("ref", required=False, shell_complete=complete_ref)
+@click.option("-n", "--max-count", "limit", type=click.IntRange(min=1), metavar="N", help="Show at most N commits.")
+@click.option("--oneline", is_flag=True, help="One line per commit: short id, names, message, metadata.")
+@click.option("--sizes", is_flag=True, help="Also compute each commit's new and held-alone bytes now (reads object headers).")
+@click.option("--best", "best_metric", metavar="METRIC", help="Mark the listed commit with the best METRIC.")
+@click.option("--max", "maximize", is_flag=True, help="With --best: higher is better (default: lower).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def log(repo: Repo, ref: str | None, as_json: bool) -> None:
-    """History of REF (default HEAD), newest first."""
-    entries = repo.log(ref)
+def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bool, best_metric: str | None,
+        maximize: bool, as_json: bool) -> None:
+    """History of REF (default HEAD), newest first, with the branches and tags pointing at each commit."""
+    entries = repo.log(ref, limit=limit, best=(best_metric, maximize) if best_metric else None)
+    figures = repo.commit_sizes([e.id for e in entries]) if sizes else {}
     if as_json:
-        print_json([_entry_json(e.id, e.commit, e.pruned_parents) for e in entries])
+        docs = []
+        for e in entries:
+            doc = _entry_json(e.id, e.commit, e.pruned_parents, e.refs)
+            if sizes:
+                doc.update(new_bytes=figures[e.id].new_bytes, held_alone_bytes=figures[e.id].held_alone_bytes)
+            docs.append(doc)
+        print_json(docs)
         return
     for e in entries:
         c = e.commit
-        click.echo(f"commit {e.id}  ({c.branch})")
+        extra = (f"{human(figures[e.id].new_bytes)} new, {_held_text(figures[e.id].held_alone_bytes)}"
+                 if sizes else "")
+        if oneline:
+            click.echo(commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else ""))
+            continue
+        click.echo(f"commit {e.id}{decoration_text(e.refs)}")
         click.echo(f"Date:   {c.time}")
-        click.echo(f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added to the store")
+        click.echo(f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when committed"
+                   + (f"; {extra}" if extra else ""))
         if c.decoded_metadata():
-            click.echo(f"Meta:   {_meta_text(c.decoded_metadata())}")
+            click.echo(f"Meta:   {meta_text(c.decoded_metadata())}")
         for parent in e.pruned_parents:
-            click.echo(f"Parent: {parent[:12]} (pruned)")
+            click.echo(f"Parent: {short(parent)} (pruned)")
         if c.message:
             click.echo(f"\n    {c.message}")
         click.echo()
 
 
+def _held_text(n: int | None) -> str:
+    # None: an overlay repository of this one cannot be opened (gc refuses too; fsck names it).
+    return f"{human(n)} held alone now" if n is not None else "held alone unknown (a dependent repository is missing)"
+
+
 @main.command()
-@click.argument("ref", default="HEAD", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("ref", default="HEAD", required=False, shell_complete=complete_ref)
+@click.option("--tensors", "list_tensors", is_flag=True, help="List every tensor (default: a summary per file).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output, always with every tensor (docs/cli-json.md).")
 @pass_repo
-def show(repo: Repo, ref: str, as_json: bool) -> None:
-    """Files, tensors and metadata of a commit."""
+def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
+    """Files (summarised: tensors, dtypes, bytes, groups), metadata and provenance of a commit."""
     oid, c = repo.show(ref)
+    refs = repo.decorations().get(oid)
     inherited = repo.from_base(oid)
-    files = [
-        {"path": f.path, "kind": f.kind, "size": f.size, "from_base": (f.path, None) in inherited,
-         "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                      "from_base": (f.path, t.name) in inherited} for t in f.tensors]}
-        for f in c.files
-    ]
     if as_json:
-        doc = {**_entry_json(oid, c), "base": {"commit": c.base.commit, "repo": c.base.repo} if c.base else None, "provenance": dict(c.provenance), "files": files}
+        files = [
+            {"path": f.path, "kind": f.kind, "size": f.size, "from_base": (f.path, None) in inherited,
+             "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                          "from_base": (f.path, t.name) in inherited} for t in f.tensors]}
+            for f in c.files
+        ]
+        doc = {**_entry_json(oid, c, refs=refs), "base": {"commit": c.base.commit, "repo": c.base.repo} if c.base else None,
+               "provenance": dict(c.provenance), "files": files}
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
         if c.dcp is not None:
             doc["dcp"] = record_json(c.dcp)
         print_json(doc)
         return
-    click.echo(f"commit {oid}  ({c.branch})\nDate:   {c.time}")
+    click.echo(f"commit {oid}{decoration_text(refs or Decorations())}\nDate:   {c.time}")
     if c.base is not None:
         click.echo(f"Base:   {c.base.commit}" + (f" in {c.base.repo}" if c.base.repo else ""))
     if c.message:
         click.echo(f"Message: {c.message}")
     if c.decoded_metadata():
-        click.echo(f"Meta:   {_meta_text(c.decoded_metadata())}")
+        click.echo(f"Meta:   {meta_text(c.decoded_metadata())}")
+    click.echo(f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when committed")
     click.echo("Provenance: " + " ".join(f"{k}={v}" for k, v in c.provenance.items()))
     if c.state is not None:
         click.echo("State:")
@@ -85,11 +135,56 @@ def show(repo: Repo, ref: str, as_json: bool) -> None:
             click.echo(f"  {line}")
     if c.dcp is not None:
         _show_dcp(c.dcp)
+    click.echo()
+    if list_tensors and c.dcp is None:  # a DCP commit's pieces are listed above
+        _print_tensors(c, inherited)
+    else:
+        _print_summary(repo.summary(oid))
+
+
+def _counts_text(counts: Any) -> str:
+    return ", ".join(f"{name} ×{n}" for name, n in counts)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart, no trailing spaces."""
+    widths = [max(len(r[i]) for r in rows) for i in range(max(map(len, rows)))] if rows else []
+    return [(indent + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r))).rstrip() for r in rows]
+
+
+def _print_summary(files: list[Any]) -> None:
     for f in files:
-        click.echo(f"\n{f['path']}  [{f['kind']}, {human(f['size'])}{', from base' if f['from_base'] else ''}]")
-        for t in f["tensors"] if c.dcp is None else ():  # a DCP commit's pieces are listed above
-            click.echo(f"  {t['name']:<50} {t['dtype']:<8} {str(tuple(t['shape'])):<20}"
-                       f"{' (from base)' if t['from_base'] else ''}")
+        parts = [f.kind, human(f.size)]
+        if f.kind == "safetensors":
+            parts.append(f"{_plural(f.tensors, 'tensor')} ({_counts_text(f.dtypes)})" if f.tensors else "no tensors")
+        if f.from_base:
+            parts.append("from base")
+        elif f.tensors_from_base:
+            parts.append(f"{f.tensors_from_base} of {f.tensors} tensors from base")
+        click.echo(f"{f.path}  " + ", ".join(parts))
+        rows = []
+        for g in f.groups:
+            label = "optimizer state" if g.optimizer else ""
+            detail = _counts_text(g.dtypes) + (f": {_counts_text(g.leaves)}" if g.leaves else "")
+            rows.append([g.name or "(other groups)", label, _plural(g.tensors, "tensor"), human(g.bytes), detail])
+        if rows and not any(r[1] for r in rows):
+            rows = [[r[0], *r[2:]] for r in rows]
+        for line in _table(rows):
+            click.echo(line)
+
+
+def _print_tensors(commit: Any, inherited: set[tuple[str, str | None]]) -> None:
+    rows = [[t.name, t.dtype, str(tuple(t.shape)), human(t.nbytes), "(from base)" if (f.path, t.name) in inherited else ""]
+            for f in commit.files for t in f.tensors]
+    lines = iter(_table(rows))  # one width per column across the commit's files
+    for f in commit.files:
+        click.echo(f"{f.path}  {f.kind}, {human(f.size)}{', from base' if (f.path, None) in inherited else ''}")
+        for _ in f.tensors:
+            click.echo(next(lines))
 
 
 def _show_dcp(record: Any) -> None:
@@ -118,48 +213,67 @@ def _state_lines(value: Any) -> list[str]:
 
 
 @main.command()
-@click.argument("a")
-@click.argument("b")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("a", shell_complete=complete_ref)
+@click.argument("b", shell_complete=complete_ref)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
-    """Tensors added, removed, changed and unchanged from A to B."""
-    changes = repo.diff(a, b)
+    """Tensors added, removed, changed and unchanged from A to B, with B's new bytes."""
+    d = repo.diff(a, b)
+    counts = d.counts()
     if as_json:
-        print_json([vars(c) for c in changes])
+        print_json({"a": d.a, "b": d.b,
+                    "changes": [{"path": c.path, "name": c.name, "status": c.status, "new_bytes": c.stored_bytes,
+                                 "rel_l2": c.rel_l2} for c in d],
+                    "totals": {**counts, "new_bytes": d.new_bytes, "header_bytes": d.header_bytes}})
         return
-    marks = {"added": "+", "removed": "-", "changed": "~", "unchanged": "="}
-    for c in changes:
+    for c in d:
         if c.status != "unchanged":
-            cost = f"  ({human(c.stored_bytes)} stored)" if c.status in ("added", "changed") else ""
+            cost = f"  ({human(c.stored_bytes)} new)" if c.status in ("added", "changed") else ""
             if c.rel_l2 is not None:
                 cost += f"  relative L2 change {c.rel_l2:.3g}"
-            click.echo(f"{marks[c.status]} {c.path}{':' + c.name if c.name else ''}{cost}")
-    counts = {s: sum(c.status == s for c in changes) for s in marks}
-    total = sum(c.stored_bytes for c in changes)
-    click.echo(", ".join(f"{n} {s}" for s, n in counts.items()) + f"; {human(total)} stored for the changes")
+            click.echo(f"{_STATUS_MARKS[c.status]} {c.path}{':' + c.name if c.name else ''}{cost}")
+    click.echo(", ".join(f"{n} {s}" for s, n in counts.items())
+               + f"; {human(d.new_bytes)} new in {short(d.b)} (stored now, in objects {short(d.a)} does not use)")
+    child = repo.read_commit(d.b)
+    if child.parents[:1] == (d.a,):
+        click.echo(f"{short(d.b)} added {human(child.added_bytes)} when it was committed "
+                   f"(its new objects, less what re-encoding its parent's as deltas against them saved)")
 
 
 @main.command()
 @click.argument("metric")
 @click.option("--max", "maximize", is_flag=True, help="Higher is better (default: lower).")
 @click.option("--branch", help="Branch to search (default: the current branch).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def best(repo: Repo, metric: str, maximize: bool, branch: str | None) -> None:
+def best(repo: Repo, metric: str, maximize: bool, branch: str | None, as_json: bool) -> None:
     """Print the id of the commit with the best METRIC in its metadata."""
-    click.echo(repo.best(metric, "max" if maximize else "min", branch))
+    oid = repo.best(metric, "max" if maximize else "min", branch)
+    if not as_json:
+        click.echo(oid)
+        return
+    c = repo.read_commit(oid)
+    print_json({"id": oid, "metric": metric, "value": c.decoded_metadata()[metric], "mode": "max" if maximize else "min",
+                "branch": branch or repo.head_branch, "message": c.message, "time": c.time,
+                "metadata": c.decoded_metadata()})
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def stats(repo: Repo, as_json: bool) -> None:
-    """Logical bytes, bytes on disk and their ratio."""
+    """Logical bytes, bytes stored (and how many of them gc would free), counts."""
     s = repo.stats()
-    doc = {"logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes, "ratio": round(s.ratio, 4),
-           "commits": s.commits, "objects": s.objects}
     if as_json:
-        print_json(doc)
+        print_json({"logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes, "ratio": round(s.ratio, 4),
+                    "commits": s.commits, "objects": s.objects, "unreferenced_bytes": s.unreferenced_bytes,
+                    "unreferenced_objects": s.unreferenced_objects})
         return
     click.echo(f"commits:  {s.commits}\nobjects:  {s.objects}\nlogical:  {human(s.logical_bytes)}")
     click.echo(f"stored:   {human(s.stored_bytes)}\nratio:    {s.ratio:.3f} (stored / logical)")
+    if s.unreferenced_bytes is None:
+        click.echo("unreferenced: unknown (a dependent repository cannot be opened; 'ckstore fsck' names it)")
+    else:
+        click.echo(f"unreferenced: {human(s.unreferenced_bytes)} in {s.unreferenced_objects} object(s) "
+                   "(plain gc frees this)")

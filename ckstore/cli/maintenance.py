@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-
 import click
 
 from ..errors import IntegrityError, InvalidInputError
 from ..repo import Repo
-from .base import die, human, main, pass_repo
+from .base import die, human, main, pass_repo, print_json, progress_factory
+from .inspect import commit_line
 
 
 @main.command()
@@ -18,40 +18,79 @@ from .base import die, human, main, pass_repo
 @click.option("--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position).")
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @click.option("--repack", is_flag=True, help="Re-encode the kept objects first (newest commits whole).")
+@click.option("--prune-now", is_flag=True,
+              help="Expire now every reflog entry the refs no longer reach, so its commits go too.")
+@click.option("--force", is_flag=True, help="Run even if it would delete every commit.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
-       keep_every: int | None, dry_run: bool, repack: bool) -> None:
-    """Delete old commits (with retention options; tags are always kept) and unneeded objects."""
+       keep_every: int | None, dry_run: bool, repack: bool, prune_now: bool, force: bool, as_json: bool) -> None:
+    """Delete old commits (with retention options; tags are always kept) and unneeded objects.
+
+    Commits that a branch or tag no longer names stay while the reflog names them (30 days by
+    default, see 'ckstore config'); --prune-now deletes them now."""
     for flag, value in (("--keep-last", keep_last), ("--keep-best", keep_best), ("--keep-every", keep_every)):
         if value is not None and value < 1:
             raise InvalidInputError(f"{flag} must be at least 1")
     if keep_best is not None and not metric:
         raise InvalidInputError("--keep-best needs --metric NAME")
+    # Read before gc deletes them: the report names each commit by its message and metadata.
+    doomed = {oid: repo.read_commit(oid) for oid in repo.reachable_commits()}
     report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
-                     keep_every=keep_every, dry_run=dry_run, repack=repack)
+                     keep_every=keep_every, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
+                     progress=progress_factory())
+    deleted = [*report.pruned_commits, *report.unreachable_commits]
+    # A commit made while gc waited for the lock, or one only an expired reflog entry named, is
+    # named by its id alone.
+    known = [(oid, doomed.get(oid)) for oid in deleted]
+    if as_json:
+        print_json({"dry_run": dry_run, "pruned_commits": [
+            {"id": oid, "time": c.time if c else None, "message": c.message if c else None,
+             "metadata": c.decoded_metadata() if c else None} for oid, c in known],
+            "expired_reflog_entries": report.expired_entries, "reflog_only_commits": report.reflog_commits,
+            "deletes_every_commit": report.deletes_every_commit,
+            "deleted_objects": report.deleted_objects, "freed_bytes": report.freed_bytes})
+        return
     verb = "would delete" if dry_run else "deleted"
-    for oid in report.pruned_commits:
-        click.echo(f"{verb} commit {oid}")
+    for oid, c in known:
+        click.echo(f"{verb} commit {commit_line(oid, c) if c else oid}")
+    if report.expired_entries:
+        click.echo(f"{'would expire' if dry_run else 'expired'} {report.expired_entries} reflog entr"
+                   f"{'y' if report.expired_entries == 1 else 'ies'}")
+    if report.reflog_commits:
+        click.echo(f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
+                   " 'ckstore gc --prune-now' deletes them")
+    if report.deletes_every_commit:
+        click.echo("this gc would delete every commit of the repository (it needs --force)" if dry_run
+                   else "deleted every commit of the repository")
     click.echo(
-        f"{verb} {len(report.pruned_commits)} commit(s) and {report.deleted_objects} object(s), "
+        f"{verb} {len(deleted)} commit(s) and {report.deleted_objects} object(s), "
         f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
     )
 
 
 @main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def repack(repo: Repo) -> None:
+def repack(repo: Repo, as_json: bool) -> None:
     """Re-encode every kept object with the current settings: newest commits whole, older ones deltas."""
-    r = repo.repack()
+    r = repo.repack(progress=progress_factory())
+    if as_json:
+        print_json({"upgraded": r.upgraded, "objects": r.objects, "rewritten": r.rewritten, "deltas": r.deltas,
+                    "stored_bytes_before": r.stored_bytes_before, "stored_bytes_after": r.stored_bytes_after})
+        return
     if r.upgraded:
         click.echo("upgraded the repository to format version 2")
+    saved = r.stored_bytes_before - r.stored_bytes_after
     click.echo(
-        f"repacked {r.objects} object(s): rewrote {r.rewritten}, {r.deltas} now deltas; "
-        f"{human(r.bytes_before)} -> {human(r.bytes_after)}"
+        f"repacked {r.objects} chunk object(s): {r.rewritten} re-encoded, {r.objects - r.rewritten} unchanged; "
+        f"{r.deltas} stored as deltas"
     )
+    click.echo(f"stored: {human(r.stored_bytes_before)} before, {human(r.stored_bytes_after)} after "
+               f"({'saved ' + human(saved) if saved >= 0 else 'grew by ' + human(-saved)})")
 
 
-_SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth")
+_SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth", "reflog_expire_days", "reflog_expire_unreachable_days")
 
 
 @main.command(name="config")
@@ -77,12 +116,17 @@ def config_command(repo: Repo, key: str | None, value: int | None) -> None:
 
 @main.command()
 @click.option("--read-data", is_flag=True, help="Also decompress and re-hash every object.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md); exit code as without.")
 @pass_repo
-def fsck(repo: Repo, read_data: bool) -> None:
+def fsck(repo: Repo, read_data: bool, as_json: bool) -> None:
     """Check that every ref, manifest and object is present and sound."""
-    problems = repo.fsck(read_data=read_data)
-    for problem in problems:
-        click.echo(problem)
+    problems = repo.fsck(read_data=read_data, progress=progress_factory() if read_data else None)
+    if as_json:
+        print_json({"ok": not problems, "read_data": read_data, "problems": problems})
+    else:
+        for problem in problems:
+            click.echo(problem)
     if problems:
         die(f"{len(problems)} problem(s) found", IntegrityError.exit_code)
-    click.echo("no problems found" + (" (all data re-hashed)" if read_data else ""))
+    if not as_json:
+        click.echo("no problems found" + (" (all data re-hashed)" if read_data else ""))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import ckstore.provenance
-import ckstore.repo
+import ckstore.commit
 from ckstore.repo import Repo
 from ckstore.safetensors_format import emit_header
 from ckstore.store import object_key
@@ -125,7 +125,7 @@ def reproducible_commits() -> Iterator[None]:
         return (start + timedelta(seconds=next(ticks))).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ckstore.repo, "_now", clock)  # raises if the name moves: update it here
+        patch.setattr(ckstore.commit, "_now", clock)  # raises if the name moves: update it here
         patch.setattr(ckstore.provenance, "collect", lambda cwd=None: {"ckstore": "test", "python": "3"})
         yield
 
@@ -164,7 +164,8 @@ def refs_of(repo_path: Path) -> dict[str, str]:
 
 
 def ref_locks(repo_path: Path) -> list[Path]:
-    return sorted((repo_path / "refs").rglob("*.lock"))
+    head = repo_path / "HEAD.lock"  # switch locks HEAD
+    return sorted((repo_path / "refs").rglob("*.lock")) + ([head] if head.exists() else [])
 
 
 def checkout_digest(repo: Repo, oid: str, scratch: Path) -> dict[str, str]:

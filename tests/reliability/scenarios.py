@@ -86,6 +86,9 @@ SCENARIOS = [
     Scenario("tag", lambda t, w: ["tag", "v2", t.ids["c2"]], _with(refs__tags__v2={None, "c2"})),
     Scenario("branch-delete", lambda t, w: ["branch", "-d", "dev"], _with(refs__heads__dev={"c1", None})),
     Scenario("checkout", lambda t, w: ["checkout", t.ids["c3"], "-o", str(w / "out"), "--force"], _same_refs),
+    # branch -f takes reset's path (a ref update with its reflog entry); switch locks and logs HEAD.
+    Scenario("reset", lambda t, w: ["reset", t.ids["c2"]], _with(refs__heads__main={"c3", "c2"})),
+    Scenario("switch", lambda t, w: ["switch", "dev"], _same_refs),
 ]
 RANDOM_SCENARIOS = [s for s in SCENARIOS if s.name in ("commit", "gc-keep-last", "checkout")]
 
@@ -150,10 +153,14 @@ def check_after(scenario: Scenario, template: Template, work: Path, stale_locks_
     repo = Repo(repo_path)
     if not stale_locks_ok:
         assert not ref_locks(repo_path), f"a failed command left {ref_locks(repo_path)}"
+    assert repo.head_branch in (("main", "dev") if scenario.name == "switch" else ("main",))
     for lock in ref_locks(repo_path):
         ref = lock.relative_to(repo_path).as_posix()[: -len(".lock")]
         with pytest.raises(LockedError, match="stale lock .* no longer running; .*delete that file"):
-            repo.refs.update(ref, repo.refs.read(ref) or template.ids["c1"])
+            if ref == "HEAD":
+                repo.refs.set_head_branch("dev" if repo.head_branch == "main" else "main", reason="switch")
+            else:
+                repo.refs.update(ref, repo.refs.read(ref) or template.ids["c1"])
         count("stale_ref_locks_reported")
         lock.unlink()  # what the message tells the user to do
     repo.gc()

@@ -141,6 +141,8 @@ def test_accepted_safetensors_headers_re_emit_to_the_same_layout(
         layout = parse_st(bytes(mutated), size)
     except SafetensorsFormatError:
         return
+    if layout.plain_reason is not None:
+        return  # e.g. a mutation repeated a name: committed as plain bytes, never re-emitted
     again, _ = emit_header([(t.name, t.dtype, t.shape) for t in layout.tensors], layout.metadata)
     relaid = parse_st(again, len(again) + (layout.file_size - layout.data_offset))
     assert [(t.name, t.dtype, t.shape, t.nbytes) for t in relaid.tensors] == \

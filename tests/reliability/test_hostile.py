@@ -119,9 +119,12 @@ SAFETENSORS_CASES: dict[str, tuple[bytes, str]] = {
     "length-absurd": (struct.pack("<Q", 2**63 + 5) + b"{}", "exceeds the limit"),
     "not-utf8": (_st(b'{"\xff\xfe":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'), "not valid UTF-8"),
     "not-json": (_st(b"{this is not json}      "), "not valid JSON"),
-    "not-an-object": (_st(b"[1, 2, 3]"), "does not start with '{'"),
-    "duplicate-keys": (_st(b'{"a":' + _js(_t([2], 0, 8)) + b',"a":' + _js(_t([2], 0, 8)) + b"}", bytes(8)),
-                       "duplicate key 'a'"),
+    "not-an-object": (_st(b"[1, 2, 3]"), "header JSON is not an object"),
+    # A repeated tensor name is read by safetensors (last wins) and stored as plain bytes; a
+    # repeated field or __metadata__ is refused.
+    "duplicate-keys": (_st(b'{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(8)),
+                       "tensor 'a': duplicate key 'dtype'"),
+    "duplicate-metadata": (_st(b'{"__metadata__":{},"__metadata__":{}}'), "duplicate key '__metadata__'"),
     "offsets-out-of-range": (_st(_js({"a": _t([2], 0, 8)}), bytes(4)), "run past the end"),
     "overlap": (_st(_js({"a": _t([2], 0, 8), "b": _t([2], 4, 12)}), bytes(12)), "overlap"),
     "hole": (_st(_js({"a": _t([2], 0, 8), "b": _t([2], 12, 20)}), bytes(20)), "hole in the data"),
@@ -131,11 +134,12 @@ SAFETENSORS_CASES: dict[str, tuple[bytes, str]] = {
     "unknown-dtype": (_st(_js({"a": _t([2], 0, 8, "F128")}), bytes(8)), "unknown dtype 'F128'"),
     "size-mismatch": (_st(_js({"a": _t([3], 0, 8)}), bytes(8)), "needs 12"),
     "trailing-bytes": (_st(_js({"a": _t([2], 0, 8)}), bytes(12)), "4 trailing bytes"),
-    "nul-in-tensor-name": (_st(_js({"a\u0000b": _t([2], 0, 8)}), bytes(8)), "control character"),
+    # Raw (unescaped) controls are invalid JSON; an escaped one makes the file a plain blob.
+    "nul-in-tensor-name": (_st(b'{"a\x00b":' + _js(_t([2], 0, 8)) + b"}", bytes(8)), "Invalid control character"),
     "nan-in-header": (_st(b'{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,0]}}'), "non-standard constant"),
     "deep-nesting": (_st(b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}"), "nested too deeply"),
     "huge-integer-literal": (_st(b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,0]}}'),
-                             "not valid JSON"),
+                             "out of range"),
     "truncated-prefix": (b"\x10\x00\x00", "shorter than the 8-byte header length"),
     "text-file": (b"this is not a safetensors file at all, just text\n" * 20, "exceeds the limit"),
 }
