@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Reader", "Writer", "saved_commit"]
+__all__ = ["Reader", "Writer", "saved_commit", "wait_reencoding"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "wait_reencoding":
+        from .reencode import wait_reencoding
+
+        return wait_reencoding
     if name in __all__:
         from . import storage
 

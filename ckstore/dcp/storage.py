@@ -17,7 +17,7 @@ between their write and the manifest that names them. Each rank also holds it wh
 Pieces are named by fully qualified name and global offsets (``dcp_manifest.piece_name``), not
 by rank, so the next save finds each piece's predecessor wherever it was written: unchanged
 pieces cost nothing, changed ones are stored whole and their predecessor re-encoded as a delta
-against them (ingest's ``history``), as for any commit.
+against them after the save, on a background thread (reencode.py).
 
 Non-tensor items: with DCP's default planner (``transform_object`` not overridden) the Writer
 looks the value up itself and stores it in ckstore's typed JSON (values.py) when it is
@@ -47,7 +47,7 @@ from ..commit import encode_metadata, record_commit, recent_files
 from ..context import RepoContext, open_context
 from ..dcp_manifest import DTYPES, piece_name, stored_dtype
 from ..errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
-from ..ingest import MemoryFile, ingest
+from ..ingest import MemoryFile
 from ..manifest import FileEntry, canonical_json
 from ..partial import LazyTensors
 from ..refs import check_ref_name
@@ -55,6 +55,7 @@ from ..safetensors_format import emit_header, parse_header
 from ..torch_tensors import bytes_of
 from ..values import encode_value
 from .metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
+from .reencode import start_reencoding, store_pieces, wait_reencoding
 
 FILE_METADATA = {"format": "ckstore-dcp"}
 COMMIT_KEY = "ckstore_commit"  # in the Metadata dcp.save returns: the commit id, on every rank
@@ -176,13 +177,15 @@ class Writer(StorageWriter):
             header, _ = emit_header(specs, FILE_METADATA)
             size = len(header) + sum(len(b) for b in buffers)
             source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
+            wait_reencoding()  # the previous save's, so that two do not compete for the cores
             with ctx.backend.shared_lock():
                 history = recent_files(ctx, info.branch)
                 with ctx.store.batch() as staged:  # durable when the block ends, before we report
-                    files, added = ingest(staged, [source], ctx.config.chunk_size, history=history)
-            entries = {t.name: t for t in files[0].tensors}
+                    entry, added = store_pieces(staged, source, ctx.config.chunk_size)
+            start_reencoding(ctx, entry, history)
+            entries = {t.name: t for t in entry.tensors}
             for i, (item, (name, _, _), encoding) in enumerate(zip(plan.items, specs, encodings)):
-                stored = StoredItem(info.rank, path, entries[name], encoding, files[0].header, added if i == 0 else 0)
+                stored = StoredItem(info.rank, path, entries[name], encoding, entry.header, added if i == 0 else 0)
                 results.append(WriteResult(index=item.index, size_in_bytes=entries[name].nbytes, storage_data=stored))
         del keep
         future: Future[list[WriteResult]] = Future()
