@@ -9,6 +9,9 @@ before copying anything, which bounds host memory to that many copies of the sta
 Errors are never silent: ``handle.result()`` raises the commit's error, and a failed commit that
 nobody looked at is raised again by the next commit through the same repository. At interpreter
 exit pending commits are waited for; a failure nobody observed is printed on stderr.
+
+``Compactions`` runs the compaction that follows every commit (compact.py) the same way: on its
+own worker thread, waited for at interpreter exit.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from .errors import CkstoreError
+from .errors import CkstoreError, CkstoreWarning
 
 T = TypeVar("T")
 
@@ -128,12 +132,62 @@ class BackgroundCommits:
                   file=sys.stderr)
 
 
+class Compactions:
+    """Compaction (compact.py) on one worker thread per repository, after each commit.
+
+    A request made while another is waiting replaces it: every run also compacts the pair below
+    the tip, so the newest request covers what the older one would have done. A failure never
+    touches a commit (the objects only stay bigger): it is reported as a CkstoreWarning.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckstore-compact")
+        self._lock = threading.Lock()
+        self._next: Callable[[], object] | None = None
+        self._scheduled = False
+        _LIVE_COMPACTIONS.add(self)
+
+    def request(self, job: Callable[[], object]) -> None:
+        with self._lock:
+            self._next = job
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._executor.submit(self._run)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                job, self._next = self._next, None
+                if job is None:
+                    self._scheduled = False
+                    return
+            try:
+                job()
+            except Exception as exc:  # a background thread: the warning is the only way out
+                warnings.warn(CkstoreWarning(
+                    f"compacting after a commit failed ({exc}); every commit is intact, its chunks are only"
+                    " stored less compactly until the next commit or 'ckstore repack'"), stacklevel=1)
+
+    def wait(self) -> None:
+        """Wait until no compaction is running or waiting."""
+        self._executor.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown(wait=True)
+
+
 _LIVE: weakref.WeakSet[BackgroundCommits] = weakref.WeakSet()
+_LIVE_COMPACTIONS: weakref.WeakSet[Compactions] = weakref.WeakSet()
 
 
 def _wait_at_exit() -> None:
     for committer in list(_LIVE):
         committer.close()
+    # After the commits: each of them requests a compaction when it is recorded.
+    for compactions in list(_LIVE_COMPACTIONS):
+        compactions.close()
 
 
 # A pending commit still needs the worker pools, and concurrent.futures refuses new work once

@@ -48,18 +48,17 @@ def commit_sources(
     with ctx.backend.shared_lock():
         bar = progress(sum(s.size for s in sources), "commit") if progress else None
         # An overlay's tensors are forward deltas against its base's (the base may live in
-        # another repository and must not change); a branch's new chunks are stored whole and
-        # the parent's re-encoded against them, so the branch tip is cheap to read.
+        # another repository and must not change); a branch's new chunks are stored fast, and
+        # compaction (compact.py) re-encodes them and the parent's once the commit is durable.
         overlay = bool(base_commit and ctx.config.encoding.max_delta_depth)
         hints = base_commit.files if overlay and base_commit else None
-        recent = () if overlay else recent_files(ctx, branch)
         try:
             # One durability barrier for all of the commit's chunks; they are durable under
             # their names when the block ends, before the manifest is written (format.md §8).
             with ctx.store.batch() as staged:
                 files, added = ingest(
                     staged, sources, ctx.config.chunk_size, bar.update if bar else None, parent=hints,
-                    history=recent,
+                    fast=base_commit is None,
                 )
         finally:
             if bar:
@@ -67,17 +66,6 @@ def commit_sources(
         if base_commit is not None:
             files = merge_files(base_commit, files)
         return record_commit(ctx, files, added, message, branch, meta, state, base)
-
-
-def recent_files(ctx: RepoContext, branch: str) -> list[tuple[FileEntry, ...]]:
-    """The files of the branch tip and its first parents, newest first, as many as a chain can
-    be long: the tip's chunks are re-encoded against the new commit's, the older ones tell how
-    long the chain below each of them already is."""
-    depth = ctx.config.encoding.max_delta_depth
-    if not depth:
-        return []
-    tip = ctx.refs.read(HEADS + branch)
-    return [c.files for c in ctx.graph.first_parents(tip, depth + 1)]
 
 
 def _reflog_reason(parent: str | None, message: str) -> str:

@@ -226,17 +226,14 @@ def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
 
 def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
-    parent: Sequence[FileEntry] | None = None, history: Sequence[Sequence[FileEntry]] = (),
+    parent: Sequence[FileEntry] | None = None, fast: bool = False,
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
 
-    Two ways to use the previous version of a chunk (the chunk at the same index of the same
-    tensor, found by ``positions.ChunkIndex``: by position, else by tensor name): ``parent`` (an
-    overlay's base commit's files) offers it as the base of a forward delta; ``history`` (the
-    files of the branch's newest commits, parent first) stores each new chunk whole and
-    re-encodes the parent's chunk as a delta against it (``ObjectStore.reverse_delta``), so the
-    newest commit of a branch is always the cheap one to read. Bytes added is net of what the
-    re-encoding saved.
+    ``parent`` (an overlay's base commit's files) offers the previous version of each chunk (the
+    chunk at the same index of the same tensor, found by ``positions.ChunkIndex``: by position,
+    else by tensor name) as the base of a forward delta. ``fast`` stores new multi-byte chunks
+    provisionally (``ObjectStore.put_chunk``), for compaction (compact.py) to re-encode later.
     """
     plans = []
     for source in sources:
@@ -258,7 +255,6 @@ def ingest(
         plans.append(_Plan(source, layout, segments))
     new_files = {p.source.path: [t.name for t in p.layout.tensors] for p in plans if p.layout is not None}
     base_index = ChunkIndex(parent, new_files) if parent is not None else None
-    history_index = [ChunkIndex(files, new_files) for files in history]
 
     def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
         p_index, s_index, c_index, piece = job
@@ -270,13 +266,7 @@ def ingest(
         if base_index is not None:
             return p_index, s_index, len(piece), store.put_chunk(
                 piece, width, chunk_at(base_index, position, c_index, len(piece)))
-        result = store.put_chunk(piece, width)
-        if result.stored and history_index:
-            older = [chunk_at(h, position, c_index, len(piece)) for h in history_index]
-            if older[0] is not None and older[0] != result.id:
-                saved = store.reverse_delta(older[0], len(piece), width, result.id, piece, older[1:])
-                result = PutResult(result.id, result.stored + saved)
-        return p_index, s_index, len(piece), result
+        return p_index, s_index, len(piece), store.put_chunk(piece, width, fast=fast)
 
     added = 0
     for p_index, s_index, length, result in ordered_map(put, _jobs(plans, chunk_size)):
@@ -284,7 +274,7 @@ def ingest(
         added += result.stored
         if progress:
             progress(length)
-    return [_entry(plan) for plan in plans], max(0, added)
+    return [_entry(plan) for plan in plans], added
 
 
 def _entry(plan: _Plan) -> FileEntry:

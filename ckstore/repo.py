@@ -14,9 +14,10 @@ from typing import Any
 
 from . import branches, history
 from .backend.base import Backend
-from .background import BackgroundCommits
+from .background import BackgroundCommits, Compactions
 from .checkout import CheckoutResult, write_with_progress
 from .commit import commit_sources, encode_metadata
+from .compact import CompactReport, compact_branch
 from .config import RepoConfig
 from .context import (
     DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
@@ -48,6 +49,10 @@ class Repo:
         self._ctx = _context or open_context(path, backend=backend)
         self._background: BackgroundCommits | None = None
         self.commits_in_flight = 1  # background commits: snapshots held at once (host memory)
+        self._compactions: Compactions | None = None
+        # Re-encode each commit's parent as deltas on a background thread once the commit is
+        # durable (compact.py); False leaves it to the next commit that compacts, or repack.
+        self.compact_after_commit = True
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -179,12 +184,14 @@ class Repo:
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        self.wait()
+        self._wait_commits()
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
-        return commit_sources(self._ctx, sources, message, branch, meta, progress,
-                              base=resolve_base(self._ctx, base, base_repo))
+        based = resolve_base(self._ctx, base, base_repo)
+        oid = commit_sources(self._ctx, sources, message, branch, meta, progress, base=based)
+        self._compact_later(branch, based)
+        return oid
 
     def commit_state(
         self, state: object, message: str = "", branch: str | None = None,
@@ -203,21 +210,41 @@ class Repo:
         based = resolve_base(self._ctx, base, base_repo)
 
         def write(sources: Sequence[Any]) -> str:
-            return commit_sources(self._ctx, sources, message, branch, meta, progress,
-                                  state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
+            oid = commit_sources(self._ctx, sources, message, branch, meta, progress,
+                                 state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
+            self._compact_later(branch, based)
+            return oid
 
         if background:
             if self._background is None:
                 self._background = BackgroundCommits(self.commits_in_flight)
             return self._background.submit(lambda: state_files(state, snapshot=True), write)
-        self.wait()
+        self._wait_commits()
         return write(state_files(state))  # refuses unencodable values before anything is stored
 
     def wait(self) -> None:
-        """Wait for background commits; raise the error of one that failed unobserved."""
+        """Wait for background commits and the compaction after them; raise the error of a
+        background commit that failed unobserved."""
+        self._wait_commits()
+        if self._compactions is not None:
+            self._compactions.wait()
+
+    def _wait_commits(self) -> None:
         if self._background is not None:
             self._background.wait()
             self._background.raise_unobserved()
+
+    def compact(self, branch: str | None = None) -> CompactReport:
+        """Re-encode the tip of ``branch`` and its parent now (what runs after every commit)."""
+        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
+        return compact_branch(self._ctx, branch)
+
+    def _compact_later(self, branch: str, base: object) -> None:
+        if base is not None or not self.compact_after_commit:
+            return  # an overlay's chunks are forward deltas already
+        if self._compactions is None:
+            self._compactions = Compactions()
+        self._compactions.request(lambda: compact_branch(self._ctx, branch))
 
     def load_state(
         self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Any = "cpu", lazy: bool = False
@@ -293,6 +320,7 @@ class Repo:
         """Each commit's size figures: logical, added when committed, new, held alone (sizes.py)."""
         from . import sizes
 
+        self.wait()  # figures of a repository that this process is not changing underneath
         return sizes.commit_sizes(self._ctx, [self.resolve(o) for o in oids])
 
     def show(self, ref: str = "HEAD") -> tuple[ObjectId, Commit]:
@@ -333,6 +361,7 @@ class Repo:
         """Logical bytes over all commits, bytes stored (and unreferenced), and counts."""
         from . import sizes
 
+        self.wait()
         return sizes.stats(self._ctx)
 
     def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
@@ -353,12 +382,14 @@ class Repo:
         (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
         """
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
+        self.wait()
         return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
                                progress=progress)
 
     def repack(self, progress: ProgressFactory | None = None) -> Any:
         from .repack import repack
 
+        self.wait()
         return repack(self._ctx, progress)
 
     def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
@@ -370,6 +401,7 @@ class Repo:
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from .fsck import check
 
+        self.wait()
         return check(self._ctx, read_data=read_data, progress=progress)
 
 

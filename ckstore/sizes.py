@@ -4,8 +4,8 @@
 - **stored**: bytes of object files in this repository (``history.stored_bytes``); objects that a
   base repository holds count there. ``stats`` sums it over every object.
 - **added when committed**: how much the store grew when the commit was made (the manifest's
-  ``added_bytes``): its new chunk objects, less what re-encoding its parent's chunks as deltas
-  against them saved. A record of that moment: gc and repack do not change it.
+  ``added_bytes``): its new chunk objects as the commit stored them, before the compaction that
+  follows it. A record of that moment: compaction, gc and repack do not change it.
 - **new** (now): stored bytes of the objects a commit's files use and the other commit's files
   use nowhere (``history.new_objects``); ``diff A B`` reports it for B against A, ``log --sizes``
   for each commit against its first kept parent. Delta bases are not followed: a delta counts

@@ -11,8 +11,7 @@ damaged repository is an IntegrityError, not a hang.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,7 +25,6 @@ from .codec import (
     delta_base,
     encode,
     encode_chunk,
-    encode_delta,
     parse_header,
 )
 from .config import EncodingSettings
@@ -64,9 +62,6 @@ class ObjectStore:
         # them holds is referenced, never copied. Writes and deletes stay local.
         self.alternates: list[ObjectStore] = []
         self.missing_hint = ""  # appended to "object … is missing" (a base repository that moved)
-        # Objects reverse_delta has re-encoded (or decided not to) through this store.
-        self._claimed: set[str] = set()
-        self._claim_lock = threading.Lock()
 
     def has_local(self, oid: str) -> bool:
         return self.backend.exists(object_key(oid))
@@ -84,15 +79,29 @@ class ObjectStore:
         data = encode(raw, kind, self.settings.zstd_level)
         return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
 
-    def put_chunk(self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None) -> PutResult:
+    def put_chunk(
+        self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None, fast: bool = False,
+    ) -> PutResult:
         """Store a chunk of elements ``width`` bytes wide; ``base_id`` is a delta base candidate
-        (the same chunk in the parent commit), used when its chain leaves room for one more."""
+        (the same chunk in the parent commit), used when its chain leaves room for one more.
+
+        ``fast`` stores a multi-byte chunk with plain zstd at ``fast_level`` (a commit on the
+        training loop's critical path); ``is_provisional`` tells compaction to re-encode it.
+        """
         oid = chunk_id(raw)
         key = object_key(oid)
         if self.has(oid):
             return PutResult(oid, 0)
-        data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
+        if fast and width > 1:
+            data = encode(raw, Kind.CHUNK, self.settings.fast_level)
+        else:
+            data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
         return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
+
+    def is_provisional(self, encoding: Encoding, width: int) -> bool:
+        """Whether an object of a multi-byte chunk was stored by a fast commit (plain zstd or raw)
+        and byte grouping, which the best encoding of such a chunk always tries, is allowed."""
+        return width > 1 and encoding in (Encoding.ZSTD, Encoding.RAW) and Encoding.GROUPED in self.settings.allowed
 
     def encode_chunk(self, raw: bytes | memoryview, width: int, base_id: str | None) -> bytes:
         base = None
@@ -162,65 +171,6 @@ class ObjectStore:
             view.alternates = self.alternates
             yield view
 
-    def reverse_delta(
-        self, oid: str, size: int, width: int, new_id: str, new_raw: bytes | memoryview, older: Sequence[str | None],
-    ) -> int:
-        """Re-encode the parent commit's chunk ``oid`` as a delta against ``new_id``, the chunk
-        that replaces it at the same position and that this store has just written whole, so the
-        newest commit reads without decoding any chain (git packs keep the newest whole too).
-
-        ``older`` lists the chunks at the same position in the commits before the parent, newest
-        first: the chain of deltas already hanging below ``oid`` is followed through them (by
-        their headers) and ``oid`` stays whole when one more link would make it longer than
-        ``max_delta_depth``. Only a whole object of this repository is re-encoded, and only once
-        per store view. Returns the change in stored bytes (negative: bytes saved).
-        """
-        max_depth = self.settings.max_delta_depth
-        if max_depth == 0 or Encoding.DELTA not in self.settings.allowed:
-            return 0
-        with self._claim_lock:
-            if oid in self._claimed:
-                return 0
-            self._claimed.add(oid)
-        try:
-            current = self.backend.get(object_key(oid))  # never an alternate's object: not ours
-        except KeyError:
-            return 0
-        try:
-            header = parse_header(current)
-            if header.kind != Kind.CHUNK or header.encoding == Encoding.DELTA or header.raw_len != size:
-                return 0
-            below, cur = 0, oid
-            for older_id in older[:max_depth]:
-                if older_id is None or self.base_of(older_id) != cur:
-                    break
-                below, cur = below + 1, older_id
-            if below + 1 > max_depth:
-                return 0  # the chain is full: the parent stays whole and the new chunk starts one
-            raw = decode(current, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size)  # whole: no base
-            data = encode_delta(raw, self.settings.zstd_level, width, new_id, new_raw, len(current))
-            if data is None:
-                return 0  # a delta would not be smaller: the parent stays whole
-            self._check_delta(oid, data, size, new_id, new_raw)
-        except CkstoreError:
-            return 0  # a damaged parent chunk only costs compression (fsck reports it)
-        # Applied only once new_id is durable under its name, and dropped if another writer
-        # stored new_id first (its object might not be whole).
-        self.backend.replace_object(object_key(oid), data, after=object_key(new_id))
-        return len(data) - len(current)
-
-    def _check_delta(self, oid: str, data: bytes, size: int, base_id: str, base_raw: bytes | memoryview) -> None:
-        """Decode a new delta with its base from memory and re-hash it (check_encoded without
-        re-reading the base, whose bytes were hashed to its name when it was stored)."""
-        def fetch_base(wanted: str, length: int) -> bytes | memoryview:
-            if wanted != base_id or length != len(base_raw):
-                raise IntegrityError(f"re-encoded object {oid} names an unexpected base {wanted}")
-            return base_raw
-
-        raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)  # type: ignore[arg-type]
-        if chunk_id(raw) != oid:
-            raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")
-
     def put_commit(self, manifest: bytes) -> PutResult:
         return self._put(commit_id(manifest), manifest, Kind.COMMIT)
 
@@ -261,6 +211,25 @@ class ObjectStore:
     def check_encoded(self, oid: str, data: bytes, size: int) -> None:
         """Raise IntegrityError unless ``data`` decodes to the bytes named ``oid`` (repack)."""
         self._decode_chunk(oid, data, size, " (re-encoded)", 0)
+
+    def read_local(self, oid: str) -> bytes | None:
+        """The stored bytes of an object of this repository (not a base's), None when absent."""
+        try:
+            return self.backend.get(object_key(oid))
+        except KeyError:
+            return None
+
+    def header_local(self, oid: str) -> bytes | None:
+        """The header and delta-base prefix of an object of this repository, None when absent."""
+        try:
+            return self.backend.get_prefix(object_key(oid), _PREFIX)
+        except KeyError:
+            return None
+
+    def stage_replace(self, oid: str, data: bytes) -> None:
+        """Swap a chunk object for another encoding of the same bytes; in a batch, applied when it
+        ends (compaction)."""
+        self.backend.replace_object(object_key(oid), data)
 
     def _decode_chunk(self, oid: str, data: bytes, size: int, context: str, _depth: int) -> bytes:
         def fetch_base(base_id: str, length: int) -> bytes:

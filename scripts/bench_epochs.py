@@ -7,8 +7,9 @@ hits both sides alike:
 - the baseline: safetensors ``save_file`` of the epoch's tensors (already in memory) + fsync of
   both files and their folder; ``load_file`` of both files + reading every byte;
 - ``Repo.commit`` of the epoch's files, in each naming layout (one name for every epoch, a file
-  name per epoch), each layout in a fresh repository; then checkout of the newest commit into an
-  empty folder;
+  name per epoch), each layout in a fresh repository, until it returns (the commit is durable);
+  then the compaction that follows it (``Repo.wait``, timed apart: it runs while training goes
+  on); then checkout of the newest commit into an empty folder;
 - ``Repo.commit_state`` of the same tensors as an in-memory state (synchronous), then
   ``load_state`` of the newest + reading every byte;
 - ``commit_state(..., background=True)``: the time until it returns (what the training loop is
@@ -141,17 +142,23 @@ class EpochBench:
 
     def _files(self, layout: str, folders: list[Path], first: bool) -> None:
         repo = Repo.init(self._fresh("repo"))
-        times = [timed(lambda f=f: repo.commit(str(f), message=f.name)) for f in folders]
+        times, compaction = [], []
+        for f in folders:
+            times.append(timed(lambda f=f: repo.commit(str(f), message=f.name)))
+            compaction.append(timed(repo.wait))  # training would run meanwhile (compact.py)
         self._add(f"commit1 {layout}", times[0])
         self._add(f"commit {layout}", statistics.mean(times[1:]))
+        self._add(f"compaction {layout}", statistics.mean(compaction[1:]))
         self._add(f"checkout {layout}", timed(lambda: repo.checkout("HEAD", self._fresh("out"))))
         if first:
             self.stored[layout] = repo.stats().stored_bytes
 
     def _state(self, first: bool) -> None:
         repo = Repo.init(self._fresh("repo"))
-        times = [timed(lambda s=s: repo.commit_state(s, metadata={"epoch": n}))
-                 for n, s in enumerate(self.states, start=1)]
+        times = []
+        for n, s in enumerate(self.states, start=1):
+            times.append(timed(lambda s=s, n=n: repo.commit_state(s, metadata={"epoch": n})))
+            repo.wait()  # the compaction after the commit: off the loop's path, not timed here
         self._add("commit_state1", times[0])
         self._add("commit_state", statistics.mean(times[1:]))
         self._add("load_state", timed(lambda: touch(repo.load_state("HEAD"))))
@@ -168,6 +175,7 @@ class EpochBench:
             blocked.append(time.perf_counter() - started)
             handle.result()
             done.append(time.perf_counter() - started)
+            repo.wait()
         self._add("blocked", statistics.mean(blocked[1:]))
         self._add("background", statistics.mean(done[1:]))
 

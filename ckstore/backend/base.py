@@ -26,16 +26,19 @@ suite that runs against each one):
   dropped when the put it depends on (``after``) lost to another writer. Nothing staged is
   visible outside the view before the block ends; on an exception nothing staged is applied.
   The default batch is the backend itself (every write immediate and durable at once).
+* ``compaction_lock(timeout)`` is held by at most one holder per repository, across processes,
+  and released when the holder exits, even by a crash.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from ..errors import InvalidPathError
+from ..errors import InvalidPathError, LockedError
 
 # '%' carries the escapes of ref names (refs.encode_ref); no character here can change a path.
 _KEY_PART = re.compile(r"[A-Za-z0-9._@+%-]+")
@@ -60,7 +63,7 @@ def check_line(line: bytes) -> bytes:
 
 def check_prefix(prefix: str) -> str:
     """A ``list`` prefix names a folder: ``""`` (everything) or a valid key, with a trailing ``/``."""
-    folder = prefix[:-1] if prefix.endswith("/") else prefix
+    folder = prefix.removesuffix("/")
     return check_key(folder) + "/" if folder else ""
 
 
@@ -91,6 +94,12 @@ class Backend(ABC):
 
     @abstractmethod
     def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]: ...
+
+    def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
+        """Held by the one process that re-encodes chunks as reverse deltas (compact.py), so two
+        compactions never pair the same two objects in opposite directions. Raises LockedError
+        after ``timeout`` seconds."""
+        return _THREAD_LOCKS.hold(id(self), timeout)
 
     def shared_lock(self) -> AbstractContextManager[None]:
         """The repository lock as writers of new objects hold it (commits, ref updates)."""
@@ -154,3 +163,25 @@ class Backend(ABC):
         writer first: the new value may depend on the exact bytes this batch put there.
         """
         self.replace(key, data)
+
+
+class _ThreadLocks:
+    """In-process locks by key, for backends that live in one process (memory)."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._locks: dict[int, threading.Lock] = {}
+
+    @contextmanager
+    def hold(self, key: int, timeout: float) -> Iterator[None]:
+        with self._mutex:
+            lock = self._locks.setdefault(key, threading.Lock())
+        if not lock.acquire(timeout=timeout):
+            raise LockedError("another compaction is running; try again later")
+        try:
+            yield
+        finally:
+            lock.release()
+
+
+_THREAD_LOCKS = _ThreadLocks()

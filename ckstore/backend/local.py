@@ -41,6 +41,7 @@ from .base import Backend, check_key, check_line, check_prefix
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
+COMPACTION_LOCK_FILE = "compact.lock"
 
 
 def _load_syncfs() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -322,9 +323,16 @@ class LocalBackend(Backend):
         # Sorted as whole keys (os.walk yields a folder's files before its subfolders').
         yield from sorted(keys)
 
+    def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]:
+        what = "a running commit" if exclusive else "a running gc"
+        return self._flock(LOCK_FILE, exclusive, timeout, f"repository is locked by {what}; try again later")
+
+    def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
+        return self._flock(COMPACTION_LOCK_FILE, True, timeout, "another process is compacting this repository")
+
     @contextmanager
-    def repo_lock(self, exclusive: bool, timeout: float) -> Iterator[None]:
-        path = self.root / LOCK_FILE
+    def _flock(self, name: str, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
+        path = self.root / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -338,8 +346,7 @@ class LocalBackend(Backend):
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
-                        what = "a running commit" if exclusive else "a running gc"
-                        raise LockedError(f"repository is locked by {what}; try again later") from None
+                        raise LockedError(busy) from None
                     time.sleep(0.05)
             yield
         finally:
@@ -472,6 +479,9 @@ class LocalBatch(Backend):
 
     def clean_temporary(self) -> int:
         return self.inner.clean_temporary()
+
+    def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
+        return self.inner.compaction_lock(timeout)
 
     def describe(self, key: str) -> str:
         return self.inner.describe(key)

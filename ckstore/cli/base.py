@@ -155,7 +155,12 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
 
     @click.pass_context
     def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
-        return ctx.invoke(f, Repo.find(ctx.find_root().params.get("repo_path")), *args, **kwargs)
+        repo = Repo.find(ctx.find_root().params.get("repo_path"))
+        result = ctx.invoke(f, repo, *args, **kwargs)
+        # A commit's compaction (compact.py) runs after its result is printed, within the command,
+        # so its output ends when the repository is compact and quiet.
+        repo.wait()
+        return result
 
     return update_wrapper(wrapper, f)
 

@@ -46,6 +46,7 @@ class Sandbox:
         good.mkdir()
         (good / "model.safetensors").write_bytes(checkpoint_bytes(1, 1500))
         self.good = self.repo.commit([good])
+        self.repo.wait()  # compaction rewrites objects after a commit: tamper with them afterwards
 
     def snapshot(self) -> dict[str, str]:
         return {k: v for k, v in tree_digest(self.root).items() if not k.startswith(("repo/", "out/"))}
