@@ -191,13 +191,16 @@ def _show_dcp(record: Any) -> None:
     """A distributed checkpoint's global tensors and which rank wrote which piece."""
     click.echo(f"Distributed checkpoint: {record.world_size} rank(s), {len(record.tensors)} tensors, "
                f"{len(record.objects)} other items")
-    for t in record.tensors:
-        click.echo(f"  {t.fqn:<50} {t.dtype:<9} {str(t.shape):<20}")
-        for p in t.pieces:
-            region = ", ".join(f"{o}:{o + n}" for o, n in zip(p.offsets, p.sizes))
-            click.echo(f"      rank {p.rank}: [{region}]")
-    for o in record.objects:
-        click.echo(f"  {o.fqn:<50} ({'typed value' if o.encoding == 'value' else 'opaque bytes'}, rank {o.rank})")
+
+    def pieces(t: Any) -> str:
+        return ", ".join(f"rank {p.rank}" + (f" [{', '.join(f'{o}:{o + n}' for o, n in zip(p.offsets, p.sizes))}]"
+                                              if p.sizes else "") for p in t.pieces)
+
+    rows = [[t.fqn, t.dtype, str(tuple(t.shape)), pieces(t)] for t in record.tensors]
+    rows += [[o.fqn, "", "", f"{'typed value' if o.encoding == 'value' else 'opaque bytes'}, rank {o.rank}"]
+             for o in record.objects]
+    for line in _table(rows):
+        click.echo(line)
 
 
 def _state_lines(value: Any) -> list[str]:

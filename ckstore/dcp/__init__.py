@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Reader", "Writer", "saved_commit", "wait_reencoding"]
+__all__ = ["Reader", "Writer", "saved_commit", "wait_compaction"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "wait_reencoding":
-        from .reencode import wait_reencoding
+    if name == "wait_compaction":
+        from .compaction import wait_compaction
 
-        return wait_reencoding
+        return wait_compaction
     if name in __all__:
         from . import storage
 

@@ -15,8 +15,6 @@ import fnmatch
 import math
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from ..checkout import Output, Piece
 from ..dcp_manifest import DTYPES, DcpPiece, DcpTensor
 from ..errors import InvalidInputError
@@ -59,6 +57,8 @@ def _assemble(store: ObjectStore, t: DcpTensor, pieces: list[DcpPiece],
     width = DTYPES[t.dtype][0] // 8
 
     def build() -> bytes:
+        import numpy as np  # here, not at import: reading commands (show, log) must not load numpy
+
         # Bytes as a uint8 array whose last dimension is widened by the element size, so any
         # dtype is copied exactly without interpreting it.
         out = np.zeros((*t.shape[:-1], t.shape[-1] * width) if t.shape else (width,), dtype=np.uint8)

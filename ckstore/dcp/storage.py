@@ -16,8 +16,8 @@ between their write and the manifest that names them. Each rank also holds it wh
 
 Pieces are named by fully qualified name and global offsets (``dcp_manifest.piece_name``), not
 by rank, so the next save finds each piece's predecessor wherever it was written: unchanged
-pieces cost nothing, changed ones are stored whole and their predecessor re-encoded as a delta
-against them after the save, on a background thread (reencode.py).
+pieces cost nothing, changed ones are stored the fast way and, once the commit is recorded, the
+repository's compaction re-encodes their predecessors as deltas against them (compaction.py).
 
 Non-tensor items: with DCP's default planner (``transform_object`` not overridden) the Writer
 looks the value up itself and stores it in ckstore's typed JSON (values.py) when it is
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..commit import encode_metadata, record_commit, recent_files
+from ..commit import encode_metadata, record_commit
 from ..context import RepoContext, open_context
 from ..dcp_manifest import DTYPES, piece_name, stored_dtype
 from ..errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
@@ -54,8 +54,8 @@ from ..refs import check_ref_name
 from ..safetensors_format import emit_header, parse_header
 from ..torch_tensors import bytes_of
 from ..values import encode_value
+from .compaction import compact_later, store_pieces
 from .metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
-from .reencode import start_reencoding, store_pieces, wait_reencoding
 
 FILE_METADATA = {"format": "ckstore-dcp"}
 COMMIT_KEY = "ckstore_commit"  # in the Metadata dcp.save returns: the commit id, on every rank
@@ -177,12 +177,8 @@ class Writer(StorageWriter):
             header, _ = emit_header(specs, FILE_METADATA)
             size = len(header) + sum(len(b) for b in buffers)
             source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
-            wait_reencoding()  # the previous save's, so that two do not compete for the cores
-            with ctx.backend.shared_lock():
-                history = recent_files(ctx, info.branch)
-                with ctx.store.batch() as staged:  # durable when the block ends, before we report
-                    entry, added = store_pieces(staged, source, ctx.config.chunk_size)
-            start_reencoding(ctx, entry, history)
+            with ctx.backend.shared_lock(), ctx.store.batch() as staged:  # durable before we report
+                entry, added = store_pieces(staged, source, ctx.config.chunk_size)
             entries = {t.name: t for t in entry.tensors}
             for i, (item, (name, _, _), encoding) in enumerate(zip(plan.items, specs, encodings)):
                 stored = StoredItem(info.rank, path, entries[name], encoding, entry.header, added if i == 0 else 0)
@@ -205,6 +201,7 @@ class Writer(StorageWriter):
             branch = self._plan_branch or self.branch or ctx.refs.head_branch()  # the one the ranks used
             added = sum(i.added for i in items)
             self.commit_id = record_commit(ctx, files, added, self.message, branch, self._meta, dcp=record)
+            compact_later(ctx, self.location, branch)
             # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
             # so this is how the other ranks learn the commit.
             metadata.storage_data = {COMMIT_KEY: self.commit_id}
