@@ -31,6 +31,7 @@ from .refs import HEAD, HEADS, TAGS, RefStore, ref_candidates
 from .store import ObjectStore
 
 PRUNED_KEY = "pruned"
+REMOTES = "refs/remotes/"  # remote-tracking refs (fetch.py)
 _SUFFIX = re.compile(r"~(\d*)$|\^$")
 _REFLOG_SUFFIX = re.compile(r"(.*)@\{(\d+)\}")
 
@@ -136,6 +137,10 @@ class CommitGraph:
             return ObjectId(name)
         for ref in ref_candidates(name):
             oid = self.refs.read(ref)
+            if oid is not None:
+                return oid
+        if "/" in name and not name.startswith("refs/"):  # NAME/BRANCH: a remote-tracking ref
+            oid = self.refs.read(REMOTES + name)
             if oid is not None:
                 return oid
         if is_id_prefix(name):

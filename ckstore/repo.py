@@ -398,6 +398,64 @@ class Repo:
         ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
         return relink(self._ctx, bases, dependents, prune)
 
+    # ---- remotes (remotes.py, push.py, fetch.py) -----------------------------------------------
+
+    def remotes(self) -> dict[str, Any]:
+        """Name -> RemoteSpec (url, endpoint_url) of every remote."""
+        from .remotes import read_remotes
+
+        return read_remotes(self._ctx.backend)
+
+    def add_remote(self, name: str, url: str, endpoint_url: str | None = None) -> Any:
+        from . import remotes
+
+        return remotes.add(self._ctx, name, url, endpoint_url)
+
+    def remove_remote(self, name: str) -> Any:
+        from . import remotes
+
+        return remotes.remove(self._ctx, name)
+
+    def push(self, remote: str | None = None, refs: Sequence[str] = (), force: bool = False, **options: Any) -> Any:
+        """Send ``refs`` (default: the current branch) and what they need to ``remote``; see push.py."""
+        from .push import push
+
+        self.wait()
+        return push(self._ctx, remote, refs, force, **options)
+
+    def fetch(self, remote: str | None = None) -> Any:
+        """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py."""
+        from .fetch import fetch
+
+        return fetch(self._ctx, remote)
+
+    def pull(self, remote: str | None = None) -> Any:
+        """Fetch, then fast-forward the current branch; returns (report, old commit, new commit)."""
+        from .fetch import pull
+
+        return pull(self._ctx, remote)
+
+    @classmethod
+    def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None) -> Repo:
+        """A new repository at ``path`` with every branch of the remote at ``url`` ("origin")."""
+        from .fetch import clone
+
+        ctx, _ = clone(url, path, endpoint_url)
+        return cls(_context=ctx)
+
+    def gc_remote(self, remote: str | None = None, **options: Any) -> Any:
+        """Garbage-collect a remote (two-phase, see remote_gc.py)."""
+        from .remote_gc import collect_remote
+
+        return collect_remote(self._ctx, remote, **options)
+
+    def use_remote(self, remote: str | None = None) -> Any:
+        """Read objects missing here from ``remote`` on demand (ranged reads, cached locally):
+        ``checkout``, ``open`` and ``load_state`` then work on commits only the remote holds."""
+        from .lazy import attach
+
+        return attach(self._ctx, remote)
+
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from .fsck import check
 

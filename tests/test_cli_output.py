@@ -183,6 +183,9 @@ def test_every_json_output_is_strict_and_documented(cli: Cli, tmp_path: Path) ->
     check("gc", "--keep-last", "1", "--dry-run")
     check("gc", "--keep-last", "2")
     check("repack")
+    cli("remote", "add", "origin", str(tmp_path / "remote"))
+    assert check("push")["updated"][0]["ref"] == "refs/heads/main"
+    check("gc", "--remote", "origin", "--dry-run")
     legacy = tmp_path / "legacy.pt"
     import torch
 

@@ -6,7 +6,15 @@ import click
 
 from ..errors import InvalidInputError, PickleCheckpointError
 from ..repo import CheckoutResult, Repo
-from .base import complete_ref, human, main, parse_meta, pass_repo, print_json, progress_factory
+from .base import (
+    complete_ref,
+    human,
+    main,
+    parse_meta,
+    pass_repo,
+    print_json,
+    progress_factory,
+)
 
 
 @main.command()
@@ -58,13 +66,17 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
               help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json"
                    " (all top-level safetensors files; 'ckstore export' writes only the model).")
 @click.option("--merge-lora", is_flag=True, help="Write the base model with the commit's PEFT LoRA adapter merged in.")
+@click.option("--remote", "remote_name", metavar="NAME",
+              help="Read what this repository lacks from remote NAME, only the chunks needed (REF may be NAME/BRANCH).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None,
-             merge_lora: bool, as_json: bool) -> None:
+             merge_lora: bool, remote_name: str | None, as_json: bool) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
     if merge_lora and (shard_size is not None or only):
         raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
+    if remote_name is not None:
+        repo.use_remote(remote_name)
     result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=progress_factory(),
                            shard_size=shard_size, merge_lora=merge_lora)
     if as_json:

@@ -21,10 +21,15 @@ from .inspect import commit_line
 @click.option("--prune-now", is_flag=True,
               help="Expire now every reflog entry the refs no longer reach, so its commits go too.")
 @click.option("--force", is_flag=True, help="Run even if it would delete every commit.")
+@click.option("--remote", "remote_name", metavar="NAME",
+              help="Collect remote NAME instead (two-phase: packs go a grace period after they are found unneeded).")
+@click.option("--grace", type=float, metavar="SECONDS", help="With --remote: the grace period (default 3600; "
+              "must exceed the longest push).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
-       keep_every: int | None, dry_run: bool, repack: bool, prune_now: bool, force: bool, as_json: bool) -> None:
+       keep_every: int | None, dry_run: bool, repack: bool, prune_now: bool, force: bool, remote_name: str | None,
+       grace: float | None, as_json: bool) -> None:
     """Delete old commits (with retention options; tags are always kept) and unneeded objects.
 
     Commits that a branch or tag no longer names stay while the reflog names them (30 days by
@@ -34,6 +39,13 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
             raise InvalidInputError(f"{flag} must be at least 1")
     if keep_best is not None and not metric:
         raise InvalidInputError("--keep-best needs --metric NAME")
+    if remote_name is not None:
+        from .remotes import report_remote_gc
+
+        report_remote_gc(repo.gc_remote(remote_name, keep_last=keep_last, keep_best=keep_best, metric=metric,
+                                        maximize=maximize, keep_every=keep_every, dry_run=dry_run,
+                                        **({"grace": grace} if grace is not None else {})), as_json)
+        return
     # Read before gc deletes them: the report names each commit by its message and metadata.
     doomed = {oid: repo.read_commit(oid) for oid in repo.reachable_commits()}
     report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,

@@ -196,6 +196,13 @@ class DirectoryTransport(Transport):
                     raise self._error(exc, "listing", key) from None
                 yield _info(key, st)
 
+    def create_location(self) -> None:
+        # Only the last level: a typing mistake in a parent folder's name should fail loudly.
+        try:
+            self.root.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise self._error(exc, "creating", "") from None
+
     def check(self) -> None:
         if not self.root.is_dir():
             raise StorageError(f"remote {self.url}: the folder does not exist (or is not a folder)")

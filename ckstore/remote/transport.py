@@ -154,6 +154,10 @@ class Transport(ABC):
     def check(self) -> None:
         """Raise StorageError unless the location answers and can be listed."""
 
+    def create_location(self) -> None:
+        """Make the location exist if the transport can (a folder whose parent exists); S3
+        buckets are the user's to create, so the default does nothing."""
+
     def honours_conditional_writes(self, key: str) -> bool:
         """Whether put_if_absent and put_if_match really are conditional here.
 

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from ckstore.errors import InvalidInputError, InvalidPathError, MissingDependencyError, StorageError
+from ckstore.errors import (
+    InvalidInputError,
+    InvalidPathError,
+    MissingDependencyError,
+    StorageError,
+)
 from ckstore.remote import RemoteOptions, open_transport, parse_url
 from ckstore.remote.awsconfig import resolve
 from ckstore.remote.directory import DirectoryTransport

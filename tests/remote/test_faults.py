@@ -187,12 +187,12 @@ def test_truncated_remote_pack_reads_short_and_is_named(remote: S3Transport) -> 
 
 
 def test_a_server_that_does_not_start_is_reported_with_its_log(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from . import conftest
+    from ckstore.remote import testserver
 
     fake = tmp_path / "weed"
     fake.write_text("#!/bin/sh\necho 'listen tcp: address already in use'\nexit 3\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(conftest, "weed_binary", lambda: str(fake))
-    with pytest.raises(conftest.ServerStartError, match="(?s)exit code 3.*address already in use"):
-        with conftest.seaweedfs(tmp_path):
+    monkeypatch.setattr(testserver, "weed_binary", lambda: str(fake))
+    with pytest.raises(testserver.ServerStartError, match="(?s)exit code 3.*address already in use"):
+        with testserver.seaweedfs(tmp_path):
             pass

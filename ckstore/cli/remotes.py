@@ -1,0 +1,122 @@
+"""Commands for remotes: remote add/remove/list, push, fetch, pull, clone."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import click
+
+from ..repo import Repo
+from .base import human, main, pass_repo, print_json, short
+
+if TYPE_CHECKING:
+    from ..fetch import FetchReport
+    from ..remote_gc import RemoteGcReport
+
+
+@main.group(invoke_without_command=True)
+@click.option("-v", "--verbose", is_flag=True, help="Show each remote's URL (and endpoint).")
+@click.pass_context
+def remote(ctx: click.Context, verbose: bool) -> None:
+    """List remotes, or add and remove them (credentials come from the AWS environment, never stored)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    repo = Repo.find(ctx.find_root().params.get("repo_path"))
+    for name, spec in sorted(repo.remotes().items()):
+        if verbose:
+            click.echo(f"{name}\t{spec.url}" + (f"\t(endpoint {spec.endpoint_url})" if spec.endpoint_url else ""))
+        else:
+            click.echo(name)
+
+
+@remote.command("add")
+@click.argument("name")
+@click.argument("url")
+@click.option("--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself).")
+@pass_repo
+def remote_add(repo: Repo, name: str, url: str, endpoint_url: str | None) -> None:
+    """Add remote NAME at URL: s3://bucket/prefix, a folder path, or file:///folder."""
+    spec = repo.add_remote(name, url, endpoint_url)
+    click.echo(f"added remote {spec.name} ({spec.url})")
+
+
+@remote.command("remove")
+@click.argument("name")
+@pass_repo
+def remote_remove(repo: Repo, name: str) -> None:
+    """Forget remote NAME and its remote-tracking refs (the remote itself is not touched)."""
+    spec = repo.remove_remote(name)
+    click.echo(f"removed remote {spec.name} ({spec.url})")
+
+
+@main.command()
+@click.argument("remote_name", metavar="[REMOTE]", required=False)
+@click.argument("refs", nargs=-1)
+@click.option("--force", is_flag=True, help="Overwrite remote branches that are not ancestors (and move tags).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_repo
+def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Send REFs (default: the current branch) to REMOTE (default: origin), only what it lacks."""
+    r = repo.push(remote_name, list(refs), force=force)
+    if as_json:
+        print_json({"remote": r.remote, "updated": [{"ref": ref, "old": old, "new": new} for ref, old, new in r.updated],
+                    "up_to_date": r.up_to_date, "objects": r.objects, "packs": r.packs, "bytes": r.bytes})
+        return
+    for ref, old, new in r.updated:
+        click.echo(f"{ref}: {short(old) if old else '(new)'} -> {short(new)}")
+    for ref in r.up_to_date:
+        click.echo(f"{ref}: up to date")
+    click.echo(f"sent {r.objects} object(s) in {r.packs} pack(s), {human(r.bytes)} to {r.remote}")
+
+
+def _fetched(r: FetchReport) -> None:
+    for ref, old, new in r.updated:
+        click.echo(f"{ref}: {short(old) if old else '(new)'} -> {short(new)}")
+    click.echo(f"fetched {r.commits} commit(s), {r.objects} object(s), {human(r.bytes)} from {r.remote}")
+
+
+@main.command()
+@click.argument("remote_name", metavar="[REMOTE]", required=False)
+@pass_repo
+def fetch(repo: Repo, remote_name: str | None) -> None:
+    """Fetch REMOTE's branches (as REMOTE/BRANCH) and tags with every object they need."""
+    _fetched(repo.fetch(remote_name))
+
+
+@main.command()
+@click.argument("remote_name", metavar="[REMOTE]", required=False)
+@pass_repo
+def pull(repo: Repo, remote_name: str | None) -> None:
+    """Fetch, then fast-forward the current branch to REMOTE/BRANCH."""
+    r, old, new = repo.pull(remote_name)
+    _fetched(r)
+    if old == new:
+        click.echo(f"{repo.head_branch}: already up to date")
+    else:
+        click.echo(f"{repo.head_branch}: fast-forward {short(old) if old else '(new)'} -> {short(new or '')}")
+
+
+@main.command()
+@click.argument("url")
+@click.argument("path", default=".ckstore", required=False)
+@click.option("--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself).")
+def clone(url: str, path: str, endpoint_url: str | None) -> None:
+    """Create a repository at PATH (default ./.ckstore) with every branch of the remote at URL."""
+    from ..fetch import clone as do_clone
+
+    ctx, r = do_clone(url, path, endpoint_url)
+    click.echo(f"cloned {url} into {ctx.path}: {len(ctx.refs.list('refs/heads/'))} branch(es)")
+    _fetched(r)
+
+
+def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
+    """Output of ``gc --remote`` (the option lives on ``gc``, in maintenance.py)."""
+    if as_json:
+        doc = {k: getattr(r, k) for k in ("remote", "dry_run", "live_objects", "condemned", "deleted", "freed_bytes",
+                                           "rescued")}
+        print_json({**doc, "pruned_commits": [{"id": oid} for oid in r.pruned_commits]})
+        return
+    verb = "would delete" if r.dry_run else "deleted"
+    click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "
+               f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "
+               f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")

@@ -1,0 +1,229 @@
+"""``push``: send the objects a remote lacks, in packs, then move its refs by compare-and-swap.
+
+Order (docs/format.md 15.7): every pack, then its index, then the refs. A ref is swapped only
+with the token read before the objects went up (``If-Match``), so of two pushers to one branch
+exactly one wins and the other is told to fetch first; a branch whose remote tip is not an
+ancestor of the pushed commit is refused up front for the same reason (``force`` skips that
+check but not the swap: a force push still loses to a concurrent one rather than erase it
+unseen). An interrupted push leaves packs with indexes (or a pack without one, which nothing
+names); run again, it learns from the indexes what arrived and sends only the rest.
+
+What a remote has: the objects the indexes list, minus packs a remote gc has claimed for
+deletion. Packs a gc merely condemned are rescued (taken off its list) before the refs move, and
+the check is repeated when it is older than half the grace period, so a concurrent gc never
+deletes an object a ref is about to need (docs/design.md, "Remote gc").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .codec import delta_base
+from .context import RepoContext
+from .errors import (
+    ConflictError,
+    IntegrityError,
+    LockedError,
+    RefChangedError,
+    RefNotFoundError,
+)
+from .graph import kept_parents
+from .ids import ObjectId
+from .pack import DEFAULT_TARGET_SIZE, BuiltPack, pack_objects
+from .refs import HEADS, TAGS
+from .remote.layout import DEFAULT_GRACE, RemoteRepo, pack_key
+from .remotes import open_remote, tracking_ref
+
+UPLOAD_WORKERS = 4
+
+
+@dataclass
+class PushReport:
+    remote: str
+    updated: list[tuple[str, ObjectId | None, ObjectId]] = field(default_factory=list)  # ref, old, new
+    up_to_date: list[str] = field(default_factory=list)
+    objects: int = 0  # objects sent
+    packs: int = 0  # packs sent
+    bytes: int = 0  # pack and index bytes sent
+    pack_sizes: list[int] = field(default_factory=list)
+
+
+class FetchFirstError(RefChangedError):
+    """The remote branch holds commits the local one does not: fetch (and merge) first."""
+
+
+def full_ref(ctx: RepoContext, name: str) -> str:
+    """The local ref a push argument names: a branch, else a tag, else a full ref name."""
+    for ref in ([name] if name.startswith("refs/") else [HEADS + name, TAGS + name]):
+        if ctx.refs.read(ref) is not None:
+            return ref
+    raise RefNotFoundError(f"no branch or tag {name!r} to push")
+
+
+def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Mapping[str, Sequence[str]] = {}) -> list[str]:
+    """Every object the history of ``tips`` needs, in a reader-friendly order: for each commit
+    (oldest first) its chunks in file order, then the commit; then any delta base not listed.
+    Commits pruned here or by a remote gc (``remote_pruned``) are skipped."""
+    graph, store = ctx.graph, ctx.store
+    pruned = {**{ObjectId(k): tuple(ObjectId(p) for p in v) for k, v in remote_pruned.items()}, **graph.pruned()}
+    order: list[ObjectId] = []
+    seen: set[ObjectId] = set()
+    todo = list(kept_parents(tips, pruned))
+    while todo:
+        oid = todo.pop()
+        if oid in seen:
+            continue
+        seen.add(oid)
+        order.append(oid)
+        commit = graph.read_commit(oid)
+        todo.extend(kept_parents(commit.parents, pruned))
+        if commit.base is not None:
+            todo.append(commit.base.commit)  # an overlay's base goes along: the remote stands alone
+    out: dict[str, None] = {}
+    for oid in reversed(order):
+        for chunk in graph.read_commit(oid).all_chunks():
+            out.setdefault(chunk.id)
+        out.setdefault(oid)
+    for base in sorted(store.with_delta_bases(out) - set(out)):
+        out.setdefault(base)
+    return list(out)
+
+
+def push(
+    ctx: RepoContext, remote_name: str | None = None, names: Sequence[str] = (), force: bool = False,
+    target_size: int = DEFAULT_TARGET_SIZE, grace: float = DEFAULT_GRACE,
+) -> PushReport:
+    remote = open_remote(ctx, remote_name)
+    report = PushReport(remote.name)
+    refs = [full_ref(ctx, n) for n in (names or [ctx.refs.head_branch()])]
+    remote.check_format(create=True)
+    plan: list[tuple[str, ObjectId, ObjectId | None, str | None]] = []
+    for ref in dict.fromkeys(refs):
+        new = ctx.refs.read(ref)
+        assert new is not None  # full_ref found it
+        old, token = remote.read_ref(ref)
+        if old == new:
+            report.up_to_date.append(ref)
+            continue
+        if old is not None and not force:
+            _refuse_non_fast_forward(ctx, remote, ref, old, new)
+        plan.append((ref, new, old, token))
+    if not plan:
+        return report
+    tips = [new for _, new, _, _ in plan]
+    wanted = needed_objects(ctx, tips, remote.read_pruned())
+    # Commits gc pruned here that the pushed history still reaches: the remote must know them as
+    # pruned too, or its readers would look for them.
+    here = ctx.graph.pruned_after(ctx.graph.reachable_from(tips), set())
+    checked = time.monotonic()
+    relied = _send_missing(ctx, remote, wanted, target_size, report)
+    while True:
+        lost = remote.rescue(relied)
+        if lost:  # a remote gc is deleting packs we counted on: send those objects again
+            relied = _send_missing(ctx, remote, wanted, target_size, report, forget=lost)
+            checked = time.monotonic()
+            continue
+        if time.monotonic() - checked <= grace / 2:
+            break
+        remote.catalogue()  # slow push: look again before the refs name anything
+        relied = _send_missing(ctx, remote, wanted, target_size, report)
+        checked = time.monotonic()
+    if here:
+        remote.add_pruned(here)
+    for ref, new, old, token in plan:
+        if not remote.swap_ref(ref, new, token):
+            now, _ = remote.read_ref(ref)
+            if now != new:
+                raise FetchFirstError(
+                    f"remote {remote.name}: {_short(ref)} moved to {str(now)[:12]} while pushing; "
+                    f"fetch first ('ckstore pull {remote.name}'), then push again"
+                )
+        report.updated.append((ref, old, new))
+        tracking = tracking_ref(remote.name, ref)
+        if tracking is not None:
+            ctx.refs.update(tracking, new, reason=f"push {remote.name}")
+    return report
+
+
+def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old: ObjectId, new: ObjectId) -> None:
+    if ref.startswith(TAGS):
+        raise ConflictError(f"remote {remote.name}: tag {ref[len(TAGS):]!r} exists there at {old[:12]}; use --force to move it")
+    if not (ctx.store.has(old) and old in ctx.graph.reachable_from([new])):
+        raise FetchFirstError(
+            f"remote {remote.name}: {_short(ref)} is at {old[:12]}, which the local branch does not contain; "
+            f"fetch first ('ckstore pull {remote.name}'), or push --force to overwrite it"
+        )
+
+
+def _send_missing(
+    ctx: RepoContext, remote: RemoteRepo, wanted: list[str], target_size: int, report: PushReport,
+    forget: frozenset[str] | set[str] = frozenset(),
+) -> set[str]:
+    """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
+    in afterwards (those a push relies on)."""
+    if forget:
+        _wait_until_deleted(remote, forget)
+    remote.catalogue()
+    claimed = remote.read_condemned().claimed() | set(forget)
+    where = remote.locate(exclude=claimed)
+    missing = [oid for oid in wanted if oid not in where]
+    relied = {where[oid].pack_id for oid in wanted if oid in where}
+    store = ctx.store
+
+    def objects() -> Iterator[tuple[str, bytes]]:
+        # The delta base is taken from the bytes actually sent: a compaction may have re-encoded
+        # an object since the list was made, and the remote must hold every base it sends.
+        queue, listed = list(missing), set(missing)
+        while queue:
+            oid = queue.pop(0)
+            data = store.read_raw(oid)
+            try:
+                base = delta_base(data)
+            except IntegrityError as exc:
+                raise IntegrityError(f"object {oid} is corrupt: {exc}; run 'ckstore fsck'") from None
+            if base is not None and base in where:
+                relied.add(where[base].pack_id)
+            elif base is not None and base not in listed:
+                listed.add(base)
+                queue.append(base)
+            yield oid, data
+
+    pending: list[Future[None]] = []
+    with ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
+        for built in pack_objects(objects(), target_size):
+            # Bounded: a few packs in flight, so memory stays a few pack sizes.
+            while len(pending) >= UPLOAD_WORKERS:
+                pending.pop(0).result()
+            pending.append(pool.submit(_upload, remote, built))
+            relied.add(built.name)
+            report.packs += 1
+            report.objects += len(built.index)
+            report.bytes += len(built.data) + len(built.index_data)
+            report.pack_sizes.append(len(built.data))
+        for f in pending:
+            f.result()
+    remote.catalogue()
+    return relied
+
+
+def _upload(remote: RemoteRepo, built: BuiltPack) -> None:
+    remote.upload_pack(built.name, built.data, built.index_data)
+
+
+def _wait_until_deleted(remote: RemoteRepo, packs: set[str], timeout: float = 60.0) -> None:
+    """A claimed pack is being deleted; a new pack of the same bytes would have its name, so
+    wait for the sweep to finish with it before sending its objects again."""
+    deadline = time.monotonic() + timeout
+    for p in packs:
+        while remote.transport.head(pack_key(p)) is not None:
+            if time.monotonic() > deadline:
+                raise LockedError(f"remote {remote.name}: a remote gc has been deleting pack {p} for {timeout:.0f} s; "
+                                  f"finish it with 'ckstore gc --remote {remote.name}', then push again")
+            time.sleep(0.2)
+
+
+def _short(ref: str) -> str:
+    return f"branch {ref[len(HEADS):]!r}" if ref.startswith(HEADS) else ref

@@ -1,0 +1,353 @@
+"""The layout of a remote repository on a transport: which keys hold what, and the small
+protocol objects (format marker, refs, the pack catalogue, gc's condemned list).
+
+docs/format.md section 15 is the normative description; in short, under the remote's prefix:
+
+    ckstore-remote.json          format marker {"format": "ckstore remote", "version": 1}
+    packs/<pack id>.pack         packs (pack.py), immutable, named by the hash of their bytes
+    indexes/<pack id>.idx        one index per pack, written after its pack
+    refs/heads/<ref>, refs/tags/<ref>   "<commit id>\\n", changed only by compare-and-swap
+    gc/condemned.json            packs a remote gc found unreferenced (compare-and-swap)
+    gc/lock.json                 held (put-if-absent) while a remote gc runs
+    gc/pruned                    commits a remote gc's retention dropped, with their parents
+
+Writers order their puts "packs, then indexes, then refs": an index names only a durable pack,
+and a ref only commits whose every object is in an indexed pack. This module knows nothing of
+the object store or the commit graph (it sits in the remote layer, below them): push.py and
+fetch.py build on it. Every write to the remote is a ``fsio.mutating_step`` (the crash tests kill
+a push at each one).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..backend.base import Backend
+from ..errors import IntegrityError, StorageError, UnsupportedFormatError
+from ..fsio import mutating_step
+from ..ids import ObjectId, is_object_id
+from ..pack import PackEntry, PackIndex, check_read, parse_index
+from .transport import NotFound, Transport
+
+FORMAT_KEY = "ckstore-remote.json"
+FORMAT_NAME = "ckstore remote"
+FORMAT_VERSION = 1
+PACKS = "packs/"
+INDEXES = "indexes/"
+REFS = "refs/"
+CONDEMNED_KEY = "gc/condemned.json"
+PRUNED_KEY = "gc/pruned"
+GC_LOCK_KEY = "gc/lock.json"
+# How long a pack found unreferenced stays before a remote gc may delete it; also how young a
+# pack may be and still never be condemned (a push that uploaded it has not published its ref
+# yet). A push re-checks the condemned list when its last check is older than half of this.
+DEFAULT_GRACE = 3600.0
+_INDEX_WORKERS = 8
+
+
+def pack_key(pack_id: str) -> str:
+    return f"{PACKS}{pack_id}.pack"
+
+
+def index_key(pack_id: str) -> str:
+    return f"{INDEXES}{pack_id}.idx"
+
+
+def _named(key: str, folder: str, suffix: str) -> str | None:
+    name = key[len(folder):-len(suffix)] if key.startswith(folder) and key.endswith(suffix) else ""
+    return name if is_object_id(name) else None
+
+
+def canonical(doc: object) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where one object lies on the remote."""
+
+    pack_id: str
+    entry: PackEntry
+
+
+@dataclass
+class Condemned:
+    """gc's list of unreferenced packs: pack id -> (time condemned, whether a sweep claimed it).
+
+    A pack merely condemned may be rescued by a push (removed from the list by compare-and-swap);
+    one a sweep has claimed is being deleted and must be treated as gone.
+    """
+
+    packs: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    token: str | None = None
+
+    def to_bytes(self) -> bytes:
+        return canonical({"version": 1, "packs": {p: {"since": s, "claimed": c} for p, (s, c) in sorted(self.packs.items())}})
+
+    @classmethod
+    def parse(cls, data: bytes, token: str | None, where: str) -> Condemned:
+        try:
+            doc = json.loads(data)
+            if doc.get("version") != 1:
+                raise UnsupportedFormatError(f"{where} has unknown version {doc.get('version')!r}; upgrade ckstore")
+            packs = {p: (float(v["since"]), bool(v["claimed"])) for p, v in doc["packs"].items() if is_object_id(p)}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise IntegrityError(f"{where} is corrupt") from None
+        return cls(packs, token)
+
+    def claimed(self) -> set[str]:
+        return {p for p, (_, c) in self.packs.items() if c}
+
+
+class RemoteRepo:
+    """A remote repository: the layout above over one transport.
+
+    ``cache`` is an optional local folder-like store of index files (keyed by pack id), so a
+    client downloads each immutable index once.
+    """
+
+    def __init__(self, transport: Transport, encode_ref: Callable[[str], str], decode_ref: Callable[[str], str | None],
+                 name: str = "", cache: IndexCache | None = None) -> None:
+        self.transport = transport
+        # The ref-name encoding of local repositories (refs.py, a layer above this one).
+        self.encode_ref, self.decode_ref = encode_ref, decode_ref
+        self.name = name or transport.url
+        self.cache = cache
+        self._catalogue: dict[str, PackIndex] = {}
+
+    def describe(self, key: str = "") -> str:
+        return self.transport.describe(key)
+
+    # ---- format ----------------------------------------------------------------------------
+
+    def check_format(self, create: bool = False) -> bool:
+        """Whether the remote holds a repository (creating the marker when ``create``); refuses
+        another format or a newer version. A remote with no marker is empty."""
+        marker = canonical({"format": FORMAT_NAME, "version": FORMAT_VERSION})
+        if create:
+            self.transport.create_location()
+        try:
+            data = self.transport.get(FORMAT_KEY)
+        except NotFound:
+            if not create:
+                return False
+            mutating_step()
+            if self.transport.put_if_absent(FORMAT_KEY, marker):
+                return True
+            data = self.transport.get(FORMAT_KEY)
+        try:
+            doc = json.loads(data)
+            fmt, version = doc["format"], doc["version"]
+        except (ValueError, KeyError, TypeError):
+            raise UnsupportedFormatError(f"{self.describe(FORMAT_KEY)} is not a ckstore remote marker") from None
+        if fmt != FORMAT_NAME:
+            raise UnsupportedFormatError(f"{self.describe()} is not a ckstore remote ({fmt!r})")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{self.describe()} has remote format version {version}; this ckstore reads version {FORMAT_VERSION}"
+            )
+        return True
+
+    def require_format(self) -> None:
+        if not self.check_format():
+            raise StorageError(f"remote {self.name}: {self.describe()} holds no ckstore repository (push to it first)")
+
+    # ---- refs ------------------------------------------------------------------------------
+
+    def list_refs(self) -> dict[str, ObjectId]:
+        """Full ref name -> commit id for every branch and tag on the remote."""
+        keys = [info.key for info in self.transport.list(REFS)]
+
+        def read(key: str) -> tuple[str, ObjectId | None]:
+            ref = self.decode_ref(key)
+            if ref is None:
+                return key, None
+            try:
+                return ref, self._parse_ref(ref, self.transport.get(key))
+            except NotFound:
+                return ref, None
+
+        with ThreadPoolExecutor(_INDEX_WORKERS) as pool:
+            pairs = list(pool.map(read, keys))
+        return {ref: oid for ref, oid in pairs if oid is not None}
+
+    def _parse_ref(self, ref: str, data: bytes) -> ObjectId:
+        text = data.decode("ascii", "replace").strip()
+        if not is_object_id(text) or data != (text + "\n").encode():
+            raise IntegrityError(f"remote ref {self.describe(ref)} is corrupt: it does not hold a commit id")
+        return ObjectId(text)
+
+    def read_ref(self, ref: str) -> tuple[ObjectId | None, str | None]:
+        """(commit id, token for compare-and-swap), (None, None) when the ref is absent."""
+        try:
+            data, token = self.transport.get_versioned(self.encode_ref(ref))
+        except NotFound:
+            return None, None
+        return self._parse_ref(ref, data), token
+
+    def swap_ref(self, ref: str, new: str, token: str | None) -> bool:
+        """Point ``ref`` at ``new`` if it still has ``token`` (None: only if absent)."""
+        mutating_step()
+        return self.transport.put_if_match(self.encode_ref(ref), f"{new}\n".encode(), token)
+
+    def delete_ref(self, ref: str) -> None:
+        mutating_step()
+        self.transport.delete(self.encode_ref(ref))
+
+    # ---- packs -----------------------------------------------------------------------------
+
+    def pack_ids(self) -> set[str]:
+        return {p for info in self.transport.list(PACKS) if (p := _named(info.key, PACKS, ".pack"))}
+
+    def indexed_packs(self) -> dict[str, float]:
+        """Pack id -> index upload time (seconds since the epoch) of every index on the remote."""
+        out = {}
+        for info in self.transport.list(INDEXES):
+            p = _named(info.key, INDEXES, ".idx")
+            if p:
+                out[p] = info.last_modified.timestamp()
+        return out
+
+    def catalogue(self, refresh: bool = True) -> dict[str, PackIndex]:
+        """Every indexed pack's index, fetched once (then from the cache)."""
+        if refresh or not self._catalogue:
+            listed = set(self.indexed_packs())
+            known = {p: i for p, i in self._catalogue.items() if p in listed}
+            todo = [p for p in listed if p not in known]
+            with ThreadPoolExecutor(_INDEX_WORKERS) as pool:
+                for index in pool.map(self.read_index, todo):
+                    if index is not None:
+                        known[index.pack_id] = index
+            self._catalogue = known
+        return self._catalogue
+
+    def read_index(self, pack_id: str) -> PackIndex | None:
+        """One pack's index (None when it vanished meanwhile: a gc deleted it)."""
+        if self.cache is not None:
+            data = self.cache.get(pack_id)
+            if data is not None:
+                try:
+                    return parse_index(data, pack_id)
+                except IntegrityError:
+                    pass  # a damaged cache entry is fetched again
+        try:
+            data = self.transport.get(index_key(pack_id))
+        except NotFound:
+            return None
+        index = parse_index(data, pack_id)  # names the pack when damaged
+        if self.cache is not None:
+            self.cache.put(pack_id, data)
+        return index
+
+    def locate(self, exclude: Iterable[str] = ()) -> dict[str, Located]:
+        """Object id -> where it is, over every indexed pack not in ``exclude``."""
+        skip = set(exclude)
+        out: dict[str, Located] = {}
+        for pack_id, index in self.catalogue(refresh=False).items():
+            if pack_id in skip:
+                continue
+            for e in index.entries:
+                out.setdefault(e.id, Located(pack_id, e))
+        return out
+
+    def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes]]:
+        """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""
+        ordered = sorted(entries, key=lambda e: e.offset)
+        datas = self.transport.get_ranges(pack_key(pack_id), [(e.offset, e.length) for e in ordered])
+        for e, data in zip(ordered, datas):
+            check_read(data, e, pack_id)
+            yield e, data
+
+    def upload_pack(self, pack_id: str, data: bytes, index_data: bytes) -> None:
+        """Pack first, then its index: an index never names a pack that is not there."""
+        mutating_step()
+        self.transport.put(pack_key(pack_id), data)
+        mutating_step()
+        self.transport.put(index_key(pack_id), index_data)
+        if self.cache is not None:
+            self.cache.put(pack_id, index_data)
+
+    # ---- gc --------------------------------------------------------------------------------
+
+    def read_condemned(self) -> Condemned:
+        try:
+            data, token = self.transport.get_versioned(CONDEMNED_KEY)
+        except NotFound:
+            return Condemned()
+        return Condemned.parse(data, token, self.describe(CONDEMNED_KEY))
+
+    def write_condemned(self, condemned: Condemned) -> bool:
+        """Compare-and-swap the condemned list; False when another writer changed it first."""
+        mutating_step()
+        return self.transport.put_if_match(CONDEMNED_KEY, condemned.to_bytes(), condemned.token)
+
+    def read_pruned(self) -> dict[str, tuple[str, ...]]:
+        """Commits a remote gc pruned, each with its parents (the local ``pruned`` format)."""
+        try:
+            return self._parse_pruned(self.transport.get(PRUNED_KEY))
+        except NotFound:
+            return {}
+
+    def _parse_pruned(self, data: bytes) -> dict[str, tuple[str, ...]]:
+        text = data.decode("ascii", "replace")
+        out: dict[str, tuple[str, ...]] = {}
+        for line in text.splitlines():
+            ids = line.split(" ")
+            if not all(is_object_id(i) for i in ids):
+                raise IntegrityError(f"{self.describe(PRUNED_KEY)} is corrupt")
+            out[ids[0]] = tuple(ids[1:])
+        return out
+
+    def add_pruned(self, entries: Mapping[str, Sequence[str]]) -> None:
+        """Merge ``entries`` into the pruned record by compare-and-swap (pushes of histories
+        pruned locally and remote gcs both add to it; neither may lose the other's lines)."""
+        while True:
+            try:
+                data, token = self.transport.get_versioned(PRUNED_KEY)
+            except NotFound:
+                data, token = b"", None
+            current = self._parse_pruned(data)
+            if all(o in current for o in entries):
+                return
+            merged = {**{o: tuple(p) for o, p in entries.items()}, **current}
+            text = "".join(" ".join([o, *merged[o]]) + "\n" for o in sorted(merged))
+            mutating_step()
+            if self.transport.put_if_match(PRUNED_KEY, text.encode(), token):
+                return
+            time.sleep(0.01)
+
+    def rescue(self, packs: set[str]) -> set[str]:
+        """Take ``packs`` off the condemned list so a push may rely on them; returns those that
+        a sweep has already claimed (gone, or about to be: their objects must be re-sent)."""
+        while True:
+            condemned = self.read_condemned()
+            lost = packs & condemned.claimed()
+            saved = (packs & set(condemned.packs)) - lost
+            if not saved:
+                return lost
+            for p in saved:
+                del condemned.packs[p]
+            if self.write_condemned(condemned):
+                return lost
+            time.sleep(0.01)  # gc changed the list meanwhile: read it again
+
+
+class IndexCache:
+    """Index files kept locally, by pack id (a small mapping interface over a backend)."""
+
+    def __init__(self, backend: Backend, folder: str) -> None:
+        self.backend = backend
+        self.folder = folder.rstrip("/") + "/"
+
+    def get(self, pack_id: str) -> bytes | None:
+        try:
+            return self.backend.get(self.folder + pack_id)
+        except KeyError:
+            return None
+
+    def put(self, pack_id: str, data: bytes) -> None:
+        self.backend.put_if_absent(self.folder + pack_id, data)

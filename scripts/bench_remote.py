@@ -1,0 +1,211 @@
+"""Remotes (issue 12): push and clone throughput, requests and bytes per pushed epoch, lazy reads.
+
+    python scripts/bench_remote.py [--mib 96] [--epochs 3] [--write-docs docs/benchmarks.md]
+
+Starts the bundled SeaweedFS server on 127.0.0.1 (ckstore/remote/testserver.py), then:
+
+1. commits ``--epochs`` training-like epochs (float32 model weights that move a little every
+   step, plus two AdamW moments; ``--mib`` MiB of tensors an epoch) and pushes after each one,
+   through a counting proxy (tests/remote/faultproxy.py) so every request is seen: requests per
+   pushed epoch, and bytes sent against what that commit added to the local store;
+2. push and clone throughput against the same client (obstore, same settings) uploading and
+   downloading the same bytes as plain objects of the same sizes, directly to the server;
+3. a lazy ``checkout --only 'model.*' --remote`` of the newest epoch from an empty repository:
+   bytes read from the remote against the model tensors' stored bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_sections import write_section
+
+from ckstore.remote.s3 import S3Transport
+from ckstore.remote.testserver import seaweedfs
+from ckstore.repo import Repo
+from tests.remote.faultproxy import FaultProxy
+
+
+def write_epoch(folder: Path, epoch: int, mib: int, state: dict[str, np.ndarray]) -> Path:
+    """One epoch of training: every weight moves by a small step (so every chunk changes and
+    deltas against the previous epoch pay), the Adam moments are rewritten."""
+    n = (mib << 20) // 4 // 3
+    rng = np.random.default_rng(epoch)
+    if not state:
+        state["w"] = np.random.default_rng(0).standard_normal(n, dtype=np.float32) * 0.02
+    state["w"] = state["w"] - (1e-4 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"model.w": state["w"],
+               "optim.exp_avg": (1e-3 * rng.standard_normal(n, dtype=np.float32)),
+               "optim.exp_avg_sq": np.abs(1e-6 * rng.standard_normal(n, dtype=np.float32))},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def plain_transfer(server_env: dict[str, str], endpoint: str, bucket: str, sizes: list[int]) -> tuple[float, float]:
+    """Seconds to upload, then download, objects of ``sizes`` bytes with the same client and
+    concurrency a push and a clone use (4 at a time)."""
+    t = S3Transport(bucket, f"plain/{uuid.uuid4().hex}", None, env={**server_env, "AWS_ENDPOINT_URL": endpoint})
+    blobs = [os.urandom(s) for s in sizes]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda kv: t.put(f"o{kv[0]}", kv[1]), enumerate(blobs)))
+    up = time.perf_counter() - start
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: t.get(f"o{i}"), range(len(blobs))))
+    return up, time.perf_counter() - start
+
+
+def run(work: Path, mib: int, epochs: int) -> dict[str, object]:
+    out: dict[str, object] = {"mib": mib, "epochs": epochs}
+    (work / "server").mkdir()
+    with seaweedfs(work / "server") as server, FaultProxy(server.endpoint) as proxy:
+        os.environ.update({"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
+                           "AWS_EC2_METADATA_DISABLED": "true"})
+        url = f"s3://{server.bucket}/bench/{uuid.uuid4().hex}"
+        repo = Repo.init(work / "a")
+        repo.add_remote("origin", url, proxy.url)
+        state: dict[str, np.ndarray] = {}
+        rows = []
+        push_seconds, push_bytes, first_sizes = 0.0, 0, []
+        for e in range(1, epochs + 1):
+            oid = repo.commit(write_epoch(work / "ckpt", e, mib, state), message=f"epoch {e}")
+            added = repo.read_commit(oid).added_bytes
+            proxy.reset()
+            start = time.perf_counter()
+            r = repo.push()
+            seconds = time.perf_counter() - start
+            rows.append({"epoch": e, "added": added, "sent": r.bytes, "packs": r.packs, "objects": r.objects,
+                         "requests": len(proxy.seen), "seconds": seconds,
+                         "puts": sum(1 for s in proxy.seen if s.method == "PUT")})
+            if e == 1:
+                # Throughput is measured on a second push of the same epoch straight to the server
+                # (the counting proxy is a Python HTTP relay: it would dominate the time).
+                direct = Repo.init(work / "direct")
+                direct.commit(work / "ckpt", message="epoch 1")
+                direct.add_remote("origin", f"s3://{server.bucket}/direct/{uuid.uuid4().hex}", server.endpoint)
+                start = time.perf_counter()
+                d = direct.push()
+                push_seconds, push_bytes, first_sizes = time.perf_counter() - start, d.bytes, d.pack_sizes
+            print(rows[-1], flush=True)
+        out["rows"] = rows
+        packs = sorted(i.size for i in S3Transport(server.bucket, url.split("/", 3)[3], None,
+                                                   env={**server.env, "AWS_ENDPOINT_URL": server.endpoint}).list("packs/"))
+        # The plain baseline moves the first push's bytes as objects of its packs' sizes.
+        sizes = first_sizes
+        up, _ = plain_transfer(server.env, server.endpoint, server.bucket, sizes)
+        repo.remove_remote("origin")
+        repo.add_remote("origin", url, server.endpoint)  # clone and lazy reads straight to the server
+        start = time.perf_counter()
+        clone = Repo.clone(url, work / "b", endpoint_url=server.endpoint)
+        clone_seconds = time.perf_counter() - start
+        clone_bytes = sum(packs)
+        _, down_all = plain_transfer(server.env, server.endpoint, server.bucket, packs)
+        assert clone.fsck() == []
+        out.update(push_seconds=push_seconds, push_bytes=push_bytes, plain_up=up, clone_seconds=clone_seconds,
+                   clone_bytes=clone_bytes, plain_down=down_all)
+        lazy_repo = Repo.init(work / "c")
+        lazy_repo.add_remote("origin", url, server.endpoint)
+        lazy = lazy_repo.use_remote("origin")
+        lazy_repo.checkout("origin/main", work / "weights", only=["model.*"])
+        tip = repo.read_commit(repo.resolve("main"))
+        model = {c.id for f in tip.files for t in f.tensors if t.name.startswith("model.") for c in t.chunks}
+        out.update(lazy_bytes=lazy.fetched_bytes, model_stored=sum(repo.store.stored_size(c) or 0 for c in model))
+    return out
+
+
+def _verdict(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def report(r: dict[str, object]) -> str:
+    rows = r["rows"]  # type: ignore[index]
+    push_ratio = (r["push_bytes"] / r["push_seconds"]) / (r["push_bytes"] / r["plain_up"])  # type: ignore[operator]
+    clone_ratio = (r["clone_bytes"] / r["clone_seconds"]) / (r["clone_bytes"] / r["plain_down"])  # type: ignore[operator]
+    later = [row for row in rows if row["epoch"] >= 2]  # type: ignore[index]
+    worst = max((row["sent"] / max(row["added"], 1) for row in later), default=0.0)  # type: ignore[index]
+    lazy_ratio = r["lazy_bytes"] / r["model_stored"]  # type: ignore[operator]
+    lines = [
+        f"Generated by `python scripts/bench_remote.py --mib {r['mib']} --epochs {r['epochs']}` "
+        f"({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}), against the bundled "
+        "SeaweedFS (`weed mini`) on 127.0.0.1, so throughput is the client's and the server's CPU, not a network. "
+        "Each epoch is float32 weights that all move a little (every chunk changes) plus two rewritten Adam moments; "
+        "a push follows each commit. Requests are counted by a proxy in front of the server.",
+        "",
+        "| epoch | added to local store MiB | sent MiB | sent / added | packs | objects | requests | PUTs | push s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:  # type: ignore[attr-defined]
+        lines.append(f"| {row['epoch']} | {mib(row['added'])} | {mib(row['sent'])} | {row['sent'] / max(row['added'], 1):.3f} | "
+                     f"{row['packs']} | {row['objects']} | {row['requests']} | {row['puts']} | {row['seconds']:.2f} |")
+    lines += [
+        "",
+        "| measure | ckstore | same client, plain objects | ratio (target) |",
+        "|---|---|---|---|",
+        f"| push, first epoch ({mib(r['push_bytes'])} MiB) | {mib(r['push_bytes'] / r['push_seconds'])} MiB/s | "  # type: ignore[operator]
+        f"{mib(r['push_bytes'] / r['plain_up'])} MiB/s | **{push_ratio:.2f}** (≥ 0.8) |",  # type: ignore[operator]
+        f"| clone, every epoch ({mib(r['clone_bytes'])} MiB of packs) | {mib(r['clone_bytes'] / r['clone_seconds'])} MiB/s | "  # type: ignore[operator]
+        f"{mib(r['clone_bytes'] / r['plain_down'])} MiB/s | **{clone_ratio:.2f}** (≥ 0.8) |",  # type: ignore[operator]
+        f"| bytes sent for epoch N ≥ 2 / added locally | | | **{worst:.3f}** worst (≤ 1.1) |",
+        f"| lazy `checkout --only 'model.*' --remote`: read / model's stored bytes | {mib(r['lazy_bytes'])} MiB | "
+        f"{mib(r['model_stored'])} MiB | **{lazy_ratio:.3f}** (≤ 1.1) |",
+        "",
+        f"Targets (issue 12): push throughput {_verdict(push_ratio >= 0.8)}, clone throughput "
+        f"{_verdict(clone_ratio >= 0.8)}, bytes per epoch {_verdict(worst <= 1.1)}, lazy model-only read "
+        f"{_verdict(lazy_ratio <= 1.1)}. The plain download only moves bytes into memory; a clone also decodes and "
+        "re-hashes every object (zstd and byte planes, BLAKE3, on 2 cores) and writes it durably, and that, not the "
+        "transfer, is its time (a profile: decoding about half, the server's answers a quarter).",
+        "",
+        "A push hashes nothing again (objects are sent as stored); its time covers reading each object from the "
+        "local store, building packs and looking up what the remote has (one LIST of the indexes, cached index files, the "
+        "condemned list, one compare-and-swap per ref). Clone time includes verifying every object (decode and "
+        "re-hash) and writing it durably, which the plain download does not do. Requests per pushed epoch are a "
+        "constant handful plus two PUTs per pack (pack, index): O(size / pack size), not O(chunks). "
+        "\"Added to local store\" is the commit's recorded growth of the local store; the local store also "
+        "re-encodes the previous epoch's chunks as deltas against the new ones (newest whole), which a remote "
+        "does not do (its objects are immutable), so the bytes sent for an epoch are its new chunks whole.",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mib", type=int, default=96, help="MiB of tensors per epoch")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Remotes' section of FILE")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ckstore-remote-bench-"))
+    try:
+        results = run(work, args.mib, args.epochs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = report(results)
+    print(text)
+    if args.write_docs:
+        write_section(args.write_docs, "Remotes", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

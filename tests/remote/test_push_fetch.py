@@ -1,0 +1,200 @@
+"""push, fetch, pull and clone end to end, against the real S3 server and a folder remote.
+
+Every round trip is checked byte for byte (sha256 of every checked-out file) and by fsck of the
+receiving repository; transfer sizes come from the push/fetch reports, which count the pack
+bytes actually handed to the transport.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckstore.cli import main
+from ckstore.errors import ConflictError, IntegrityError, NotFoundError, StorageError
+from ckstore.push import FetchFirstError
+from ckstore.remote.layout import PACKS
+from ckstore.repo import Repo
+
+from .conftest import S3Server
+from .epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
+
+
+def test_push_clone_round_trip_is_byte_identical(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 4))
+    a.add_remote("origin", url, endpoint)
+    report = a.push()
+    assert report.updated == [("refs/heads/main", None, ids[-1])]
+    assert a.resolve("origin/main") == ids[-1]
+    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert [e.id for e in b.log()] == [e.id for e in a.log()]
+    for i, oid in enumerate(ids, start=1):
+        out = tmp_path / f"out{i}"
+        b.checkout(oid, out)
+        assert digests(out) == digests(tmp_path / "work" / f"e{i}")
+    assert b.fsck(read_data=True) == []
+    assert b.resolve("origin/main") == ids[-1] and b.head_branch == "main"
+
+
+def test_second_push_sends_only_what_the_epoch_added(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    a, _ = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
+    a.add_remote("origin", url, endpoint)
+    first = a.push()
+    before = set(a.store.iter_ids())
+    oid = a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="epoch 2")
+    added = set(a.store.iter_ids()) - before
+    second = a.push()
+    assert second.objects == len(added) and second.packs == 1
+    stored = sum(a.store.stored_size(o) or 0 for o in added)
+    # Pack framing and the index are ~40 bytes an object on top of the stored bytes.
+    assert stored < second.bytes <= stored + 100 * len(added) + 200
+    assert second.bytes < first.bytes
+    assert a.push().objects == 0  # nothing new: nothing sent
+    assert a.resolve("origin/main") == oid
+
+
+def test_fetch_and_pull_fast_forward(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    a, ids = pushed(tmp_path, url, endpoint)
+    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    new = a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="epoch 2")
+    a.create_tag("best")
+    a.push(refs=["main", "best"])
+    report, old, now = b.pull()
+    assert (old, now) == (ids[0], new) and report.commits == 1
+    assert b.resolve("main") == new and b.resolve("best") == new
+    assert b.pull()[1:] == (new, new)  # already up to date
+    assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e2")
+
+
+def test_diverged_push_needs_fetch_first_or_force(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    a, _ = pushed(tmp_path, url, endpoint)
+    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="a's epoch 2")
+    a.push()
+    theirs = b.commit(epoch_files(tmp_path / "work" / "e3", 3), message="b's epoch 2")
+    with pytest.raises(FetchFirstError, match="fetch first") as err:
+        b.push()
+    assert err.value.exit_code == 6
+    with pytest.raises(ConflictError, match="diverged"):
+        b.pull()
+    b.push(force=True)
+    assert b.fetch().updated == [] and b.resolve("origin/main") == theirs
+
+
+def test_concurrent_pushers_exactly_one_wins(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    base, _ = make_repo(tmp_path / "base", tmp_path / "work", range(1, 2))
+    base.add_remote("origin", url, endpoint)
+    base.push()
+    pushers = [Repo.clone(url, tmp_path / f"p{i}", endpoint_url=endpoint) for i in range(4)]
+    tips = [p.commit(epoch_files(tmp_path / "work" / f"x{i}", 10 + i), message=f"pusher {i}") for i, p in enumerate(pushers)]
+    outcome: dict[int, object] = {}
+    start = threading.Barrier(len(pushers))
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            pushers[i].push()
+            outcome[i] = "won"
+        except FetchFirstError as exc:
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(pushers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, o in outcome.items() if o == "won"]
+    assert len(winners) == 1 and len(outcome) == len(pushers)
+    # Nothing lost: the winner's commit is on the remote, whole; each loser still has its own.
+    check = Repo.clone(url, tmp_path / "check", endpoint_url=endpoint)
+    assert check.resolve("main") == tips[winners[0]] and check.fsck(read_data=True) == []
+    for i, p in enumerate(pushers):
+        assert p.resolve("main") == tips[i]
+
+
+def _damage(url: str, server: S3Server | None, tmp_path: Path, how: Callable[[bytes], bytes]) -> str:
+    """Apply ``how`` to the largest pack on the remote; return its id."""
+    from ckstore.remote import open_transport
+
+    t = open_transport(url, server.options() if server else None)
+    packs = sorted(t.list(PACKS), key=lambda i: i.size)
+    key = packs[-1].key
+    t.put(key, how(t.get(key)))
+    return key[len(PACKS):-len(".pack")]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_remote_pack_is_detected_and_named(tmp_path: Path, remote_url: tuple[str, str | None],
+                                                   damage: str, request: pytest.FixtureRequest) -> None:
+    url, endpoint = remote_url
+    pushed(tmp_path, url, endpoint)
+    server = request.getfixturevalue("s3_server") if url.startswith("s3://") else None
+
+    def flip(data: bytes) -> bytes:
+        middle = len(data) // 2
+        return data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1:]
+
+    pack_id = _damage(url, server, tmp_path, flip if damage == "flip" else lambda d: d[: len(d) // 2])
+    with pytest.raises(IntegrityError, match=pack_id[:16]) as err:
+        Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert err.value.exit_code == 4
+    b = Repo(tmp_path / "b")
+    assert b.branches() == {} and b.fsck() == []  # nothing half-fetched is named by a ref
+
+
+def test_remote_commands(tmp_path: Path, remote_url: tuple[str, str | None], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, endpoint = remote_url
+    make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0) -> str:
+        result = runner.invoke(main, ["--repo", str(tmp_path / "a"), *args])
+        assert result.exit_code == code, result.output
+        return result.output
+
+    run("remote", "add", "origin", url, *(["--endpoint-url", endpoint] if endpoint else []))
+    assert run("remote") == "origin\n"
+    assert url in run("remote", "-v")
+    assert "already exists" in run("remote", "add", "origin", url, code=6)
+    assert "invalid remote name" in run("remote", "add", "bad/name", url, code=5)
+    assert "sent" in run("push")
+    assert "up to date" in run("push", "origin", "main")
+    assert "no remote named 'nope'" in run("push", "nope", code=3)
+    assert "no branch or tag 'nothere'" in run("push", "origin", "nothere", code=3)
+    assert "fetched 0 commit(s)" in run("fetch")
+    result = runner.invoke(main, ["clone", url, str(tmp_path / "b"), *(["--endpoint-url", endpoint] if endpoint else [])])
+    assert result.exit_code == 0, result.output
+    assert "removed remote origin" in run("remote", "remove", "origin")
+    assert run("remote") == ""
+    with pytest.raises(NotFoundError):
+        Repo(tmp_path / "a").resolve("origin/main")
+
+
+def test_clone_of_an_empty_or_missing_remote_is_refused(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    with pytest.raises(StorageError, match="holds no ckstore repository|does not exist"):
+        Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert not (tmp_path / "b").exists()
+
+
+def test_unknown_remote_and_bad_names(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "a")
+    with pytest.raises(NotFoundError, match="no remote named 'origin'"):
+        repo.fetch()
+    from ckstore.errors import InvalidInputError
+
+    for bad in ("", "-x", "a/b", "a..b", "x.lock"):
+        with pytest.raises(InvalidInputError):
+            repo.add_remote(bad, str(tmp_path / "r"))
+    with pytest.raises(InvalidInputError, match="s3:// remotes only"):
+        repo.add_remote("r", str(tmp_path / "r"), endpoint_url="http://127.0.0.1:1")
