@@ -15,6 +15,7 @@ from typing import Any
 
 from . import provenance
 from .context import RepoContext
+from .dcp_manifest import DcpRecord
 from .errors import InvalidInputError, RefChangedError, RefExistsError
 from .ingest import MemoryFile, SourceFile, ingest
 from .manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit
@@ -75,7 +76,7 @@ def _reflog_reason(parent: str | None, message: str) -> str:
 
 def record_commit(
     ctx: RepoContext, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
-    state: StateFiles | None = None, base: BaseRef | None = None,
+    state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
 ) -> str:
     """Write the manifest and move ``branch`` to it (objects must be stored already)."""
     ref = HEADS + branch
@@ -86,6 +87,7 @@ def record_commit(
             parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
             files=tuple(files), metadata=metadata, provenance=origin,
             logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
+            dcp=dcp,
         )
         oid = ctx.store.put_commit(encode_commit(commit)).id
         try:

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .checkout import Output, full_output, plan_outputs
+from .dcp.consolidate import plan_consolidated
 from .errors import IntegrityError, InvalidInputError, TensorNotFoundError
 from .filedata import header_metadata, state_document
 from .lora import plan_merged
@@ -52,6 +53,8 @@ def plan_checkout(
         if shard_size is not None or only:
             raise InvalidInputError("merge_lora cannot be combined with shard_size or only")
         return plan_merged(store, commit)
+    if commit.dcp is not None:  # a distributed checkpoint: its full tensors, not the ranks' pieces
+        return plan_consolidated(store, commit, only, None if shard_size is None else parse_size(shard_size))
     if shard_size is not None:
         return plan_shards(store, commit, parse_size(shard_size), only)
     return plan_outputs(store, commit, only)
@@ -63,6 +66,9 @@ def plan_export(
 ) -> list[Output]:
     """The outputs of an export (module docstring): model tensors, then the other files."""
     size = None if shard_size is None else parse_size(shard_size)
+    if commit.dcp is not None:
+        raise InvalidInputError("a distributed checkpoint has no model folder to export; check it out "
+                                "(consolidated safetensors, optionally --shard-size) instead")
     if commit.state is not None:
         if weights:
             raise InvalidInputError("weights names files of a commit of files; a training state's model is chosen "

@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .dcp_manifest import DcpRecord, parse_record, record_json
 from .errors import IntegrityError, InvalidPathError, UnsupportedFormatError
 from .ids import ObjectId, is_object_id
 from .safetensors_format import DTYPE_BITS
 from .values import JSONValue, decode_value
 
-MANIFEST_VERSION = 1
+# Version 2 adds the ``dcp`` field (distributed checkpoints, format.md section 16). Writers emit
+# version 1, byte for byte as before, for every commit without a dcp record, so only DCP commits
+# are refused by readers that know version 1 alone.
+MANIFEST_VERSION = 2
 MAX_MANIFEST_BYTES = 1 << 30
 KINDS = ("safetensors", "blob")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -91,6 +95,7 @@ class Commit:
     added_bytes: int = 0
     state: StateFiles | None = None  # training state
     base: BaseRef | None = None  # overlay
+    dcp: DcpRecord | None = None  # distributed checkpoint (manifest version 2)
 
     def all_chunks(self) -> Iterator[ChunkRef]:
         for f in self.files:
@@ -133,7 +138,7 @@ def _file_json(f: FileEntry) -> dict[str, Any]:
 
 def encode_commit(commit: Commit) -> bytes:
     doc = {
-        "ckstore": MANIFEST_VERSION,
+        "ckstore": 1 if commit.dcp is None else 2,
         "parents": list(commit.parents),
         "time": commit.time,
         "branch": commit.branch,
@@ -146,6 +151,10 @@ def encode_commit(commit: Commit) -> bytes:
         "base": {"commit": commit.base.commit, "repo": commit.base.repo} if commit.base else None,
         "files": [_file_json(f) for f in commit.files],
     }
+    if commit.dcp is not None:
+        files = doc.pop("files")
+        doc["dcp"] = record_json(commit.dcp)
+        doc["files"] = files
     return canonical_json(doc)
 
 
@@ -281,10 +290,16 @@ def _parse_base(value: Any) -> BaseRef | None:
     return BaseRef(ObjectId(value["commit"]), value["repo"])
 
 
+def _parse_dcp(value: Any, files: Sequence[FileEntry]) -> DcpRecord:
+    stored = {(f.path, t.name): (t.dtype, t.shape) for f in files for t in f.tensors}
+    return parse_record(value, stored)
+
+
 _COMMIT_FIELDS = (
     "ckstore", "parents", "time", "branch", "message", "metadata", "provenance",
     "logical_bytes", "added_bytes", "state", "base", "files",
 )
+_COMMIT_FIELDS_V2 = (*_COMMIT_FIELDS[:-1], "dcp", "files")
 
 
 def decode_commit(data: bytes) -> Commit:
@@ -294,7 +309,7 @@ def decode_commit(data: bytes) -> Commit:
     version = _expect(doc, "ckstore", int, "manifest")
     if version > MANIFEST_VERSION:
         raise UnsupportedFormatError(f"manifest version {version} is newer than this ckstore reads")
-    if tuple(doc) != _COMMIT_FIELDS:
+    if tuple(doc) != (_COMMIT_FIELDS if version < 2 else _COMMIT_FIELDS_V2):
         raise IntegrityError("manifest fields are missing, unexpected or out of order")
     parents = _expect(doc, "parents", list, "manifest")
     if not all(isinstance(p, str) and is_object_id(p) for p in parents):
@@ -326,6 +341,7 @@ def decode_commit(data: bytes) -> Commit:
         added_bytes=_size(doc["added_bytes"], "manifest"),
         state=_parse_state(doc["state"], {f.path: f.kind for f in files}),
         base=_parse_base(doc["base"]),
+        dcp=None if version < 2 else _parse_dcp(doc["dcp"], files),
     )
     commit.decoded_metadata()  # validates the typed encoding now, not at first display
     return commit

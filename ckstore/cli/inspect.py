@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from ..dcp_manifest import record_json
 from ..repo import Decorations, Repo
 from .base import complete_ref, human, main, pass_repo, print_json, short
 
@@ -115,6 +116,8 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
                "provenance": dict(c.provenance), "files": files}
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
+        if c.dcp is not None:
+            doc["dcp"] = record_json(c.dcp)
         print_json(doc)
         return
     click.echo(f"commit {oid}{decoration_text(refs or Decorations())}\nDate:   {c.time}")
@@ -130,8 +133,10 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
         click.echo("State:")
         for line in _state_lines(repo.state_document(oid)):
             click.echo(f"  {line}")
+    if c.dcp is not None:
+        _show_dcp(c.dcp)
     click.echo()
-    if list_tensors:
+    if list_tensors and c.dcp is None:  # a DCP commit's pieces are listed above
         _print_tensors(c, inherited)
     else:
         _print_summary(repo.summary(oid))
@@ -180,6 +185,22 @@ def _print_tensors(commit: Any, inherited: set[tuple[str, str | None]]) -> None:
         click.echo(f"{f.path}  {f.kind}, {human(f.size)}{', from base' if (f.path, None) in inherited else ''}")
         for _ in f.tensors:
             click.echo(next(lines))
+
+
+def _show_dcp(record: Any) -> None:
+    """A distributed checkpoint's global tensors and which rank wrote which piece."""
+    click.echo(f"Distributed checkpoint: {record.world_size} rank(s), {len(record.tensors)} tensors, "
+               f"{len(record.objects)} other items")
+
+    def pieces(t: Any) -> str:
+        return ", ".join(f"rank {p.rank}" + (f" [{', '.join(f'{o}:{o + n}' for o, n in zip(p.offsets, p.sizes))}]"
+                                              if p.sizes else "") for p in t.pieces)
+
+    rows = [[t.fqn, t.dtype, str(tuple(t.shape)), pieces(t)] for t in record.tensors]
+    rows += [[o.fqn, "", "", f"{'typed value' if o.encoding == 'value' else 'opaque bytes'}, rank {o.rank}"]
+             for o in record.objects]
+    for line in _table(rows):
+        click.echo(line)
 
 
 def _state_lines(value: Any) -> list[str]:

@@ -1,0 +1,373 @@
+"""``Writer`` and ``Reader``: torch.distributed.checkpoint storage over a ckstore repository.
+
+A save is one commit. Every rank stores its own items through the normal ingest path (chunked,
+hashed, encoded, put-if-absent in one durability batch, so concurrent ranks writing the same
+chunk are safe and replicated bytes are stored once) as one safetensors file of its pieces,
+``dcp/rank-NNNNN.safetensors``, and reports the chunk lists in its ``WriteResult``s. Only the
+coordinator writes: after DCP has gathered every rank's results (so every rank's batch is
+durable), it checks that every named object exists, writes the manifest with its ``dcp`` record
+and moves the branch by compare-and-swap (commit.record_commit). A rank that fails or dies
+means DCP never calls ``finish``: no manifest, the ref unchanged, and the stored chunks are
+unreferenced objects that gc removes.
+
+The coordinator holds the repository lock shared from before any rank writes (its global plan
+goes out only after it is taken) until the ref has moved, so gc cannot delete a rank's objects
+between their write and the manifest that names them. Each rank also holds it while it writes.
+
+Pieces are named by fully qualified name and global offsets (``dcp_manifest.piece_name``), not
+by rank, so the next save finds each piece's predecessor wherever it was written: unchanged
+pieces cost nothing, changed ones are stored the fast way and, once the commit is recorded, the
+repository's compaction re-encodes their predecessors as deltas against them (compaction.py).
+
+Non-tensor items: with DCP's default planner (``transform_object`` not overridden) the Writer
+looks the value up itself and stores it in ckstore's typed JSON (values.py) when it is
+representable there; otherwise it stores the bytes the planner produced (``torch.save`` pickle for
+the default planner) as opaque bytes. On load, typed values are decoded by ckstore and put into
+the state dict without pickle; opaque bytes go back to the planner's own ``load_bytes`` (DCP's
+code path, which unpickles them) — ckstore itself never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections.abc import Mapping
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..commit import encode_metadata, record_commit
+from ..context import RepoContext, open_context
+from ..dcp_manifest import DTYPES, piece_name, stored_dtype
+from ..errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
+from ..ingest import MemoryFile
+from ..manifest import FileEntry, canonical_json
+from ..partial import LazyTensors
+from ..refs import check_ref_name
+from ..safetensors_format import emit_header, parse_header
+from ..torch_tensors import bytes_of
+from ..values import encode_value
+from .compaction import compact_later, store_pieces
+from .metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
+
+FILE_METADATA = {"format": "ckstore-dcp"}
+COMMIT_KEY = "ckstore_commit"  # in the Metadata dcp.save returns: the commit id, on every rank
+OBJECT_SUFFIX = "@bytes"  # piece names end in "@" and digits, so an item's name never equals one
+
+
+def rank_file(rank: int) -> str:
+    return f"dcp/rank-{rank:05d}.safetensors"
+
+
+def _location(repo: Any) -> str | os.PathLike[str]:
+    """A repository path, or an object with a ``path`` (``ckstore.Repo``)."""
+    path = getattr(repo, "path", repo)
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidInputError("the repository must be given as a path on a shared file system")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanInfo:
+    """What the coordinator's global plan tells every rank."""
+
+    rank: int
+    world_size: int
+    branch: str
+
+
+class Writer(StorageWriter):
+    """Save a DCP checkpoint as one commit on ``branch`` (default: the repository's HEAD branch).
+
+    After ``dcp.save`` returns, ``commit_id`` holds the new commit's id on the coordinator rank;
+    every rank finds it in the returned metadata (``saved_commit(dcp.save(...))``).
+    """
+
+    def __init__(self, repo: Any, branch: str | None = None, message: str = "",
+                 metadata: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.location = _location(repo)
+        self.branch = None if branch is None else check_ref_name(branch, "branch name")
+        self.message = message
+        self._meta = encode_metadata(metadata)  # refuses unencodable metadata before any save
+        self.commit_id: str | None = None
+        self._ctx: RepoContext | None = None
+        self._lock: ExitStack | None = None
+        self._world = 1
+        self._plan_branch: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # async_save in a separate process pickles the writer
+        state = dict(self.__dict__)
+        state["_ctx"], state["_lock"] = None, None
+        return state
+
+    def _context(self) -> RepoContext:
+        if self._ctx is None:
+            self._ctx = open_context(self.location)
+        return self._ctx
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    # ---- the StorageWriter protocol ------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._release()  # a previous save that failed after planning
+        self.commit_id = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # a plain path is FileSystemWriter's; ckstore is chosen by passing a Writer
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._context()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        ctx = self._context()
+        branch = self.branch or ctx.refs.head_branch()
+        self._release()
+        self._lock = ExitStack()
+        self._lock.enter_context(ctx.backend.shared_lock())  # before any rank writes: see module doc
+        self._world, self._plan_branch = len(plans), branch
+        return [dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info = plan.storage_data
+        if not isinstance(info, _PlanInfo):
+            raise InvalidInputError("the save plan did not come from ckstore's Writer (prepare_global_plan)")
+        ctx = self._context()
+        path = rank_file(info.rank)
+        specs: list[tuple[str, str, tuple[int, ...]]] = []
+        buffers: list[Any] = []
+        encodings: list[str | None] = []
+        keep: list[torch.Tensor] = []  # the buffers' tensors, alive until their bytes are stored
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data, encoding = _object_bytes(planner, item)
+                specs.append((item.index.fqn + OBJECT_SUFFIX, "U8", (len(data),)))
+                buffers.append(memoryview(data))
+                encodings.append(encoding)
+                continue
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor) or item.tensor_data is None:
+                raise InvalidInputError(f"item {item.index.fqn!r}: the planner did not resolve it to a tensor")
+            tensor = tensor.detach().to("cpu").contiguous()
+            chunk = item.tensor_data.chunk
+            if tuple(tensor.shape) != tuple(chunk.sizes):
+                raise InvalidInputError(f"item {item.index.fqn!r}: the tensor's shape differs from the plan's")
+            code, shape = stored_dtype(dtype_name(tensor.dtype), chunk.sizes)
+            specs.append((piece_name(item.index.fqn, chunk.offsets), code, shape))
+            keep.append(tensor)
+            buffers.append(bytes_of(tensor))
+            encodings.append(None)
+        results: list[WriteResult] = []
+        if plan.items:
+            header, _ = emit_header(specs, FILE_METADATA)
+            size = len(header) + sum(len(b) for b in buffers)
+            source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
+            with ctx.backend.shared_lock(), ctx.store.batch() as staged:  # durable before we report
+                entry, added = store_pieces(staged, source, ctx.config.chunk_size)
+            entries = {t.name: t for t in entry.tensors}
+            for i, (item, (name, _, _), encoding) in enumerate(zip(plan.items, specs, encodings)):
+                stored = StoredItem(info.rank, path, entries[name], encoding, entry.header, added if i == 0 else 0)
+                results.append(WriteResult(index=item.index, size_in_bytes=entries[name].nbytes, storage_data=stored))
+        del keep
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        ctx = self._context()
+        try:
+            items = [r.storage_data for rank in results for r in rank]
+            files = _rank_files(items)
+            missing = [c.id for f in files for c in f.all_chunks() if not ctx.store.has(c.id)]
+            if missing:
+                raise IntegrityError(f"{len(missing)} object(s) the ranks reported are missing (first: {missing[0]}); "
+                                     "nothing was committed")
+            record = build_record(metadata, results, max(self._world, len(results)))
+            branch = self._plan_branch or self.branch or ctx.refs.head_branch()  # the one the ranks used
+            added = sum(i.added for i in items)
+            self.commit_id = record_commit(ctx, files, added, self.message, branch, self._meta, dcp=record)
+            compact_later(ctx, self.location, branch)
+            # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
+            # so this is how the other ranks learn the commit.
+            metadata.storage_data = {COMMIT_KEY: self.commit_id}
+        finally:
+            self._release()
+
+    def storage_meta(self) -> Any:
+        return None
+
+
+def saved_commit(metadata: Metadata) -> str:
+    """The commit a ``dcp.save`` through ckstore's ``Writer`` made, from the metadata it returned."""
+    data = getattr(metadata, "storage_data", None)
+    if not isinstance(data, dict) or not isinstance(data.get(COMMIT_KEY), str):
+        raise InvalidInputError("this metadata does not come from a save through ckstore's Writer")
+    return data[COMMIT_KEY]
+
+
+def _object_bytes(planner: SavePlanner, item: Any) -> tuple[bytes, str]:
+    """A non-tensor item's stored bytes and their encoding (see the module docstring)."""
+    if getattr(type(planner), "transform_object", None) is DefaultSavePlanner.transform_object:
+        try:
+            return canonical_json(encode_value(planner.lookup_object(item.index))), "value"  # type: ignore[attr-defined]
+        except UnencodableValueError:
+            pass  # not representable without pickle: store what DCP's planner makes of it
+    data = planner.resolve_data(item)
+    return (data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)), "opaque"
+
+
+def _rank_files(items: list[Any]) -> list[FileEntry]:
+    """The manifest entries of the ranks' files, rebuilt from their write results."""
+    by_file: dict[str, list[StoredItem]] = {}
+    for item in items:
+        if not isinstance(item, StoredItem):
+            raise IntegrityError("a write result did not come from ckstore's Writer")
+        by_file.setdefault(item.file, []).append(item)
+    files = []
+    for path, found in sorted(by_file.items()):
+        header = found[0].header
+        tensors = tuple(i.entry for i in found)
+        size = sum(c.size for c in header) + sum(t.nbytes for t in tensors)
+        files.append(FileEntry(path, "safetensors", size, header=header, tensors=tensors))
+    return files
+
+
+class Reader(StorageReader):
+    """Load a DCP checkpoint from the commit ``ref`` names (resolved once, on first use)."""
+
+    def __init__(self, repo: Any, ref: str = "HEAD") -> None:
+        super().__init__()
+        self.location = _location(repo)
+        self.ref = ref
+        self.commit_id: str | None = None
+        self._ctx: RepoContext | None = None
+        self._storage: dict[MetadataIndex, Location] = {}
+        self._readers: dict[str, LazyTensors] = {}
+        self.bytes_read = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_ctx"], state["_readers"] = None, {}
+        return state
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.ref = str(checkpoint_id)  # dcp.load(checkpoint_id=REF, storage_reader=Reader(repo))
+        self.commit_id = None
+        self._readers = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._ctx is None:
+            self._ctx = open_context(self.location)
+        if self.commit_id is None:
+            self.commit_id = self._ctx.graph.resolve(self.ref)
+        commit = self._ctx.graph.read_commit(self.commit_id)
+        if commit.dcp is None:
+            raise InvalidInputError(f"commit {self.commit_id[:12]} is not a distributed checkpoint")
+        metadata, self._storage = build_metadata(commit.dcp)
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        # Every rank resolved the ref on its own: the coordinator's commit goes out with the plan
+        # so that a rank that saw the branch move refuses instead of mixing two checkpoints.
+        return [dataclasses.replace(p, storage_data=self.commit_id) for p in plans]
+
+    def _file(self, path: str) -> LazyTensors:
+        if path not in self._readers:
+            assert self._ctx is not None and self.commit_id is not None
+            self._readers[path] = LazyTensors(self._ctx.graph, self.commit_id, path, "pt")
+        return self._readers[path]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if plan.storage_data is not None and plan.storage_data != self.commit_id:
+            raise ConflictError(f"the ranks read different commits of {self.ref!r} (it moved during the load); "
+                                "load a commit id instead")
+        for req in plan.items:
+            where = self._where(req.storage_index)
+            reader = self._file(where.file)
+            before = reader.bytes_read
+            if req.type == LoadItemType.BYTE_IO:
+                data = reader.get_tensor(where.tensor).numpy().tobytes()
+                if where.kind == "value":
+                    _deliver_value(planner, req, decode_object(data, req.storage_index.fqn))
+                else:
+                    planner.load_bytes(req, io.BytesIO(data))
+            else:
+                source = self._region(reader, where, req)
+                target = planner.resolve_tensor(req).detach()
+                if tuple(target.shape) != tuple(source.shape):
+                    raise IntegrityError(f"tensor {req.storage_index.fqn!r}: stored region {tuple(source.shape)} "
+                                         f"does not fit the target {tuple(target.shape)}")
+                target.copy_(source)
+                planner.commit_tensor(req, target)
+            self.bytes_read += reader.bytes_read - before
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _where(self, index: MetadataIndex) -> Location:
+        found = self._storage.get(index)
+        if found is None:
+            raise IntegrityError(f"commit {str(self.commit_id)[:12]} has no stored piece {index.fqn!r} at {index.offset}")
+        return found
+
+    @staticmethod
+    def _region(reader: LazyTensors, where: Location, req: Any) -> torch.Tensor:
+        """The requested hypercube of a stored piece, reading only the chunks of its rows."""
+        offsets, lengths = list(req.storage_offsets), list(req.lengths)
+        if DTYPES[where.kind][1] is None:  # a dtype safetensors cannot name: raw bytes, read whole
+            piece = reader.get_tensor(where.tensor).view(getattr(torch, where.kind)).reshape(where.sizes)
+        elif not offsets:
+            return reader.get_tensor(where.tensor)
+        else:
+            piece = reader.get_slice(where.tensor)[offsets[0] : offsets[0] + lengths[0]]
+            offsets[0] = 0  # the rows are cut already
+        for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+            piece = piece.narrow(dim, offset, length)
+        return piece
+
+
+def _deliver_value(planner: LoadPlanner, req: Any, value: Any) -> None:
+    """Put a typed value into the state dict without pickle when the planner is DCP's default;
+    a planner with its own ``load_bytes`` gets ``torch.save`` bytes of the decoded value."""
+    if isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+        fqn = req.dest_index.fqn
+        if planner.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(planner.original_state_dict, planner.mappings[fqn], value)
+        else:
+            planner.state_dict[fqn] = value
+        return
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    planner.load_bytes(req, buffer)
+
+
+__all__ = ["Reader", "Writer", "rank_file", "saved_commit"]
