@@ -51,6 +51,7 @@ def build_template(root: Path, n: int, seeds: tuple[int, ...]) -> Template:
     template = Template(root, contents, ids)
     template.new_digest = write_checkpoint(root / "src", seeds[-1] + 100, n)
     repo.checkout(ids["c1"], root / "out")  # an older version in the checkout target
+    repo.wait()  # the last commit's compaction ends before the template is copied
     return template
 
 

@@ -49,6 +49,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Damaged:
                 repo.create_branch("other", "main")
             contents[repo.commit([root / "src"], branch=branch)] = digest
             shutil.rmtree(root / "src")
+    repo.wait()  # compaction done: the pristine repository is copied and damaged from here
     commits = list(contents)
     repo.create_tag("first", commits[0])
     users: dict[str, dict[str, str]] = {}

@@ -205,6 +205,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         digest = tree_digest(src)
         ref = f"refs/heads/{branch}"
         oid = self.repo.commit([src], branch=branch)
+        self.repo.wait()  # its compaction rewrites objects that the corrupt rule may pick
         shutil.rmtree(src)
         assert oid not in self.contents
         self.parents[oid] = self.refs.get(ref)
