@@ -66,6 +66,28 @@ def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 _RENAMEAT2 = _load_renameat2()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # Linux
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing a staged file to disk now, without waiting: the batch's
+    barrier then mostly waits for writes already under way while the commit was still encoding
+    (measured: the barrier was half of a 271 MB commit's time). Only a hint; durability still
+    comes from the barrier."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def _move_if_absent(src: Path, dst: Path) -> bool | None:
@@ -200,6 +222,8 @@ class LocalBackend(Backend):
             if sync:
                 mutating_step()
                 os.fsync(fd)
+            else:
+                _start_writeback(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
