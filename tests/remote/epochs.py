@@ -31,6 +31,7 @@ def epoch_files(folder: Path, epoch: int, n: int = 256 << 10) -> Path:
 def make_repo(path: Path, work: Path, epochs: range) -> tuple[Repo, list[str]]:
     repo = Repo.init(path, chunk_size=CHUNK)
     ids = [repo.commit(epoch_files(work / f"e{e}", e), message=f"epoch {e}") for e in epochs]
+    repo.wait()  # the compaction after the last commit has made the older epochs deltas
     return repo, ids
 
 
