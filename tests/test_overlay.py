@@ -115,6 +115,7 @@ def test_overlay_on_another_branch(tmp_path: Path, folders: tuple[Path, Path, di
     pretrained, finetuned, _, _ = folders
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     base_id = repo.commit(pretrained, message="pretrained")
+    repo.wait()
     before = stored_bytes(repo)
     cid = repo.commit(finetuned, branch="ft", base="main", message="fine-tune")
     commit = repo.read_commit(cid)
@@ -160,6 +161,7 @@ def test_overlay_on_a_base_in_another_repository(tmp_path: Path, folders: tuple[
     pretrained, finetuned, base_t, tuned_t = folders
     base = Repo.init(tmp_path / "base", chunk_size=CHUNK)
     base_id = base.commit(pretrained, message="pretrained", branch="pretrained")
+    base.wait()
     base_objects = set(base.store.iter_ids())
     overlay = Repo.init(tmp_path / "overlay", chunk_size=CHUNK)
     cid = overlay.commit(finetuned, base="pretrained", base_repo=tmp_path / "base")
