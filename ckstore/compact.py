@@ -29,7 +29,7 @@ process left undone is picked up by the next commit's compaction.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .codec import (
@@ -75,7 +75,7 @@ class _Roles:
     itself re-encoded as a delta (its staged replacement is invisible to reads until the run
     ends): that is what keeps chains acyclic and as long as their headers say."""
 
-    def __init__(self, keep_whole: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, keep_whole: Iterable[str] = ()) -> None:
         self._role: dict[str, str] = dict.fromkeys(keep_whole, "base")
         self._recompressed: set[str] = set()
         self._lock = threading.Lock()
