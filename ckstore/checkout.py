@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidPathError, OutputExistsError, StorageError, TensorNotFoundError
-from .fsio import fsync_path, mutating_step, pid_alive
+from .fsio import EarlyFlush, fsync_path, mutating_step, pid_alive
 from .ids import chunk_id
 from .manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
 from .pipeline import ProgressFactory, ordered_map
@@ -149,13 +149,23 @@ def _write_one(store: ObjectStore, target: Path, output: Output, progress: Progr
     try:
         mutating_step()
         with open(tmp, "xb") as f:
-            for data in _fetch(store, output.pieces):
-                f.write(data)
-                if progress:
-                    progress(len(data))
-            f.flush()
+            fd = f.fileno()
+            early = EarlyFlush(lambda: os.fdatasync(fd))  # keeps the final fsync short (fsio.py)
+            try:
+                for data in _fetch(store, output.pieces):
+                    f.write(data)
+                    early.wrote(len(data))
+                    if progress:
+                        progress(len(data))
+                f.flush()
+            except BaseException:
+                early.finish(quiet=True)
+                raise
+            # An early flush's error is reported once per descriptor, so the fsync below would
+            # not see it again: finish raises it.
+            early.finish()
             mutating_step()
-            os.fsync(f.fileno())
+            os.fsync(fd)
         mutating_step()
         os.replace(tmp, target)
     except BaseException:

@@ -1,5 +1,12 @@
 """Small operating-system helpers shared by the local backend and checkout's output files.
 
+``EarlyFlush`` makes a long write's final fsync short. On the virtual disks measured here the
+cost of an fsync is the device flush that makes the host persist everything written since the
+last one (about 0.2 s for 185 MB, with the guest's dirty pages already written back), so
+flushing every ``EARLY_FLUSH_BYTES`` on a background thread while the writer goes on overlaps
+that cost with the decoding of the next chunks. The early flushes only bring work forward:
+durability still comes from the final fsync, and an early flush's error is raised there.
+
 ``mutating_step`` marks every step that changes a file system (write, fsync, link, rename,
 unlink, mkdir). Production code installs no observer, so it costs a function call; the crash and
 fault-injection tests install one that SIGKILLs the process or raises ENOSPC/EIO at the K-th step
@@ -9,9 +16,26 @@ repository. The fault logic itself lives in the tests.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
+
+EARLY_FLUSH_BYTES = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # Linux
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
 
 _observer: Callable[[], None] | None = None
 
@@ -45,3 +69,60 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing a file's dirty pages now, without waiting. Only a hint:
+    durability still comes from a barrier, which then mostly waits for writes already under way."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+class EarlyFlush:
+    """Background ``flush`` every ``every`` bytes written, at most one at a time (module docstring).
+
+    ``flush`` is what makes the bytes so far durable (``os.fdatasync`` of the file being written,
+    or a syncfs of a repository's filesystem); it may raise OSError, which ``finish`` re-raises.
+    """
+
+    def __init__(self, flush: Callable[[], object], every: int | None = None) -> None:
+        self._flush = flush
+        self._every = EARLY_FLUSH_BYTES if every is None else every
+        self._unflushed = 0
+        self._mutex = threading.Lock()
+        self._running: threading.Thread | None = None
+        self._error: OSError | None = None
+        self._stopped = False
+
+    def wrote(self, n: int) -> None:
+        with self._mutex:
+            self._unflushed += n
+            if self._unflushed < self._every or self._stopped or self._error is not None:
+                return
+            if self.flushing():
+                return
+            self._unflushed = 0
+            self._running = threading.Thread(target=self._run, name="ckstore-flush", daemon=True)
+            self._running.start()
+
+    def flushing(self) -> bool:
+        """Whether a background flush is running now."""
+        running = self._running
+        return running is not None and running.is_alive()
+
+    def _run(self) -> None:
+        try:
+            if self._flush() is False:  # the filesystem cannot: leave it all to the final barrier
+                self._stopped = True
+        except OSError as exc:
+            self._error = exc
+
+    def finish(self, quiet: bool = False) -> None:
+        """Wait for the flush under way; raise the OSError of any that failed (unless ``quiet``:
+        the caller is abandoning the bytes anyway)."""
+        with self._mutex:
+            running, self._stopped = self._running, True
+        if running is not None:
+            running.join()
+        if self._error is not None and not quiet:
+            raise self._error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ import pytest
 from ckstore.backend.base import Backend
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
-from ckstore.errors import InvalidPathError, LockedError
+from ckstore.errors import InvalidPathError, LockedError, StorageError
 
 BAD_KEYS = ["", "../x", "a/../../x", "/abs", "a//b", "a/", "./a", "a/./b", "a\\b", "a b", "a/\x00"]
 
@@ -308,6 +309,36 @@ def test_local_batch_replacement_dropped_when_its_put_lost(tmp_path: Path) -> No
         assert LocalBackend(tmp_path).put_if_absent("objects/cd/child", b"theirs")  # races us
     assert backend.get("objects/cd/child") == b"theirs"
     assert backend.get("objects/ab/parent") == b"whole"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_local_batch_flushes_early_and_fails_on_an_early_flush_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every EARLY_FLUSH_BYTES staged, a syncfs starts in the background; if one fails, the batch
+    fails and links nothing (a later syncfs need not report the writeback error again)."""
+    import ckstore.backend.local_batch as local_batch
+    import ckstore.fsio as fsio
+
+    if not LocalBackend.use_syncfs:
+        pytest.skip("no syncfs on this platform: the batch fsyncs file by file")
+    monkeypatch.setattr(fsio, "EARLY_FLUSH_BYTES", 100)
+    flushed: list[Path] = []
+    monkeypatch.setattr(local_batch, "syncfs", lambda root: flushed.append(root) or True)
+    backend = LocalBackend(tmp_path)
+    with backend.batch() as view:
+        view.put_if_absent("objects/ab/one", b"x" * 150)
+    assert flushed == [tmp_path] and backend.get("objects/ab/one") == b"x" * 150
+
+    def failing(root: Path) -> bool:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(local_batch, "syncfs", failing)
+    with pytest.raises(StorageError, match="Input/output error"):
+        with backend.batch() as view:
+            view.put_if_absent("objects/cd/two", b"y" * 150)
+            view.put_if_absent("objects/cd/three", b"z" * 10)
+    assert not backend.exists("objects/cd/two") and not backend.exists("objects/cd/three")
     assert list((tmp_path / "tmp").iterdir()) == []
 
 

@@ -20,6 +20,7 @@ from ckstore.errors import (
     RefExistsError,
     RefNotFoundError,
     RepoNotFoundError,
+    StorageError,
 )
 from ckstore.repo import Repo
 
@@ -312,6 +313,32 @@ def test_checkout_refuses_to_overwrite_and_writes_nothing(repo: Repo, tmp_path: 
     result = repo.checkout(oid, out, force=True)
     assert "config.json" in result.written
     assert tree_digest(out) == tree_digest(src)
+
+
+def test_checkout_fails_cleanly_when_an_early_flush_fails(
+    repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkout flushes each output as it writes (fsio.EarlyFlush); a writeback error seen by an
+    early flush is reported once per descriptor, so the checkout must fail on it, not on the
+    final fsync (which would not see it again), and leave no file behind."""
+    import errno
+
+    import ckstore.fsio as fsio
+
+    src = hf_folder(tmp_path / "m")
+    oid = repo.commit(src)
+    monkeypatch.setattr(fsio, "EARLY_FLUSH_BYTES", 1)
+    out = tmp_path / "out"
+    assert_round_trip(repo, oid, src, out)  # flushing after every piece changes no byte
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    failed = tmp_path / "failed"
+    with pytest.raises(StorageError, match="Input/output error"):
+        repo.checkout(oid, failed)
+    assert [p for p in failed.rglob("*") if p.is_file()] == []
 
 
 def test_checkout_skips_identical_files(repo: Repo, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from ..errors import InvalidPathError, LockedError
+from ..errors import InvalidPathError, LockedError, StorageError
 
 # '%' carries the escapes of ref names (refs.encode_ref); no character here can change a path.
 _KEY_PART = re.compile(r"[A-Za-z0-9._@+%-]+")
@@ -185,3 +185,9 @@ class _ThreadLocks:
 
 
 _THREAD_LOCKS = _ThreadLocks()
+
+
+def storage_error(exc: OSError, doing: str) -> StorageError:
+    """The one-line error for an OSError met while ``doing`` something to stored data."""
+    reason = exc.strerror or str(exc)
+    return StorageError(f"{reason} while {doing}")

@@ -8,7 +8,8 @@ A batch (``LocalBackend.batch``, used for a commit's chunk objects) pays for dur
 instead of per object: every object is written to ``tmp/`` without fsync, then one barrier makes
 all their bytes durable (``syncfs(2)`` on the repository's filesystem; without it, an fsync of
 each staged file), then each is moved to its final name without replacing anything
-(``renameat2`` RENAME_NOREPLACE, else ``link``: EEXIST means another writer stored it), then a second barrier makes the new directory entries durable. So no object
+(``renameat2`` RENAME_NOREPLACE, else ``link``: EEXIST means another writer stored it), then a
+second barrier makes the new directory entries durable (local_batch.py). So no object
 ever appears under its final name before its bytes are on disk, and the caller writes its
 manifest only after the batch returned. Measured: ~1,000 per-object fsyncs took 3.0 s of a
 6.8 s commit; two syncfs calls take ~0.1 s.
@@ -23,8 +24,6 @@ Every mutating step (write, fsync, link, rename, unlink, mkdir) goes through
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import fcntl
 import os
 import threading
@@ -36,77 +35,14 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from ..errors import InvalidInputError, LockedError, RefExistsError, StorageError
-from ..fsio import fsync_path, mutating_step
-from .base import Backend, check_key, check_line, check_prefix
+from ..fsio import fsync_path, mutating_step, start_writeback
+from .base import Backend, check_key, check_line, check_prefix, storage_error
+from .local_batch import LocalBatch, StagingBackend
+from .syscalls import HAS_SYNCFS, syncfs
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
 COMPACTION_LOCK_FILE = "compact.lock"
-
-
-def _load_syncfs() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        return ctypes.CDLL(None, use_errno=True).syncfs  # Linux (glibc, musl)
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNCFS = _load_syncfs()
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-
-
-def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28+
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return fn
-
-
-_RENAMEAT2 = _load_renameat2()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # Linux
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
-
-
-def _start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing a staged file to disk now, without waiting: the batch's
-    barrier then mostly waits for writes already under way while the commit was still encoding
-    (measured: the barrier was half of a 271 MB commit's time). Only a hint; durability still
-    comes from the barrier."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-
-
-def _move_if_absent(src: Path, dst: Path) -> bool | None:
-    """Put ``src`` at ``dst`` unless ``dst`` exists (False). True: moved, ``src`` is gone;
-    None: linked (the fallback where renameat2's RENAME_NOREPLACE is missing), ``src`` stays.
-    Either way the check and the new entry are one atomic step, as put-if-absent needs."""
-    if _RENAMEAT2 is not None:
-        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            return True
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            return False
-        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-            raise OSError(err, os.strerror(err), str(dst))
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        return False
-    return None
 
 
 def locate_repository(path: str | os.PathLike[str], marker: str, default_dir: str) -> Path | None:
@@ -137,7 +73,7 @@ def prepare_new_repository(path: str | os.PathLike[str], marker: str) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise _storage_error(exc, f"creating {root}") from None
+        raise storage_error(exc, f"creating {root}") from None
     return root
 
 
@@ -152,14 +88,9 @@ def _last_line_end(fd: int, end: int, block: int = 1 << 16) -> int:
     return 0
 
 
-def _storage_error(exc: OSError, doing: str) -> StorageError:
-    reason = exc.strerror or str(exc)
-    return StorageError(f"{reason} while {doing}")
-
-
-class LocalBackend(Backend):
+class LocalBackend(StagingBackend):
     # Batches use syncfs(2) when the platform has it; tests turn it off to cover the fallback.
-    use_syncfs: bool = _SYNCFS is not None
+    use_syncfs: bool = HAS_SYNCFS
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -178,7 +109,7 @@ class LocalBackend(Backend):
             # A folder is not a key, and no key lies below a file ("a/b" when "a" is a ref).
             raise KeyError(key) from None
         except OSError as exc:
-            raise _storage_error(exc, f"reading {self.describe(key)}") from None
+            raise storage_error(exc, f"reading {self.describe(key)}") from None
 
     def get_prefix(self, key: str, n: int) -> bytes:
         try:
@@ -187,7 +118,7 @@ class LocalBackend(Backend):
         except (FileNotFoundError, IsADirectoryError):
             raise KeyError(key) from None
         except OSError as exc:
-            raise _storage_error(exc, f"reading {self.describe(key)}") from None
+            raise storage_error(exc, f"reading {self.describe(key)}") from None
 
     def _fsync_dir(self, path: Path) -> None:
         mutating_step()
@@ -223,7 +154,7 @@ class LocalBackend(Backend):
                 mutating_step()
                 os.fsync(fd)
             else:
-                _start_writeback(fd)
+                start_writeback(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -255,7 +186,7 @@ class LocalBackend(Backend):
             self._fsync_dir(path.parent)
             return True
         except OSError as exc:
-            raise _storage_error(exc, f"writing {self.describe(key)}") from None
+            raise storage_error(exc, f"writing {self.describe(key)}") from None
         finally:
             if tmp is not None:
                 try:
@@ -300,7 +231,7 @@ class LocalBackend(Backend):
             if not new_file_end:  # the file may be new: make its directory entry durable too
                 self._fsync_dir(path.parent)
         except OSError as exc:
-            raise _storage_error(exc, f"appending to {self.describe(key)}") from None
+            raise storage_error(exc, f"appending to {self.describe(key)}") from None
 
     def delete(self, key: str) -> bool:
         path = self._path(key)
@@ -310,7 +241,7 @@ class LocalBackend(Backend):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return False
         except OSError as exc:
-            raise _storage_error(exc, f"deleting {self.describe(key)}") from None
+            raise storage_error(exc, f"deleting {self.describe(key)}") from None
         return True
 
     def prune_folders(self, key: str, stop: str) -> None:
@@ -329,7 +260,7 @@ class LocalBackend(Backend):
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
-            raise _storage_error(exc, f"reading {self.describe(key)}") from None
+            raise storage_error(exc, f"reading {self.describe(key)}") from None
         return st.st_size if not os.path.isdir(self._path(key)) else None
 
     def list(self, prefix: str) -> Iterator[str]:
@@ -360,7 +291,7 @@ class LocalBackend(Backend):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise _storage_error(exc, f"opening {path}") from None
+            raise storage_error(exc, f"opening {path}") from None
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
         deadline = time.monotonic() + timeout
         try:
@@ -390,17 +321,10 @@ class LocalBackend(Backend):
         """Make everything written under the repository durable: one syncfs(2), or, where the
         platform lacks it, an fsync of each of ``paths`` (files or folders), run concurrently so
         the filesystem can commit them together."""
-        if self.use_syncfs and _SYNCFS is not None:
+        if self.use_syncfs:
             mutating_step()
-            fd = os.open(self.root, os.O_RDONLY)
-            try:
-                if _SYNCFS(fd) == 0:
-                    return
-                err = ctypes.get_errno()
-            finally:
-                os.close(fd)
-            if err not in (errno.ENOSYS, errno.EINVAL):
-                raise OSError(err, os.strerror(err))
+            if syncfs(self.root):
+                return
         todo = sorted(set(paths))
         for _ in todo:
             mutating_step()  # one step per fsync, counted up front (the fsyncs run in parallel)
@@ -418,153 +342,3 @@ class LocalBackend(Backend):
                 except OSError:
                     pass
         return removed
-
-
-class LocalBatch(Backend):
-    """A staged view of a LocalBackend (see ``LocalBackend.batch`` and the module docstring).
-
-    Puts are written to ``tmp/`` unsynced and remembered by key, so reads and dedup through this
-    view see them at once while other readers see nothing until ``flush``. Thread-safe: a
-    commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
-    """
-
-    def __init__(self, backend: LocalBackend) -> None:
-        self.inner = backend
-        self._mutex = threading.Lock()
-        self._puts: dict[str, Path] = {}
-        self._replaces: dict[str, tuple[Path, str | None]] = {}
-
-    def _staged(self, key: str) -> Path | None:
-        with self._mutex:
-            return self._puts.get(check_key(key))
-
-    def get(self, key: str) -> bytes:
-        tmp = self._staged(key)
-        if tmp is None:
-            return self.inner.get(key)
-        try:
-            return tmp.read_bytes()
-        except OSError as exc:
-            raise _storage_error(exc, f"reading staged {self.describe(key)}") from None
-
-    def get_prefix(self, key: str, n: int) -> bytes:
-        tmp = self._staged(key)
-        if tmp is None:
-            return self.inner.get_prefix(key, n)
-        try:
-            with open(tmp, "rb") as f:
-                return f.read(n)
-        except OSError as exc:
-            raise _storage_error(exc, f"reading staged {self.describe(key)}") from None
-
-    def size(self, key: str) -> int | None:
-        tmp = self._staged(key)
-        return self.inner.size(key) if tmp is None else tmp.stat().st_size
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        if self._staged(key) is not None or self.inner.exists(key):
-            return False
-        try:
-            tmp = self.inner._write_temp(data, sync=False)
-        except OSError as exc:
-            raise _storage_error(exc, f"staging {self.describe(key)}") from None
-        with self._mutex:
-            if key not in self._puts:
-                self._puts[key] = tmp
-                return True
-        self._unlink(tmp)  # a concurrent put of the same key won (same name, same bytes)
-        return False
-
-    def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
-        try:
-            tmp = self.inner._write_temp(data, sync=False)
-        except OSError as exc:
-            raise _storage_error(exc, f"staging {self.describe(key)}") from None
-        with self._mutex:
-            old = self._replaces.pop(check_key(key), None)
-            self._replaces[key] = (tmp, after)
-        if old is not None:
-            self._unlink(old[0])
-
-    def replace(self, key: str, data: bytes) -> None:
-        self.inner.replace(key, data)
-
-    def create_exclusive(self, key: str, data: bytes) -> bool:
-        return self.inner.create_exclusive(key, data)
-
-    def delete(self, key: str) -> bool:
-        return self.inner.delete(key)
-
-    def list(self, prefix: str) -> Iterator[str]:
-        return self.inner.list(prefix)  # staged keys are not stored yet
-
-    def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]:
-        return self.inner.repo_lock(exclusive, timeout)
-
-    def clean_temporary(self) -> int:
-        return self.inner.clean_temporary()
-
-    def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
-        return self.inner.compaction_lock(timeout)
-
-    def describe(self, key: str) -> str:
-        return self.inner.describe(key)
-
-    @staticmethod
-    def _unlink(tmp: Path) -> None:
-        try:
-            mutating_step()
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # a stray temporary file is harmless; gc removes it
-
-    def _take(self) -> tuple[list[tuple[str, Path]], list[tuple[str, Path, str | None]]]:
-        with self._mutex:
-            puts = sorted(self._puts.items())
-            replaces = sorted((k, tmp, after) for k, (tmp, after) in self._replaces.items())
-            self._puts.clear()
-            self._replaces.clear()
-        return puts, replaces
-
-    def discard(self) -> None:
-        """Drop everything staged (the batch failed): nothing becomes visible."""
-        puts, replaces = self._take()
-        for tmp in [t for _, t in puts] + [t for _, t, _ in replaces]:
-            self._unlink(tmp)
-
-    def flush(self) -> None:
-        """Barrier, link every put, barrier, then apply the replacements (module docstring)."""
-        puts, replaces = self._take()
-        if not puts and not replaces:
-            return
-        leftovers = dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces])
-        try:
-            self.inner.sync_barrier(leftovers)  # every staged byte is durable before any link
-            lost: set[str] = set()
-            folders: set[Path] = set()
-            for key, tmp in puts:
-                path = self.inner._path(key)
-                self.inner._ensure_dir(path.parent, folders)
-                folders.add(path.parent)
-                mutating_step()
-                moved = _move_if_absent(tmp, path)
-                if moved is False:
-                    lost.add(key)  # another writer stored it first: same name, same bytes
-                elif moved:
-                    del leftovers[tmp]
-            # New entries (and new folders' entries in their parents) are durable before the
-            # caller writes a manifest naming them, and before a replacement can depend on them.
-            self.inner.sync_barrier(folders | {f.parent for f in folders})
-            for key, tmp, after in replaces:
-                if after is not None and after in lost:
-                    continue
-                mutating_step()
-                os.replace(tmp, self.inner._path(key))
-                del leftovers[tmp]
-            # No barrier for the replacements: the old and the new encoding decode to the same
-            # bytes and the new one's base is already durable, so losing the rename is harmless.
-        except OSError as exc:
-            raise _storage_error(exc, "storing a commit's objects") from None
-        finally:
-            for tmp in leftovers:
-                self._unlink(tmp)

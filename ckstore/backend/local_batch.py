@@ -1,0 +1,210 @@
+"""A staged view of a local repository: a commit's objects made durable with two barriers.
+
+Every object is written to ``tmp/`` without fsync (its writeback started at once), then one
+barrier makes all their bytes durable, then each is moved to its final name without replacing
+anything, then a second barrier makes the new directory entries durable; only then does the
+caller write a manifest naming them. So no object ever appears under its final name before its
+bytes are on disk.
+
+While a batch stages, a syncfs runs on a background thread every 32 MiB staged
+(``fsio.EarlyFlush``): the final barrier's cost was not the guest's writeback (dirty pages were
+~0 before it) but the device flush, proportional to the bytes since the last flush, and flushing
+as the batch goes overlaps it with hashing and compressing the next chunks (measured on 185 MB:
+final barrier 0.15-0.17 s -> 0.01 s). An early flush's error fails the batch, since a later
+syncfs on a new descriptor need not report a writeback error again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from collections.abc import Iterable
+
+from ..fsio import EarlyFlush, mutating_step
+from .base import Backend, check_key, storage_error
+from .syscalls import move_if_absent, syncfs
+
+class StagingBackend(Backend):
+    """What a batch needs of the local backend beyond ``Backend`` (local.py implements it)."""
+
+    root: Path
+    use_syncfs: bool
+
+    @abstractmethod
+    def _path(self, key: str) -> Path:
+        ...
+
+    @abstractmethod
+    def _ensure_dir(self, path: Path, created: set[Path] | None = None) -> None:
+        ...
+
+    @abstractmethod
+    def _write_temp(self, data: bytes | memoryview, sync: bool = True) -> Path:
+        ...
+
+    @abstractmethod
+    def sync_barrier(self, paths: Iterable[Path]) -> None:
+        ...
+
+
+class LocalBatch(Backend):
+    """A staged view of a LocalBackend (see ``LocalBackend.batch`` and the module docstring).
+
+    Puts are written to ``tmp/`` unsynced and remembered by key, so reads and dedup through this
+    view see them at once while other readers see nothing until ``flush``. Thread-safe: a
+    commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
+    """
+
+    def __init__(self, backend: StagingBackend) -> None:
+        self.inner = backend
+        self._mutex = threading.Lock()
+        self._puts: dict[str, Path] = {}
+        self._replaces: dict[str, tuple[Path, str | None]] = {}
+        root = backend.root
+        self._early = EarlyFlush(lambda: syncfs(root)) if backend.use_syncfs else None
+
+    def _staged(self, key: str) -> Path | None:
+        with self._mutex:
+            return self._puts.get(check_key(key))
+
+    def get(self, key: str) -> bytes:
+        tmp = self._staged(key)
+        if tmp is None:
+            return self.inner.get(key)
+        try:
+            return tmp.read_bytes()
+        except OSError as exc:
+            raise storage_error(exc, f"reading staged {self.describe(key)}") from None
+
+    def get_prefix(self, key: str, n: int) -> bytes:
+        tmp = self._staged(key)
+        if tmp is None:
+            return self.inner.get_prefix(key, n)
+        try:
+            with open(tmp, "rb") as f:
+                return f.read(n)
+        except OSError as exc:
+            raise storage_error(exc, f"reading staged {self.describe(key)}") from None
+
+    def size(self, key: str) -> int | None:
+        tmp = self._staged(key)
+        return self.inner.size(key) if tmp is None else tmp.stat().st_size
+
+    def _stage(self, key: str, data: bytes) -> Path:
+        try:
+            tmp = self.inner._write_temp(data, sync=False)
+        except OSError as exc:
+            raise storage_error(exc, f"staging {self.describe(key)}") from None
+        if self._early is not None:
+            self._early.wrote(len(data))
+        return tmp
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if self._staged(key) is not None or self.inner.exists(key):
+            return False
+        tmp = self._stage(key, data)
+        with self._mutex:
+            if key not in self._puts:
+                self._puts[key] = tmp
+                return True
+        self._unlink(tmp)  # a concurrent put of the same key won (same name, same bytes)
+        return False
+
+    def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
+        tmp = self._stage(key, data)
+        with self._mutex:
+            old = self._replaces.pop(check_key(key), None)
+            self._replaces[key] = (tmp, after)
+        if old is not None:
+            self._unlink(old[0])
+
+    def replace(self, key: str, data: bytes) -> None:
+        self.inner.replace(key, data)
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        return self.inner.create_exclusive(key, data)
+
+    def delete(self, key: str) -> bool:
+        return self.inner.delete(key)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        return self.inner.list(prefix)  # staged keys are not stored yet
+
+    def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]:
+        return self.inner.repo_lock(exclusive, timeout)
+
+    def clean_temporary(self) -> int:
+        return self.inner.clean_temporary()
+
+    def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
+        return self.inner.compaction_lock(timeout)
+
+    def describe(self, key: str) -> str:
+        return self.inner.describe(key)
+
+    @staticmethod
+    def _unlink(tmp: Path) -> None:
+        try:
+            mutating_step()
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a stray temporary file is harmless; gc removes it
+
+    def _take(self) -> tuple[list[tuple[str, Path]], list[tuple[str, Path, str | None]]]:
+        with self._mutex:
+            puts = sorted(self._puts.items())
+            replaces = sorted((k, tmp, after) for k, (tmp, after) in self._replaces.items())
+            self._puts.clear()
+            self._replaces.clear()
+        return puts, replaces
+
+    def discard(self) -> None:
+        """Drop everything staged (the batch failed): nothing becomes visible."""
+        if self._early is not None:
+            self._early.finish(quiet=True)  # nothing staged becomes visible
+        puts, replaces = self._take()
+        for tmp in [t for _, t in puts] + [t for _, t, _ in replaces]:
+            self._unlink(tmp)
+
+    def flush(self) -> None:
+        """Barrier, link every put, barrier, then apply the replacements (module docstring)."""
+        puts, replaces = self._take()
+        if not puts and not replaces:
+            return
+        leftovers = dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces])
+        try:
+            if self._early is not None:
+                self._early.finish()  # a failed early flush fails the batch (module docstring)
+            self.inner.sync_barrier(leftovers)  # every staged byte is durable before any link
+            lost: set[str] = set()
+            folders: set[Path] = set()
+            for key, tmp in puts:
+                path = self.inner._path(key)
+                self.inner._ensure_dir(path.parent, folders)
+                folders.add(path.parent)
+                mutating_step()
+                moved = move_if_absent(tmp, path)
+                if moved is False:
+                    lost.add(key)  # another writer stored it first: same name, same bytes
+                elif moved:
+                    del leftovers[tmp]
+            # New entries (and new folders' entries in their parents) are durable before the
+            # caller writes a manifest naming them, and before a replacement can depend on them.
+            self.inner.sync_barrier(folders | {f.parent for f in folders})
+            for key, tmp, after in replaces:
+                if after is not None and after in lost:
+                    continue
+                mutating_step()
+                os.replace(tmp, self.inner._path(key))
+                del leftovers[tmp]
+            # No barrier for the replacements: the old and the new encoding decode to the same
+            # bytes and the new one's base is already durable, so losing the rename is harmless.
+        except OSError as exc:
+            raise storage_error(exc, "storing a commit's objects") from None
+        finally:
+            for tmp in leftovers:
+                self._unlink(tmp)

@@ -1,0 +1,66 @@
+"""Linux system calls the local backend uses when they exist, through ctypes, each with the
+portable fallback its caller needs: syncfs(2) and renameat2(2) with RENAME_NOREPLACE
+(sync_file_range(2) is in fsio.py, which checkout uses too)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _libc_function(name: str, argtypes: list[type] | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    if argtypes is not None:
+        fn.argtypes = argtypes
+    return fn
+
+
+_SYNCFS = _libc_function("syncfs")  # Linux (glibc, musl)
+_RENAMEAT2 = _libc_function(  # glibc 2.28+
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
+
+HAS_SYNCFS = _SYNCFS is not None
+
+
+def syncfs(path: Path) -> bool:
+    """Make everything written to ``path``'s filesystem durable. False when the platform or the
+    filesystem lacks syncfs (the caller then fsyncs file by file); OSError when it failed."""
+    if _SYNCFS is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _SYNCFS(fd) == 0:
+            return True
+        err = ctypes.get_errno()
+    finally:
+        os.close(fd)
+    if err in (errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err), str(path))
+
+
+def move_if_absent(src: Path, dst: Path) -> bool | None:
+    """Put ``src`` at ``dst`` unless ``dst`` exists (False). True: moved, ``src`` is gone;
+    None: linked (the fallback where renameat2's RENAME_NOREPLACE is missing), ``src`` stays.
+    Either way the check and the new entry are one atomic step, as put-if-absent needs."""
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(dst))
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    return None
