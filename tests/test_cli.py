@@ -96,6 +96,7 @@ def test_main_workflow(cli: Cli, tmp_path: Path) -> None:
     cli("branch", "-d", "exp")
     dry = cli("gc", "--keep-last", "1", "--dry-run").stdout
     assert "would delete commit " + ids[1][:12] + " epoch 1" in dry and "would free" in dry
+    assert dry.index(ids[0][:12]) < dry.index(ids[1][:12])  # oldest first, as a log reads
     assert json.loads(cli("stats", "--json").stdout) == stats
     assert "deleted commit " + ids[1][:12] in cli("gc", "--keep-last", "1").stdout
     after = json.loads(cli("stats", "--json").stdout)
