@@ -10,7 +10,6 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any
 
 from .graph import CommitGraph, kept_parents
@@ -107,7 +106,7 @@ def log(graph: CommitGraph, ref: str | None = None, limit: int | None = None,
     start = graph.resolve(ref or "HEAD")
     pruned = graph.pruned()
     seen = {start}
-    heap = [(_neg_time(graph.read_commit(start).time), start)]
+    heap = [(-graph.read_commit(start).timestamp, start)]
     out: list[LogEntry] = []
     while heap and (limit is None or len(out) < limit):
         _, oid = heapq.heappop(heap)
@@ -116,7 +115,7 @@ def log(graph: CommitGraph, ref: str | None = None, limit: int | None = None,
         for parent in kept_parents(commit.parents, pruned):  # older kept commits stay in the history
             if parent not in seen and graph.store.has(parent):
                 seen.add(parent)
-                heapq.heappush(heap, (_neg_time(graph.read_commit(parent).time), parent))
+                heapq.heappush(heap, (-graph.read_commit(parent).timestamp, parent))
         out.append(LogEntry(oid, commit, tuple(gone)))
     names = decorations(graph)
     top = ranked(out, *best)[:1] if best else []
@@ -173,10 +172,6 @@ def diff(graph: CommitGraph, a: str, b: str) -> Diff:
         out.append(TensorChange(key[0], key[1], status, cost.pop(key, 0), rel_l2))
     out.extend(TensorChange(k[0], k[1], "removed", 0) for k in old_items if k not in new_items)
     return Diff(a_id, b_id, out, headers)
-
-
-def _neg_time(time: str) -> float:
-    return -datetime.fromisoformat(time).timestamp()
 
 
 def _items(commit: Commit) -> dict[tuple[str, str | None], list[str]]:

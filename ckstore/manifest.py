@@ -101,6 +101,11 @@ class Commit:
         for f in self.files:
             yield from f.all_chunks()
 
+    @property
+    def timestamp(self) -> float:
+        """``time`` as seconds since the epoch (validated when the manifest was parsed)."""
+        return datetime.fromisoformat(self.time).timestamp()
+
     def decoded_metadata(self) -> dict[str, Any]:
         value = decode_value(self.metadata)
         if not isinstance(value, dict):

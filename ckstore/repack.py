@@ -21,7 +21,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import datetime
 
 from .codec import encode_chunk
 from .config import DEFAULT_MAX_DELTA_DEPTH
@@ -60,7 +59,7 @@ def plan(graph: CommitGraph, commits: Iterable[ObjectId], max_depth: int) -> dic
     has_child = {p for c in keep for p in graph.read_commit(c).parents}
     heads = sorted(keep - has_child)
     child: dict[ObjectId, ObjectId | None] = {h: None for h in heads}
-    heap = [(-datetime.fromisoformat(graph.read_commit(h).time).timestamp(), h) for h in heads]
+    heap = [(-graph.read_commit(h).timestamp, h) for h in heads]
     heapq.heapify(heap)
     result: dict[ObjectId, _Plan] = {}
     done: set[ObjectId] = set()
@@ -84,7 +83,7 @@ def plan(graph: CommitGraph, commits: Iterable[ObjectId], max_depth: int) -> dic
         for parent in commit.parents:
             if parent in keep and parent not in done:
                 child.setdefault(parent, oid)
-                heapq.heappush(heap, (-datetime.fromisoformat(graph.read_commit(parent).time).timestamp(), parent))
+                heapq.heappush(heap, (-graph.read_commit(parent).timestamp, parent))
     return result
 
 

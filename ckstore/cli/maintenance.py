@@ -55,7 +55,7 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
     # A commit made while gc waited for the lock, or one only an expired reflog entry named, is
     # named by its id alone.
     known = [(oid, doomed.get(oid)) for oid in deleted]
-    known.sort(key=lambda k: (k[1] is None, k[1].time if k[1] else "", k[0]))  # oldest first, as a log reads
+    known.sort(key=lambda k: (k[1] is None, k[1].timestamp if k[1] else 0.0, k[0]))  # oldest first
     if as_json:
         print_json({"dry_run": dry_run, "pruned_commits": [
             {"id": oid, "time": c.time if c else None, "message": c.message if c else None,
