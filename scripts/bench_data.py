@@ -7,6 +7,19 @@ exp_avg_sq per parameter, flattened into tensors, and the step count). Three run
 fine-tune, fp32 with the embeddings and the lower half of the encoder frozen, and bf16; each at
 25 and at 60 optimizer steps per epoch (more steps between checkpoints move the weights further,
 so deltas shrink less). Cached as ``OUT/s{steps}/{run}/epoch{N}/``.
+
+The bf16 run stores what pure-bf16 training stores: bf16 weights updated by torch's own AdamW on
+bf16 parameters, so exp_avg and exp_avg_sq are bf16 too (the step count fp32) and every update
+below half an ulp of a weight is lost, step by step. Only the forward and backward pass run in
+fp32 (``bf16_compute="fp32"``, the default, ``Bf16Weights``): on a CPU without AVX-512 BF16 the
+all-bf16 pass (``bf16_compute="bf16"``: ``model.to(torch.bfloat16)``, everything in bf16) takes
+~12 s a step against ~1 s. The gradient is the fp32 one rounded to bf16 instead of one computed
+in bf16 throughout; checked against the all-bf16 path on 2 epochs of 25 steps (same seeds):
+weights changed per epoch 6.59% / 2.81% (fast) against 6.60% / 2.83% (all-bf16), zeros in the
+AdamW moments 38.77% / 38.77% against 38.87% / 38.77%, the size of every tensor kind (weights,
+exp_avg, exp_avg_sq) under zstd -3 and under ckstore's whole and delta encodings within 0.001 of
+raw, and the two epochs encoded the way ckstore keeps them (newest whole, the older as a delta)
+103.4 MB against 103.3 MB. The files' metadata records the path (``bf16_compute``).
 """
 
 from __future__ import annotations
@@ -186,11 +199,11 @@ def cached_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str,
     return result
 
 
-def ensure_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str, list[Path]]:
-    """The epoch directories of every run at ``steps`` steps per epoch, training the runs not
-    already on disk."""
+def ensure_checkpoints(out: Path, epochs: int = 4, steps: int = 25, runs: tuple[str, ...] = RUNS) -> dict[str, list[Path]]:
+    """The epoch directories of ``runs`` at ``steps`` steps per epoch, training those not already
+    on disk."""
     cached = cached_checkpoints(out, epochs, steps)
-    return {run: cached.get(run) or train_run(run, out / f"s{steps}", epochs, steps) for run in RUNS}
+    return {run: cached.get(run) or train_run(run, out / f"s{steps}", epochs, steps) for run in runs}
 
 
 if __name__ == "__main__":
