@@ -108,6 +108,8 @@ def train_run(run: str, out: Path, epochs: int, steps: int, batch: int = 8, seq:
     # bytes measured on them) do not depend on the core count; and a shared machine's other work
     # cannot turn OpenMP's spinning workers into a 10x slowdown (measured: 2.4 s against 17.6 s
     # a step with the 2 cores busy). Restored after: the benchmark runs in the same process.
+    if bf16_compute not in ("fp32", "bf16"):
+        raise ValueError(f"bf16_compute must be 'fp32' or 'bf16', not {bf16_compute!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -123,8 +125,8 @@ class Bf16Weights:
     own AdamW updates, so the weights, ``exp_avg`` and ``exp_avg_sq`` are kept and rounded as
     bf16 exactly as in a pure-bf16 run (an update below half an ulp of a weight is lost). Only the
     forward and backward pass run in fp32 (on weights that are exactly the bf16 values, upcast),
-    and the gradient is rounded to bf16 before the step: a CPU without AVX-512 BF16 runs bf16
-    matmuls about 8x slower than fp32 ones. Quacks like the optimizer for ``train_epoch``.
+    and the gradient is rounded to bf16 before the step: on a CPU without AVX-512 BF16 a bf16
+    training step took about 10x as long as this one (~12 s against ~1 s). Quacks like the optimizer for ``train_epoch``.
     """
 
     def __init__(self, compute: torch.nn.Module, **adamw: float) -> None:
