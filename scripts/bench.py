@@ -188,6 +188,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 25 steps, 1 repetition, no sweeps")
     parser.add_argument("--reps", type=int, help="repetitions of every timing (default 3; 1 with --quick)")
     parser.add_argument("--steps", type=int, nargs="+", choices=STEPS, help="steps per epoch to measure (default all)")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
+                        help="fine-tune runs to measure (default all; the page then holds only these)")
     parser.add_argument("--extras", action="store_true",
                         help="also the chunk-size/zstd-level/delta-depth sweeps and the exhaustive-encoding estimate")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -210,8 +212,9 @@ def main() -> None:
     # 271 MB state 4.2 s against 1.1 s); training processes set their own count.
     torch.set_num_threads(args.torch_threads)
     started = time.perf_counter()
-    prepare = cached_checkpoints if args.only_cached else ensure_checkpoints
-    data = {steps: prepare(work / "checkpoints", steps=steps) for steps in steps_list}
+    runs = tuple(args.runs)
+    data = {steps: cached_checkpoints(work / "checkpoints", steps=steps) if args.only_cached
+            else ensure_checkpoints(work / "checkpoints", steps=steps, runs=runs) for steps in steps_list}
     trained = time.perf_counter() - started
     load = Load()
     # The memory tests and the machine limits use the biggest checkpoints measured.
@@ -225,7 +228,7 @@ def main() -> None:
 
     results: dict[tuple[int, str], dict] = {}
     # With --only-cached a run still training elsewhere is tried again after the others.
-    queue = [(steps, run, False) for steps in steps_list for run in RUNS]
+    queue = [(steps, run, False) for steps in steps_list for run in RUNS if run in runs]
     missing = []
     while queue:
         steps, run, retried = queue.pop(0)
