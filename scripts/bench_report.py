@@ -47,7 +47,7 @@ def intro(ctx: Context) -> str:
         "(lr 2e-5, batches of 8 synthetic sentence pairs) at "
         + " and ".join(f"{s}" for s in ctx.steps)
         + " steps per epoch, in three runs: fp32 full fine-tune, fp32 with the embeddings and the lower 3 of 6 "
-        "layers frozen, and bf16. Each epoch saves `model.safetensors` and `optimizer.safetensors` (exp_avg, "
+        "layers frozen, and bf16 (bf16 weights and AdamW state, forward and backward computed in fp32: scripts/bench_data.py). Each epoch saves `model.safetensors` and `optimizer.safetensors` (exp_avg, "
         "exp_avg_sq, step per parameter)."
         + (f" **Not measured in this run** (checkpoints not cached, `--only-cached`): {', '.join(ctx.missing)}."
            if ctx.missing else ""),
