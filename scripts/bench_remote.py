@@ -1,6 +1,6 @@
 """Remotes (issue 12): push and clone throughput, requests and bytes per pushed epoch, lazy reads.
 
-    python scripts/bench_remote.py [--mib 96] [--epochs 3] [--write-docs docs/benchmarks.md]
+    python scripts/bench_remote.py [--mib 96] [--epochs 3] [--repeat 3] [--write-docs docs/benchmarks.md]
 
 Starts the bundled SeaweedFS server on 127.0.0.1 (ckstore/remote/testserver.py), then:
 
@@ -9,7 +9,9 @@ Starts the bundled SeaweedFS server on 127.0.0.1 (ckstore/remote/testserver.py),
    through a counting proxy (tests/remote/faultproxy.py) so every request is seen: requests per
    pushed epoch, and bytes sent against what that commit added to the local store;
 2. push and clone throughput against the same client (obstore, same settings) uploading and
-   downloading the same bytes as plain objects of the same sizes, directly to the server;
+   downloading the same bytes as plain objects of the same sizes, directly to the server; each
+   measured ``--repeat`` times, interleaved with its baseline (push, plain upload, clone, plain
+   download, again), and the medians reported (the machine may be shared);
 3. a lazy ``checkout --only 'model.*' --remote`` of the newest epoch from an empty repository:
    bytes read from the remote against the model tensors' stored bytes.
 """
@@ -20,6 +22,7 @@ import argparse
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -73,8 +76,8 @@ def plain_transfer(server_env: dict[str, str], endpoint: str, bucket: str, sizes
     return up, time.perf_counter() - start
 
 
-def run(work: Path, mib: int, epochs: int) -> dict[str, object]:
-    out: dict[str, object] = {"mib": mib, "epochs": epochs}
+def run(work: Path, mib: int, epochs: int, repeat: int) -> dict[str, object]:
+    out: dict[str, object] = {"mib": mib, "epochs": epochs, "repeat": repeat}
     (work / "server").mkdir()
     with seaweedfs(work / "server") as server, FaultProxy(server.endpoint) as proxy:
         os.environ.update({"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
@@ -96,31 +99,38 @@ def run(work: Path, mib: int, epochs: int) -> dict[str, object]:
                          "requests": len(proxy.seen), "seconds": seconds,
                          "puts": sum(1 for s in proxy.seen if s.method == "PUT")})
             if e == 1:
-                # Throughput is measured on a second push of the same epoch straight to the server
-                # (the counting proxy is a Python HTTP relay: it would dominate the time).
+                # Throughput is measured on pushes of the same epoch straight to the server (the
+                # counting proxy is a Python HTTP relay: it would dominate the time).
                 direct = Repo.init(work / "direct")
                 direct.commit(work / "ckpt", message="epoch 1")
-                direct.add_remote("origin", f"s3://{server.bucket}/direct/{uuid.uuid4().hex}", server.endpoint)
-                start = time.perf_counter()
-                d = direct.push()
-                push_seconds, push_bytes, first_sizes = time.perf_counter() - start, d.bytes, d.pack_sizes
+                direct.wait()
             print(rows[-1], flush=True)
         out["rows"] = rows
         packs = sorted(i.size for i in S3Transport(server.bucket, url.split("/", 3)[3], None,
                                                    env={**server.env, "AWS_ENDPOINT_URL": server.endpoint}).list("packs/"))
-        # The plain baseline moves the first push's bytes as objects of its packs' sizes.
-        sizes = first_sizes
-        up, _ = plain_transfer(server.env, server.endpoint, server.bucket, sizes)
         repo.remove_remote("origin")
         repo.add_remote("origin", url, server.endpoint)  # clone and lazy reads straight to the server
-        start = time.perf_counter()
-        clone = Repo.clone(url, work / "b", endpoint_url=server.endpoint)
-        clone_seconds = time.perf_counter() - start
-        clone_bytes = sum(packs)
-        _, down_all = plain_transfer(server.env, server.endpoint, server.bucket, packs)
-        assert clone.fsck() == []
-        out.update(push_seconds=push_seconds, push_bytes=push_bytes, plain_up=up, clone_seconds=clone_seconds,
-                   clone_bytes=clone_bytes, plain_down=down_all)
+        pushes, ups, clones, downs = [], [], [], []
+        for i in range(repeat):
+            # The plain baseline moves the push's bytes as objects of its packs' sizes.
+            direct.add_remote(f"r{i}", f"s3://{server.bucket}/direct/{uuid.uuid4().hex}", server.endpoint)
+            start = time.perf_counter()
+            d = direct.push(f"r{i}")
+            pushes.append(time.perf_counter() - start)
+            push_bytes = d.bytes
+            ups.append(plain_transfer(server.env, server.endpoint, server.bucket, d.pack_sizes)[0])
+            start = time.perf_counter()
+            clone = Repo.clone(url, work / f"b{i}", endpoint_url=server.endpoint)
+            clones.append(time.perf_counter() - start)
+            downs.append(plain_transfer(server.env, server.endpoint, server.bucket, packs)[1])
+            assert clone.fsck() == []
+            shutil.rmtree(work / f"b{i}")
+            print(f"push {pushes[-1]:.3f} s, plain up {ups[-1]:.3f} s; clone {clones[-1]:.3f} s, "
+                  f"plain down {downs[-1]:.3f} s", flush=True)
+        med = statistics.median
+        out.update(push_seconds=med(pushes), push_bytes=push_bytes, plain_up=med(ups), clone_seconds=med(clones),
+                   clone_bytes=sum(packs), plain_down=med(downs), push_ratios=[u / p for u, p in zip(ups, pushes)],
+                   clone_ratios=[d / c for d, c in zip(downs, clones)])
         lazy_repo = Repo.init(work / "c")
         lazy_repo.add_remote("origin", url, server.endpoint)
         lazy = lazy_repo.use_remote("origin")
@@ -198,11 +208,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mib", type=int, default=96, help="MiB of tensors per epoch")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="throughput runs (medians reported)")
     p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Remotes' section of FILE")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckstore-remote-bench-"))
     try:
-        results = run(work, args.mib, args.epochs)
+        results = run(work, args.mib, args.epochs, args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = report(results)
