@@ -139,6 +139,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         except BaseException:
             batches.abandon()
             raise
+        batches.lander.shutdown()
     # The commits only once every object is durable, oldest first, each durable before the next:
     # a commit here always has its objects and its history.
     for oid in order:

@@ -148,3 +148,58 @@ def test_push_refuses_a_locally_damaged_object(tmp_path: Path, remote_url: tuple
     assert err.value.exit_code == 4
     assert "not sent" in str(err.value)
     assert list(_transport(url, request).list("refs/")) == []  # nothing published
+
+
+class Interrupted(BaseException):
+    """Raised by the step observer: the fetch stops there, as a crash would."""
+
+
+def test_an_interrupted_fetch_keeps_the_batches_that_landed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Objects land in rolling batches before any commit names them: a fetch stopped halfway
+    leaves no commit, and the next fetch downloads only the objects that had not landed."""
+    from ckstore import fetch as fetch_module
+    from ckstore import fsio
+
+    url = str(tmp_path / "remote")
+    a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))
+    a.add_remote("origin", url)
+    a.push()
+    monkeypatch.setattr(fetch_module, "LAND_BATCH", 1)  # every object lands on its own
+    steps = 0
+
+    def count() -> None:
+        nonlocal steps
+        steps += 1
+
+    fsio.observe_steps(count)
+    try:
+        full = Repo.clone(url, tmp_path / "full").fetch()  # nothing left: a second fetch is empty
+    finally:
+        fsio.observe_steps(None)
+    first = Repo.clone(url, tmp_path / "ref")
+    total = sum(1 for _ in first.store.iter_ids())
+    assert full.objects == 0 and steps > 20
+
+    b = Repo.init(tmp_path / "b")
+    b.add_remote("origin", url)
+    seen = 0
+
+    def stop_halfway() -> None:
+        nonlocal seen
+        seen += 1
+        if seen == steps // 2:
+            raise Interrupted()
+
+    fsio.observe_steps(stop_halfway)
+    try:
+        with pytest.raises(Interrupted):
+            b.fetch()
+    finally:
+        fsio.observe_steps(None)
+    b = Repo(tmp_path / "b")
+    landed = sum(1 for _ in b.store.iter_ids())
+    assert 0 < landed < total and not any(b.store.has(oid) for oid in ids)
+    assert b.fsck() == []
+    report = b.fetch()
+    assert report.objects == total - landed and report.commits == len(ids)
+    assert b.fsck(read_data=True) == [] and b.resolve("origin/main") == ids[-1]
