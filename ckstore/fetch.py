@@ -1,13 +1,16 @@
 """``fetch``, ``pull`` and ``clone``: bring a remote's commits and the objects they need here.
 
-Every object is verified on arrival, before any ref names it: a commit is decoded and re-hashed
-in memory as soon as its bytes come; its chunks (and the delta bases they need) are decoded and
-re-hashed in memory as they arrive (``_Lander``) and only then staged in a ``Backend.batch``, so a
-corrupt or truncated remote object raises an IntegrityError naming the object and its pack and
-nothing of that batch lands. Commits land oldest first in groups of about LAND_GROUP bytes, each
-commit object written only after its group's batch made every object it needs durable, so the
-local invariant holds at every moment (a commit present means its objects are present) and an interrupted fetch resumes where it stopped: a commit already here is never
-fetched again.
+Every object is checked on arrival, before any ref names it: a commit is decoded and re-hashed
+in memory as soon as its bytes come; its chunks (and the delta bases they need) are checked as
+they arrive (``_Lander``: against the BLAKE3 of their stored bytes that a version 2 pack index
+records, which the pusher wrote only after decoding and re-hashing them; by decoding and
+re-hashing them for a version 1 pack) and only then staged in rolling ``Backend.batch``es that
+land on a background thread while later packs download. A corrupt or truncated remote object
+raises an IntegrityError naming the object and its pack. The commit objects are written last,
+oldest first, once every batch landed, so the local invariant holds at every moment (a commit
+present means its objects and its history are present) and an interrupted fetch resumes where
+it stopped: a commit already here is never fetched again, and objects that landed are skipped.
+Every later read decodes and verifies each object again (store.py), as does ``fsck``.
 
 Remote-tracking refs ``refs/remotes/NAME/BRANCH`` (resolvable as ``NAME/BRANCH``) record each
 remote branch as last seen; remote tags become local tags unless a local tag of that name exists.
@@ -19,6 +22,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from .codec import Kind, decode, delta_base
@@ -33,9 +37,10 @@ from .remotes import TRACKING, add, open_remote, tracking_ref
 from .store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, MAX_COMMIT_SIZE, ObjectStore, object_key
 
 READ_WORKERS = 4
-# Commits land in batches of about this many fetched bytes: each batch costs two durability
-# barriers, and an interrupted fetch loses at most the batch in flight.
-LAND_GROUP = 256 << 20
+# Objects land in batches of about this many bytes, each on a background thread while later
+# packs download: a batch costs two durability barriers, and an interrupted fetch loses at most
+# the batches not landed yet (the next fetch skips objects that landed).
+LAND_BATCH = 64 << 20
 # Downloads pause while verification workers hold this many stored bytes (memory stays bounded).
 MAX_IN_FLIGHT = 64 << 20
 
@@ -121,24 +126,27 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         pruned = graph.pruned()
         graph.write_pruned({**pruned, **{b: pruned.get(b, tuple(theirs.get(b, ()))) for b in boundary}})
     order = _oldest_first(commits)
-    # Decoding and hashing release the GIL: every core verifies, while the next packs download.
+    # Hashing, decoding and staging writes release the GIL: every core works while the next
+    # packs download, and full batches land on another thread meanwhile.
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="verify") as pool:
-        while order:
-            # A group of commits lands in one batch (two durability barriers): all of it or none.
-            group: list[ObjectId] = []
-            with store.batch() as view:
-                lander = _Lander(view, remote, where, pool, report)
-                while order and lander.queued_bytes < LAND_GROUP:
-                    oid = order.pop(0)
-                    lander.want_commit(oid, commits[oid])
-                    group.append(oid)
-                lander.run()
-            # The commits only once their objects are durable (a batch lands in no set order).
-            for oid in group:
-                store.backend.put_if_absent(object_key(oid), stored[oid])
-                graph.remember(oid, commits[oid])
-                report.commits += 1
-                report.objects += 1
+        batches = _Batches(store)
+        try:
+            lander = _Lander(store, batches, remote, where, pool, report)
+            for oid in order:
+                lander.want_commit(oid, commits[oid])
+            lander.run()
+            batches.land_all()
+        except BaseException:
+            batches.abandon()
+            raise
+        batches.lander.shutdown()
+    # The commits only once every object is durable, oldest first, each durable before the next:
+    # a commit here always has its objects and its history.
+    for oid in order:
+        store.backend.put_if_absent(object_key(oid), stored[oid])
+        graph.remember(oid, commits[oid])
+        report.commits += 1
+        report.objects += 1
 
 
 def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
@@ -160,21 +168,99 @@ def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
     return out
 
 
-class _Lander:
-    """The objects a group of commits needs, into the batch ``view``: downloaded a few packs at a
-    time, each object decoded and re-hashed in memory on a worker as soon as it arrives (while
-    later packs download), then staged. Nothing is staged unverified, and the batch becomes
-    durable only after ``run`` returned, so a failure leaves nothing of it behind.
+class _Batch:
+    """One open ``Backend.batch`` and the staging writes still going into it."""
 
-    A delta whose base is in the same batch waits for that base's verification and is decoded
-    against the base's raw bytes kept in memory (only while a waiting delta needs them); a base
-    already here is read through the store, which verifies it. Chains are bounded as a local
-    read bounds them (store.MAX_CHAIN_DEPTH), so nothing lands that the store would refuse.
+    def __init__(self, store: ObjectStore) -> None:
+        self.stack = ExitStack()
+        self.view = self.stack.enter_context(store.batch())
+        self.bytes = 0
+        self.writers = 0
+
+
+class _Batches:
+    """Rolling batches: verified objects are staged into the open batch; once it holds LAND_BATCH
+    bytes it is closed and lands (two durability barriers, the links between them) on a
+    background thread, in order, while downloads go on. A landed object is durable but no commit
+    names it until ``land_all``; a failure discards every batch not landed yet."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.lock = threading.Condition()
+        self.current = _Batch(store)
+        self.lander = ThreadPoolExecutor(1, thread_name_prefix="land")
+        self.landing: list[Future[None]] = []
+        self.failed = False
+
+    def put(self, oid: str, data: bytes) -> None:
+        with self.lock:
+            batch = self.current
+            batch.writers += 1
+        try:
+            batch.view.backend.put_if_absent(object_key(oid), data)
+        finally:
+            with self.lock:
+                batch.writers -= 1
+                batch.bytes += len(data)
+                self.lock.notify_all()
+        if batch.bytes >= LAND_BATCH:
+            self.roll(batch)
+
+    def roll(self, batch: _Batch | None = None) -> None:
+        """Close the open batch (if it is still ``batch``) and queue it to land."""
+        with self.lock:
+            if batch is not None and batch is not self.current:
+                return
+            closed, self.current = self.current, _Batch(self.store)
+            self.landing.append(self.lander.submit(self._land, closed))
+
+    def _land(self, batch: _Batch) -> None:
+        with self.lock:
+            while batch.writers:
+                self.lock.wait()
+            failed = self.failed
+        if failed:
+            batch.stack.__exit__(CkstoreError, CkstoreError("fetch failed"), None)  # discards it
+        else:
+            batch.stack.close()
+
+    def land_all(self) -> None:
+        """Make every object staged so far durable (returns once every batch has landed)."""
+        self.roll()
+        for fut in list(self.landing):
+            fut.result()
+
+    def abandon(self) -> None:
+        """After a failure: discard what has not landed; return once no batch is landing."""
+        with self.lock:
+            self.failed = True
+            self.landing.append(self.lander.submit(self._land, self.current))
+        for fut in self.landing:
+            try:
+                fut.result()
+            except BaseException:
+                pass  # the first error is the one raised
+        self.lander.shutdown()
+
+
+class _Lander:
+    """The objects of the commits wanted, into rolling batches: downloaded a few packs at a time,
+    each object checked on a worker as soon as it arrives (while later packs download), then
+    staged. An object from a version 2 pack was checked against its entry's digest as it was
+    read (``RemoteRepo.read_objects``); one from a version 1 pack is decoded and re-hashed here.
+    Nothing is staged unchecked, and no commit is written before ``run`` returned and every
+    batch landed, so a failure leaves no commit naming anything missing.
+
+    A version 1 delta whose base came in this fetch waits for that base's verification and is
+    decoded against the base's raw bytes kept in memory (only while a waiting delta needs them);
+    otherwise its base is read through the store, which verifies it. Chains are bounded as a
+    local read bounds them (store.MAX_CHAIN_DEPTH), so nothing lands that the store would refuse.
     """
 
-    def __init__(self, view: ObjectStore, remote: RemoteRepo, where: dict[str, Located],
+    def __init__(self, view: ObjectStore, batches: _Batches, remote: RemoteRepo, where: dict[str, Located],
                  pool: ThreadPoolExecutor, report: FetchReport) -> None:
         self.view, self.remote, self.where, self.pool, self.report = view, remote, where, pool, report
+        self.batches = batches
         self.queued: dict[str, str] = {}  # object -> the commit that first needed it (for errors)
         self.queued_bytes = 0
         self.origin: dict[str, str] = {}  # object -> pack id, every object downloaded here
@@ -215,7 +301,9 @@ class _Lander:
                     self.report.objects += 1
                     todo += self._arrive(o, pack_id, data)
             self._drain()
-            for item in self.late:  # every base is staged now
+            if self.late:
+                self.batches.land_all()  # their bases' chains came in this fetch: readable once landed
+            for item in self.late:
                 self._submit(*item, wait=False)
             self._drain()
         except BaseException:
@@ -288,19 +376,25 @@ class _Lander:
                     self.needed[base_id] -= 1
                     if not self.needed[base_id]:
                         del self.needed[base_id], self.raws[base_id]
+            if raw is None and base_id in self.origin:
+                self.batches.land_all()  # it came in this fetch: readable once its batch landed
             return raw if raw is not None else self.view.get_chunk(base_id, length, f" (delta base of {o})")
 
-        try:
-            raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=fetch_base)
-        except CkstoreError as exc:
-            raise self._fail(o, pack_id, str(exc)) from None
-        if chunk_id(raw) != o:
-            raise self._fail(o, pack_id, "its bytes do not hash to its name")
-        self.view.backend.put_if_absent(object_key(o), data)
+        raw: bytes | None = None
+        if self.where[o].entry.digest is None:  # a version 1 pack: only decoding can check it
+            try:
+                raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=fetch_base)
+            except CkstoreError as exc:
+                raise self._fail(o, pack_id, str(exc)) from None
+            if chunk_id(raw) != o:
+                raise self._fail(o, pack_id, "its bytes do not hash to its name")
+        # Else the bytes matched their entry's digest as they arrived (read_objects): they are
+        # the bytes the pusher decoded, re-hashed and sent; reads decode and verify them again.
+        self.batches.put(o, data)
         with self.lock:
             self.depth[o] = depth
             released = self.waiting.pop(o, [])
-            if o in self.needed:
+            if raw is not None and o in self.needed:
                 self.raws[o] = raw
         for item in released:
             self._submit(*item, wait=False)

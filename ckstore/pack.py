@@ -5,14 +5,19 @@ wrong grain for object storage (a 10 GB checkpoint would be ~10,000 requests) an
 drives. A pack is the concatenation of stored objects exactly as the loose store holds them
 (codec.py: 16-byte header + body, never re-encoded), framed by a small header and followed by
 its own table of contents; a separate index file repeats that table with the pack's name and
-size, so a client learns what every pack holds by fetching only indexes (~40 bytes an object),
+size, so a client learns what every pack holds by fetching only indexes (72 bytes an object),
 and reads any one object with a single ranged GET. docs/format.md ("Remote repositories and
 packs") is the normative layout; in short:
 
     pack  = "CKPK" ver 0 0 0 | object ... object | table | trailer
-    table = count x (id[32] offset u32 length u32), sorted by id
+    table = count x (id[32] offset u32 length u32 blake3(stored bytes)[32]), sorted by id
     trailer = count u32 | ver u8 | 0 0 0 | blake3(table)[32] | "CKPK"
     index = "CKPI" ver 0 0 0 | pack id[32] | pack size u64 | count u32 | 0 0 0 0 | table | blake3[32]
+
+Version 2 (written now) records in each entry the BLAKE3 of the object's stored bytes, so a
+reader checks what a ranged read returned with one hash of those bytes, without decoding them
+(docs/design.md, "Verification on arrival"); version 1 entries lack it (40 bytes, not 72) and
+stay readable: their objects are checked by decoding them, as before.
 
 Why a table inside the pack as well as the index file (restic does the same): the pack alone
 is then self-describing, so a lost or damaged index is rebuilt from the pack's tail with one or
@@ -40,9 +45,12 @@ from .ids import is_object_id
 
 PACK_MAGIC = b"CKPK"
 INDEX_MAGIC = b"CKPI"
-PACK_VERSION = 1
+PACK_VERSION = 2  # what writers write
 PACK_HEADER = struct.Struct("<4sB3s")
-ENTRY = struct.Struct("<32sII")
+ENTRY_V1 = struct.Struct("<32sII")
+ENTRY = struct.Struct("<32sII32s")
+# Entry layout by version: readers accept both.
+ENTRIES = {1: ENTRY_V1, 2: ENTRY}
 TRAILER = struct.Struct("<IB3s32s4s")
 INDEX_HEADER = struct.Struct("<4sB3s32sQI4s")
 CHECKSUM_SIZE = 32
@@ -70,6 +78,8 @@ class PackEntry:
     id: str
     offset: int
     length: int
+    # BLAKE3-256 of the stored bytes (pack version 2); None in a version 1 pack.
+    digest: bytes | None = None
 
     @property
     def end(self) -> int:
@@ -83,6 +93,7 @@ class PackIndex:
     pack_id: str
     pack_size: int
     entries: tuple[PackEntry, ...]
+    version: int = PACK_VERSION
     _by_id: dict[str, PackEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,7 +113,7 @@ class PackIndex:
 
     def to_bytes(self) -> bytes:
         """The index file for this pack (section "Pack index" of docs/format.md)."""
-        return encode_index(self.pack_id, self.pack_size, self.entries)
+        return encode_index(self.pack_id, self.pack_size, self.entries, self.version)
 
 
 @dataclass(frozen=True)
@@ -118,16 +129,21 @@ class BuiltPack:
         return self.index.pack_id
 
 
-def _table_bytes(entries: Iterable[PackEntry]) -> bytes:
-    return b"".join(ENTRY.pack(bytes.fromhex(e.id), e.offset, e.length) for e in entries)
+def _table_bytes(entries: Iterable[PackEntry], version: int) -> bytes:
+    if version == 1:
+        return b"".join(ENTRY_V1.pack(bytes.fromhex(e.id), e.offset, e.length) for e in entries)
+    rows = list(entries)
+    if any(e.digest is None for e in rows):
+        raise ValueError(f"a version {version} table needs every entry's digest")
+    return b"".join(ENTRY.pack(bytes.fromhex(e.id), e.offset, e.length, e.digest) for e in rows)
 
 
-def encode_index(pack_id: str, pack_size: int, entries: Iterable[PackEntry]) -> bytes:
+def encode_index(pack_id: str, pack_size: int, entries: Iterable[PackEntry], version: int = PACK_VERSION) -> bytes:
     """Index file bytes; ``entries`` must be sorted by id (PackIndex.entries always are)."""
     rows = list(entries)
     body = INDEX_HEADER.pack(
-        INDEX_MAGIC, PACK_VERSION, _ZERO3, bytes.fromhex(pack_id), pack_size, len(rows), _ZERO4,
-    ) + _table_bytes(rows)
+        INDEX_MAGIC, version, _ZERO3, bytes.fromhex(pack_id), pack_size, len(rows), _ZERO4,
+    ) + _table_bytes(rows, version)
     return body + blake3.blake3(body).digest()
 
 
@@ -168,8 +184,9 @@ class PackBuilder:
         grown = self.size + length + ENTRY.size
         return not self._entries and grown <= MAX_PACK_SIZE or grown <= self.target_size
 
-    def add(self, oid: str, stored: bytes | memoryview) -> PackEntry:
-        """Append one stored object (its exact stored bytes) named ``oid``."""
+    def add(self, oid: str, stored: bytes | memoryview, digest: bytes | None = None) -> PackEntry:
+        """Append one stored object (its exact stored bytes) named ``oid``; ``digest`` is the
+        BLAKE3 of ``stored`` when the caller has it already (hashed here otherwise)."""
         if not is_object_id(oid):
             raise ValueError(f"invalid object id {oid!r}")
         if oid in self._entries:
@@ -183,7 +200,7 @@ class PackBuilder:
             parse_header(stored)
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
-        entry = PackEntry(oid, self._end, length)
+        entry = PackEntry(oid, self._end, length, digest if digest is not None else blake3.blake3(stored).digest())
         self._parts.append(stored)
         self._entries[oid] = entry
         self._end += length
@@ -193,7 +210,7 @@ class PackBuilder:
         if not self._entries:
             raise ValueError("an empty pack cannot be written")
         entries = tuple(sorted(self._entries.values(), key=lambda e: e.id))
-        table = _table_bytes(entries)
+        table = _table_bytes(entries, PACK_VERSION)
         trailer = TRAILER.pack(len(entries), PACK_VERSION, _ZERO3, blake3.blake3(table).digest(), PACK_MAGIC)
         data = b"".join([*self._parts, table, trailer])
         index = PackIndex(blake3.blake3(data).hexdigest(), len(data), entries)
@@ -201,22 +218,22 @@ class PackBuilder:
 
 
 def pack_objects(
-    objects: Iterable[tuple[str, bytes | memoryview]], target_size: int = DEFAULT_TARGET_SIZE,
+    objects: Iterable[tuple[str, bytes | memoryview] | tuple[str, bytes | memoryview, bytes]],
+    target_size: int = DEFAULT_TARGET_SIZE,
 ) -> Iterator[BuiltPack]:
-    """Group (id, stored bytes) pairs into packs of about ``target_size`` bytes, in order.
-
-    A repeated id is stored once (the first time it appears).
+    """Group (id, stored bytes[, their BLAKE3]) into packs of about ``target_size`` bytes, in
+    order. A repeated id is stored once (the first time it appears).
     """
     builder = PackBuilder(target_size)
     seen: set[str] = set()
-    for oid, stored in objects:
+    for oid, stored, *digest in objects:
         if oid in seen:
             continue
         seen.add(oid)
         if not builder.fits(len(stored)):
             yield builder.finish()
             builder = PackBuilder(target_size)
-        builder.add(oid, stored)
+        builder.add(oid, stored, *digest)
     if len(builder):
         yield builder.finish()
 
@@ -228,19 +245,20 @@ def _fail(what: str, reason: str) -> IntegrityError:
     return IntegrityError(f"{what} is corrupt: {reason}")
 
 
-def _parse_table(table: bytes | memoryview, count: int, data_end: int, what: str) -> tuple[PackEntry, ...]:
+def _parse_table(table: bytes | memoryview, count: int, data_end: int, what: str, version: int) -> tuple[PackEntry, ...]:
     """Entries of a table whose objects must tile ``[PACK_HEADER.size, data_end)`` exactly."""
-    assert len(table) == count * ENTRY.size
+    layout = ENTRIES[version]
+    assert len(table) == count * layout.size
     entries = []
     previous = b""
-    for raw_id, offset, length in ENTRY.iter_unpack(table):
+    for raw_id, offset, length, *digest in layout.iter_unpack(table):
         if raw_id <= previous:
             reason = "an object is listed twice" if raw_id == previous else "entries are not sorted by object id"
             raise _fail(what, reason)
         previous = raw_id
         if length < HEADER_SIZE or length > MAX_OBJECT_LENGTH:
             raise _fail(what, f"object {raw_id.hex()} has impossible length {length}")
-        entries.append(PackEntry(raw_id.hex(), offset, length))
+        entries.append(PackEntry(raw_id.hex(), offset, length, *digest))
     expected = PACK_HEADER.size
     for e in sorted(entries, key=lambda e: e.offset):
         if e.offset != expected:
@@ -258,7 +276,7 @@ def _check_frame(what: str, part: str, magic_ok: bool, version: int, reserved_ok
     """The fixed fields of a pack header, pack trailer or index header."""
     if not magic_ok:
         raise _fail(what, f"its {part} lacks the magic bytes")
-    if version != PACK_VERSION:
+    if version not in ENTRIES:
         raise _fail(what, f"unknown version {version} in its {part}")
     if not reserved_ok:
         raise _fail(what, f"reserved bytes of its {part} are not zero")
@@ -272,7 +290,7 @@ def _check_count(count: int, what: str) -> None:
 def _check_size(size: int, what: str) -> None:
     if size > MAX_PACK_SIZE:
         raise _fail(what, f"size {size} exceeds the limit {MAX_PACK_SIZE}")
-    if size < PACK_HEADER.size + HEADER_SIZE + ENTRY.size + TRAILER.size:
+    if size < PACK_HEADER.size + HEADER_SIZE + ENTRY_V1.size + TRAILER.size:
         raise _fail(what, f"size {size} is too small for a pack of one object")
 
 
@@ -289,7 +307,7 @@ def parse_index(data: bytes | memoryview, pack_id: str | None = None) -> PackInd
     what = f"index of pack {raw_pack.hex()}"
     _check_count(count, what)
     _check_size(size, what)
-    expected_len = INDEX_HEADER.size + count * ENTRY.size + CHECKSUM_SIZE
+    expected_len = INDEX_HEADER.size + count * ENTRIES[version].size + CHECKSUM_SIZE
     if len(view) != expected_len:
         raise _fail(what, f"it is {len(view)} bytes, its count of {count} objects implies {expected_len}")
     body = view[:-CHECKSUM_SIZE]
@@ -297,8 +315,8 @@ def parse_index(data: bytes | memoryview, pack_id: str | None = None) -> PackInd
         raise _fail(what, "checksum mismatch")
     table = view[INDEX_HEADER.size:-CHECKSUM_SIZE]
     data_end = size - len(table) - TRAILER.size
-    entries = _parse_table(table, count, data_end, what)
-    return PackIndex(raw_pack.hex(), size, entries)
+    entries = _parse_table(table, count, data_end, what, version)
+    return PackIndex(raw_pack.hex(), size, entries, version)
 
 
 def tail_length(trailer: bytes | memoryview, pack_size: int, pack_id: str) -> int:
@@ -311,7 +329,7 @@ def tail_length(trailer: bytes | memoryview, pack_size: int, pack_id: str) -> in
     count, version, reserved, _, magic = TRAILER.unpack_from(trailer, len(trailer) - TRAILER.size)
     _check_frame(what, "trailer", magic == PACK_MAGIC, version, reserved == _ZERO3)
     _check_count(count, what)
-    needed = TRAILER.size + count * ENTRY.size
+    needed = TRAILER.size + count * ENTRIES[version].size
     if PACK_HEADER.size + count * HEADER_SIZE + needed > pack_size:
         raise _fail(what, f"{count} objects cannot fit in {pack_size} bytes")
     return needed
@@ -330,16 +348,17 @@ def index_from_tail(tail: bytes | memoryview, pack_size: int, pack_id: str) -> P
         raise ValueError(f"need the last {needed} bytes of the pack, got {len(view)}")
     if len(view) > pack_size:
         raise ValueError("tail is longer than the pack")
-    count, _, _, checksum, _ = TRAILER.unpack_from(view, len(view) - TRAILER.size)
+    count, version, _, checksum, _ = TRAILER.unpack_from(view, len(view) - TRAILER.size)
     table = view[len(view) - needed:len(view) - TRAILER.size]
     if blake3.blake3(table).digest() != checksum:
         raise _fail(what, "table checksum mismatch")
-    entries = _parse_table(table, count, pack_size - needed, what)
-    return PackIndex(pack_id, pack_size, entries)
+    entries = _parse_table(table, count, pack_size - needed, what, version)
+    return PackIndex(pack_id, pack_size, entries, version)
 
 
 def parse_pack(data: bytes | memoryview, pack_id: str | None = None) -> PackIndex:
-    """Validate a whole pack: its name (when given), framing, table, and every object's header.
+    """Validate a whole pack: its name (when given), framing, table, and every object's header
+    and (version 2) recorded digest.
 
     Objects are not decoded here (a delta needs its base, which may be in another pack); the
     store decodes and re-hashes each one when it is used.
@@ -353,11 +372,14 @@ def parse_pack(data: bytes | memoryview, pack_id: str | None = None) -> PackInde
     magic, version, reserved = PACK_HEADER.unpack_from(view)
     _check_frame(what, "header", magic == PACK_MAGIC, version, reserved == _ZERO3)
     index = index_from_tail(view[len(view) - tail_length(view, len(view), digest):], len(view), digest)
+    if index.version != version:
+        raise _fail(what, f"its header says version {version}, its trailer {index.version}")
     for e in index.entries:
         try:
             parse_header(view[e.offset:e.offset + HEADER_SIZE])
         except IntegrityError as exc:
             raise _fail(what, f"object {e.id}: {exc}") from None
+        check_read(view[e.offset:e.end], e, what[len("pack "):])
     return index
 
 
@@ -369,11 +391,20 @@ def object_bytes(pack: bytes | memoryview, entry: PackEntry) -> memoryview:
     return view[entry.offset:entry.end]
 
 
-def check_read(data: bytes | memoryview, entry: PackEntry, pack_id: str) -> None:
-    """Refuse a ranged read of one object that came back short (a truncated pack): the
-    transport returns fewer bytes when the object ends early, never an error."""
+def check_read(data: bytes | memoryview, entry: PackEntry, pack_id: str) -> bool:
+    """Refuse a ranged read of one object that came back short (a truncated pack: the
+    transport returns fewer bytes when the object ends early, never an error), or whose bytes
+    differ from the digest its entry records (pack version 2). True when the bytes were checked
+    against a digest: they are exactly what the pusher verified and sent; False for a version 1
+    entry, whose object only decoding can check."""
     if len(data) != entry.length:
         raise IntegrityError(
             f"pack {pack_id} is truncated: object {entry.id} at offset {entry.offset} should be "
             f"{entry.length} bytes, read {len(data)}"
         )
+    if entry.digest is None:
+        return False
+    if blake3.blake3(data).digest() != entry.digest:
+        raise IntegrityError(f"object {entry.id} is corrupt: its stored bytes in pack {pack_id} do not match "
+                             "the digest its index records")
+    return True

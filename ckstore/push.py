@@ -8,6 +8,12 @@ check but not the swap: a force push still loses to a concurrent one rather than
 unseen). An interrupted push leaves packs with indexes (or a pack without one, which nothing
 names); run again, it learns from the indexes what arrived and sends only the rest.
 
+Nothing leaves unverified: each object is read as stored here, decoded and re-hashed against its
+name on worker threads (``_Verifier``; a delta against its base's verified bytes) while earlier
+packs are built and uploaded, and the pack index records the BLAKE3 of those exact stored bytes.
+A fetch checks arriving objects against that digest instead of decoding them (fetch.py), which
+is sound only because a locally damaged object can never get past this step.
+
 What a remote has: the objects the indexes list, minus packs a remote gc has claimed for
 deletion. Packs a gc merely condemned are rescued (taken off its list) before the refs move, and
 the check is repeated when it is older than half the grace period, so a concurrent gc never
@@ -16,12 +22,17 @@ deletes an object a ref is about to need (docs/design.md, "Remote gc").
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .codec import delta_base
+import blake3
+
+from .codec import Kind, decode, delta_base, parse_header
 from .context import RepoContext
 from .errors import (
     ConflictError,
@@ -31,13 +42,18 @@ from .errors import (
     RefNotFoundError,
 )
 from .graph import kept_parents
-from .ids import ObjectId
+from .ids import ObjectId, chunk_id, commit_id
 from .pack import DEFAULT_TARGET_SIZE, BuiltPack, pack_objects
 from .refs import HEADS, TAGS
 from .remote.layout import DEFAULT_GRACE, RemoteRepo, pack_key
 from .remotes import open_remote, tracking_ref
+from .store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, MAX_COMMIT_SIZE, ObjectStore
 
 UPLOAD_WORKERS = 4
+# Objects read and verified ahead of the pack being built (memory: this many stored objects).
+VERIFY_AHEAD = 16
+# Verified raw bytes of delta bases kept for the deltas that follow (a chain decodes once).
+BASE_CACHE = 64 << 20
 
 
 @dataclass
@@ -173,23 +189,27 @@ def _send_missing(
     relied = {where[oid].pack_id for oid in wanted if oid in where}
     store = ctx.store
 
-    def objects() -> Iterator[tuple[str, bytes]]:
+    verifier = _Verifier(store)
+
+    def objects() -> Iterator[tuple[str, bytes, bytes]]:
         # The delta base is taken from the bytes actually sent: a compaction may have re-encoded
         # an object since the list was made, and the remote must hold every base it sends.
-        queue, listed = list(missing), set(missing)
-        while queue:
-            oid = queue.pop(0)
-            data = store.read_raw(oid)
+        queue, listed = deque(missing), set(missing)
+        ahead: deque[Future[tuple[str, bytes, bytes, str | None]]] = deque()
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="verify") as pool:
             try:
-                base = delta_base(data)
-            except IntegrityError as exc:
-                raise IntegrityError(f"object {oid} is corrupt: {exc}; run 'ckstore fsck'") from None
-            if base is not None and base in where:
-                relied.add(where[base].pack_id)
-            elif base is not None and base not in listed:
-                listed.add(base)
-                queue.append(base)
-            yield oid, data
+                while queue or ahead:
+                    while queue and len(ahead) < VERIFY_AHEAD:
+                        ahead.append(pool.submit(verifier.stored, queue.popleft()))
+                    oid, data, digest, base = ahead.popleft().result()
+                    if base is not None and base in where:
+                        relied.add(where[base].pack_id)
+                    elif base is not None and base not in listed:
+                        listed.add(base)
+                        queue.append(base)
+                    yield oid, data, digest
+            finally:
+                pool.shutdown(cancel_futures=True)
 
     pending: list[Future[None]] = []
     with ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
@@ -207,6 +227,60 @@ def _send_missing(
             f.result()
     remote.catalogue()
     return relied
+
+
+class _Verifier:
+    """Reads objects as stored here and proves each decodes to its name before it is sent.
+
+    ``ObjectStore.read_raw`` returns stored bytes unverified; sending those as they are would let
+    a locally damaged object reach the remote under a digest that vouches for it. Thread-safe.
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.bases: OrderedDict[str, bytes] = OrderedDict()  # verified raw bytes, least recent first
+        self.cached = 0
+
+    def stored(self, oid: str) -> tuple[str, bytes, bytes, str | None]:
+        """(id, stored bytes, their BLAKE3, delta base or None) of one verified object."""
+        data = self.store.read_raw(oid)
+        try:
+            base = delta_base(data)
+            if parse_header(data).kind == Kind.COMMIT:
+                if commit_id(decode(data, Kind.COMMIT, MAX_COMMIT_SIZE)) != oid:
+                    raise IntegrityError("its bytes do not hash to its name")
+            else:
+                self._decode(oid, data, 0)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt here, so it is not sent: {exc}; run 'ckstore fsck'") from None
+        return oid, data, blake3.blake3(data).digest(), base
+
+    def _decode(self, oid: str, data: bytes, depth: int) -> bytes:
+        raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))
+        if chunk_id(raw) != oid:
+            raise IntegrityError("its bytes do not hash to its name")
+        return raw
+
+    def _base(self, oid: str, length: int, depth: int) -> bytes:
+        if depth > MAX_CHAIN_DEPTH:
+            raise IntegrityError(f"delta chain longer than {MAX_CHAIN_DEPTH}")
+        with self.lock:
+            raw = self.bases.get(oid)
+            if raw is not None:
+                self.bases.move_to_end(oid)
+        if raw is None:
+            try:
+                raw = self._decode(oid, self.store.read_raw(oid), depth)
+            except IntegrityError as exc:
+                raise IntegrityError(f"its delta base {oid} is corrupt: {exc}") from None
+            with self.lock:
+                if oid not in self.bases:
+                    self.bases[oid] = raw
+                    self.cached += len(raw)
+                while self.cached > BASE_CACHE and len(self.bases) > 1:
+                    self.cached -= len(self.bases.popitem(last=False)[1])
+        return raw  # decode checks its length
 
 
 def _upload(remote: RemoteRepo, built: BuiltPack) -> None:

@@ -33,31 +33,39 @@ def make_objects(n: int, size: int = 200) -> list[tuple[str, bytes]]:
 # ---- an independent encoder, from docs/format.md ----------------------------------------------
 
 
-def spec_table(rows: list[tuple[bytes, int, int]]) -> bytes:
-    return b"".join(struct.pack("<32sII", i, o, n) for i, o, n in rows)
+Row = tuple  # (id, offset, length) or, version 2, (id, offset, length, BLAKE3 of the stored bytes)
 
 
-def spec_pack(objects: list[bytes], rows: list[tuple[bytes, int, int]], *, count: int | None = None,
-              version: int = 1, magic: bytes = b"CKPK", reserved: bytes = b"\0\0\0",
-              checksum: bytes | None = None) -> bytes:
-    table = spec_table(rows)
+def spec_table(rows: list[Row], version: int) -> bytes:
+    """40-byte entries (version 1) or 72-byte ones (version 2: a row without its digest gets
+    zeros, for tables that must be refused before any digest is looked at)."""
+    if version == 1:
+        return b"".join(struct.pack("<32sII", *r[:3]) for r in rows)
+    return b"".join(struct.pack("<32sII32s", *r[:3], r[3] if len(r) > 3 else b"\0" * 32) for r in rows)
+
+
+def spec_pack(objects: list[bytes], rows: list[Row], *, count: int | None = None,
+              version: int = 2, magic: bytes = b"CKPK", reserved: bytes = b"\0\0\0",
+              checksum: bytes | None = None, header_version: int | None = None) -> bytes:
+    table = spec_table(rows, version if version in (1, 2) else 2)
     digest = blake3.blake3(table).digest() if checksum is None else checksum
     trailer = struct.pack("<IB3s32s4s", len(rows) if count is None else count, version, reserved, digest, magic)
-    return b"CKPK\x01\0\0\0" + b"".join(objects) + table + trailer
+    head = b"CKPK" + bytes([version if header_version is None else header_version]) + b"\0\0\0"
+    return head + b"".join(objects) + table + trailer
 
 
-def spec_index(pack_id: bytes, size: int, rows: list[tuple[bytes, int, int]], *, count: int | None = None,
-               version: int = 1, reserved: bytes = b"\0\0\0") -> bytes:
+def spec_index(pack_id: bytes, size: int, rows: list[Row], *, count: int | None = None,
+               version: int = 2, reserved: bytes = b"\0\0\0") -> bytes:
     body = struct.pack("<4sB3s32sQI4s", b"CKPI", version, reserved, pack_id, size,
-                       len(rows) if count is None else count, b"\0\0\0\0") + spec_table(rows)
+                       len(rows) if count is None else count, b"\0\0\0\0") + spec_table(rows, version if version in (1, 2) else 2)
     return body + blake3.blake3(body).digest()
 
 
-def layout(objects: list[tuple[str, bytes]]) -> list[tuple[bytes, int, int]]:
+def layout(objects: list[tuple[str, bytes]], version: int = 2) -> list[Row]:
     """Rows for objects laid out back to back from offset 8, sorted by id."""
     rows, offset = [], 8
     for oid, data in objects:
-        rows.append((bytes.fromhex(oid), offset, len(data)))
+        rows.append((bytes.fromhex(oid), offset, len(data)) + ((blake3.blake3(data).digest(),) if version == 2 else ()))
         offset += len(data)
     return sorted(rows)
 
@@ -73,8 +81,8 @@ def test_builder_output_matches_the_spec_layout() -> None:
     assert built.data == expected
     assert built.name == blake3.blake3(expected).hexdigest()
     assert built.index_data == spec_index(bytes.fromhex(built.name), len(expected), rows)
-    # ~40 bytes an object in the index, plus a fixed 88.
-    assert len(built.index_data) == 56 + 40 * 4 + 32
+    # 72 bytes an object in the index, plus a fixed 88.
+    assert len(built.index_data) == 56 + 72 * 4 + 32
 
 
 def test_round_trip_and_one_ranged_read_per_object() -> None:
@@ -98,7 +106,7 @@ def test_index_rebuilt_from_the_tail() -> None:
     objects = make_objects(5)
     (built,) = pack.pack_objects(objects)
     need = pack.tail_length(built.data[-pack.TRAILER.size:], len(built.data), built.name)
-    assert need == pack.TRAILER.size + 40 * 5
+    assert need == pack.TRAILER.size + 72 * 5
     assert pack.index_from_tail(built.data[-need:], len(built.data), built.name) == built.index
     assert pack.index_from_tail(built.data[-pack.TAIL_GUESS:], len(built.data), built.name) == built.index
     with pytest.raises(ValueError):
@@ -158,6 +166,42 @@ def test_limits_agree_with_the_store() -> None:
     assert pack.DEFAULT_TARGET_SIZE == 32 << 20
 
 
+def test_version_1_packs_and_indexes_stay_readable() -> None:
+    """Packs pushed before digests were recorded: parsed as before, entries without a digest,
+    and check_read says their objects still need decoding."""
+    objects = make_objects(3)
+    rows = layout(objects, version=1)
+    data = spec_pack([d for _, d in objects], rows, version=1)
+    name = blake3.blake3(data).hexdigest()
+    index = pack.parse_index(spec_index(bytes.fromhex(name), len(data), rows, version=1), name)
+    assert index == pack.parse_pack(data, name) and index.version == 1
+    need = pack.tail_length(data[-pack.TRAILER.size:], len(data), name)
+    assert need == pack.TRAILER.size + 40 * 3
+    assert pack.index_from_tail(data[-need:], len(data), name) == index
+    assert index.to_bytes() == spec_index(bytes.fromhex(name), len(data), rows, version=1)
+    for e in index.entries:
+        assert e.digest is None
+        assert pack.check_read(data[e.offset:e.end], e, name) is False
+
+
+def test_digests_catch_a_damaged_object_without_decoding_it() -> None:
+    objects = make_objects(3)
+    (built,) = pack.pack_objects(objects)
+    assert built.index.version == 2
+    for e in built.index.entries:
+        good = built.data[e.offset:e.end]
+        assert e.digest == blake3.blake3(good).digest()
+        assert pack.check_read(good, e, built.name) is True
+        bad = good[:-1] + bytes([good[-1] ^ 1])
+        with pytest.raises(IntegrityError, match=f"object {e.id} is corrupt: .*pack {built.name}.*digest"):
+            pack.check_read(bad, e, built.name)
+    # A pack whose name matches its bytes but whose table records a wrong digest is refused.
+    rows = [(i, o, n, b"\1" * 32) for i, o, n, _ in layout(objects)]
+    data = spec_pack([d for _, d in objects], rows)
+    with pytest.raises(IntegrityError, match="digest"):
+        pack.parse_pack(data, blake3.blake3(data).hexdigest())
+
+
 def test_check_read_names_a_truncated_pack() -> None:
     (built,) = pack.pack_objects(make_objects(2))
     entry = built.index.entries[0]
@@ -170,9 +214,9 @@ def test_check_read_names_a_truncated_pack() -> None:
 # ---- hostile packs and indexes ----------------------------------------------------------------
 
 
-def _two() -> tuple[list[tuple[str, bytes]], list[tuple[bytes, int, int]]]:
+def _two(version: int = 2) -> tuple[list[tuple[str, bytes]], list[Row]]:
     objects = make_objects(2)
-    return objects, layout(objects)
+    return objects, layout(objects, version)
 
 
 def _swap_rows(rows: list[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
@@ -189,8 +233,10 @@ def _swap_rows(rows: list[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int
     ("short_length", "impossible length"),
     ("huge_length", "impossible length"),
 ])
-def test_bad_tables_are_refused_in_packs_and_indexes(case: str, message: str) -> None:
-    objects, rows = _two()
+@pytest.mark.parametrize("version", [1, 2])
+def test_bad_tables_are_refused_in_packs_and_indexes(case: str, message: str, version: int) -> None:
+    """Version 2 rows here carry zero digests: the structure must be refused before them."""
+    objects, rows = _two(1)
     datas = [d for _, d in objects]
     (i0, o0, n0), (i1, o1, n1) = rows
     extra = b""
@@ -215,12 +261,12 @@ def test_bad_tables_are_refused_in_packs_and_indexes(case: str, message: str) ->
         rows = [(i0, o0, 15), (i1, o1, n1)]
     elif case == "huge_length":
         rows = [(i0, o0, pack.MAX_OBJECT_LENGTH + 1), (i1, o1, n1)]
-    data = spec_pack(datas, rows)
+    data = spec_pack(datas, rows, version=version)
     name = blake3.blake3(data).hexdigest()
     with pytest.raises(IntegrityError, match=message):
         pack.parse_pack(data, name)
     with pytest.raises(IntegrityError, match=message):
-        pack.parse_index(spec_index(bytes.fromhex(name), len(data), rows), name)
+        pack.parse_index(spec_index(bytes.fromhex(name), len(data), rows, version=version), name)
 
 
 def test_valid_spec_pack_is_accepted() -> None:
@@ -233,7 +279,8 @@ def test_valid_spec_pack_is_accepted() -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"magic": b"CKPX"}, "magic"),
-    ({"version": 2}, "unknown version 2 in its trailer"),
+    ({"version": 9, "header_version": 2}, "unknown version 9 in its trailer"),
+    ({"header_version": 1}, "header says version 1, its trailer 2"),
     ({"reserved": b"\0\1\0"}, "reserved"),
     ({"checksum": b"\0" * 32}, "checksum"),
     ({"count": 0}, "out of range"),
@@ -254,7 +301,7 @@ def test_bad_pack_headers_and_names() -> None:
     good = spec_pack([d for _, d in objects], rows)
     with pytest.raises(IntegrityError, match="do not hash to its name"):
         pack.parse_pack(good, "0" * 64)
-    for bad, message in ((b"XKPK" + good[4:], "magic"), (good[:4] + b"\x02" + good[5:], "version"),
+    for bad, message in ((b"XKPK" + good[4:], "magic"), (good[:4] + b"\x09" + good[5:], "version"),
                          (good[:5] + b"\x01" + good[6:], "reserved")):
         with pytest.raises(IntegrityError, match=message):
             pack.parse_pack(bad)
@@ -268,7 +315,7 @@ def test_bad_pack_headers_and_names() -> None:
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda b: b"CKPX" + b[4:], "magic"),
-    (lambda b: b[:4] + b"\x02" + b[5:], "version"),
+    (lambda b: b[:4] + b"\x09" + b[5:], "version"),
     (lambda b: b[:5] + b"\x01" + b[6:], "reserved"),
     (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),
     (lambda b: b[:-1], "bytes"),

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from ckstore.cli import main
 from ckstore.errors import ConflictError, IntegrityError, NotFoundError, StorageError
+from ckstore.pack import ENTRY
 from ckstore.push import FetchFirstError
 from ckstore.remote.layout import PACKS
 from ckstore.repo import Repo
@@ -52,8 +53,8 @@ def test_second_push_sends_only_what_the_epoch_added(tmp_path: Path, remote_url:
     second = a.push()
     assert second.objects == len(added) and second.packs == 1
     stored = sum(a.store.stored_size(o) or 0 for o in added)
-    # Pack framing and the index are ~40 bytes an object on top of the stored bytes.
-    assert stored < second.bytes <= stored + 100 * len(added) + 200
+    # Pack framing and the index are an entry (72 bytes) an object each on top of the stored bytes.
+    assert stored < second.bytes <= stored + 2 * ENTRY.size * len(added) + 200
     assert second.bytes < first.bytes
     assert a.push().objects == 0  # nothing new: nothing sent
     assert a.resolve("origin/main") == oid
@@ -211,7 +212,7 @@ def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, g
     from ckstore.remote import open_transport
 
     if group == "batch per commit":
-        monkeypatch.setattr(fetch_module, "LAND_GROUP", 1)
+        monkeypatch.setattr(fetch_module, "LAND_BATCH", 1)
     url = (tmp_path / "remote").as_uri()
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 4))
     deltas = {o: a.store.base_of(o) for o in a.store.iter_ids() if a.store.base_of(o) is not None}

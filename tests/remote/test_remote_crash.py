@@ -203,7 +203,7 @@ def test_interrupted_fetch_resumes_with_what_is_missing(tmp_path: Path, monkeypa
     ids = [a.commit(epoch_files(tmp_path / "work" / f"e{e}", e, n=16 << 10), message=f"epoch {e}") for e in (1, 2, 3)]
     a.add_remote("origin", str(tmp_path / "remote"))
     a.push()
-    monkeypatch.setattr(fetch_module, "LAND_GROUP", 1)  # every commit its own batch
+    monkeypatch.setattr(fetch_module, "LAND_BATCH", 1)  # every object its own batch
     total = None
     k = 1
     while True:
