@@ -225,10 +225,11 @@ def report(r: dict[str, object]) -> str:
         "every object before sending it and records the BLAKE3 of its stored bytes in the pack index (pack version 2); "
         "a clone checks each arrival against that digest (~2 GiB/s a thread), stages it on worker threads and lands "
         "64 MiB batches on a background thread while the next packs download, and every later read decodes and "
-        "verifies again. What is left is the part the baseline never does: writing every byte durably as ~1 MiB "
+        "verifies again. A clone also writes every byte durably as ~1 MiB "
         "loose files (one file create and write per object, the fan-out folders made as objects are staged, "
-        "syncfs barriers per batch), which on 2 cores shares the CPU with the S3 server serving the same bytes; the "
-        "row against a plain download that also writes and fsyncs each object measures that floor. A push pays its verification (decoding ~460 MiB/s a thread after the byte-plane interleave "
+        "syncfs barriers per batch), on 2 cores shared with the S3 server serving the same bytes; the "
+        "row against a plain download that also writes and fsyncs each object shows how much of the gap durable writes "
+        "explain. A push pays its verification (decoding ~460 MiB/s a thread after the byte-plane interleave "
         "got ~5x faster) and the pack assembly (a 32 MiB join and BLAKE3 per pack) on the same 2 cores as the "
         "server's upload handling, and its first upload starts only once a pack's worth is verified.",
         "",
