@@ -26,16 +26,19 @@ EARLY_FLUSH_BYTES = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _load_sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def libc_function(name: str, argtypes: list[type] | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """A C library function through ctypes (errno kept), None where the platform lacks it."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # Linux
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    if argtypes is not None:
+        fn.argtypes = argtypes
     return fn
 
 
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE = libc_function(  # Linux
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 _observer: Callable[[], None] | None = None
 

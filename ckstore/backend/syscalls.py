@@ -9,22 +9,13 @@ import errno
 import os
 from pathlib import Path
 
+from ..fsio import libc_function
+
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
-
-def _libc_function(name: str, argtypes: list[type] | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    if argtypes is not None:
-        fn.argtypes = argtypes
-    return fn
-
-
-_SYNCFS = _libc_function("syncfs")  # Linux (glibc, musl)
-_RENAMEAT2 = _libc_function(  # glibc 2.28+
+_SYNCFS = libc_function("syncfs")  # Linux (glibc, musl)
+_RENAMEAT2 = libc_function(  # glibc 2.28+
     "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
 
 HAS_SYNCFS = _SYNCFS is not None
