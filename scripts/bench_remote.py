@@ -62,6 +62,13 @@ def write_epoch(folder: Path, epoch: int, mib: int, state: dict[str, np.ndarray]
     return folder
 
 
+def settle() -> None:
+    """Let the server and the page cache finish the previous transfer's writes before timing the
+    next one, so that no measurement pays for the one before it."""
+    os.sync()
+    time.sleep(1.0)
+
+
 def plain_transfer(server_env: dict[str, str], endpoint: str, bucket: str, sizes: list[int],
                    folder: Path | None = None) -> tuple[float, float, float]:
     """Seconds to upload, then download, objects of ``sizes`` bytes with the same client and
@@ -69,10 +76,12 @@ def plain_transfer(server_env: dict[str, str], endpoint: str, bucket: str, sizes
     them again and write each to a file there, fsynced (what any clone must do at least)."""
     t = S3Transport(bucket, f"plain/{uuid.uuid4().hex}", None, env={**server_env, "AWS_ENDPOINT_URL": endpoint})
     blobs = [os.urandom(s) for s in sizes]
+    settle()
     start = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda kv: t.put(f"o{kv[0]}", kv[1]), enumerate(blobs)))
     up = time.perf_counter() - start
+    settle()
     start = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: t.get(f"o{i}"), range(len(blobs))))
@@ -87,6 +96,7 @@ def plain_transfer(server_env: dict[str, str], endpoint: str, bucket: str, sizes
             os.fsync(f.fileno())
 
     folder.mkdir(parents=True)
+    settle()
     start = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(save, range(len(blobs))))
@@ -133,15 +143,25 @@ def run(work: Path, mib: int, epochs: int, repeat: int) -> dict[str, object]:
         for i in range(repeat):
             # The plain baseline moves the push's bytes as objects of its packs' sizes.
             direct.add_remote(f"r{i}", f"s3://{server.bucket}/direct/{uuid.uuid4().hex}", server.endpoint)
+            settle()
             start = time.perf_counter()
             d = direct.push(f"r{i}")
             pushes.append(time.perf_counter() - start)
             push_bytes = d.bytes
             ups.append(plain_transfer(server.env, server.endpoint, server.bucket, d.pack_sizes)[0])
-            start = time.perf_counter()
-            clone = Repo.clone(url, work / f"b{i}", endpoint_url=server.endpoint)
-            clones.append(time.perf_counter() - start)
+
+            def timed_clone() -> Repo:
+                settle()
+                start = time.perf_counter()
+                clone = Repo.clone(url, work / f"b{i}", endpoint_url=server.endpoint)
+                clones.append(time.perf_counter() - start)
+                return clone
+
+            if i % 2:  # alternate which goes first: neither inherits the other's leftover server work
+                clone = timed_clone()
             _, down, save = plain_transfer(server.env, server.endpoint, server.bucket, packs, work / "plain")
+            if not i % 2:
+                clone = timed_clone()
             downs.append(down)
             saves.append(save)
             assert clone.fsck() == []
@@ -215,7 +235,8 @@ def report(r: dict[str, object]) -> str:
         f"Targets (issue 12): push throughput {_verdict(push_ratio >= 0.8)}, clone throughput "
         f"{_verdict(clone_ratio >= 0.8)}, bytes per epoch {_verdict(worst <= 1.1)}, lazy model-only read "
         f"{_verdict(lazy_ratio <= 1.1)}. Push and clone are medians of {r['repeat']} runs, each interleaved with "
-        "its baseline (ratios per run: push "
+        "its baseline, clone and download in alternating order, every timed transfer after `sync` and a 1 s pause "
+        "for the server's writes (ratios per run: push "
         f"{', '.join(f'{x:.2f}' for x in r['push_ratios'])}; clone {', '.join(f'{x:.2f}' for x in r['clone_ratios'])}); "  # type: ignore[union-attr]
         f"the load average was {_load()} when the run ended (this 2-core machine was shared).",
         "",
