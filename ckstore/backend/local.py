@@ -142,10 +142,14 @@ class LocalBackend(StagingBackend):
 
     def _write_temp(self, data: bytes | memoryview, sync: bool = True) -> Path:
         tmp_dir = self.root / TMP_DIR
-        self._ensure_dir(tmp_dir)
         tmp = tmp_dir / f"{uuid.uuid4().hex}.tmp"
         mutating_step()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # no tmp/ yet: made on demand, not checked before every write
+            self._ensure_dir(tmp_dir)
+            fd = os.open(tmp, flags, 0o644)
         try:
             view = memoryview(data)
             while view:

@@ -65,6 +65,7 @@ class LocalBatch(Backend):
         self._puts: dict[str, Path] = {}
         self._replaces: dict[str, tuple[Path, str | None]] = {}
         self._new_folders: set[Path] = set()  # made while staging; the second barrier covers them
+        self._seen_folders: set[Path] = set()
         root = backend.root
         self._early = EarlyFlush(lambda: syncfs(root)) if backend.use_syncfs else None
 
@@ -109,9 +110,12 @@ class LocalBatch(Backend):
             return False
         tmp = self._stage(key, data)
         try:
-            # On the caller's (worker) thread rather than in flush: a fresh repository's 256
-            # fan-out folders cost 1-2 ms each, measured. The second barrier makes them durable.
-            self.inner._ensure_dir(self.inner._path(key).parent, self._new_folders)
+            # Made on the caller's (worker) thread rather than in the single-threaded flush, which
+            # only checks them again; the second barrier makes them durable.
+            folder = self.inner._path(key).parent
+            if folder not in self._seen_folders:  # one check per folder and batch, not per object
+                self.inner._ensure_dir(folder, self._new_folders)
+                self._seen_folders.add(folder)
         except OSError as exc:
             self._unlink(tmp)
             raise storage_error(exc, f"staging {self.describe(key)}") from None
