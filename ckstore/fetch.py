@@ -29,12 +29,18 @@ from .codec import Kind, decode, delta_base
 from .config import RepoConfig
 from .context import RepoContext, init_context
 from .errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
-from .ids import ObjectId, chunk_id, commit_id
+from .ids import ObjectId, chunk_id
 from .manifest import Commit, decode_commit
 from .refs import HEADS, TAGS
 from .remote.layout import Located, RemoteRepo, pack_key
 from .remotes import TRACKING, add, open_remote, tracking_ref
-from .store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, MAX_COMMIT_SIZE, ObjectStore, object_key
+from .store import (
+    MAX_CHAIN_DEPTH,
+    MAX_CHUNK_SIZE,
+    ObjectStore,
+    object_key,
+    verified_commit,
+)
 
 READ_WORKERS = 4
 # Objects land in batches of about this many bytes, each on a background thread while later
@@ -81,10 +87,7 @@ def read_objects(remote: RemoteRepo, where: dict[str, Located], oids: Iterable[s
 
 def verify_commit(oid: str, data: bytes, where: str) -> Commit:
     try:
-        raw = decode(data, Kind.COMMIT, MAX_COMMIT_SIZE)
-        if commit_id(raw) != oid:
-            raise IntegrityError("its bytes do not hash to its name")
-        return decode_commit(raw)
+        return decode_commit(verified_commit(oid, data))
     except IntegrityError as exc:
         raise IntegrityError(f"commit {oid} from {where} is corrupt: {exc}") from None
 

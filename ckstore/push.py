@@ -42,12 +42,12 @@ from .errors import (
     RefNotFoundError,
 )
 from .graph import kept_parents
-from .ids import ObjectId, chunk_id, commit_id
+from .ids import ObjectId, chunk_id
 from .pack import DEFAULT_TARGET_SIZE, BuiltPack, pack_objects
 from .refs import HEADS, TAGS
 from .remote.layout import DEFAULT_GRACE, RemoteRepo, pack_key
 from .remotes import open_remote, tracking_ref
-from .store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, MAX_COMMIT_SIZE, ObjectStore
+from .store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, ObjectStore, verified_commit
 
 UPLOAD_WORKERS = 4
 # Objects read and verified ahead of the pack being built (memory: this many stored objects).
@@ -248,8 +248,7 @@ class _Verifier:
         try:
             base = delta_base(data)
             if parse_header(data).kind == Kind.COMMIT:
-                if commit_id(decode(data, Kind.COMMIT, MAX_COMMIT_SIZE)) != oid:
-                    raise IntegrityError("its bytes do not hash to its name")
+                verified_commit(oid, data)
             else:
                 self._decode(oid, data, 0)
         except IntegrityError as exc:

@@ -54,6 +54,15 @@ class PutResult:
     stored: int  # bytes this put added to the store (0 when the object existed)
 
 
+def verified_commit(oid: str, data: bytes) -> bytes:
+    """The manifest bytes of a stored commit object, proven to hash to ``oid``; IntegrityError
+    (saying what is wrong, not which object: callers name it) otherwise."""
+    raw = decode(data, Kind.COMMIT, MAX_COMMIT_SIZE)
+    if commit_id(raw) != oid:
+        raise IntegrityError("its bytes do not hash to its name")
+    return raw
+
+
 class ObjectStore:
     def __init__(self, backend: Backend, settings: EncodingSettings | None = None) -> None:
         self.backend = backend
@@ -254,12 +263,9 @@ class ObjectStore:
     def get_commit(self, oid: str) -> bytes:
         data = self._read(oid, " (a commit)")
         try:
-            raw = decode(data, Kind.COMMIT, MAX_COMMIT_SIZE)
+            return verified_commit(oid, data)
         except IntegrityError as exc:
             raise IntegrityError(f"commit {oid} is corrupt: {exc}") from None
-        if commit_id(raw) != oid:
-            raise IntegrityError(f"commit {oid} is corrupt: its bytes do not hash to its name")
-        return raw
 
     def kind(self, oid: str) -> Kind:
         return parse_header(self._read_prefix(oid, HEADER_SIZE)).kind
