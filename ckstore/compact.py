@@ -36,7 +36,7 @@ from .codec import (
     Encoding,
     Kind,
     decode,
-    delta_base,
+    delta_bases,
     encode_chunk,
     encode_delta,
     parse_header,
@@ -146,7 +146,7 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles) -> 
         if child_prefix is None:
             return 0, 0, 0  # a base repository's object (overlay): never ours to change
         child_header = parse_header(child_prefix)
-        child_whole = delta_base(child_prefix) is None
+        child_whole = not delta_bases(child_prefix)
         if not child_whole:
             # A chunk that came back (a tensor reverted to an older value) and had become a
             # delta: the newer commit reads it whole again, which also cuts the chains through it.
@@ -178,7 +178,7 @@ def _reverse_delta(store: ObjectStore, oid: ObjectId, job: _Job, base_raw: bytes
     if current is None:
         return "", 0
     header = parse_header(current)
-    if header.kind != Kind.CHUNK or header.encoding == Encoding.DELTA or header.raw_len != job.slot.size:
+    if header.kind != Kind.CHUNK or header.encoding in (Encoding.DELTA, Encoding.PREDICTED) or header.raw_len != job.slot.size:
         return "", 0
     settings = store.settings
     raw = decode(current, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=job.slot.size)  # whole: no base
@@ -207,7 +207,7 @@ def _chain_below(store: ObjectStore, oid: ObjectId, job: _Job, depth: int) -> in
         if older_id == cur:
             skipped = True  # unchanged in that commit: look further back
             continue
-        if older_id is None or store.base_of(older_id) != cur:
+        if older_id is None or cur not in store.bases_of(older_id):
             return below
         below, cur = below + 1, older_id
     return depth if skipped and not job.history_ends else below
@@ -217,7 +217,7 @@ def _recompress(store: ObjectStore, oid: ObjectId, raw: bytes, width: int, even_
     """Replace an object by its best whole encoding when smaller (``even_if_larger``: a delta
     made whole); bytes freed."""
     current = store.read_local(oid)
-    if current is None or (delta_base(current) is not None) != even_if_larger:
+    if current is None or bool(delta_bases(current)) != even_if_larger:
         return 0
     settings = store.settings
     best = encode_chunk(raw, settings.zstd_level, width, allowed=settings.allowed)
