@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .codec import Kind, decode, delta_bases
-from .config import RepoConfig
+from .codec import Encoding, Kind, decode, delta_bases, parse_header
+from .config import PREDICTED_VERSION, RepoConfig
 from .context import RepoContext, init_context
 from .errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
 from .ids import ObjectId, chunk_id
@@ -135,6 +135,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         batches = _Batches(store)
         try:
             lander = _Lander(store, batches, remote, where, pool, report)
+            lander.on_predicted = lambda: _allow_predicted(ctx)
             for oid in order:
                 lander.want_commit(oid, commits[oid])
             lander.run()
@@ -276,6 +277,7 @@ class _Lander:
         self.futures: list[Future[None]] = []
         self.in_flight = 0  # stored bytes handed to workers and not yet done (memory bound)
         self.failed = False
+        self.on_predicted: Callable[[], None] = lambda: None  # before a predicted delta is staged
 
     def want_commit(self, oid: ObjectId, commit: Commit) -> None:
         chunks = {c.id for c in commit.all_chunks()} - self.queued.keys()
@@ -329,6 +331,8 @@ class _Lander:
         if not bases:
             self._submit(o, pack_id, data, wait=True)
             return []
+        if parse_header(data).encoding == Encoding.PREDICTED:
+            self.on_predicted()
         absent = [b for b in bases if b not in self.origin and not self.view.has(b)]
         for base in absent:
             self.queued.setdefault(base, self.queued.get(o, "?"))
@@ -433,6 +437,12 @@ class _Lander:
                         self.failed = True
                     self._drain(quiet=True)
                     raise
+
+
+def _allow_predicted(ctx: RepoContext) -> None:
+    """A repository of format 2 or 3 becomes 4 before it holds a predicted delta (docs/format.md)."""
+    if ctx.config.version in (2, 3):
+        ctx.set_config(replace(ctx.config, version=PREDICTED_VERSION))
 
 
 def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:

@@ -23,7 +23,7 @@ differ between x86 and ARM) becomes +0.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -35,10 +35,6 @@ _F32_MIN_NORMAL = 2.0 ** -126
 _EXPONENT = np.uint32(0x7F800000)
 # Elements of a fit's sample, spread over the chunk (a fit costs a least-squares solve on them).
 FIT_SAMPLE = 1 << 15
-# eps * sqrt(1 - b2^t) for PyTorch's default eps and b2 at a few steps t (and 0): ADAM_WEIGHT's c2
-# is tried at each and the one predicting the most elements exactly wins.
-_EPS_CANDIDATES = (0.0, *(1e-8 * math.sqrt(1 - 0.999 ** t) for t in (1, 2, 4, 8, 16, 64, 256, 1024)), 1e-8)
-
 
 class Predictor(IntEnum):
     ADAM_SECOND_MOMENT = 1  # bases (v_t, m_t, m_{t-1}), 4 coefficients
@@ -154,51 +150,124 @@ def _exact(predictor: Predictor, coefficients: tuple[float, ...], bases: list[np
     return int((bits == target_bits).sum())
 
 
+def _decimal(c: float) -> float:
+    """The shortest decimal within a millionth of ``c`` (relative), else ``c``: optimizer
+    settings are short decimals (0.9, 0.999, 1e-3), and a fit only gets near them."""
+    for digits in range(1, 9):
+        rounded = float(f"{c:.{digits}g}")
+        if abs(rounded - c) <= 1e-6 * abs(c):
+            return rounded
+    return c
+
+
 def _snapped(k0: float) -> list[float]:
-    """The outer factor as fitted, and as the reciprocal of the nearest float32 (the forward step
-    multiplied by a float32 factor: snapping removes the fit's noise)."""
+    """Candidates for an outer factor fitted as ``k0``: as fitted, and the reciprocal of the
+    forward step's factor taken as the nearest float32 or the nearest short decimal (a fit's
+    noise is larger than the last bits need)."""
     out = [k0]
     with np.errstate(all="ignore"):
-        snapped = float(1.0 / np.float64(np.float32(1.0 / k0)))
-    if math.isfinite(snapped) and snapped != k0:
-        out.append(snapped)
+        for snapped in (1.0 / np.float64(np.float32(1.0 / k0)), 1.0 / _decimal(1.0 / k0)):
+            if math.isfinite(snapped) and snapped not in out:
+                out.append(float(snapped))
     return out
+
+
+class _Sample:
+    """A fit's sample: the bases and the target at evenly spread elements, and the scoring."""
+
+    def __init__(self, predictor: Predictor, target: bytes | memoryview, bases: Sequence[bytes | memoryview]) -> None:
+        index = _sample_index(len(target) // 4)
+        self.predictor = predictor
+        self.bits = np.frombuffer(target, dtype="<u4")[index]
+        self.bases = [inputs(x)[index] for x in bases]
+        self.y = inputs(self.bits.tobytes())
+
+    def every(self, step: int) -> _Sample:
+        """Every ``step``-th element of this sample."""
+        out = _Sample.__new__(_Sample)
+        out.predictor, out.bits, out.y = self.predictor, self.bits[::step], self.y[::step]
+        out.bases = [b[::step] for b in self.bases]
+        return out
+
+    def score(self, candidate: Sequence[float]) -> tuple[int, tuple[float, ...]] | None:
+        """(sample elements predicted exactly, the coefficients as a reader accepts them)."""
+        coefficients = _rounded(np.array(candidate, dtype=np.float64))
+        if coefficients is None:
+            return None
+        return _exact(self.predictor, coefficients, self.bases, self.bits), coefficients
+
+
+def _best(scored: Iterable[tuple[int, tuple[float, ...]] | None]) -> tuple[int, tuple[float, ...]] | None:
+    found = [s for s in scored if s is not None]
+    return max(found, key=lambda s: s[0]) if found else None
+
+
+def _fit_second_moment(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
+    v, m, p = sample.bases
+    inner = [m * m, m * p, p * p]
+    found = _least_squares([v, *inner], sample.y, sample.y)
+    if found is None or found[0] == 0:
+        return None
+    tried = []
+    for c0 in _snapped(float(found[0])):
+        # Refit the inner terms for this outer factor: y / c0 - v = the gradient term.
+        rest = _least_squares(inner, sample.y / c0 - v, sample.y)
+        rest = rest if rest is not None else found[1:] / c0
+        tried += [sample.score((c0, *rest)), sample.score((c0, *(_decimal(float(c)) for c in rest)))]
+    return _best(tried)
+
+
+def _fit_weight(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
+    """c0 and c1 by least squares for a given c2 (epsilon times a bias correction: tiny next to
+    sqrt(v) for most elements, decisive for the rest, and a wrong one makes outliers that pull
+    c0 and c1); c2 by search on an eighth of the sample (a geometric grid, then golden-section
+    refinement around the best point, each point scored by exact predictions), then the best
+    point fitted and scored on the whole sample."""
+    small = sample.every(8)
+
+    def at(s: _Sample, eps: float) -> tuple[int, tuple[float, ...]] | None:
+        w, m, v = s.bases
+        q = m / (np.sqrt(v) + eps)
+        found = _least_squares([w, q], s.y, s.y)
+        if found is None or found[0] == 0:
+            return None
+        tried = []
+        for c0 in _snapped(float(found[0])):
+            c1 = _least_squares([q], s.y / c0 - w, s.y)
+            tried.append(None if c1 is None else s.score((c0, float(c1[0]), eps)))
+        return _best(tried)
+
+    best = _best(at(small, eps) for eps in _EPS_GRID)
+    if best is not None and best[1][2] != 0.0 and best[0] < _GOOD_ENOUGH * len(small.bits):
+        lo, hi = math.log(best[1][2] / _EPS_STEP), math.log(best[1][2] * _EPS_STEP)
+        for _ in range(_EPS_REFINE):
+            a, b = hi - (hi - lo) / _GOLDEN, lo + (hi - lo) / _GOLDEN
+            sa, sb = at(small, math.exp(a)), at(small, math.exp(b))
+            best = _best([best, sa, sb])
+            if (sa[0] if sa else -1) >= (sb[0] if sb else -1):
+                hi = b
+            else:
+                lo = a
+    return None if best is None else _best([at(sample, best[1][2]), sample.score(best[1])])
+
+
+_EPS_STEP = 4.0
+# PyTorch's default epsilon (1e-8) times its bias correction sqrt(1 - 0.999^t) at steps t = 1..16
+# and in the limit, no epsilon, then a coarse geometric grid for other settings.
+_EPS_GRID = (*(1e-8 * math.sqrt(1 - 0.999 ** t) for t in range(1, 17)), 1e-8, 0.0,
+             *(1e-6 * _EPS_STEP ** -k for k in range(10)))
+_EPS_REFINE = 6
+_GOOD_ENOUGH = 0.97  # of the sample predicted exactly: no refinement of the grid's best
+_GOLDEN = (1 + math.sqrt(5)) / 2
 
 
 def fit(predictor: Predictor, target: bytes | memoryview, bases: Sequence[bytes | memoryview]) -> tuple[float, ...] | None:
     """Coefficients for predicting ``target`` from ``bases`` (raw float32 chunks of one length),
     fitted on a sample (least squares, then the candidate predicting the most sample elements
     exactly); None when no fit is possible (the caller then keeps a plain delta)."""
-    n = len(target) // 4
-    if n == 0 or len(bases) != SHAPES[predictor].bases:
+    if len(target) < 4 or len(bases) != SHAPES[predictor].bases:
         return None
-    index = _sample_index(n)
-    target_bits = np.frombuffer(target, dtype="<u4")[index]
-    b = [inputs(x)[index] for x in bases]
-    y = inputs(target)[index]
-    tried: list[tuple[float, ...]] = []
+    sample = _Sample(predictor, target, bases)
     with np.errstate(all="ignore"):
-        if predictor == Predictor.ADAM_SECOND_MOMENT:
-            v, m, p = b
-            shapes = [([m * m, m * p, p * p], v, ())]
-        else:
-            w, m, v = b
-            shapes = [([m / (np.sqrt(v) + eps)], w, (eps,)) for eps in _EPS_CANDIDATES]
-        for inner, first, tail in shapes:
-            found = _least_squares([first, *inner], y, y)
-            if found is None or found[0] == 0:
-                continue
-            for c0 in _snapped(float(found[0])):
-                # Refit the inner terms for this outer factor: y / c0 - first = sum of inner terms.
-                rest = _least_squares(inner, y / c0 - first, y)
-                rest = rest if rest is not None else found[1:] / c0
-                tried.append((c0, *(float(x) for x in rest), *tail))
-    best: tuple[int, tuple[float, ...]] | None = None
-    for candidate in tried:
-        coefficients = _rounded(np.array(candidate))
-        if coefficients is None:
-            continue
-        score = _exact(predictor, coefficients, b, target_bits)
-        if best is None or score > best[0]:
-            best = (score, coefficients)
+        best = _fit_second_moment(sample) if predictor == Predictor.ADAM_SECOND_MOMENT else _fit_weight(sample)
     return None if best is None else best[1]
