@@ -10,17 +10,20 @@ name):
 
 1. the parent's chunk, when whole and different, is replaced by a delta against the tip's chunk
    if that is smaller (a reverse delta: the newest commit stays whole and cheap to read) and the
-   chain below it leaves room for one more link (``max_delta_depth``);
+   chain below it leaves room for one more link (``max_delta_depth``); for a DCP parameter's
+   weight or ``exp_avg_sq`` piece (optstate.py), by a predicted delta from the tip's weight and
+   moments (and the parent's ``exp_avg``) when that is smaller still (predict.py);
 2. a chunk stored provisionally by a fast commit (tip's or parent's, when no delta replaced it)
    is replaced by its best whole encoding (byte grouping).
 
 Every replacement is decoded and re-hashed before it is staged, and all of a run's replacements
 are applied together after one durability barrier (``ObjectStore.batch``); an interrupted run
 leaves each object in its old or its new encoding, both of which decode to the same bytes, so
-every commit stays readable and the next run redoes what is left. A base is only ever a whole
-object, when the run starts and until it ends (``_Roles``), and one compaction runs at a time
-per repository (``Backend.compaction_lock``), so deltas can never form a cycle: docs/format.md
-section 8.
+every commit stays readable and the next run redoes what is left. A base is a whole object
+when the run starts, and every new link leads to a whole object within two steps when it ends
+(``_Roles``: only a predicted delta may name a base that the run turns into a plain delta), and
+one compaction runs at a time per repository (``Backend.compaction_lock``), so deltas can never
+form a cycle: docs/format.md sections 4 and 8, docs/design.md "Chains".
 
 Each run also covers the pair below (the parent against the grandparent): work that a killed
 process left undone is picked up by the next commit's compaction.
@@ -29,8 +32,9 @@ process left undone is picked up by the next commit's compaction.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .codec import (
     Encoding,
@@ -50,9 +54,12 @@ from .manifest import Commit
 from .optstate import FIRST, SECOND, WEIGHT, float32_members
 from .pipeline import ordered_map
 from .positions import HEADER, ChunkIndex, Position, Slot, chunk_at, slots
-from .predict import Predictor, fit
 from .refs import HEADS
 from .store import MAX_CHUNK_SIZE, ObjectStore
+
+# predict.py needs numpy: imported where used, so commands that compact nothing start without it.
+if TYPE_CHECKING:
+    from .predict import Predictor
 
 # How long a compaction waits for another process's to finish before leaving the work to the
 # next one (nothing is lost by skipping: the objects are only less compressed until then).
@@ -198,7 +205,9 @@ def _compact_pair(
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
-    run = lambda job: _compact_chunk(store, job, depth, roles, upgrade)  # noqa: E731
+    def run(job: _Job) -> tuple[int, int, int, int]:
+        return _compact_chunk(store, job, depth, roles, upgrade)
+
     for delta, predicted, recompressed, saved in ordered_map(run, jobs):
         report.deltas += delta
         report.predicted += predicted
@@ -226,6 +235,8 @@ def _prediction(
 ) -> _Prediction | None:
     """How to predict the parent's chunk ``target`` from its siblings (None: a first moment, or a
     sibling the parent lacks)."""
+    from .predict import Predictor
+
     w, m, v = (child_slots[group[r]].id for r in (WEIGHT, FIRST, SECOND))
     if target in (w, m, v):
         return None
@@ -328,6 +339,8 @@ def _reverse_delta(
 def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise."""
+    from .predict import fit
+
     bases = {b: store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
     coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases])
     if coefficients is None:

@@ -223,7 +223,7 @@ def _fit_weight(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
     c0 and c1); c2 by search on an eighth of the sample (a geometric grid, then golden-section
     refinement around the best point, each point scored by exact predictions), then the best
     point fitted and scored on the whole sample."""
-    small = sample.every(8)
+    small = sample.every(8) if len(sample.bits) >= 8 * _SEARCH_MIN else sample
 
     def at(s: _Sample, eps: float) -> tuple[int, tuple[float, ...]] | None:
         w, m, v = s.bases
@@ -237,7 +237,14 @@ def _fit_weight(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
             tried.append(None if c1 is None else s.score((c0, float(c1[0]), eps)))
         return _best(tried)
 
-    best = _best(at(small, eps) for eps in _EPS_GRID)
+    # Checkpoints many steps apart: the weights are no function of the next ones, and nothing
+    # comes out exact. Three points tell, before the whole search is paid for.
+    probe = _best(at(small, eps) for eps in _EPS_PROBE)
+    if probe is None or probe[0] < _HOPELESS * len(small.bits):
+        return None
+    best = _best([probe, *(at(small, eps) for eps in _EPS_DEFAULTS)])
+    if best is not None and best[0] < _GOOD_ENOUGH * len(small.bits):
+        best = _best([best, *(at(small, eps) for eps in _EPS_COARSE)])
     if best is not None and best[1][2] != 0.0 and best[0] < _GOOD_ENOUGH * len(small.bits):
         lo, hi = math.log(best[1][2] / _EPS_STEP), math.log(best[1][2] * _EPS_STEP)
         for _ in range(_EPS_REFINE):
@@ -253,11 +260,14 @@ def _fit_weight(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
 
 _EPS_STEP = 4.0
 # PyTorch's default epsilon (1e-8) times its bias correction sqrt(1 - 0.999^t) at steps t = 1..16
-# and in the limit, no epsilon, then a coarse geometric grid for other settings.
-_EPS_GRID = (*(1e-8 * math.sqrt(1 - 0.999 ** t) for t in range(1, 17)), 1e-8, 0.0,
-             *(1e-6 * _EPS_STEP ** -k for k in range(10)))
+# (tried first), then a coarse geometric grid for other settings and later steps.
+_EPS_DEFAULTS = tuple(1e-8 * math.sqrt(1 - 0.999 ** t) for t in range(1, 17))
+_EPS_COARSE = tuple(1e-6 * _EPS_STEP ** -k for k in range(10))
 _EPS_REFINE = 6
+_SEARCH_MIN = 2048  # elements the epsilon search scores each point on, at least
 _GOOD_ENOUGH = 0.97  # of the sample predicted exactly: no refinement of the grid's best
+_EPS_PROBE = (0.0, _EPS_DEFAULTS[0], 1e-8)
+_HOPELESS = 0.01  # of the sample predicted exactly at every probe: no predicted delta
 _GOLDEN = (1 + math.sqrt(5)) / 2
 
 

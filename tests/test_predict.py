@@ -150,7 +150,7 @@ def test_damaged_predicted_objects_are_refused() -> None:
         "outside 0 or": data[:at + 1] + struct.pack("<d", float("nan")) + data[at + 9:],
         "too short": data[:HEADER_SIZE + 40],
     }
-    for reason, bad in cases.items():
+    for bad in cases.values():
         with pytest.raises(IntegrityError):
             _decode(bad, by_id, len(raw))
     tiny = data[:at + 1] + struct.pack("<d", 2.0 ** -80) + data[at + 9:]
@@ -174,3 +174,21 @@ def test_encoder_declines_what_cannot_pay_or_is_not_float32() -> None:
     assert encode_predicted(b"\x00" * 255, 1, ids, [b[:255] for b in bases], 2, (1.0, 1.0, 0.0), 1 << 30) is None
     noise = rng.random(64, dtype=np.float32).tobytes()
     assert encode_predicted(noise, 1, ids, bases, 2, (1.0, 1.0, 0.0), than=64) is None
+
+
+def test_fit_gives_up_on_weights_many_steps_apart() -> None:
+    """Checkpoints 20 steps apart: the older weights are no function of the newer state, and the
+    fit says so after a cheap probe instead of searching (compaction then keeps a plain delta)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 128)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    states = []
+    for _ in range(2):
+        for _ in range(20):
+            layer(torch.randn(8, 128)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        st_ = opt.state[layer.weight]
+        states.append([t.detach().numpy().tobytes() for t in (layer.weight, st_["exp_avg"], st_["exp_avg_sq"])])
+    assert predict.fit(Predictor.ADAM_WEIGHT, states[0][0], states[1]) is None

