@@ -23,3 +23,22 @@ def test_push_and_clone_of_predicted_deltas_read_back_bit_exact(remote_url: tupl
     assert json.loads((tmp_path / "b" / "config.json").read_text())["version"] == 4
     assert_reads_back(b, runs, tmp_path / "out")
     assert b.fsck(read_data=True) == []
+
+
+def test_clone_from_version_1_packs_decodes_each_predicted_delta_against_its_bases(tmp_path: Path) -> None:
+    """Without digests every object is decoded on arrival: a predicted delta waits until all of
+    its bases (which may arrive after it) are verified."""
+    from ckstore.remote import open_transport
+
+    from .test_verify import rewrite_as_version_1
+
+    url = str(tmp_path / "remote")
+    a = Repo.init(tmp_path / "a", chunk_size=16384)
+    runs = dcp_adamw_run(a, 3)
+    a.add_remote("origin", url)
+    a.push()
+    rewrite_as_version_1(open_transport(url, None))
+    b = Repo.clone(url, tmp_path / "b")
+    assert encodings(b).get("PREDICTED") == encodings(a)["PREDICTED"]
+    assert_reads_back(b, runs, tmp_path / "out")
+    assert b.fsck(read_data=True) == []
