@@ -33,6 +33,7 @@ MIN_COEFFICIENT = 2.0 ** -64
 MAX_COEFFICIENT = 2.0 ** 64
 _F32_MIN_NORMAL = 2.0 ** -126
 _EXPONENT = np.uint32(0x7F800000)
+_BLOCK = 1 << 18  # elements predicted at a time (memory: a few 2 MiB float64 temporaries)
 # Elements of a fit's sample, spread over the chunk (a fit costs a least-squares solve on them).
 FIT_SAMPLE = 1 << 15
 
@@ -108,9 +109,17 @@ def predict(predictor: Predictor, coefficients: Sequence[float], bases: Sequence
     if len(bases) != shape.bases or len(coefficients) != shape.coefficients:
         raise ValueError(f"predictor {predictor.name} takes {shape.bases} bases and {shape.coefficients} coefficients")
     check_coefficients(coefficients)
-    with np.errstate(all="ignore"):
-        r = _FORMULAS[predictor]([float(c) for c in coefficients], [inputs(b) for b in bases])
-    return to_float32_bits(r)
+    c = [float(x) for x in coefficients]
+    views = [memoryview(b).cast("B") for b in bases]
+    n = len(views[0]) // 4
+    out = np.empty(n, dtype=np.uint32)
+    # In blocks: the float64 temporaries of a whole 256 MiB chunk would take gigabytes.
+    for start in range(0, n, _BLOCK):
+        end = min(n, start + _BLOCK)
+        with np.errstate(all="ignore"):
+            r = _FORMULAS[predictor](c, [inputs(v[4 * start:4 * end]) for v in views])
+        out[start:end] = to_float32_bits(r)
+    return out
 
 
 def _rounded(coefficients: np.ndarray) -> tuple[float, ...] | None:
