@@ -237,10 +237,11 @@ def _prediction(
     sibling the parent lacks)."""
     from .predict import Predictor
 
-    w, m, v = (child_slots[group[r]].id for r in (WEIGHT, FIRST, SECOND))
+    m, v = (child_slots[group[r]].id for r in (FIRST, SECOND))
+    w = child_slots[group[WEIGHT]].id if WEIGHT in group else None
     if target in (w, m, v):
         return None
-    if found[group[WEIGHT]][0] == target:
+    if w is not None and found[group[WEIGHT]][0] == target:
         return _Prediction(Predictor.ADAM_WEIGHT, (w, m, v), (w, m, v), None)
     moment = found[group[FIRST]][0]
     if found[group[SECOND]][0] != target or moment is None or moment == target:

@@ -4,10 +4,14 @@
 Between two consecutive AdamW steps every byte of the state changes, but the previous step's
 state is almost a function of the current one (``g_t = (m_t - b1 m_{t-1}) / (1 - b1)``):
 
-- ``v_{t-1} = (v_t - (1 - b2) g_t^2) / b2``: ``ADAM_SECOND_MOMENT`` over (v_t, m_t, m_{t-1}),
-  ``c0 v + c1 m^2 + c2 m p + c3 p^2`` (the square of the gradient expanded, so the fit is linear);
+- ``v_{t-1} = (v_t - (1 - b2) g_t^2) / b2``: ``ADAM_SECOND_MOMENT`` over (v, m, p) = (v_t, m_t,
+  m_{t-1}), ``c0 * round32(v + c1 m^2 + c2 m p + c3 p^2)`` (the square of the gradient
+  expanded, so the fit is linear);
 - ``w_{t-1} = (w_t + lr m^_t / (sqrt(v^_t) + eps)) / (1 - lr wd)``: ``ADAM_WEIGHT`` over
-  (w_t, m_t, v_t), ``c0 w + c1 m / (sqrt(v) + c2)`` (bias corrections folded into c1 and c2).
+  (w_t, m_t, v_t), ``c0 * round32(w + c1 m / (sqrt(v) + c2))`` (bias corrections folded into
+  c1 and c2).
+
+``round32`` is the float32 rounding the forward step did between its add and its multiply.
 
 The coefficients are stored in the object, so a reader needs no optimizer settings; the writer
 fits them (``fit``). A reader must compute the prediction bit for bit as the writer did, on any
@@ -36,6 +40,7 @@ _EXPONENT = np.uint32(0x7F800000)
 _BLOCK = 1 << 18  # elements predicted at a time (memory: a few 2 MiB float64 temporaries)
 # Elements of a fit's sample, spread over the chunk (a fit costs a least-squares solve on them).
 FIT_SAMPLE = 1 << 15
+
 
 class Predictor(IntEnum):
     ADAM_SECOND_MOMENT = 1  # bases (v_t, m_t, m_{t-1}), 4 coefficients
