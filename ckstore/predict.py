@@ -217,6 +217,15 @@ def _best(scored: Iterable[tuple[int, tuple[float, ...]] | None]) -> tuple[int, 
 
 
 def _fit_second_moment(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
+    # Checkpoints many steps apart: nothing comes out exact on an eighth of the sample, and a fit
+    # on all of it is not paid for (a near miss could still beat a plain delta, rarely by much).
+    probe = _fit_second_moment_on(_small(sample))
+    if probe is None or probe[0] < _HOPELESS * len(_small(sample).bits):
+        return None
+    return _best([probe and sample.score(probe[1]), _fit_second_moment_on(sample)])
+
+
+def _fit_second_moment_on(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
     v, m, p = sample.bases
     inner = [m * m, m * p, p * p]
     found = _least_squares([v, *inner], sample.y, sample.y)
@@ -231,13 +240,18 @@ def _fit_second_moment(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
     return _best(tried)
 
 
+def _small(sample: _Sample) -> _Sample:
+    """An eighth of the sample for searches and probes (all of a small one)."""
+    return sample.every(8) if len(sample.bits) >= 8 * _SEARCH_MIN else sample
+
+
 def _fit_weight(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
     """c0 and c1 by least squares for a given c2 (epsilon times a bias correction: tiny next to
     sqrt(v) for most elements, decisive for the rest, and a wrong one makes outliers that pull
     c0 and c1); c2 by search on an eighth of the sample (a geometric grid, then golden-section
     refinement around the best point, each point scored by exact predictions), then the best
     point fitted and scored on the whole sample."""
-    small = sample.every(8) if len(sample.bits) >= 8 * _SEARCH_MIN else sample
+    small = _small(sample)
 
     def at(s: _Sample, eps: float) -> tuple[int, tuple[float, ...]] | None:
         w, m, v = s.bases

@@ -104,7 +104,10 @@ def test_weight_prediction_is_the_formula_evaluated_in_order(values: list[float]
             r = float(np.float32(x))
         return r if np.isfinite(r) else 0.0
 
-    want = [to32(c0 * to32(float(a) + c1 * (float(b) / (float(np.sqrt(float(c))) + c2)))) for a, b, c in zip(w, m, v)]
+    def zeroed(x: np.float32) -> float:  # step 1: subnormal inputs are +0
+        return 0.0 if abs(float(x)) < 2.0 ** -126 else float(x)
+
+    want = [to32(c0 * to32(zeroed(a) + c1 * (zeroed(b) / (float(np.sqrt(zeroed(c))) + c2)))) for a, b, c in zip(w, m, v)]
     assert got.tolist() == np.array(want, dtype="<f4").view("<u4").tolist()
 
 
