@@ -23,7 +23,7 @@ unreachable endpoint, server failure) and the retries spent.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -260,6 +260,14 @@ class S3Transport(Transport):
         part = self.options.multipart_part_size
         self._call("writing", key, self._obs.put, check_remote_key(key), data,
                    use_multipart=len(data) > part, chunk_size=part,
+                   max_concurrency=self.options.multipart_concurrency)
+
+    def put_parts(self, key: str, parts: Iterable[bytes | memoryview]) -> None:
+        # obstore streams an iterable as a multipart upload, part by part as the iterable yields,
+        # and completes the upload only after the iterable ends: an exception from it aborts the
+        # upload and propagates here unchanged (it is not an obstore error), storing nothing.
+        part = self.options.multipart_part_size
+        self._call("writing", key, self._obs.put, check_remote_key(key), parts, chunk_size=part,
                    max_concurrency=self.options.multipart_concurrency)
 
     def _put_conditional(self, key: str, data: bytes | memoryview, mode: Any) -> bool:
