@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from .codec import Kind, decode, delta_base, parse_header
+from .codec import Kind, decode_view, delta_base, parse_header
 from .context import RepoContext
 from .errors import (
     ConflictError,
@@ -232,7 +232,7 @@ class _Verifier:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.lock = threading.Lock()
-        self.bases: OrderedDict[str, bytes] = OrderedDict()  # verified raw bytes, least recent first
+        self.bases: OrderedDict[str, bytes | memoryview] = OrderedDict()  # verified raw bytes, least recent first
         self.cached = 0
 
     def stored(self, oid: str) -> tuple[str, bytes, bytes, str | None]:
@@ -248,13 +248,13 @@ class _Verifier:
             raise IntegrityError(f"object {oid} is corrupt here, so it is not sent: {exc}; run 'ckstore fsck'") from None
         return oid, data, blake3.blake3(data).digest(), base
 
-    def _decode(self, oid: str, data: bytes, depth: int) -> bytes:
-        raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))
+    def _decode(self, oid: str, data: bytes, depth: int) -> bytes | memoryview:
+        raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))
         if chunk_id(raw) != oid:
             raise IntegrityError("its bytes do not hash to its name")
         return raw
 
-    def _base(self, oid: str, length: int, depth: int) -> bytes:
+    def _base(self, oid: str, length: int, depth: int) -> bytes | memoryview:
         if depth > MAX_CHAIN_DEPTH:
             raise IntegrityError(f"delta chain longer than {MAX_CHAIN_DEPTH}")
         with self.lock:

@@ -1,6 +1,6 @@
 """Remotes (issue 12): push and clone throughput, requests and bytes per pushed epoch, lazy reads.
 
-    python scripts/bench_remote.py [--mib 96] [--epochs 3] [--repeat 3] [--write-docs docs/benchmarks.md]
+    python scripts/bench_remote.py [--mib 96] [--epochs 3 | --real WORK [--steps 60]] [--repeat 3] [--write-docs docs/benchmarks.md]
 
 Starts the bundled SeaweedFS server on 127.0.0.1 (ckstore/remote/testserver.py), then:
 
@@ -12,8 +12,11 @@ Starts the bundled SeaweedFS server on 127.0.0.1 (ckstore/remote/testserver.py),
    downloading the same bytes as plain objects of the same sizes, directly to the server; each
    measured ``--repeat`` times, interleaved with its baseline (push, plain upload, clone, plain
    download, again), and the medians reported (the machine may be shared);
-3. a lazy ``checkout --only 'model.*' --remote`` of the newest epoch from an empty repository:
-   bytes read from the remote against the model tensors' stored bytes.
+3. a lazy ``checkout --only <model tensors> --remote`` of the newest epoch from an empty
+   repository: bytes read from the remote against the model tensors' stored bytes.
+
+``--real WORK`` uses the real all-MiniLM-L6-v2 fp32 fine-tune epochs that scripts/bench.py caches
+in WORK/checkpoints (model and optimizer files, 271 MB an epoch) instead of made-up tensors.
 """
 
 from __future__ import annotations
@@ -105,8 +108,12 @@ def plain_transfer(server_env: dict[str, str], endpoint: str, bucket: str, sizes
     return up, down, saved
 
 
-def run(work: Path, mib: int, epochs: int, repeat: int) -> dict[str, object]:
-    out: dict[str, object] = {"mib": mib, "epochs": epochs, "repeat": repeat}
+def run(work: Path, mib: int, epochs: int, repeat: int, real: list[Path] | None = None) -> dict[str, object]:
+    """With ``real``, the epochs are those checkpoint folders (a real fine-tune's model and
+    optimizer files, scripts/bench_data.py) instead of ``mib`` MiB of made-up tensors."""
+    if real:
+        epochs = len(real)
+    out: dict[str, object] = {"mib": mib, "epochs": epochs, "repeat": repeat, "real": real}
     (work / "server").mkdir()
     with seaweedfs(work / "server") as server, FaultProxy(server.endpoint) as proxy:
         os.environ.update({"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
@@ -118,7 +125,8 @@ def run(work: Path, mib: int, epochs: int, repeat: int) -> dict[str, object]:
         rows = []
         push_seconds, push_bytes, first_sizes = 0.0, 0, []
         for e in range(1, epochs + 1):
-            oid = repo.commit(write_epoch(work / "ckpt", e, mib, state), message=f"epoch {e}")
+            source = real[e - 1] if real else write_epoch(work / "ckpt", e, mib, state)
+            oid = repo.commit(source, message=f"epoch {e}")
             added = repo.read_commit(oid).added_bytes
             proxy.reset()
             start = time.perf_counter()
@@ -131,7 +139,7 @@ def run(work: Path, mib: int, epochs: int, repeat: int) -> dict[str, object]:
                 # Throughput is measured on pushes of the same epoch straight to the server (the
                 # counting proxy is a Python HTTP relay: it would dominate the time).
                 direct = Repo.init(work / "direct")
-                direct.commit(work / "ckpt", message="epoch 1")
+                direct.commit(source, message="epoch 1")
                 direct.wait()
             print(rows[-1], flush=True)
         out["rows"] = rows
@@ -175,9 +183,13 @@ def run(work: Path, mib: int, epochs: int, repeat: int) -> dict[str, object]:
         lazy_repo = Repo.init(work / "c")
         lazy_repo.add_remote("origin", url, server.endpoint)
         lazy = lazy_repo.use_remote("origin")
-        lazy_repo.checkout("origin/main", work / "weights", only=["model.*"])
         tip = repo.read_commit(repo.resolve("main"))
-        model = {c.id for f in tip.files for t in f.tensors if t.name.startswith("model.") for c in t.chunks}
+        # The inference weights: tensors named model.* (made-up epochs), or every tensor of the
+        # real checkpoint's model.safetensors (its optimizer file names them with moment suffixes).
+        weights = [t for f in tip.files for t in f.tensors
+                   if (f.path == "model.safetensors" if real else t.name.startswith("model."))]
+        lazy_repo.checkout("origin/main", work / "weights", only=[t.name for t in weights] if real else ["model.*"])
+        model = {c.id for t in weights for c in t.chunks}
         out.update(lazy_bytes=lazy.fetched_bytes, model_stored=sum(repo.store.stored_size(c) or 0 for c in model))
     return out
 
@@ -204,12 +216,19 @@ def report(r: dict[str, object]) -> str:
     later = [row for row in rows if row["epoch"] >= 2]  # type: ignore[index]
     worst = max((row["sent"] / max(row["added"], 1) for row in later), default=0.0)  # type: ignore[index]
     lazy_ratio = r["lazy_bytes"] / r["model_stored"]  # type: ignore[operator]
+    real = r.get("real")
+    data = (f"Each epoch is a real checkpoint: the {len(real)} epochs of the all-MiniLM-L6-v2 fp32 full fine-tune of "  # type: ignore[arg-type]
+            f"scripts/bench.py ({real[0].parent.parent.name[1:]} steps an epoch; `model.safetensors` and "  # type: ignore[index]
+            "`optimizer.safetensors` with both AdamW moments, 271 MB an epoch)"
+            if real else f"Each epoch is {r['mib']} MiB of float32 weights that all move a little (every chunk changes) "
+            "plus two rewritten Adam moments")
+    command = f"--real {real[0].parent.parent.parent.parent} --steps {real[0].parent.parent.name[1:]}" if real else \
+        f"--mib {r['mib']} --epochs {r['epochs']}"  # type: ignore[index]
     lines = [
-        f"Generated by `python scripts/bench_remote.py --mib {r['mib']} --epochs {r['epochs']}` "
+        f"Generated by `python scripts/bench_remote.py {command} --repeat {r['repeat']}` "
         f"({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}), against the bundled "
         "SeaweedFS (`weed mini`) on 127.0.0.1, so throughput is the client's and the server's CPU, not a network. "
-        "Each epoch is float32 weights that all move a little (every chunk changes) plus two rewritten Adam moments; "
-        "a push follows each commit. Requests are counted by a proxy in front of the server.",
+        f"{data}; a push follows each commit. Requests are counted by a proxy in front of the server.",
         "",
         "| epoch | added to local store MiB | sent MiB | sent / added | packs | objects | requests | PUTs | push s |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -229,7 +248,7 @@ def report(r: dict[str, object]) -> str:
         f"{mib(r['clone_bytes'] / r['clone_seconds'])} MiB/s | {mib(r['clone_bytes'] / r['plain_saved'])} MiB/s | "  # type: ignore[operator]
         f"{r['plain_saved'] / r['clone_seconds']:.3f} |",  # type: ignore[operator]
         f"| bytes sent for epoch N ≥ 2 / added locally | | | **{worst:.3f}** worst (≤ 1.1) |",
-        f"| lazy `checkout --only 'model.*' --remote`: read / model's stored bytes | {mib(r['lazy_bytes'])} MiB | "
+        f"| lazy `checkout --only <the model's tensors> --remote`: read / model's stored bytes | {mib(r['lazy_bytes'])} MiB | "
         f"{mib(r['model_stored'])} MiB | **{lazy_ratio:.3f}** (≤ 1.1) |",
         "",
         f"Targets (issue 12): push throughput {_verdict(push_ratio >= 0.8)}, clone throughput "
@@ -268,11 +287,19 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=96, help="MiB of tensors per epoch")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3, help="throughput runs (medians reported)")
+    p.add_argument("--real", type=Path, metavar="WORK",
+                   help="use the real fp32 fine-tune epochs cached in WORK/checkpoints by scripts/bench.py "
+                        "(trained there first if absent) instead of made-up tensors")
+    p.add_argument("--steps", type=int, default=60, help="with --real: steps per epoch of the run to use")
     p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Remotes' section of FILE")
     args = p.parse_args()
+    real = None
+    if args.real:
+        from bench_data import ensure_checkpoints
+        real = ensure_checkpoints(args.real / "checkpoints", steps=args.steps, runs=("fp32_full",))["fp32_full"]
     work = Path(tempfile.mkdtemp(prefix="ckstore-remote-bench-"))
     try:
-        results = run(work, args.mib, args.epochs, args.repeat)
+        results = run(work, args.mib, args.epochs, args.repeat, real)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = report(results)

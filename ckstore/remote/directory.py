@@ -123,9 +123,9 @@ class DirectoryTransport(Transport):
         return self._read(key)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self.get_ranges(key, [(start, length)])[0]
+        return bytes(self.get_ranges(key, [(start, length)])[0])
 
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
         for start, length in ranges:
             check_range(start, length)
         path = self._path(key)
@@ -138,7 +138,7 @@ class DirectoryTransport(Transport):
         except OSError as exc:
             raise self._error(exc, "reading", key) from None
         try:
-            out = []
+            out: list[bytes | memoryview] = []
             for start, length in ranges:
                 parts, pos, left = [], start, length
                 while left > 0:

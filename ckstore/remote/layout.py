@@ -259,7 +259,7 @@ class RemoteRepo:
                 out.setdefault(e.id, Located(pack_id, e))
         return out
 
-    def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes]]:
+    def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes | memoryview]]:
         """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""
         ordered = sorted(entries, key=lambda e: e.offset)
         datas = self.transport.get_ranges(pack_key(pack_id), [(e.offset, e.length) for e in ordered])

@@ -165,14 +165,14 @@ class S3Transport(Transport):
             raise self._error(exc, "reading", key) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self.get_ranges(key, [(start, length)])[0]
+        return bytes(self.get_ranges(key, [(start, length)])[0])
 
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
         check_remote_key(key)
         for start, length in ranges:
             check_range(start, length)
         wanted = [(i, s, n) for i, (s, n) in enumerate(ranges) if n > 0]
-        out = [b""] * len(ranges)
+        out: list[bytes | memoryview] = [b""] * len(ranges)
         if not wanted:
             return out
         groups: list[list[int]] = []  # merged [start, end) reads
@@ -195,7 +195,9 @@ class S3Transport(Transport):
             datas = [next(fetched) if g[0] < info.size else b"" for g in groups]
         for i, s, n in wanted:
             g = groups[member[i]]
-            out[i] = bytes(datas[member[i]][s - g[0]:s - g[0] + n])
+            # A view, not a copy: copying each object out of its merged read was a tenth of a
+            # clone's CPU. The view keeps the merged buffer alive until its last object is used.
+            out[i] = memoryview(datas[member[i]])[s - g[0]:s - g[0] + n]
         return out
 
     def _fetch(self, key: str, groups: Sequence[Sequence[int]]) -> list[Any]:

@@ -131,8 +131,9 @@ class Transport(ABC):
     def get_range(self, key: str, start: int, length: int) -> bytes: ...
 
     @abstractmethod
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Each ``(start, length)`` range of one value, in the order given."""
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
+        """Each ``(start, length)`` range of one value, in the order given (bytes, or read-only
+        views into a larger read: not copied)."""
 
     @abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None: ...
