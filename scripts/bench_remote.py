@@ -216,6 +216,7 @@ def report(r: dict[str, object]) -> str:
     later = [row for row in rows if row["epoch"] >= 2]  # type: ignore[index]
     worst = max((row["sent"] / max(row["added"], 1) for row in later), default=0.0)  # type: ignore[index]
     lazy_ratio = r["lazy_bytes"] / r["model_stored"]  # type: ignore[operator]
+    durable_ratio = r["plain_saved"] / r["clone_seconds"]  # type: ignore[operator]
     real = r.get("real")
     data = (f"Each epoch is a real checkpoint: the {len(real)} epochs of the all-MiniLM-L6-v2 fp32 full fine-tune of "  # type: ignore[arg-type]
             f"scripts/bench.py ({real[0].parent.parent.name[1:]} steps an epoch; `model.safetensors` and "  # type: ignore[index]
@@ -244,34 +245,36 @@ def report(r: dict[str, object]) -> str:
         f"{mib(r['push_bytes'] / r['plain_up'])} MiB/s | **{push_ratio:.3f}** (≥ 0.8) |",  # type: ignore[operator]
         f"| clone, every epoch ({mib(r['clone_bytes'])} MiB of packs) | {mib(r['clone_bytes'] / r['clone_seconds'])} MiB/s | "  # type: ignore[operator]
         f"{mib(r['clone_bytes'] / r['plain_down'])} MiB/s | **{clone_ratio:.3f}** (≥ 0.8) |",  # type: ignore[operator]
-        f"| clone against a plain download that also writes each object to a file, fsynced (reported) | "
+        f"| clone against a plain download that also writes each pack to a file, fsynced | "
         f"{mib(r['clone_bytes'] / r['clone_seconds'])} MiB/s | {mib(r['clone_bytes'] / r['plain_saved'])} MiB/s | "  # type: ignore[operator]
-        f"{r['plain_saved'] / r['clone_seconds']:.3f} |",  # type: ignore[operator]
+        f"**{durable_ratio:.3f}** (≥ 0.8) |",
         f"| bytes sent for epoch N ≥ 2 / added locally | | | **{worst:.3f}** worst (≤ 1.1) |",
         f"| lazy `checkout --only <the model's tensors> --remote`: read / model's stored bytes | {mib(r['lazy_bytes'])} MiB | "
         f"{mib(r['model_stored'])} MiB | **{lazy_ratio:.3f}** (≤ 1.1) |",
         "",
         f"Targets (issue 12): push throughput {_verdict(push_ratio >= 0.8)}, clone throughput "
-        f"{_verdict(clone_ratio >= 0.8)}, bytes per epoch {_verdict(worst <= 1.1)}, lazy model-only read "
+        f"{_verdict(clone_ratio >= 0.8)} against the download into memory and "
+        f"{_verdict(durable_ratio >= 0.8)} against the download that stores durably, bytes per epoch {_verdict(worst <= 1.1)}, lazy model-only read "
         f"{_verdict(lazy_ratio <= 1.1)}. Push and clone are medians of {r['repeat']} runs, each interleaved with "
         "its baseline, clone and download in alternating order, every timed transfer after `sync` and a 1 s pause "
         "for the server's writes (ratios per run: push "
         f"{', '.join(f'{x:.2f}' for x in r['push_ratios'])}; clone {', '.join(f'{x:.2f}' for x in r['clone_ratios'])}); "  # type: ignore[union-attr]
         f"the load average was {_load()} when the run ended (this 2-core machine was shared).",
         "",
-        "Where the time goes (py-spy and timing wrappers, docs/design.md \"Verification on arrival\"). A clone used to "
-        "decode and re-hash every object on arrival: decoding ran at 250-480 MiB/s a thread, against a plain download "
-        "of 500-770 MiB/s, so clones were CPU-bound at about a third of the baseline. Now a push decodes and re-hashes "
-        "every object before sending it and records the BLAKE3 of its stored bytes in the pack index (pack version 2); "
-        "a clone checks each arrival against that digest (~2 GiB/s a thread), stages it on worker threads and lands "
-        "64 MiB batches on a background thread while the next packs download, and every later read decodes and "
-        "verifies again. A clone also writes every byte durably as ~1 MiB "
-        "loose files (one file create and write per object, the fan-out folders made as objects are staged, "
-        "syncfs barriers per batch), on 2 cores shared with the S3 server serving the same bytes; the "
-        "row against a plain download that also writes and fsyncs each object shows how much of the gap durable writes "
-        "explain. A push pays its verification (decoding ~460 MiB/s a thread after the byte-plane interleave "
-        "got ~5x faster) and the pack assembly (a 32 MiB join and BLAKE3 per pack) on the same 2 cores as the "
-        "server's upload handling, and its first upload starts only once a pack's worth is verified.",
+        "Where the time goes (py-spy and timing wrappers; docs/design.md, \"Packs, not loose objects\" and "
+        "\"Verification on arrival\"). A push reads each object, decodes and re-hashes it against its name on worker "
+        "threads (nothing leaves unverified: the pack index records the BLAKE3 of its stored bytes, which a fetch "
+        "trusts in place of decoding), and streams it straight into the upload of the pack it belongs to: packs are "
+        "named at random before their first byte, so an upload starts with the first verified object instead of "
+        "after a whole 32 MiB pack has been read, verified, joined and hashed to name it (that pause and the 32 MiB "
+        "copy per pack were what kept pushes at about 0.7 of the plain upload). A clone downloads a few packs at "
+        "a time with one ranged GET each, checks each object against its digest (~2 GiB/s a thread), writes it as "
+        "a loose object on worker threads and lands 64 MiB batches on a background thread (syncfs barriers, links) "
+        "while the next packs download; commits are written last. The plain download only receives the bytes into "
+        f"memory. A plain download that also writes each pack to a file and fsyncs it, with no ckstore work at "
+        f"all, ran at {r['plain_down'] / r['plain_saved']:.2f} of the in-memory download in this run "  # type: ignore[operator]
+        "(durable writes of the same bytes, on the same 2 cores as the server): that is the ceiling for any clone "
+        "that stores what it receives, below the 0.8 target, so the clone is also compared with it.",
         "",
         "Requests per pushed epoch are a "
         "constant handful plus two PUTs per pack (pack, index): O(size / pack size), not O(chunks). "
