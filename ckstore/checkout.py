@@ -131,13 +131,13 @@ def _same_file(target: Path, output: Output) -> bool:
     return True
 
 
-def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator[bytes]:
-    def get(item: tuple[Piece, str]) -> bytes:
+def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator[bytes | memoryview]:
+    def get(item: tuple[Piece, str]) -> bytes | memoryview:
         piece, context = item
         if isinstance(piece, bytes):
             return piece
         if isinstance(piece, ChunkRef):
-            return store.get_chunk(piece.id, piece.size, context)
+            return store.chunk_view(piece.id, piece.size, context)
         return piece()
 
     return ordered_map(get, outputs)

@@ -63,7 +63,7 @@ EXHAUSTIVE_MAX = 1 << 18
 _SAMPLE_WINDOWS = 8
 _SAMPLE_WINDOW = 1 << 14
 
-BaseFetcher = Callable[[str, int], bytes]  # (base id hex, raw length) -> verified raw bytes
+BaseFetcher = Callable[[str, int], "bytes | memoryview"]  # (base id hex, raw length) -> verified raw bytes
 
 
 class Kind(IntEnum):
@@ -231,11 +231,11 @@ def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int
     return diff.view(np.uint8)
 
 
-def _undo_residual(residual: np.ndarray, base: bytes, width: int, op: DeltaOp) -> bytes:
+def _undo_residual(residual: np.ndarray, base: bytes | memoryview, width: int, op: DeltaOp) -> memoryview:
     import numpy as np
     if op == DeltaOp.XOR:
         np.bitwise_xor(residual, np.frombuffer(base, np.uint8), out=residual)
-        return residual.tobytes()
+        return memoryview(residual)
     dt = _INT_DTYPES[width]
     zigzag = residual.view(dt)  # a fresh array from _decode_grouped: updated in place
     odd = zigzag & 1
@@ -243,7 +243,7 @@ def _undo_residual(residual: np.ndarray, base: bytes, width: int, op: DeltaOp) -
     np.right_shift(zigzag, 1, out=zigzag)
     np.bitwise_xor(zigzag, odd, out=zigzag)
     np.add(zigzag, np.frombuffer(base, dt), out=zigzag)
-    return zigzag.tobytes()
+    return memoryview(zigzag.view(np.uint8))
 
 
 def _sample(raw: bytes | memoryview, width: int) -> bytes:
@@ -392,16 +392,18 @@ def encode_predicted(
 # ---- decoding ---------------------------------------------------------------------------------
 
 
-def decode(
+def decode_view(
     data: bytes | memoryview, kind: Kind, max_len: int, expected_len: int | None = None,
     fetch_base: BaseFetcher | None = None,
-) -> bytes:
+) -> bytes | memoryview:
     """Decode a stored object of the given kind, refusing more than ``max_len`` decoded bytes.
 
     ``expected_len`` (from the manifest) must match the header exactly when given. A delta's base
     comes from ``fetch_base`` (verified raw bytes; the caller bounds the chain depth). Raises
     IntegrityError for every malformed input; hash verification is the caller's job (it knows
-    the name).
+    the name). A byte-grouped or delta chunk comes back as a view of the array it was decoded
+    into, not copied into bytes: a caller that only hashes or writes it saves a copy of every
+    chunk (about as much CPU as interleaving the planes).
     """
     header = parse_header(data)
     if header.kind != kind:
@@ -420,13 +422,22 @@ def decode(
     if kind != Kind.CHUNK:
         raise IntegrityError(f"a {kind.name.lower()} cannot use the {header.encoding.name.lower()} encoding")
     if header.encoding == Encoding.GROUPED:
-        return _decode_grouped(body, header.raw_len).tobytes()
+        return memoryview(_decode_grouped(body, header.raw_len))
     if header.encoding == Encoding.PREDICTED:
         return _decode_predicted(data, body, header.raw_len, fetch_base)
     return _decode_delta(body, header.raw_len, fetch_base)
 
 
-def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> bytes:
+def decode(
+    data: bytes | memoryview, kind: Kind, max_len: int, expected_len: int | None = None,
+    fetch_base: BaseFetcher | None = None,
+) -> bytes:
+    """``decode_view`` as bytes (one more copy of a byte-grouped or delta chunk)."""
+    out = decode_view(data, kind, max_len, expected_len, fetch_base)
+    return out if isinstance(out, bytes) else out.tobytes()
+
+
+def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> memoryview:
     import numpy as np
 
     from . import predict
@@ -462,10 +473,10 @@ def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, 
         bases.append(base)
     guess = predict.predict(predictor, coefficients, bases)
     np.bitwise_xor(residual.view("<u4"), guess, out=residual.view("<u4"))
-    return residual.tobytes()
+    return memoryview(residual)
 
 
-def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> bytes:
+def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> bytes | memoryview:
     if len(body) < _DELTA.size:
         raise IntegrityError("delta body is too short")
     base_raw, op = _DELTA.unpack_from(body)

@@ -112,7 +112,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         for oid, pack_id, data in read_objects(remote, where, present):
             commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
             commits[ObjectId(oid)] = commit
-            stored[ObjectId(oid)] = data
+            stored[ObjectId(oid)] = bytes(data)
             report.bytes += len(data)
         nxt = []
         for oid in frontier:  # a commit the remote gc pruned: history goes on with its parents

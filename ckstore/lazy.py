@@ -52,7 +52,8 @@ class RemoteObjects(ObjectStore):
         if loc is None:
             raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
         where = f" (read from {self.remote.describe(pack_key(loc.pack_id))})"
-        ((_, data),) = self.remote.read_objects(loc.pack_id, [loc.entry])
+        ((_, view),) = self.remote.read_objects(loc.pack_id, [loc.entry])
+        data = bytes(view)
         self.fetched_bytes += len(data)
         self.fetched_objects += 1
         self._verify(oid, data, context + where)  # before it is cached: a damaged copy never sticks

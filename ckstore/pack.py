@@ -19,6 +19,13 @@ reader checks what a ranged read returned with one hash of those bytes, without 
 (docs/design.md, "Verification on arrival"); version 1 entries lack it (40 bytes, not 72) and
 stay readable: their objects are checked by decoding them, as before.
 
+Why a pack's name is random rather than the hash of its bytes (as it was before): a name that
+depends on the bytes is known only once the last object is in, so a pusher would have to read
+and verify a whole pack before the first byte of it could leave; a name chosen up front lets the
+upload run while the pack is being made (push.py). Nothing needs the content name: each object
+is checked against the digest its entry records, the table against the trailer's checksum, the
+index against its own, and two packs holding the same object are allowed anyway.
+
 Why a table inside the pack as well as the index file (restic does the same): the pack alone
 is then self-describing, so a lost or damaged index is rebuilt from the pack's tail with one or
 two ranged reads, and fsck can check a pack without trusting anything else. Why sorted by id:
@@ -33,6 +40,7 @@ an IntegrityError naming the pack.
 
 from __future__ import annotations
 
+import secrets
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -148,21 +156,27 @@ def encode_index(pack_id: str, pack_size: int, entries: Iterable[PackEntry], ver
 
 
 class PackBuilder:
-    """Collects stored objects into one pack.
+    """Lays out one pack, object by object, without holding the objects' bytes.
 
-    The caller decides where one pack ends: ``fits`` says whether an object of a given length
-    still belongs in this pack (``pack_objects`` does this for a stream of objects). Objects are
-    laid out in the order they are added, so adding the chunks of one tensor in order lets a
-    reader fetch them with one coalesced ranged read.
+    The pack's name is chosen before its first byte (random, docs/format.md 15.1), so a caller
+    can send ``header``, then each object's stored bytes as it is added, then ``close()``'s tail,
+    while later objects are still being read and verified: the upload of a pack overlaps its
+    making. The caller decides where one pack ends: ``fits`` says whether an object of a given
+    length still belongs in this pack. Objects are laid out in the order they are added, so
+    adding the chunks of one tensor in order lets a reader fetch them with one coalesced read.
     """
 
-    def __init__(self, target_size: int = DEFAULT_TARGET_SIZE) -> None:
+    def __init__(self, target_size: int = DEFAULT_TARGET_SIZE, pack_id: str | None = None) -> None:
         if not 0 < target_size <= MAX_PACK_SIZE:
             raise ValueError(f"pack target size {target_size} out of range 1..{MAX_PACK_SIZE}")
+        if pack_id is not None and not is_object_id(pack_id):
+            raise ValueError(f"invalid pack id {pack_id!r}")
         self.target_size = target_size
-        self._parts: list[bytes | memoryview] = [PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, _ZERO3)]
+        self.pack_id = pack_id or secrets.token_hex(32)
+        self.header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, _ZERO3)
         self._entries: dict[str, PackEntry] = {}
         self._end = PACK_HEADER.size
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -172,7 +186,7 @@ class PackBuilder:
 
     @property
     def size(self) -> int:
-        """The size the pack would have if finished now."""
+        """The size the pack would have if closed now."""
         return self._end + ENTRY.size * len(self._entries) + TRAILER.size
 
     def fits(self, length: int) -> bool:
@@ -185,8 +199,11 @@ class PackBuilder:
         return not self._entries and grown <= MAX_PACK_SIZE or grown <= self.target_size
 
     def add(self, oid: str, stored: bytes | memoryview, digest: bytes | None = None) -> PackEntry:
-        """Append one stored object (its exact stored bytes) named ``oid``; ``digest`` is the
-        BLAKE3 of ``stored`` when the caller has it already (hashed here otherwise)."""
+        """Place one stored object (its exact stored bytes) named ``oid`` next in the pack;
+        ``digest`` is the BLAKE3 of ``stored`` when the caller has it already (hashed here
+        otherwise). The caller writes ``stored`` itself, right after the previous object's."""
+        if self._closed:
+            raise ValueError("the pack is closed")
         if not is_object_id(oid):
             raise ValueError(f"invalid object id {oid!r}")
         if oid in self._entries:
@@ -201,41 +218,47 @@ class PackBuilder:
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
         entry = PackEntry(oid, self._end, length, digest if digest is not None else blake3.blake3(stored).digest())
-        self._parts.append(stored)
         self._entries[oid] = entry
         self._end += length
         return entry
 
-    def finish(self) -> BuiltPack:
+    def close(self) -> tuple[bytes, PackIndex]:
+        """The pack's last bytes (table and trailer) and its index; no object can follow."""
         if not self._entries:
             raise ValueError("an empty pack cannot be written")
+        self._closed = True
         entries = tuple(sorted(self._entries.values(), key=lambda e: e.id))
         table = _table_bytes(entries, PACK_VERSION)
         trailer = TRAILER.pack(len(entries), PACK_VERSION, _ZERO3, blake3.blake3(table).digest(), PACK_MAGIC)
-        data = b"".join([*self._parts, table, trailer])
-        index = PackIndex(blake3.blake3(data).hexdigest(), len(data), entries)
-        return BuiltPack(index, data, index.to_bytes())
+        return table + trailer, PackIndex(self.pack_id, self.size, entries)
 
 
 def pack_objects(
     objects: Iterable[tuple[str, bytes | memoryview] | tuple[str, bytes | memoryview, bytes]],
     target_size: int = DEFAULT_TARGET_SIZE,
 ) -> Iterator[BuiltPack]:
-    """Group (id, stored bytes[, their BLAKE3]) into packs of about ``target_size`` bytes, in
-    order. A repeated id is stored once (the first time it appears).
-    """
+    """Group (id, stored bytes[, their BLAKE3]) into whole packs of about ``target_size``
+    bytes, in order. A repeated id is stored once (the first time it appears)."""
     builder = PackBuilder(target_size)
+    parts: list[bytes | memoryview] = [builder.header]
     seen: set[str] = set()
+
+    def built() -> BuiltPack:
+        tail, index = builder.close()
+        return BuiltPack(index, b"".join([*parts, tail]), index.to_bytes())
+
     for oid, stored, *digest in objects:
         if oid in seen:
             continue
         seen.add(oid)
         if not builder.fits(len(stored)):
-            yield builder.finish()
+            yield built()
             builder = PackBuilder(target_size)
+            parts = [builder.header]
         builder.add(oid, stored, *digest)
+        parts.append(stored)
     if len(builder):
-        yield builder.finish()
+        yield built()
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -356,22 +379,21 @@ def index_from_tail(tail: bytes | memoryview, pack_size: int, pack_id: str) -> P
     return PackIndex(pack_id, pack_size, entries, version)
 
 
-def parse_pack(data: bytes | memoryview, pack_id: str | None = None) -> PackIndex:
-    """Validate a whole pack: its name (when given), framing, table, and every object's header
-    and (version 2) recorded digest.
+def parse_pack(data: bytes | memoryview, pack_id: str) -> PackIndex:
+    """Validate a whole pack named ``pack_id``: framing, table, and every object's header and
+    (version 2) recorded digest.
 
-    Objects are not decoded here (a delta needs its base, which may be in another pack); the
-    store decodes and re-hashes each one when it is used.
+    A pack's name says nothing about its bytes (packs written now have random names; older ones
+    were named by their hash, which readers do not rely on: docs/format.md 15.1). Objects are not
+    decoded here (a delta needs its base, which may be in another pack); the store decodes and
+    re-hashes each one when it is used.
     """
     view = memoryview(data)
-    digest = blake3.blake3(view).hexdigest()
-    what = f"pack {pack_id or digest}"
-    if pack_id is not None and digest != pack_id:
-        raise _fail(what, "its bytes do not hash to its name")
+    what = f"pack {pack_id}"
     _check_size(len(view), what)
     magic, version, reserved = PACK_HEADER.unpack_from(view)
     _check_frame(what, "header", magic == PACK_MAGIC, version, reserved == _ZERO3)
-    index = index_from_tail(view[len(view) - tail_length(view, len(view), digest):], len(view), digest)
+    index = index_from_tail(view[len(view) - tail_length(view, len(view), pack_id):], len(view), pack_id)
     if index.version != version:
         raise _fail(what, f"its header says version {version}, its trailer {index.version}")
     for e in index.entries:

@@ -187,7 +187,7 @@ class LazyTensors(Mapping[str, Any]):
         needed = chunks[first:last]
         context = f" ({where})"
         out = bytearray()
-        for data in ordered_map(lambda c: self._store.get_chunk(c.id, c.size, context), needed):
+        for data in ordered_map(lambda c: self._store.chunk_view(c.id, c.size, context), needed):
             out += data
             self.bytes_read += len(data)
         offset = lo - starts[first]

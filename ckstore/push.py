@@ -32,20 +32,20 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from .codec import Kind, decode, delta_bases, parse_header
+from .codec import Kind, decode_view, delta_bases, parse_header
 from .context import RepoContext
 from .errors import (
     ConflictError,
     IntegrityError,
-    LockedError,
     RefChangedError,
     RefNotFoundError,
 )
 from .graph import kept_parents
 from .ids import ObjectId, chunk_id
-from .pack import DEFAULT_TARGET_SIZE, BuiltPack, pack_objects
+from .pack import DEFAULT_TARGET_SIZE
 from .refs import HEADS, TAGS
-from .remote.layout import DEFAULT_GRACE, RemoteRepo, pack_key
+from .remote.layout import DEFAULT_GRACE, RemoteRepo
+from .remote.uploads import PackUploads
 from .remotes import open_remote, tracking_ref
 from .store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, ObjectStore, verified_commit
 
@@ -180,8 +180,6 @@ def _send_missing(
 ) -> set[str]:
     """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
     in afterwards (those a push relies on)."""
-    if forget:
-        _wait_until_deleted(remote, forget)
     remote.catalogue()
     claimed = remote.read_condemned().claimed() | set(forget)
     where = remote.locate(exclude=claimed)
@@ -212,20 +210,15 @@ def _send_missing(
             finally:
                 pool.shutdown(cancel_futures=True)
 
-    pending: list[Future[None]] = []
-    with ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
-        for built in pack_objects(objects(), target_size):
-            # Bounded: a few packs in flight, so memory stays a few pack sizes.
-            while len(pending) >= UPLOAD_WORKERS:
-                pending.pop(0).result()
-            pending.append(pool.submit(_upload, remote, built))
-            relied.add(built.name)
-            report.packs += 1
-            report.objects += len(built.index)
-            report.bytes += len(built.data) + len(built.index_data)
-            report.pack_sizes.append(len(built.data))
-        for f in pending:
-            f.result()
+    with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
+        for oid, data, digest in objects():
+            uploads.add(oid, data, digest)
+    for index in uploads.sent:
+        relied.add(index.pack_id)
+        report.packs += 1
+        report.objects += len(index)
+        report.bytes += index.pack_size + len(index.to_bytes())
+        report.pack_sizes.append(index.pack_size)
     remote.catalogue()
     return relied
 
@@ -240,7 +233,7 @@ class _Verifier:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.lock = threading.Lock()
-        self.bases: OrderedDict[str, bytes] = OrderedDict()  # verified raw bytes, least recent first
+        self.bases: OrderedDict[str, bytes | memoryview] = OrderedDict()  # verified raw bytes, least recent first
         self.cached = 0
 
     def stored(self, oid: str) -> tuple[str, bytes, bytes, tuple[str, ...]]:
@@ -256,13 +249,13 @@ class _Verifier:
             raise IntegrityError(f"object {oid} is corrupt here, so it is not sent: {exc}; run 'ckstore fsck'") from None
         return oid, data, blake3.blake3(data).digest(), bases
 
-    def _decode(self, oid: str, data: bytes, depth: int) -> bytes:
-        raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))
+    def _decode(self, oid: str, data: bytes, depth: int) -> bytes | memoryview:
+        raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))
         if chunk_id(raw) != oid:
             raise IntegrityError("its bytes do not hash to its name")
         return raw
 
-    def _base(self, oid: str, length: int, depth: int) -> bytes:
+    def _base(self, oid: str, length: int, depth: int) -> bytes | memoryview:
         if depth > MAX_CHAIN_DEPTH:
             raise IntegrityError(f"delta chain longer than {MAX_CHAIN_DEPTH}")
         with self.lock:
@@ -281,22 +274,6 @@ class _Verifier:
                 while self.cached > BASE_CACHE and len(self.bases) > 1:
                     self.cached -= len(self.bases.popitem(last=False)[1])
         return raw  # decode checks its length
-
-
-def _upload(remote: RemoteRepo, built: BuiltPack) -> None:
-    remote.upload_pack(built.name, built.data, built.index_data)
-
-
-def _wait_until_deleted(remote: RemoteRepo, packs: set[str], timeout: float = 60.0) -> None:
-    """A claimed pack is being deleted; a new pack of the same bytes would have its name, so
-    wait for the sweep to finish with it before sending its objects again."""
-    deadline = time.monotonic() + timeout
-    for p in packs:
-        while remote.transport.head(pack_key(p)) is not None:
-            if time.monotonic() > deadline:
-                raise LockedError(f"remote {remote.name}: a remote gc has been deleting pack {p} for {timeout:.0f} s; "
-                                  f"finish it with 'ckstore gc --remote {remote.name}', then push again")
-            time.sleep(0.2)
 
 
 def _short(ref: str) -> str:

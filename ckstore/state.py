@@ -217,7 +217,7 @@ class _TensorReader:
 
         def fetch(job: tuple[str, int, str, int, str]) -> None:
             name, start, oid, size, context = job
-            data = self.store.get_chunk(oid, size, context)
+            data = self.store.chunk_view(oid, size, context)
             buffers[name][1][start : start + size] = np.frombuffer(data, dtype=np.uint8)
 
         for _ in ordered_map(fetch, (job for r in todo for job in self._jobs(r))):
@@ -247,7 +247,7 @@ class _TensorReader:
 
         def fetch(job: tuple[str, int, str, int, str]) -> None:
             _, start, oid, size, context = job
-            view[start : start + size] = np.frombuffer(self.store.get_chunk(oid, size, context), dtype=np.uint8)
+            view[start : start + size] = np.frombuffer(self.store.chunk_view(oid, size, context), dtype=np.uint8)
 
         for _ in ordered_map(fetch, self._jobs(ref)):
             pass

@@ -22,6 +22,7 @@ from .codec import (
     Encoding,
     Kind,
     decode,
+    decode_view,
     delta_bases,
     encode,
     encode_chunk,
@@ -218,6 +219,13 @@ class ObjectStore:
 
     def get_chunk(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes:
         """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""
+        raw = self.chunk_view(oid, size, context, _depth)
+        return raw if isinstance(raw, bytes) else raw.tobytes()
+
+    def chunk_view(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes | memoryview:
+        """``get_chunk`` without its last copy: a byte-grouped or delta chunk comes back as a view
+        of the array it was decoded into, for readers that write or copy it on anyway (checkout,
+        load_state), where copying it into bytes first cost as much as interleaving its planes."""
         if _depth > MAX_CHAIN_DEPTH:
             raise IntegrityError(f"object {oid}{context} is corrupt: delta chain longer than {MAX_CHAIN_DEPTH}")
         return self._decode_chunk(oid, self._read(oid, context), size, context, _depth)
@@ -245,18 +253,18 @@ class ObjectStore:
         ends (compaction)."""
         self.backend.replace_object(object_key(oid), data)
 
-    def _decode_chunk(self, oid: str, data: bytes, size: int, context: str, _depth: int) -> bytes:
-        def fetch_base(base_id: str, length: int) -> bytes:
+    def _decode_chunk(self, oid: str, data: bytes, size: int, context: str, _depth: int) -> bytes | memoryview:
+        def fetch_base(base_id: str, length: int) -> bytes | memoryview:
             where = f" (delta base of {oid}{context})"
             try:
-                return self.get_chunk(base_id, length, where, _depth + 1)
+                return self.chunk_view(base_id, length, where, _depth + 1)
             except _BaseError:
                 raise
             except IntegrityError as exc:
                 raise _BaseError(str(exc)) from None  # already names the base and this object
 
         try:
-            raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
+            raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
         except _BaseError as exc:
             raise IntegrityError(str(exc)) from None
         except IntegrityError as exc:

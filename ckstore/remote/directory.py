@@ -29,7 +29,7 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,15 +88,16 @@ class DirectoryTransport(Transport):
             return
         fsync_path(path.parent)
 
-    def _write_temp(self, data: bytes | memoryview) -> Path:
+    def _write_temp(self, parts: Iterable[bytes | memoryview]) -> Path:
         tmp_dir = self.root / TMP_DIR
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / uuid.uuid4().hex
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -122,9 +123,9 @@ class DirectoryTransport(Transport):
         return self._read(key)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self.get_ranges(key, [(start, length)])[0]
+        return bytes(self.get_ranges(key, [(start, length)])[0])
 
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
         for start, length in ranges:
             check_range(start, length)
         path = self._path(key)
@@ -137,7 +138,7 @@ class DirectoryTransport(Transport):
         except OSError as exc:
             raise self._error(exc, "reading", key) from None
         try:
-            out = []
+            out: list[bytes | memoryview] = []
             for start, length in ranges:
                 parts, pos, left = [], start, length
                 while left > 0:
@@ -212,10 +213,13 @@ class DirectoryTransport(Transport):
     # ---- writes --------------------------------------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview) -> None:
+        self.put_parts(key, (data,))
+
+    def put_parts(self, key: str, parts: Iterable[bytes | memoryview]) -> None:
         path = self._path(key)
         try:
             self._ensure_dir(path.parent)
-            _replace(self._write_temp(data), path)
+            _replace(self._write_temp(parts), path)
         except OSError as exc:
             raise self._error(exc, "writing", key) from None
 
@@ -223,7 +227,7 @@ class DirectoryTransport(Transport):
         path = self._path(key)
         try:
             self._ensure_dir(path.parent)
-            return self._link_new(self._write_temp(data), path)
+            return self._link_new(self._write_temp((data,)), path)
         except OSError as exc:
             raise self._error(exc, "writing", key) from None
 
@@ -257,7 +261,7 @@ class DirectoryTransport(Transport):
                     current = None
                 if current != token:
                     return False
-                tmp = self._write_temp(data)
+                tmp = self._write_temp((data,))
                 if token is None:
                     return self._link_new(tmp, path)
                 _replace(tmp, path)

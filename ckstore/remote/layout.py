@@ -57,6 +57,11 @@ def index_key(pack_id: str) -> str:
     return f"{INDEXES}{pack_id}.idx"
 
 
+def pack_name(key: str) -> str | None:
+    """The pack id of a ``packs/<id>.pack`` key (None for any other key)."""
+    return _named(key, PACKS, ".pack")
+
+
 def _named(key: str, folder: str, suffix: str) -> str | None:
     name = key[len(folder):-len(suffix)] if key.startswith(folder) and key.endswith(suffix) else ""
     return name if is_object_id(name) else None
@@ -201,7 +206,7 @@ class RemoteRepo:
     # ---- packs -----------------------------------------------------------------------------
 
     def pack_ids(self) -> set[str]:
-        return {p for info in self.transport.list(PACKS) if (p := _named(info.key, PACKS, ".pack"))}
+        return {p for info in self.transport.list(PACKS) if (p := pack_name(info.key))}
 
     def indexed_packs(self) -> dict[str, float]:
         """Pack id -> index upload time (seconds since the epoch) of every index on the remote."""
@@ -254,7 +259,7 @@ class RemoteRepo:
                 out.setdefault(e.id, Located(pack_id, e))
         return out
 
-    def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes]]:
+    def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes | memoryview]]:
         """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""
         ordered = sorted(entries, key=lambda e: e.offset)
         datas = self.transport.get_ranges(pack_key(pack_id), [(e.offset, e.length) for e in ordered])
@@ -262,11 +267,13 @@ class RemoteRepo:
             check_read(data, e, pack_id)
             yield e, data
 
-    def upload_pack(self, pack_id: str, data: bytes, index_data: bytes) -> None:
-        """Pack first, then its index: an index never names a pack that is not there."""
+    def upload_pack(self, pack_id: str, parts: Iterable[bytes | memoryview], index: Callable[[], bytes]) -> None:
+        """Pack first (sent part by part as ``parts`` yields them), then its index, made by
+        ``index()`` once every part is sent: an index never names a pack that is not there."""
         mutating_step()
-        self.transport.put(pack_key(pack_id), data)
+        self.transport.put_parts(pack_key(pack_id), parts)
         mutating_step()
+        index_data = index()
         self.transport.put(index_key(pack_id), index_data)
         if self.cache is not None:
             self.cache.put(pack_id, index_data)

@@ -23,7 +23,7 @@ unreachable endpoint, server failure) and the retries spent.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -165,14 +165,14 @@ class S3Transport(Transport):
             raise self._error(exc, "reading", key) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self.get_ranges(key, [(start, length)])[0]
+        return bytes(self.get_ranges(key, [(start, length)])[0])
 
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
         check_remote_key(key)
         for start, length in ranges:
             check_range(start, length)
         wanted = [(i, s, n) for i, (s, n) in enumerate(ranges) if n > 0]
-        out = [b""] * len(ranges)
+        out: list[bytes | memoryview] = [b""] * len(ranges)
         if not wanted:
             return out
         groups: list[list[int]] = []  # merged [start, end) reads
@@ -195,7 +195,9 @@ class S3Transport(Transport):
             datas = [next(fetched) if g[0] < info.size else b"" for g in groups]
         for i, s, n in wanted:
             g = groups[member[i]]
-            out[i] = bytes(datas[member[i]][s - g[0]:s - g[0] + n])
+            # A view, not a copy: copying each object out of its merged read was a tenth of a
+            # clone's CPU. The view keeps the merged buffer alive until its last object is used.
+            out[i] = memoryview(datas[member[i]])[s - g[0]:s - g[0] + n]
         return out
 
     def _fetch(self, key: str, groups: Sequence[Sequence[int]]) -> list[Any]:
@@ -260,6 +262,14 @@ class S3Transport(Transport):
         part = self.options.multipart_part_size
         self._call("writing", key, self._obs.put, check_remote_key(key), data,
                    use_multipart=len(data) > part, chunk_size=part,
+                   max_concurrency=self.options.multipart_concurrency)
+
+    def put_parts(self, key: str, parts: Iterable[bytes | memoryview]) -> None:
+        # obstore streams an iterable as a multipart upload, part by part as the iterable yields,
+        # and completes the upload only after the iterable ends: an exception from it aborts the
+        # upload and propagates here unchanged (it is not an obstore error), storing nothing.
+        part = self.options.multipart_part_size
+        self._call("writing", key, self._obs.put, check_remote_key(key), parts, chunk_size=part,
                    max_concurrency=self.options.multipart_concurrency)
 
     def _put_conditional(self, key: str, data: bytes | memoryview, mode: Any) -> bool:

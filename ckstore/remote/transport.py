@@ -16,6 +16,11 @@ own: temporary and lock files). Every implementation must satisfy these obligati
 * ``put(key, data)`` stores unconditionally. It is atomic (a reader sees the old value or the
   new one, never part of one) and durable once it returns. Meant for immutable,
   content-addressed values (packs, indexes), where two writers of a key write the same bytes.
+* ``put_parts(key, parts)`` stores the concatenation of an iterable of buffers as ``put`` does
+  (atomic, durable once it returns), consuming the iterable once and sending as it goes, so the
+  caller can still be producing later parts while earlier ones travel. An exception raised by
+  the iterable propagates unchanged and stores nothing (the key keeps its old value or stays
+  absent).
 * ``put_if_absent(key, data)`` stores only when the key is absent and says whether it did; of
   several concurrent callers exactly one gets True.
 * ``get_versioned(key)`` returns ``(value, token)``; ``put_if_match(key, data, token)`` stores
@@ -44,7 +49,7 @@ own: temporary and lock files). Every implementation must satisfy these obligati
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -126,11 +131,16 @@ class Transport(ABC):
     def get_range(self, key: str, start: int, length: int) -> bytes: ...
 
     @abstractmethod
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Each ``(start, length)`` range of one value, in the order given."""
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
+        """Each ``(start, length)`` range of one value, in the order given (bytes, or read-only
+        views into a larger read: not copied)."""
 
     @abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def put_parts(self, key: str, parts: Iterable[bytes | memoryview]) -> None:
+        """Store the concatenation of ``parts``, sending each as it is produced."""
 
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool: ...

@@ -165,6 +165,9 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(out, "report.json"), "w") as f:
             json.dump(report, f)
+    # Every rank leaves together: a rank tearing down its gloo connections while another still
+    # uses them aborted a loaded 4-rank run once ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

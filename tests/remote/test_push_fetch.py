@@ -18,7 +18,7 @@ from ckstore.cli import main
 from ckstore.errors import ConflictError, IntegrityError, NotFoundError, StorageError
 from ckstore.pack import ENTRY
 from ckstore.push import FetchFirstError
-from ckstore.remote.layout import PACKS
+from ckstore.remote.layout import PACKS, pack_name
 from ckstore.repo import Repo
 
 from .conftest import S3Server
@@ -229,7 +229,7 @@ def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, g
     t = open_transport(url, None)
     for info in t.list(PACKS):
         data = t.get(info.key)
-        entry = parse_pack(data).find(base)
+        entry = parse_pack(data, pack_name(info.key)).find(base)
         if entry is not None:  # flip a byte in the base's body, past its header
             at = entry.offset + entry.length - 1
             t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -87,6 +87,38 @@ def test_large_put_round_trips(transport: Transport) -> None:
     transport.put("big", data)
     assert transport.get("big") == data
     assert transport.get_range("big", (5 << 20) - 3, 10) == data[(5 << 20) - 3:(5 << 20) + 7]
+
+
+def test_put_parts_stores_the_concatenation(transport: Transport) -> None:
+    # More than the fixture's part size in parts of uneven sizes: streamed as a multipart
+    # upload on S3, written part by part to a temporary file in a folder.
+    parts = [os.urandom(n) for n in (1, 3 << 20, 0, 5 << 20, 123, 4 << 20)]
+    transport.put_parts("packs/streamed", (memoryview(p) if i % 2 else p for i, p in enumerate(parts)))
+    assert transport.get("packs/streamed") == b"".join(parts)
+    transport.put_parts("small", [b"ab", b"", b"c"])
+    assert transport.get("small") == b"abc"
+
+
+class ProducerFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("size", [1 << 10, 12 << 20])
+def test_put_parts_whose_producer_fails_stores_nothing(transport: Transport, size: int) -> None:
+    """A pusher aborts a pack upload by raising in its stream (an object that fails to verify):
+    the error comes back unchanged, a new key stays absent, an existing one keeps its value."""
+    def failing() -> Iterator[bytes]:
+        yield os.urandom(size)
+        yield os.urandom(size)
+        raise ProducerFailed("object failed to verify")
+
+    transport.put("kept", b"old value")
+    for key in ("fresh", "kept"):
+        with pytest.raises(ProducerFailed, match="failed to verify"):
+            transport.put_parts(key, failing())
+    assert transport.head("fresh") is None
+    assert transport.get("kept") == b"old value"
+    assert [i.key for i in transport.list()] == ["kept"]
 
 
 def test_get_range_edges(transport: Transport) -> None:

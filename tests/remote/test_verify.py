@@ -17,7 +17,7 @@ import pytest
 from ckstore.errors import IntegrityError
 from ckstore.pack import parse_index, parse_pack
 from ckstore.remote import open_transport
-from ckstore.remote.layout import INDEXES, PACKS, index_key, pack_key
+from ckstore.remote.layout import INDEXES, PACKS, index_key, pack_key, pack_name
 from ckstore.remote.transport import Transport
 from ckstore.repo import Repo
 from ckstore.store import object_key
@@ -37,7 +37,7 @@ def rewrite_as_version_1(t: Transport) -> list[str]:
     new = []
     for info in list(t.list(PACKS)):
         data = t.get(info.key)
-        index = parse_pack(data)
+        index = parse_pack(data, pack_name(info.key))
         assert index.version == 2
         table = b"".join(struct.pack("<32sII", bytes.fromhex(e.id), e.offset, e.length) for e in index.entries)
         end = min(e.offset for e in index.entries) + sum(e.length for e in index.entries)
@@ -59,7 +59,7 @@ def _flip_in_packs(t: Transport, oid: str) -> None:
     """Flip the last byte of ``oid``'s body (past its header) in every pack holding it."""
     for info in t.list(PACKS):
         data = t.get(info.key)
-        entry = parse_pack(data).find(oid)
+        entry = parse_pack(data, pack_name(info.key)).find(oid)
         if entry is not None:
             at = entry.end - 1
             t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])
@@ -147,7 +147,14 @@ def test_push_refuses_a_locally_damaged_object(tmp_path: Path, remote_url: tuple
         a.push()
     assert err.value.exit_code == 4
     assert "not sent" in str(err.value)
-    assert list(_transport(url, request).list("refs/")) == []  # nothing published
+    t = _transport(url, request)
+    assert list(t.list("refs/")) == []  # nothing published
+    # The pack the object was streaming into was aborted, not completed without it: no pack
+    # on the remote holds the object, and every pack there is whole and indexed.
+    indexed = {i.key.removeprefix(INDEXES).removesuffix(".idx") for i in t.list(INDEXES)}
+    for info in t.list(PACKS):
+        name = pack_name(info.key)
+        assert name in indexed and victim not in parse_pack(t.get(info.key), name)
 
 
 class Interrupted(BaseException):
