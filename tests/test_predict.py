@@ -111,19 +111,27 @@ def test_weight_prediction_is_the_formula_evaluated_in_order(values: list[float]
     assert got.tolist() == np.array(want, dtype="<f4").view("<u4").tolist()
 
 
-def test_fit_recovers_an_adamw_step_and_beats_a_plain_delta() -> None:
-    """Coefficients fitted on real AdamW state predict most elements exactly."""
+def _adamw_states(width: int, snapshots: int, steps_between: int) -> list[list[bytes]]:
+    """(weight, exp_avg, exp_avg_sq) of a Linear layer's weight after every ``steps_between``
+    AdamW steps, as raw float32 bytes."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    layer = torch.nn.Linear(256, 256)
+    layer = torch.nn.Linear(width, width)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
     states = []
-    for _ in range(8):
-        layer(torch.randn(8, 256)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        st_ = opt.state[layer.weight]
-        states.append([t.detach().numpy().tobytes() for t in (layer.weight, st_["exp_avg"], st_["exp_avg_sq"])])
+    for _ in range(snapshots):
+        for _ in range(steps_between):
+            layer(torch.randn(8, width)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        moments = opt.state[layer.weight]
+        states.append([t.detach().numpy().tobytes() for t in (layer.weight, moments["exp_avg"], moments["exp_avg_sq"])])
+    return states
+
+
+def test_fit_recovers_an_adamw_step_and_beats_a_plain_delta() -> None:
+    """Coefficients fitted on real AdamW state predict most elements exactly."""
+    states = _adamw_states(256, 8, 1)
     (w1, m1, v1), (w2, m2, v2) = states[-2], states[-1]
     for predictor, target, bases in ((Predictor.ADAM_WEIGHT, w1, [w2, m2, v2]),
                                      (Predictor.ADAM_SECOND_MOMENT, v1, [v2, m2, m1])):
@@ -185,16 +193,5 @@ def test_encoder_declines_what_cannot_pay_or_is_not_float32() -> None:
 def test_fit_gives_up_on_weights_many_steps_apart() -> None:
     """Checkpoints 20 steps apart: the older weights are no function of the newer state, and the
     fit says so after a cheap probe instead of searching (compaction then keeps a plain delta)."""
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(128, 128)
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    states = []
-    for _ in range(2):
-        for _ in range(20):
-            layer(torch.randn(8, 128)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        st_ = opt.state[layer.weight]
-        states.append([t.detach().numpy().tobytes() for t in (layer.weight, st_["exp_avg"], st_["exp_avg_sq"])])
+    states = _adamw_states(128, 2, 20)
     assert predict.fit(Predictor.ADAM_WEIGHT, states[0][0], states[1]) is None
