@@ -5,7 +5,8 @@ Every stored object is a 16-byte header followed by an encoding-specific body:
     0  4  magic  b"CKSO"
     4  1  object format version (1)
     5  1  kind      1 = chunk, 2 = commit manifest
-    6  1  encoding  0 = raw, 1 = zstd, 2 = byte-grouped, 3 = delta   (docs/format.md, section 4)
+    6  1  encoding  0 = raw, 1 = zstd, 2 = byte-grouped, 3 = delta, 4 = predicted delta
+                    (docs/format.md, section 4)
     7  1  reserved, 0
     8  8  raw length, unsigned little-endian: the length of the decoded bytes
 
@@ -13,14 +14,17 @@ The object's *name* never depends on the encoding (it is the hash of the decoded
 object can be re-encoded in place and dedup keeps working. Decoding is bounded: the raw length in
 the header must equal what the caller expects (from the manifest) before anything is allocated,
 every zstd frame must declare exactly the size its place in the body implies, and trailing bytes
-are refused. A delta names its base object; the caller supplies a callback that returns the
-base's verified raw bytes, so this module never does I/O and the caller bounds the chain.
+are refused. A delta names its base object (a predicted delta several); the caller supplies a
+callback that returns a base's verified raw bytes, so this module never does I/O and the caller
+bounds the chain.
 
 Why byte planes: a float's sign/exponent byte is highly repetitive across a tensor while its low
 mantissa bytes are close to random; interleaved, zstd finds little, split into planes it
 compresses the repetitive planes well and stores the random ones raw. Why deltas: between two
 epochs most weights move by a few ulps, so XOR (or the integer difference) against the previous
-epoch's chunk zeroes the high planes almost entirely.
+epoch's chunk zeroes the high planes almost entirely. Why predicted deltas: between two optimizer
+steps every byte changes, but the previous step's weights and second moment are almost a function
+of the current state (predict.py); XOR against that prediction is mostly zeros.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ MAX_WIDTH = 8
 BASE_ID_SIZE = 32
 _PLANE = struct.Struct("<BI")  # plane mode, stored length
 _DELTA = struct.Struct(f"<{BASE_ID_SIZE}sB")  # base id (binary), delta operation
+MAX_BASES = 4  # bases a predicted delta may name
+# Enough of any object to name all its bases: gc, fsck and fetch follow bases by reading this much.
+BASES_PREFIX_SIZE = HEADER_SIZE + 1 + MAX_BASES * BASE_ID_SIZE
+_COEFFICIENT = struct.Struct("<d")
+PREDICTED_WIDTH = 4  # float32 elements only
 # Chunks at most this long are encoded with every candidate; longer ones are ranked on a sample.
 EXHAUSTIVE_MAX = 1 << 18
 _SAMPLE_WINDOWS = 8
@@ -67,6 +76,7 @@ class Encoding(IntEnum):
     ZSTD = 1
     GROUPED = 2
     DELTA = 3
+    PREDICTED = 4
 
 
 class PlaneMode(IntEnum):
@@ -84,8 +94,9 @@ class DeltaOp(IntEnum):
 
 
 # Encodings a repository of each format version may contain (version 1 knew only raw and zstd;
-# version 3 changed link files, not objects).
-ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: frozenset(Encoding), 3: frozenset(Encoding)}
+# version 3 changed link files, not objects; version 4 added the predicted delta).
+_PLAIN = frozenset(Encoding) - {Encoding.PREDICTED}
+ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: _PLAIN, 3: _PLAIN, 4: frozenset(Encoding)}
 _INT_DTYPES = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _SIGNED_DTYPES = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
@@ -119,18 +130,26 @@ def parse_header(data: bytes | memoryview) -> ObjectHeader:
     return ObjectHeader(Kind(kind), Encoding(encoding), raw_len)
 
 
-def delta_base(data: bytes | memoryview) -> str | None:
-    """The base object id a stored object depends on (None unless it is a delta).
+def delta_bases(data: bytes | memoryview) -> tuple[str, ...]:
+    """The base object ids a stored object depends on (empty unless it is a delta), in order.
 
-    Needs only the first ``HEADER_SIZE + BASE_ID_SIZE`` bytes, so gc and fsck can follow bases
-    without decoding anything.
+    Needs only the first ``BASES_PREFIX_SIZE`` bytes, so gc and fsck can follow bases without
+    decoding anything.
     """
     header = parse_header(data)
-    if header.encoding != Encoding.DELTA:
-        return None
-    if len(data) < HEADER_SIZE + BASE_ID_SIZE:
-        raise IntegrityError("delta object is too short to name its base")
-    return bytes(data[HEADER_SIZE:HEADER_SIZE + BASE_ID_SIZE]).hex()
+    if header.encoding == Encoding.DELTA:
+        if len(data) < HEADER_SIZE + BASE_ID_SIZE:
+            raise IntegrityError("delta object is too short to name its base")
+        return (bytes(data[HEADER_SIZE:HEADER_SIZE + BASE_ID_SIZE]).hex(),)
+    if header.encoding != Encoding.PREDICTED:
+        return ()
+    count = data[HEADER_SIZE] if len(data) > HEADER_SIZE else 0
+    if not 1 <= count <= MAX_BASES:
+        raise IntegrityError(f"predicted delta names {count} bases (1 to {MAX_BASES} allowed)")
+    start = HEADER_SIZE + 1
+    if len(data) < start + count * BASE_ID_SIZE:
+        raise IntegrityError("predicted delta is too short to name its bases")
+    return tuple(bytes(data[start + i * BASE_ID_SIZE:start + (i + 1) * BASE_ID_SIZE]).hex() for i in range(count))
 
 
 # ---- encoding ---------------------------------------------------------------------------------
@@ -349,6 +368,27 @@ def encode_delta(
     return data if len(data) < than and parse_header(data).encoding == Encoding.DELTA else None
 
 
+def encode_predicted(
+    raw: bytes | memoryview, level: int, base_ids: tuple[str, ...], bases: list[bytes], predictor: int,
+    coefficients: tuple[float, ...], than: int,
+) -> bytes | None:
+    """``raw`` (float32 elements) as the XOR against the prediction ``predictor`` computes from
+    ``bases`` with ``coefficients`` (predict.py), if that stores in fewer than ``than`` bytes."""
+    import numpy as np
+
+    from . import predict
+    if not raw or len(raw) % PREDICTED_WIDTH or any(len(b) != len(raw) for b in bases) or len(bases) != len(base_ids):
+        return None
+    guess = predict.predict(predict.Predictor(predictor), coefficients, bases)
+    residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)
+    size, parts = _grouped_parts(residual, PREDICTED_WIDTH, level)
+    prefix = b"".join([bytes([len(base_ids)]), *(bytes.fromhex(b) for b in base_ids), bytes([predictor]),
+                       *(_COEFFICIENT.pack(c) for c in coefficients)])
+    if HEADER_SIZE + len(prefix) + size >= than:
+        return None
+    return b"".join([_pack_header(Kind.CHUNK, Encoding.PREDICTED, len(raw)), prefix, *parts])
+
+
 # ---- decoding ---------------------------------------------------------------------------------
 
 
@@ -383,6 +423,8 @@ def decode_view(
         raise IntegrityError(f"a {kind.name.lower()} cannot use the {header.encoding.name.lower()} encoding")
     if header.encoding == Encoding.GROUPED:
         return memoryview(_decode_grouped(body, header.raw_len))
+    if header.encoding == Encoding.PREDICTED:
+        return _decode_predicted(data, body, header.raw_len, fetch_base)
     return _decode_delta(body, header.raw_len, fetch_base)
 
 
@@ -393,6 +435,45 @@ def decode(
     """``decode_view`` as bytes (one more copy of a byte-grouped or delta chunk)."""
     out = decode_view(data, kind, max_len, expected_len, fetch_base)
     return out if isinstance(out, bytes) else out.tobytes()
+
+
+def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> memoryview:
+    import numpy as np
+
+    from . import predict
+    base_ids = delta_bases(data)
+    at = 1 + len(base_ids) * BASE_ID_SIZE
+    if len(body) < at + 1:
+        raise IntegrityError("predicted delta body is too short")
+    number = body[at]
+    if number not in predict.Predictor._value2member_map_:
+        raise IntegrityError(f"unknown predictor {number}")
+    predictor = predict.Predictor(number)
+    shape = predict.SHAPES[predictor]
+    if len(base_ids) != shape.bases:
+        raise IntegrityError(f"predictor {number} takes {shape.bases} bases, the object names {len(base_ids)}")
+    at += 1
+    if len(body) < at + shape.coefficients * _COEFFICIENT.size:
+        raise IntegrityError("predicted delta body is too short for its coefficients")
+    coefficients = [_COEFFICIENT.unpack_from(body, at + i * _COEFFICIENT.size)[0] for i in range(shape.coefficients)]
+    try:
+        predict.check_coefficients(coefficients)
+    except ValueError as exc:
+        raise IntegrityError(str(exc)) from None
+    residual = _decode_grouped(body[at + shape.coefficients * _COEFFICIENT.size:], raw_len)
+    if raw_len % PREDICTED_WIDTH or body[at + shape.coefficients * _COEFFICIENT.size] != PREDICTED_WIDTH:
+        raise IntegrityError("predicted delta residual is not of float32 elements")
+    if fetch_base is None:
+        raise IntegrityError("delta object read without access to its base")
+    bases = []
+    for base_id in base_ids:
+        base = fetch_base(base_id, raw_len)
+        if len(base) != raw_len:
+            raise IntegrityError(f"delta base decoded to {len(base)} bytes, expected {raw_len}")
+        bases.append(base)
+    guess = predict.predict(predictor, coefficients, bases)
+    np.bitwise_xor(residual.view("<u4"), guess, out=residual.view("<u4"))
+    return memoryview(residual)
 
 
 def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> bytes | memoryview:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .codec import Kind, decode, delta_base
-from .config import RepoConfig
+from .codec import Encoding, Kind, decode, delta_bases, parse_header
+from .config import PREDICTED_VERSION, RepoConfig
 from .context import RepoContext, init_context
 from .errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
 from .ids import ObjectId, chunk_id
@@ -135,6 +135,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         batches = _Batches(store)
         try:
             lander = _Lander(store, batches, remote, where, pool, report)
+            lander.on_predicted = lambda: _allow_predicted(ctx)
             for oid in order:
                 lander.want_commit(oid, commits[oid])
             lander.run()
@@ -276,6 +277,7 @@ class _Lander:
         self.futures: list[Future[None]] = []
         self.in_flight = 0  # stored bytes handed to workers and not yet done (memory bound)
         self.failed = False
+        self.on_predicted: Callable[[], None] = lambda: None  # before a predicted delta is staged
 
     def want_commit(self, oid: ObjectId, commit: Commit) -> None:
         chunks = {c.id for c in commit.all_chunks()} - self.queued.keys()
@@ -320,29 +322,36 @@ class _Lander:
         return IntegrityError(f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})")
 
     def _arrive(self, o: str, pack_id: str, data: bytes) -> list[str]:
-        """Hand one downloaded object to a worker, or park it until its base is verified; the
-        bases to download next (a delta's base the remote has and this store lacks)."""
+        """Hand one downloaded object to a worker, or park it until its bases are verified; the
+        bases to download next (a delta's bases the remote has and this store lacks)."""
         try:
-            base = delta_base(data)
+            bases = delta_bases(data)
         except IntegrityError as exc:
             raise self._fail(o, pack_id, str(exc)) from None
-        if base is None:
+        if not bases:
             self._submit(o, pack_id, data, wait=True)
             return []
-        with self.lock:
-            if base in self.origin and base not in self.depth:  # in this batch, not verified yet
-                self._park(base, (o, pack_id, data))
-                return []
-        if base in self.origin or self.view.has(base):
-            if base not in self.origin and _missing_bases(self.view, {base}):
-                self.late.append((o, pack_id, data))  # verified once its base's chain is staged
-                return _missing_bases(self.view, {base})
+        if parse_header(data).encoding == Encoding.PREDICTED:
+            self.on_predicted()
+        absent = [b for b in bases if b not in self.origin and not self.view.has(b)]
+        for base in absent:
+            self.queued.setdefault(base, self.queued.get(o, "?"))
+        incomplete = _missing_bases(self.view, {b for b in bases if b not in self.origin and b not in absent})
+        if incomplete:
+            self.late.append((o, pack_id, data))  # verified once its bases' chains are staged
+            return absent + incomplete
+        if not self._park_unverified(o, pack_id, data, bases, absent):
             self._submit(o, pack_id, data, wait=True)
-            return []
+        return absent
+
+    def _park_unverified(self, o: str, pack_id: str, data: bytes, bases: Sequence[str], absent: Sequence[str]) -> bool:
+        """Park the object on one of its bases that came (or comes) in this fetch and is not
+        verified yet; False when there is none (it can be verified now)."""
         with self.lock:
-            self._park(base, (o, pack_id, data))
-        self.queued.setdefault(base, self.queued.get(o, "?"))
-        return [base]
+            waiting = [b for b in bases if b in self.origin and b not in self.depth] + list(absent)
+            if waiting:
+                self._park(waiting[0], (o, pack_id, data))
+            return bool(waiting)
 
     def _park(self, base: str, item: tuple[str, str, bytes]) -> None:
         self.waiting.setdefault(base, []).append(item)
@@ -367,8 +376,8 @@ class _Lander:
                 self.lock.notify_all()
 
     def _verify_one(self, o: str, pack_id: str, data: bytes) -> None:
-        base = delta_base(data)
-        depth = 0 if base is None else 1 + self._depth_of(base)
+        bases = delta_bases(data)
+        depth = 1 + max(self._depth_of(b) for b in bases) if bases else 0
         if depth > MAX_CHAIN_DEPTH:
             raise self._fail(o, pack_id, f"delta chain longer than {MAX_CHAIN_DEPTH}")
 
@@ -400,19 +409,15 @@ class _Lander:
             if raw is not None and o in self.needed:
                 self.raws[o] = raw
         for item in released:
-            self._submit(*item, wait=False)
+            # A predicted delta parked on one base may still wait for another of this fetch.
+            if not self._park_unverified(*item, delta_bases(item[2]), ()):
+                self._submit(*item, wait=False)
 
     def _depth_of(self, oid: str) -> int:
-        """Delta links from ``oid`` (verified or here) down to a whole object."""
+        """Delta links from ``oid`` (verified or here) down to whole objects."""
         with self.lock:
             known = self.depth.get(oid)
-        if known is not None:
-            return known
-        depth, cur = 0, self.view.base_of(oid)
-        while cur is not None and depth <= MAX_CHAIN_DEPTH:
-            depth += 1
-            cur = self.view.base_of(cur)
-        return depth
+        return known if known is not None else self.view.chain_depth(oid)
 
     def _drain(self, quiet: bool = False) -> None:
         """Wait for every worker task, including those that tasks submitted; the first error
@@ -434,6 +439,12 @@ class _Lander:
                     raise
 
 
+def _allow_predicted(ctx: RepoContext) -> None:
+    """A repository of format 2 or 3 becomes 4 before it holds a predicted delta (docs/format.md)."""
+    if ctx.config.version in (2, 3):
+        ctx.set_config(replace(ctx.config, version=PREDICTED_VERSION))
+
+
 def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
     """Delta bases that objects already here lack: a crash while an earlier fetch's batch was
     landing can leave an object in place without its base (and without any commit naming it)."""
@@ -441,14 +452,14 @@ def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
     seen = set(present)
     todo = list(present)
     while todo:
-        base = view.base_of(todo.pop())
-        if base is None or base in seen:
-            continue
-        seen.add(base)
-        if view.has(base):
-            todo.append(base)
-        else:
-            missing.append(base)
+        for base in view.bases_of(todo.pop()):
+            if base in seen:
+                continue
+            seen.add(base)
+            if view.has(base):
+                todo.append(base)
+            else:
+                missing.append(base)
     return missing
 
 

@@ -17,31 +17,40 @@ from .store import MAX_CHAIN_DEPTH, ObjectStore
 
 
 def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]]) -> list[str]:
-    """Every delta's base exists and its chain ends in a whole object within the depth limit."""
+    """Every delta's bases exist and its chains end in whole objects within the depth limit."""
     problems: list[str] = []
-    depth_of: dict[str, int] = {}  # objects whose chain is known to be sound
+    depth_of: dict[str, int] = {}  # objects whose chains are known to be sound
     for start in chunks:
-        chain: list[str] = []
-        oid: str | None = start
-        while oid is not None and oid not in depth_of:
-            if oid in chain or len(chain) > MAX_CHAIN_DEPTH:
+        # Depth-first over the bases; ``path`` is the chain from ``start`` to the object visited.
+        path: list[str] = []
+        stack: list[tuple[str, list[str]]] = []
+        oid = start
+        while True:
+            if oid in depth_of:
+                pass
+            elif oid in path or len(path) > MAX_CHAIN_DEPTH:
                 problems.append(f"object {start} ({needed[start][1]}): delta chain is cyclic or longer than "
                                 f"{MAX_CHAIN_DEPTH}")
                 break
-            if oid not in present and not store.has(oid):  # an overlay's base may be in a base repository
-                problems.append(f"object {chain[-1]} is a delta of missing object {oid} ({needed[start][1]})")
+            elif oid not in present and not store.has(oid):  # an overlay's base may be in a base repository
+                problems.append(f"object {path[-1] if path else start} is a delta of missing object {oid} ({needed[start][1]})")
                 break
-            chain.append(oid)
-            try:
-                oid = store.base_of(oid)
-            except CkstoreError as exc:
-                problems.append(str(exc))
+            else:
+                try:
+                    bases = list(store.bases_of(oid))
+                except CkstoreError as exc:
+                    problems.append(str(exc))
+                    break
+                path.append(oid)
+                stack.append((oid, bases))
+            # Next: a base still to visit, or the deepest object whose bases are all known.
+            while stack and not [b for b in stack[-1][1] if b not in depth_of]:
+                done, bases = stack.pop()
+                path.pop()
+                depth_of[done] = 1 + max(depth_of[b] for b in bases) if bases else 0
+            if not stack:
                 break
-        else:
-            depth = depth_of.get(oid, -1) if oid is not None else -1
-            for link in reversed(chain):
-                depth += 1
-                depth_of[link] = depth
+            oid = next(b for b in stack[-1][1] if b not in depth_of)
     return problems
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from .codec import Kind, decode_view, delta_base, parse_header
+from .codec import Kind, decode_view, delta_bases, parse_header
 from .context import RepoContext
 from .errors import (
     ConflictError,
@@ -190,21 +190,22 @@ def _send_missing(
     verifier = _Verifier(store)
 
     def objects() -> Iterator[tuple[str, bytes, bytes]]:
-        # The delta base is taken from the bytes actually sent: a compaction may have re-encoded
+        # The delta bases are taken from the bytes actually sent: a compaction may have re-encoded
         # an object since the list was made, and the remote must hold every base it sends.
         queue, listed = deque(missing), set(missing)
-        ahead: deque[Future[tuple[str, bytes, bytes, str | None]]] = deque()
+        ahead: deque[Future[tuple[str, bytes, bytes, tuple[str, ...]]]] = deque()
         with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="verify") as pool:
             try:
                 while queue or ahead:
                     while queue and len(ahead) < VERIFY_AHEAD:
                         ahead.append(pool.submit(verifier.stored, queue.popleft()))
-                    oid, data, digest, base = ahead.popleft().result()
-                    if base is not None and base in where:
-                        relied.add(where[base].pack_id)
-                    elif base is not None and base not in listed:
-                        listed.add(base)
-                        queue.append(base)
+                    oid, data, digest, bases = ahead.popleft().result()
+                    for base in bases:
+                        if base in where:
+                            relied.add(where[base].pack_id)
+                        elif base not in listed:
+                            listed.add(base)
+                            queue.append(base)
                     yield oid, data, digest
             finally:
                 pool.shutdown(cancel_futures=True)
@@ -235,18 +236,18 @@ class _Verifier:
         self.bases: OrderedDict[str, bytes | memoryview] = OrderedDict()  # verified raw bytes, least recent first
         self.cached = 0
 
-    def stored(self, oid: str) -> tuple[str, bytes, bytes, str | None]:
-        """(id, stored bytes, their BLAKE3, delta base or None) of one verified object."""
+    def stored(self, oid: str) -> tuple[str, bytes, bytes, tuple[str, ...]]:
+        """(id, stored bytes, their BLAKE3, delta bases) of one verified object."""
         data = self.store.read_raw(oid)
         try:
-            base = delta_base(data)
+            bases = delta_bases(data)
             if parse_header(data).kind == Kind.COMMIT:
                 verified_commit(oid, data)
             else:
                 self._decode(oid, data, 0)
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt here, so it is not sent: {exc}; run 'ckstore fsck'") from None
-        return oid, data, blake3.blake3(data).digest(), base
+        return oid, data, blake3.blake3(data).digest(), bases
 
     def _decode(self, oid: str, data: bytes, depth: int) -> bytes | memoryview:
         raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .backend.memory import MemoryBackend
-from .codec import BASE_ID_SIZE, HEADER_SIZE, delta_base
+from .codec import BASES_PREFIX_SIZE, delta_bases
 from .context import RepoContext
 from .errors import IntegrityError, LockedError
 from .graph import PRUNED_KEY, CommitGraph
@@ -111,18 +111,19 @@ def remote_bases(remote: RemoteRepo, where: dict[str, Located], chunks: set[str]
             by_pack.setdefault(where[oid].pack_id, []).append(where[oid])
         todo = []
         for pack_id, locs in by_pack.items():
-            ranges = [(loc.entry.offset, min(loc.entry.length, HEADER_SIZE + BASE_ID_SIZE)) for loc in locs]
+            ranges = [(loc.entry.offset, min(loc.entry.length, BASES_PREFIX_SIZE)) for loc in locs]
             for loc, head in zip(locs, remote.transport.get_ranges(pack_key(pack_id), ranges)):
                 try:
-                    base = delta_base(head)
+                    bases = delta_bases(head)
                 except IntegrityError as exc:
                     # Without the header, what it needs is unknown: deleting anything could lose data.
                     raise IntegrityError(f"object {loc.entry.id} in {remote.describe(pack_key(pack_id))} is corrupt: "
                                          f"{exc}; remote gc stopped") from None
-                if base is not None and base not in live:
-                    live.add(base)
-                    if base in where:
-                        todo.append(base)
+                for base in bases:
+                    if base not in live:
+                        live.add(base)
+                        if base in where:
+                            todo.append(base)
     return live
 
 

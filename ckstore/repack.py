@@ -115,11 +115,11 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
         data = encode_chunk(raw, settings.zstd_level, p.width, p.base if base_raw else None, base_raw,
                             allowed=settings.allowed)
         if data == current:
-            return len(current), len(current), False, store.base_of(oid) is not None
+            return len(current), len(current), False, bool(store.bases_of(oid))
         # Prove the new encoding before it replaces a good one: decode it and re-hash.
         store.check_encoded(oid, data, p.size)
         store.replace_chunk(oid, data)
-        return len(current), len(data), True, store.base_of(oid) is not None
+        return len(current), len(data), True, bool(store.bases_of(oid))
 
     levels = [sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has(oid))
               for depth in range(settings.max_delta_depth + 1)]

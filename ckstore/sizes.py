@@ -127,30 +127,30 @@ def _needs(ctx: RepoContext, kept: Kept) -> dict[str, set[str]]:
     return out
 
 
-def _delta_bases(store: ObjectStore, chunks: set[str]) -> dict[str, str | None]:
-    """Each object's delta base (None: whole or missing), for ``chunks`` and their bases."""
-    base: dict[str, str | None] = {}
+def _delta_bases(store: ObjectStore, chunks: set[str]) -> dict[str, tuple[str, ...]]:
+    """Each object's delta bases (empty: whole or missing), for ``chunks`` and their bases."""
+    base: dict[str, tuple[str, ...]] = {}
     todo = list(chunks)
     while todo:
         oid = todo.pop()
         if oid in base:
             continue
         try:
-            base[oid] = store.base_of(oid)
+            base[oid] = store.bases_of(oid)
         except ObjectMissingError:
-            base[oid] = None  # nothing to follow; fsck reports it
+            base[oid] = ()  # nothing to follow; fsck reports it
         except IntegrityError as exc:
             raise IntegrityError(f"{exc}; run 'ckstore fsck'") from None
-        if base[oid] is not None:
-            todo.append(base[oid])  # type: ignore[arg-type]
+        todo.extend(base[oid])
     return base
 
 
-def _with_bases(chunks: Iterable[str], base: dict[str, str | None]) -> set[str]:
-    out = set()
-    for oid in chunks:
-        cur: str | None = oid
-        while cur is not None and cur not in out:
+def _with_bases(chunks: Iterable[str], base: dict[str, tuple[str, ...]]) -> set[str]:
+    out: set[str] = set()
+    todo = list(chunks)
+    while todo:
+        cur = todo.pop()
+        if cur not in out:
             out.add(cur)
-            cur = base.get(cur)
+            todo.extend(base.get(cur, ()))
     return out

@@ -4,7 +4,7 @@ Objects live under ``objects/<first two hex digits>/<remaining 62>``. Writes are
 (an object that exists is never rewritten by a commit: same name, same content); only repack
 replaces an object, atomically, with another encoding of the same bytes. Every read decodes within
 the size the caller expects and re-hashes the result against the name, so corrupt data raises
-IntegrityError instead of flowing on. A delta's base is read the same way (decoded and
+IntegrityError instead of flowing on. A delta's bases are read the same way (decoded and
 verified), recursively, at most ``MAX_CHAIN_DEPTH`` deep, so a cycle or an overlong chain in a
 damaged repository is an IntegrityError, not a hang.
 """
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from .backend.base import Backend
 from .codec import (
-    BASE_ID_SIZE,
+    BASES_PREFIX_SIZE,
     HEADER_SIZE,
     Encoding,
     Kind,
     decode,
     decode_view,
-    delta_base,
+    delta_bases,
     encode,
     encode_chunk,
     parse_header,
@@ -38,7 +38,7 @@ MAX_COMMIT_SIZE = 1 << 30
 # configurable max_delta_depth (16), so an interrupted repack (whose chains can briefly reach
 # 2 * depth + 1) still reads, while a cycle in a damaged repository stops quickly.
 MAX_CHAIN_DEPTH = 64
-_PREFIX = HEADER_SIZE + BASE_ID_SIZE
+_PREFIX = BASES_PREFIX_SIZE
 
 
 class _BaseError(IntegrityError):
@@ -135,23 +135,27 @@ class ObjectStore:
         except CkstoreError:
             return None
 
-    def chain_depth(self, oid: str) -> int:
-        """How many delta steps stand between an object and a whole one (0: not a delta)."""
-        depth = 0
-        while (oid := self.base_of(oid)) is not None:  # type: ignore[assignment]
-            depth += 1
-            if depth > MAX_CHAIN_DEPTH:
-                raise IntegrityError(f"delta chain through object {oid} is longer than {MAX_CHAIN_DEPTH}")
+    def chain_depth(self, oid: str, _known: dict[str, int] | None = None, _level: int = 0) -> int:
+        """Delta links between an object and whole ones: 0 when whole, else 1 + the deepest of
+        its bases (read from headers)."""
+        known = {} if _known is None else _known
+        if oid in known:
+            return known[oid]
+        if _level > MAX_CHAIN_DEPTH:
+            raise IntegrityError(f"delta chain through object {oid} is longer than {MAX_CHAIN_DEPTH}")
+        bases = self.bases_of(oid)
+        depth = 1 + max(self.chain_depth(b, known, _level + 1) for b in bases) if bases else 0
+        known[oid] = depth
         return depth
 
-    def base_of(self, oid: str) -> ObjectId | None:
-        """The base a stored object is a delta of (None when it is whole); reads only its header."""
+    def bases_of(self, oid: str) -> tuple[ObjectId, ...]:
+        """The bases a stored object is a delta of (empty when it is whole); reads only its header."""
         prefix = self._read_prefix(oid, _PREFIX)
         try:
-            base = delta_base(prefix)
+            bases = delta_bases(prefix)
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
-        return None if base is None else ObjectId(base)
+        return tuple(ObjectId(b) for b in bases)
 
     def with_delta_bases(self, chunks: Iterable[str]) -> set[str]:
         """``chunks`` plus every delta base they need, transitively (reads object headers only)."""
@@ -160,16 +164,17 @@ class ObjectStore:
         while todo:
             oid = todo.pop()
             try:
-                base = self.base_of(oid)
+                bases = self.bases_of(oid)
             except ObjectMissingError:
                 continue  # nothing to follow; fsck reports the missing object
             except IntegrityError as exc:
                 # Without its header we cannot know what it needs, so deleting anything could
                 # lose data: stop rather than guess.
                 raise IntegrityError(f"{exc}; gc stopped, run 'ckstore fsck'") from None
-            if base is not None and base not in live:
-                live.add(base)
-                todo.append(base)
+            for base in bases:
+                if base not in live:
+                    live.add(base)
+                    todo.append(base)
         return live
 
     @contextmanager
@@ -237,7 +242,7 @@ class ObjectStore:
             return None
 
     def header_local(self, oid: str) -> bytes | None:
-        """The header and delta-base prefix of an object of this repository, None when absent."""
+        """The header and delta-bases prefix of an object of this repository, None when absent."""
         try:
             return self.backend.get_prefix(object_key(oid), _PREFIX)
         except KeyError:

@@ -84,3 +84,55 @@ def hf_folder(root: Path, seed: int = 0) -> Path:
     save_st(root / "2_Dense" / "model.safetensors", {"linear.weight": torch.randn(8, 8, generator=g)})
     (root / "2_Dense" / "config.json").write_text('{"in": 8}')
     return root
+
+
+def dcp_adamw_run(repo: Repo, steps: int, width: int = 192, seed: int = 0) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """Save ``steps`` consecutive AdamW steps of a small model with torch.distributed.checkpoint
+    (one process) through ckstore's DCP Writer, compaction waited for after each; every commit
+    with the tensors it saved, under their DCP names (as ``checkout`` writes them)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckstore.dcp import Writer, saved_commit, wait_compaction
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for step in range(steps):
+        model(torch.randn(8, width)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        msd, osd = get_state_dict(model, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "single process": DCP without a process group
+            meta = dcp.save({"model": msd, "optim": osd}, storage_writer=Writer(repo, message=f"step {step}"))
+        wait_compaction()
+        saved = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
+        for fqn, moments in osd["state"].items():
+            saved.update({f"optim.state.{fqn}.{k}": v.detach().clone() for k, v in moments.items()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0})
+        out.append((saved_commit(meta), saved))
+    return out
+
+
+def assert_reads_back(repo: Repo, runs: list[tuple[str, dict[str, torch.Tensor]]], out: Path) -> None:
+    """Every commit of ``dcp_adamw_run`` checks out to exactly the tensors it saved."""
+    from safetensors.torch import load_file
+
+    for i, (commit, saved) in enumerate(runs):
+        repo.checkout(commit, out / str(i))
+        got = load_file(str(out / str(i) / "model.safetensors"))
+        for name, tensor in saved.items():
+            assert torch.equal(got[name], tensor) and got[name].dtype == tensor.dtype, (i, name)
+
+
+def encodings(repo: Repo) -> dict[str, int]:
+    """How many stored objects use each encoding, by name."""
+    from collections import Counter
+
+    from ckstore.codec import parse_header
+
+    return dict(Counter(parse_header(repo.store.read_raw(o)).encoding.name for o in repo.store.iter_ids()))

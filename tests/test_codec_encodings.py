@@ -17,7 +17,7 @@ from ckstore.codec import (
     Encoding,
     Kind,
     decode,
-    delta_base,
+    delta_bases,
     encode_chunk,
     parse_header,
 )
@@ -79,7 +79,7 @@ def test_large_chunk_uses_sampled_choice_and_delta_wins() -> None:
     raw = arr.tobytes()
     data = encode_chunk(raw, 3, width, BASE_ID, base)
     assert parse_header(data).encoding == Encoding.DELTA
-    assert delta_base(data) == BASE_ID
+    assert delta_bases(data) == (BASE_ID,)
     assert len(data) < len(encode_chunk(raw, 3, width)) * 0.9
     assert _roundtrip(data, base) == raw
 

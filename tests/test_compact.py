@@ -46,8 +46,8 @@ def test_commit_stores_fast_and_compaction_makes_the_parent_deltas(tmp_path: Pat
     assert report.deltas > 0 and report.recompressed > 0 and report.saved > 0
     assert repo.stats().stored_bytes == stored_before - report.saved
     # The parent's changed chunks are deltas of the tip's; the tip reads whole, byte-grouped.
-    assert any(repo.store.base_of(o) is not None for o in _tensor_chunks(repo, first))
-    assert all(repo.store.base_of(o) is None for o in _tensor_chunks(repo, second))
+    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, first))
+    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, second))
     assert Encoding.GROUPED in {_encoding(repo, o) for o in _tensor_chunks(repo, second)}
     for oid, step in ((first, 0), (second, 1)):
         loaded = repo.load_state(oid)
@@ -60,9 +60,9 @@ def test_background_compaction_runs_after_each_commit_and_wait_covers_it(tmp_pat
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     ids = [repo.commit_state(_state(s)) for s in range(3)]
     repo.wait()
-    assert all(repo.store.base_of(o) is None for o in _tensor_chunks(repo, ids[-1]))
+    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, ids[-1]))
     for older in ids[:-1]:
-        assert any(repo.store.base_of(o) is not None for o in _tensor_chunks(repo, older))
+        assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, older))
     assert repo.fsck(read_data=True) == []
 
 
@@ -76,9 +76,9 @@ def test_a_compaction_that_never_ran_is_done_by_the_next_commits(tmp_path: Path)
     repo.compact_after_commit = True
     c = repo.commit_state(_state(2))
     repo.wait()
-    assert any(repo.store.base_of(o) is not None for o in _tensor_chunks(repo, a))  # a -> b, done late
-    assert any(repo.store.base_of(o) is not None for o in _tensor_chunks(repo, b))  # b -> c
-    assert all(repo.store.base_of(o) is None for o in _tensor_chunks(repo, c))
+    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, a))  # a -> b, done late
+    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, b))  # b -> c
+    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, c))
     assert repo.fsck(read_data=True) == []
 
 
@@ -93,7 +93,7 @@ def test_cli_commit_compacts_before_it_exits(tmp_path: Path) -> None:
         assert result.exit_code == 0, result.output
     repo = Repo(tmp_path / "repo")
     parent = repo.resolve("HEAD~1")
-    assert any(repo.store.base_of(o) is not None for o in _tensor_chunks(repo, parent))
+    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, parent))
 
 
 def test_roles_never_let_a_base_become_a_delta_in_the_same_run() -> None:
@@ -120,7 +120,7 @@ def test_any_history_of_permuted_and_reverted_tensors_stays_readable(steps: list
         state = {name: torch.from_numpy(pool[v].copy()) for name, v in zip(("x", "y", "z"), choice)}
         ids.append(repo.commit_state(state))
         repo.wait()
-        assert all(repo.store.base_of(o) is None for o in _tensor_chunks(repo, ids[-1]))  # the tip reads whole
+        assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, ids[-1]))  # the tip reads whole
     for oid, choice in zip(ids, steps):
         loaded = repo.load_state(oid)
         for name, v in zip(("x", "y", "z"), choice):

@@ -102,7 +102,7 @@ def test_gc_keeps_bases_of_kept_deltas(repo: Repo, tmp_path: Path) -> None:
     ids = _commit_all(repo, dirs)
     repo.create_tag("first", ids[0])
     # ids[0]'s chunks are deltas against ids[1]'s, which only the pruned ids[1] references.
-    bases = {b for o in _chunks(repo, ids[0]) if (b := repo.store.base_of(o))}
+    bases = {b for o in _chunks(repo, ids[0]) for b in repo.store.bases_of(o)}
     assert bases and not bases & (_chunks(repo, ids[0]) | _chunks(repo, ids[-1]))
     repo.gc(keep_last=1)
     assert all(repo.store.has(b) for b in bases)
@@ -116,7 +116,7 @@ def test_gc_repack_frees_bases_only_pruned_commits_needed(repo: Repo, tmp_path: 
     before = repo.stats().stored_bytes
     repo.gc(keep_last=1, repack=True)
     assert repo.stats().stored_bytes < before
-    assert all(repo.store.base_of(o) is None for o in _chunks(repo, ids[-1]))
+    assert all(repo.store.bases_of(o) == () for o in _chunks(repo, ids[-1]))
     _assert_checkouts(repo, ids[-1:], dirs[-1:], tmp_path, "gcr")
     assert repo.fsck(read_data=True) == []
 
@@ -124,9 +124,8 @@ def test_gc_repack_frees_bases_only_pruned_commits_needed(repo: Repo, tmp_path: 
 def test_fsck_reports_missing_and_corrupt_base(repo: Repo, tmp_path: Path) -> None:
     dirs = _epochs(tmp_path, 2)
     ids = _commit_all(repo, dirs)
-    delta = next(o for o in _chunks(repo, ids[0]) if repo.store.base_of(o))
-    base = repo.store.base_of(delta)
-    assert base is not None
+    delta = next(o for o in _chunks(repo, ids[0]) if repo.store.bases_of(o))
+    (base,) = repo.store.bases_of(delta)
     data = repo.backend.get(object_key(base))
     repo.backend.replace(object_key(base), data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(IntegrityError, match=delta):
@@ -143,7 +142,7 @@ def test_repack_keeps_every_commit_and_makes_newest_whole(repo: Repo, tmp_path: 
     ids = _commit_all(repo, dirs)
     report = repo.repack()
     assert report.rewritten > 0 and report.deltas > 0
-    assert all(repo.store.base_of(o) is None for o in _chunks(repo, ids[-1]))
+    assert all(repo.store.bases_of(o) == () for o in _chunks(repo, ids[-1]))
     assert Encoding.DELTA in _encodings(repo, _chunks(repo, ids[0]))
     assert max(repo.store.chain_depth(o) for i in ids for o in _chunks(repo, i)) <= 2
     _assert_checkouts(repo, ids, dirs, tmp_path, "rp")
@@ -209,7 +208,7 @@ def test_newest_commit_always_whole_and_chains_bounded_over_many_commits(tmp_pat
     for d in dirs:
         ids.append(repo.commit(str(d), message=d.name))
         repo.wait()
-        assert all(repo.store.base_of(o) is None for o in _chunks(repo, ids[-1]))  # the tip reads whole
+        assert all(repo.store.bases_of(o) == () for o in _chunks(repo, ids[-1]))  # the tip reads whole
         assert max(repo.store.chain_depth(o) for i in ids for o in _chunks(repo, i)) <= 3
     # Every (depth + 1)-th commit keeps a whole copy; the others are deltas of the next one.
     assert Encoding.DELTA in _encodings(repo, _chunks(repo, ids[0]))
@@ -228,7 +227,7 @@ def test_branches_from_one_commit_each_keep_their_tip_whole(tmp_path: Path) -> N
     a = repo.commit(str(dirs[1]), branch="main")
     b = repo.commit(str(dirs[2]), branch="other")
     for tip in (a, b):
-        assert all(repo.store.base_of(o) is None for o in _chunks(repo, tip))
+        assert all(repo.store.bases_of(o) == () for o in _chunks(repo, tip))
     _assert_checkouts(repo, [base, a, b], dirs, tmp_path, "br")
     assert repo.fsck(read_data=True) == []
 
@@ -254,7 +253,7 @@ def test_commit_killed_at_every_step_while_reencoding_parents_leaves_every_commi
     shutil.copytree(template, probe)
     assert _cli_commit(probe, dirs[2], {**env, "CKSTORE_FAULT_COUNT": str(counter)}).returncode == 0
     steps = int(counter.read_text())
-    reencoded = [o for o in _chunks(Repo(probe), old[1]) if Repo(probe).store.base_of(o)]
+    reencoded = [o for o in _chunks(Repo(probe), old[1]) if Repo(probe).store.bases_of(o)]
     assert reencoded, "the parent's chunks should have become deltas"
     for k in range(1, steps + 1):
         work = tmp_path / f"k{k}"

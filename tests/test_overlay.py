@@ -2,7 +2,7 @@
 
 The oracle for every checkout is the fine-tuned folder itself (sha256 per file); the oracle for the
 relative L2 norm is torch on the whole tensors. Storage claims are checked on the objects
-themselves: which repository holds them (``has_local``) and what a delta's base is (``base_of``).
+themselves: which repository holds them (``has_local``) and what a delta's bases are (``bases_of``).
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def assert_overlay_storage(overlay: Repo, base: Repo, base_ref: str, ref: str) -
         mine, theirs = tensor_chunks(overlay, ref, name), tensor_chunks(base, base_ref, name)
         assert len(mine) == len(theirs) > 1 and not set(mine) & set(theirs)
         assert all(overlay.store.has_local(c) for c in mine)
-        assert [overlay.store.base_of(c) for c in mine] == theirs
+        assert [overlay.store.bases_of(c) for c in mine] == [(t,) for t in theirs]
     head = [n for n in _names(overlay, ref) if n.startswith("head")]
-    assert head and all(overlay.store.base_of(c) is None and overlay.store.has_local(c)
+    assert head and all(overlay.store.bases_of(c) == () and overlay.store.has_local(c)
                         for n in head for c in tensor_chunks(overlay, ref, n))
 
 
@@ -152,7 +152,7 @@ def test_commit_state_with_base(tmp_path: Path) -> None:
     inherited = {name for _, name in repo.from_base(cid)}
     assert "model.embed.weight" in inherited and "model.layer.weight" not in inherited
     changed = tensor_chunks(repo, cid, "model.layer.weight")
-    assert [repo.store.base_of(c) for c in changed] == tensor_chunks(repo, base_id, "model.layer.weight")
+    assert [repo.store.bases_of(c) for c in changed] == [(b,) for b in tensor_chunks(repo, base_id, "model.layer.weight")]
 
 
 # ---- a base in another repository ---------------------------------------------------------------
@@ -291,7 +291,7 @@ def test_overlay_three_levels_deep_across_repositories(tmp_path: Path) -> None:
     assert [sum(r.store.has_local(c) for c in frozen) for r in repos] == [len(frozen), 0, 0, 0]
     # Each level's changed tensor is a delta of the level below, whose object lives below.
     mine, below = tensor_chunks(top, ids[3], "layer.weight"), tensor_chunks(top, ids[2], "layer.weight")
-    assert [top.store.base_of(c) for c in mine] == below and all(repos[2].store.has_local(c) for c in below)
+    assert [top.store.bases_of(c) for c in mine] == [(b,) for b in below] and all(repos[2].store.has_local(c) for c in below)
     # The second head was added at level 2 and inherited unchanged by level 3.
     assert ("model.safetensors", "head2.weight") in top.from_base(ids[3])
     changes = {c.name: c.status for c in top.diff(ids[2], ids[3]) if c.name}

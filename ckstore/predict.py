@@ -1,0 +1,321 @@
+"""Predictions of a float32 chunk from other float32 chunks (pure, no I/O): what a predicted delta
+(codec encoding 4, docs/format.md section 4) stores the XOR against.
+
+Between two consecutive AdamW steps every byte of the state changes, but the previous step's
+state is almost a function of the current one (``g_t = (m_t - b1 m_{t-1}) / (1 - b1)``):
+
+- ``v_{t-1} = (v_t - (1 - b2) g_t^2) / b2``: ``ADAM_SECOND_MOMENT`` over (v, m, p) = (v_t, m_t,
+  m_{t-1}), ``c0 * round32(v + c1 m^2 + c2 m p + c3 p^2)`` (the square of the gradient
+  expanded, so the fit is linear);
+- ``w_{t-1} = (w_t + lr m^_t / (sqrt(v^_t) + eps)) / (1 - lr wd)``: ``ADAM_WEIGHT`` over
+  (w_t, m_t, v_t), ``c0 * round32(w + c1 m / (sqrt(v) + c2))`` (bias corrections folded into
+  c1 and c2).
+
+``round32`` is the float32 rounding the forward step did between its add and its multiply.
+
+The coefficients are stored in the object, so a reader needs no optimizer settings; the writer
+fits them (``fit``). A reader must compute the prediction bit for bit as the writer did, on any
+platform and numpy version, so ``predict`` uses only correctly rounded IEEE-754 operations
+(+ - * / sqrt) on float64, one numpy ufunc per operation (no fused multiply-add, no libm), in a
+fixed order. Nothing it computes can be subnormal (where flush-to-zero modes would differ): float32
+subnormal inputs are zeroed by masking their bits, coefficients are 0 or within 2^-64..2^64
+(``check_coefficients``), which keeps every nonzero intermediate above 2^-400; a result below the
+float32 normal range becomes +0 before rounding to float32, and NaN or infinity (NaN payloads
+differ between x86 and ARM) becomes +0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+MIN_COEFFICIENT = 2.0 ** -64
+MAX_COEFFICIENT = 2.0 ** 64
+_F32_MIN_NORMAL = 2.0 ** -126
+_EXPONENT = np.uint32(0x7F800000)
+_BLOCK = 1 << 14  # elements predicted at a time: 128 KiB float64 temporaries stay in cache (3x faster than 2 MiB ones)
+# Elements of a fit's sample, spread over the chunk (a fit costs a least-squares solve on them).
+FIT_SAMPLE = 1 << 15
+
+
+class Predictor(IntEnum):
+    ADAM_SECOND_MOMENT = 1  # bases (v_t, m_t, m_{t-1}), 4 coefficients
+    ADAM_WEIGHT = 2  # bases (w_t, m_t, v_t), 3 coefficients
+
+
+@dataclass(frozen=True)
+class Shape:
+    bases: int
+    coefficients: int
+
+
+SHAPES = {Predictor.ADAM_SECOND_MOMENT: Shape(3, 4), Predictor.ADAM_WEIGHT: Shape(3, 3)}
+
+
+def check_coefficients(coefficients: Sequence[float]) -> None:
+    """Raise ValueError unless every coefficient is 0 or finite within 2^-64..2^64 in magnitude."""
+    for c in coefficients:
+        if c != 0.0 and not MIN_COEFFICIENT <= abs(c) <= MAX_COEFFICIENT:  # NaN fails both
+            raise ValueError(f"predictor coefficient {c!r} is outside 0 or 2^-64..2^64")
+
+
+def inputs(data: bytes | memoryview) -> np.ndarray:
+    """A little-endian float32 chunk as float64, subnormals zeroed by their bits (not by a
+    comparison, which a denormals-are-zero mode would change)."""
+    bits = np.frombuffer(data, dtype="<u4")
+    bits = np.where((bits & _EXPONENT) == 0, np.uint32(0), bits)
+    return bits.view("<f4").astype(np.float64)
+
+
+def to_float32_bits(r: np.ndarray) -> np.ndarray:
+    """float64 results as float32 bit patterns (uint32): below the normal range +0, else rounded to
+    nearest even, and NaN or a result that rounds to infinity +0."""
+    with np.errstate(all="ignore"):
+        r = np.where(np.abs(r) < _F32_MIN_NORMAL, 0.0, r)  # NaN compares false: handled below
+        bits = r.astype("<f4").view("<u4")
+    return np.where((bits & _EXPONENT) == _EXPONENT, np.uint32(0), bits)
+
+
+def _round32(r: np.ndarray) -> np.ndarray:
+    """``to_float32_bits`` as float64 values: the forward step's float32 rounding, undone in order."""
+    return to_float32_bits(r).view("<f4").astype(np.float64)
+
+
+def _second_moment(c: Sequence[float], b: Sequence[np.ndarray]) -> np.ndarray:
+    # Forward (float32): v_t = round(round(v_{t-1} * b2) + (1 - b2) g^2). Undone one rounding at a
+    # time: the float32 product is recovered exactly far more often than in one float64 step.
+    v, m, p = b
+    sq = np.multiply(c[1], np.multiply(m, m))
+    sq = np.add(sq, np.multiply(c[2], np.multiply(m, p)))
+    sq = np.add(sq, np.multiply(c[3], np.multiply(p, p)))
+    return np.multiply(c[0], _round32(np.add(v, sq)))
+
+
+def _weight(c: Sequence[float], b: Sequence[np.ndarray]) -> np.ndarray:
+    # Forward (float32): w_t = round(round(w_{t-1} * (1 - lr wd)) - step m / (sqrt(v) + eps)).
+    w, m, v = b
+    step = np.multiply(c[1], np.divide(m, np.add(np.sqrt(v), c[2])))
+    return np.multiply(c[0], _round32(np.add(w, step)))
+
+
+_FORMULAS: dict[Predictor, Callable[[Sequence[float], Sequence[np.ndarray]], np.ndarray]] = {
+    Predictor.ADAM_SECOND_MOMENT: _second_moment, Predictor.ADAM_WEIGHT: _weight,
+}
+
+
+def predict(predictor: Predictor, coefficients: Sequence[float], bases: Sequence[bytes | memoryview]) -> np.ndarray:
+    """The prediction as float32 bit patterns (uint32), from the bases' raw little-endian float32
+    bytes (all of one length, a multiple of 4)."""
+    shape = SHAPES[predictor]
+    if len(bases) != shape.bases or len(coefficients) != shape.coefficients:
+        raise ValueError(f"predictor {predictor.name} takes {shape.bases} bases and {shape.coefficients} coefficients")
+    check_coefficients(coefficients)
+    c = [float(x) for x in coefficients]
+    views = [memoryview(b).cast("B") for b in bases]
+    n = len(views[0]) // 4
+    out = np.empty(n, dtype=np.uint32)
+    # In blocks: the float64 temporaries of a whole 256 MiB chunk would take gigabytes, and
+    # small ones stay in cache.
+    for start in range(0, n, _BLOCK):
+        end = min(n, start + _BLOCK)
+        with np.errstate(all="ignore"):
+            r = _FORMULAS[predictor](c, [inputs(v[4 * start:4 * end]) for v in views])
+        out[start:end] = to_float32_bits(r)
+    return out
+
+
+def _rounded(coefficients: np.ndarray) -> tuple[float, ...] | None:
+    """Coefficients a reader accepts: tiny ones become 0; None when one is out of range."""
+    out = tuple(0.0 if abs(c) < MIN_COEFFICIENT else float(c) for c in coefficients)
+    try:
+        check_coefficients(out)
+    except ValueError:
+        return None
+    return out
+
+
+def _sample_index(n: int) -> np.ndarray:
+    return np.linspace(0, n - 1, num=min(n, FIT_SAMPLE), dtype=np.int64)
+
+
+def _least_squares(features: list[np.ndarray], target: np.ndarray, scale_by: np.ndarray) -> np.ndarray | None:
+    """Coefficients minimising the error relative to ``scale_by`` (the predicted chunk: every
+    magnitude counts, as bit-exact prediction needs), over the rows where everything is finite
+    and ``scale_by`` nonzero."""
+    a = np.stack(features, axis=1)
+    ok = np.isfinite(a).all(axis=1) & np.isfinite(target) & np.isfinite(scale_by) & (scale_by != 0)
+    if ok.sum() < 2 * len(features):
+        return None
+    weight = 1.0 / np.abs(scale_by[ok])
+    a, t = a[ok] * weight[:, None], target[ok] * weight
+    scale = np.sqrt((a * a).mean(axis=0))
+    scale[scale == 0] = 1.0
+    a /= scale
+    if a.shape[1] <= 2:
+        # The weight's features (w and the Adam step) are nearly orthogonal once scaled: normal
+        # equations are exact enough and cost a fraction of an SVD (the epsilon search solves 80).
+        try:
+            solution = np.linalg.solve(a.T @ a, a.T @ t)
+        except np.linalg.LinAlgError:
+            return None
+    else:
+        solution, *_ = np.linalg.lstsq(a, t, rcond=None)
+    result: np.ndarray = solution / scale
+    return result if np.isfinite(result).all() else None
+
+
+def _exact(predictor: Predictor, coefficients: tuple[float, ...], bases: list[np.ndarray], target_bits: np.ndarray) -> int:
+    with np.errstate(all="ignore"):
+        bits = to_float32_bits(_FORMULAS[predictor](coefficients, bases))
+    return int((bits == target_bits).sum())
+
+
+def _decimal(c: float) -> float:
+    """The shortest decimal within a millionth of ``c`` (relative), else ``c``: optimizer
+    settings are short decimals (0.9, 0.999, 1e-3), and a fit only gets near them."""
+    for digits in range(1, 9):
+        rounded = float(f"{c:.{digits}g}")
+        if abs(rounded - c) <= 1e-6 * abs(c):
+            return rounded
+    return c
+
+
+def _snapped(k0: float) -> list[float]:
+    """Candidates for an outer factor fitted as ``k0``: as fitted, and the reciprocal of the
+    forward step's factor taken as the nearest float32 or the nearest short decimal (a fit's
+    noise is larger than the last bits need)."""
+    out = [k0]
+    with np.errstate(all="ignore"):
+        for snapped in (1.0 / np.float64(np.float32(1.0 / k0)), 1.0 / _decimal(1.0 / k0)):
+            if math.isfinite(snapped) and snapped not in out:
+                out.append(float(snapped))
+    return out
+
+
+class _Sample:
+    """A fit's sample: the bases and the target at evenly spread elements, and the scoring."""
+
+    def __init__(self, predictor: Predictor, target: bytes | memoryview, bases: Sequence[bytes | memoryview]) -> None:
+        index = _sample_index(len(target) // 4)
+        self.predictor = predictor
+        self.bits = np.frombuffer(target, dtype="<u4")[index]
+        self.bases = [inputs(x)[index] for x in bases]
+        self.y = inputs(self.bits.tobytes())
+
+    def every(self, step: int) -> _Sample:
+        """Every ``step``-th element of this sample."""
+        out = _Sample.__new__(_Sample)
+        out.predictor, out.bits, out.y = self.predictor, self.bits[::step], self.y[::step]
+        out.bases = [b[::step] for b in self.bases]
+        return out
+
+    def score(self, candidate: Sequence[float]) -> tuple[int, tuple[float, ...]] | None:
+        """(sample elements predicted exactly, the coefficients as a reader accepts them)."""
+        coefficients = _rounded(np.array(candidate, dtype=np.float64))
+        if coefficients is None:
+            return None
+        return _exact(self.predictor, coefficients, self.bases, self.bits), coefficients
+
+
+def _best(scored: Iterable[tuple[int, tuple[float, ...]] | None]) -> tuple[int, tuple[float, ...]] | None:
+    found = [s for s in scored if s is not None]
+    return max(found, key=lambda s: s[0]) if found else None
+
+
+def _fit_second_moment(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
+    # Checkpoints many steps apart: nothing comes out exact on an eighth of the sample, and a fit
+    # on all of it is not paid for (a near miss could still beat a plain delta, rarely by much).
+    probe = _fit_second_moment_on(_small(sample))
+    if probe is None or probe[0] < _HOPELESS * len(_small(sample).bits):
+        return None
+    return _best([probe and sample.score(probe[1]), _fit_second_moment_on(sample)])
+
+
+def _fit_second_moment_on(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
+    v, m, p = sample.bases
+    inner = [m * m, m * p, p * p]
+    found = _least_squares([v, *inner], sample.y, sample.y)
+    if found is None or found[0] == 0:
+        return None
+    tried = []
+    for c0 in _snapped(float(found[0])):
+        # Refit the inner terms for this outer factor: y / c0 - v = the gradient term.
+        rest = _least_squares(inner, sample.y / c0 - v, sample.y)
+        rest = rest if rest is not None else found[1:] / c0
+        tried += [sample.score((c0, *rest)), sample.score((c0, *(_decimal(float(c)) for c in rest)))]
+    return _best(tried)
+
+
+def _small(sample: _Sample) -> _Sample:
+    """An eighth of the sample for searches and probes (all of a small one)."""
+    return sample.every(8) if len(sample.bits) >= 8 * _SEARCH_MIN else sample
+
+
+def _fit_weight(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
+    """c0 and c1 by least squares for a given c2 (epsilon times a bias correction: tiny next to
+    sqrt(v) for most elements, decisive for the rest, and a wrong one makes outliers that pull
+    c0 and c1); c2 by search on an eighth of the sample (a geometric grid, then golden-section
+    refinement around the best point, each point scored by exact predictions), then the best
+    point fitted and scored on the whole sample."""
+    small = _small(sample)
+
+    def at(s: _Sample, eps: float) -> tuple[int, tuple[float, ...]] | None:
+        w, m, v = s.bases
+        q = m / (np.sqrt(v) + eps)
+        found = _least_squares([w, q], s.y, s.y)
+        if found is None or found[0] == 0:
+            return None
+        tried = []
+        for c0 in _snapped(float(found[0])):
+            c1 = _least_squares([q], s.y / c0 - w, s.y)
+            tried.append(None if c1 is None else s.score((c0, float(c1[0]), eps)))
+        return _best(tried)
+
+    # Checkpoints many steps apart: the weights are no function of the next ones, and nothing
+    # comes out exact. Three points tell, before the whole search is paid for.
+    probe = _best(at(small, eps) for eps in _EPS_PROBE)
+    if probe is None or probe[0] < _HOPELESS * len(small.bits):
+        return None
+    best = _best([probe, *(at(small, eps) for eps in _EPS_DEFAULTS)])
+    if best is not None and best[0] < _GOOD_ENOUGH * len(small.bits):
+        best = _best([best, *(at(small, eps) for eps in _EPS_COARSE)])
+    if best is not None and best[1][2] != 0.0 and best[0] < _GOOD_ENOUGH * len(small.bits):
+        lo, hi = math.log(best[1][2] / _EPS_STEP), math.log(best[1][2] * _EPS_STEP)
+        for _ in range(_EPS_REFINE):
+            a, b = hi - (hi - lo) / _GOLDEN, lo + (hi - lo) / _GOLDEN
+            sa, sb = at(small, math.exp(a)), at(small, math.exp(b))
+            best = _best([best, sa, sb])
+            if (sa[0] if sa else -1) >= (sb[0] if sb else -1):
+                hi = b
+            else:
+                lo = a
+    return None if best is None else _best([at(sample, best[1][2]), sample.score(best[1])])
+
+
+_EPS_STEP = 4.0
+# PyTorch's default epsilon (1e-8) times its bias correction sqrt(1 - 0.999^t) at steps t = 1..16
+# (tried first), then a coarse geometric grid for other settings and later steps.
+_EPS_DEFAULTS = tuple(1e-8 * math.sqrt(1 - 0.999 ** t) for t in range(1, 17))
+_EPS_COARSE = tuple(1e-6 * _EPS_STEP ** -k for k in range(10))
+_EPS_REFINE = 6
+_SEARCH_MIN = 2048  # elements the epsilon search scores each point on, at least
+_GOOD_ENOUGH = 0.97  # of the sample predicted exactly: no refinement of the grid's best
+_EPS_PROBE = (0.0, _EPS_DEFAULTS[0], 1e-8)
+_HOPELESS = 0.01  # of the sample predicted exactly at every probe: no predicted delta
+_GOLDEN = (1 + math.sqrt(5)) / 2
+
+
+def fit(predictor: Predictor, target: bytes | memoryview, bases: Sequence[bytes | memoryview]) -> tuple[float, ...] | None:
+    """Coefficients for predicting ``target`` from ``bases`` (raw float32 chunks of one length),
+    fitted on a sample (least squares, then the candidate predicting the most sample elements
+    exactly); None when no fit is possible (the caller then keeps a plain delta)."""
+    if len(target) < 4 or len(bases) != SHAPES[predictor].bases:
+        return None
+    sample = _Sample(predictor, target, bases)
+    with np.errstate(all="ignore"):
+        best = _fit_second_moment(sample) if predictor == Predictor.ADAM_SECOND_MOMENT else _fit_weight(sample)
+    return None if best is None else best[1]

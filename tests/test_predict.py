@@ -1,0 +1,197 @@
+"""The predicted delta (codec encoding 4) and its predictors (predict.py): any float32 input round
+trips exactly, the prediction is computed the same way whatever the coefficients, and damaged or
+hostile objects are refused with an IntegrityError."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckstore import predict
+from ckstore.codec import (
+    BASES_PREFIX_SIZE,
+    HEADER_SIZE,
+    Encoding,
+    Kind,
+    decode,
+    delta_bases,
+    encode_chunk,
+    encode_predicted,
+    parse_header,
+)
+from ckstore.errors import IntegrityError
+from ckstore.ids import chunk_id
+from ckstore.predict import Predictor
+
+# Bit patterns worth covering on purpose: zeros, subnormals, the normal range's ends, infinities,
+# NaNs with various payloads and signs, and negative values (a negative "second moment").
+SPECIAL = [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000,
+           0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC00123, 0x3F800000, 0xBF800000, 0x3A83126F]
+words = st.one_of(st.sampled_from(SPECIAL), st.integers(0, 2**32 - 1),
+                  st.floats(-10, 10, width=32).map(lambda f: struct.unpack("<I", struct.pack("<f", f))[0]))
+coefficient = st.one_of(st.just(0.0), st.floats(2.0 ** -64, 2.0 ** 64).flatmap(lambda x: st.sampled_from([x, -x])))
+
+
+def _chunk(ws: list[int]) -> bytes:
+    return np.array(ws, dtype="<u4").tobytes()
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Predictor, tuple[float, ...], bytes, list[bytes]]:
+    predictor = draw(st.sampled_from(list(Predictor)))
+    shape = predict.SHAPES[predictor]
+    n = draw(st.integers(1, 64))
+    raw = _chunk(draw(st.lists(words, min_size=n, max_size=n)))
+    bases = [_chunk(draw(st.lists(words, min_size=n, max_size=n))) for _ in range(shape.bases)]
+    coefficients = tuple(draw(st.lists(coefficient, min_size=shape.coefficients, max_size=shape.coefficients)))
+    return predictor, coefficients, raw, bases
+
+
+def _decode(data: bytes, bases: dict[str, bytes], length: int) -> bytes:
+    return decode(data, Kind.CHUNK, 1 << 28, expected_len=length, fetch_base=lambda b, n: bases[b])
+
+
+def _encode(predictor: Predictor, coefficients: tuple[float, ...], raw: bytes, bases: list[bytes]) -> tuple[bytes, dict[str, bytes]]:
+    ids = tuple(chunk_id(b + bytes([i])) for i, b in enumerate(bases))  # distinct even for equal bytes
+    data = encode_predicted(raw, 1, ids, bases, predictor, coefficients, than=1 << 30)
+    assert data is not None
+    return data, dict(zip(ids, bases))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_any_float32_input_round_trips_exactly(case: tuple[Predictor, tuple[float, ...], bytes, list[bytes]]) -> None:
+    predictor, coefficients, raw, bases = case
+    data, by_id = _encode(predictor, coefficients, raw, bases)
+    assert parse_header(data).encoding == Encoding.PREDICTED
+    assert delta_bases(data[:BASES_PREFIX_SIZE]) == tuple(by_id)
+    assert _decode(data, by_id, len(raw)) == raw
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_prediction_is_deterministic_and_never_subnormal_nan_or_inf(case: tuple[Predictor, tuple[float, ...], bytes, list[bytes]]) -> None:
+    predictor, coefficients, _, bases = case
+    first = predict.predict(predictor, coefficients, bases)
+    again = predict.predict(predictor, coefficients, [bytes(b) for b in bases])
+    assert np.array_equal(first, again)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(predict, "_BLOCK", 5)  # computed in blocks: the same bits
+        assert np.array_equal(first, predict.predict(predictor, coefficients, bases))
+    exponent = first & 0x7F800000
+    assert not ((exponent == 0) & (first != 0)).any()  # no subnormal, no -0
+    assert not (exponent == 0x7F800000).any()  # no infinity, no NaN
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=32), coefficient, coefficient)
+def test_weight_prediction_is_the_formula_evaluated_in_order(values: list[float], c0: float, c1: float) -> None:
+    """Predictor 2 against an independent scalar evaluation of docs/format.md's formula."""
+    w = np.array(values, dtype="<f4")
+    m = w[::-1].copy()
+    v = np.abs(w) + np.float32(1.0)
+    c2 = 1e-8
+    got = predict.predict(Predictor.ADAM_WEIGHT, (c0, c1, c2), [w.tobytes(), m.tobytes(), v.tobytes()])
+
+    def to32(x: float) -> float:
+        if not np.isfinite(x) or abs(x) < 2.0 ** -126:
+            return 0.0
+        with np.errstate(over="ignore"):
+            r = float(np.float32(x))
+        return r if np.isfinite(r) else 0.0
+
+    def zeroed(x: np.float32) -> float:  # step 1: subnormal inputs are +0
+        return 0.0 if abs(float(x)) < 2.0 ** -126 else float(x)
+
+    want = [to32(c0 * to32(zeroed(a) + c1 * (zeroed(b) / (float(np.sqrt(zeroed(c))) + c2)))) for a, b, c in zip(w, m, v)]
+    assert got.tolist() == np.array(want, dtype="<f4").view("<u4").tolist()
+
+
+def _adamw_states(width: int, snapshots: int, steps_between: int) -> list[list[bytes]]:
+    """(weight, exp_avg, exp_avg_sq) of a Linear layer's weight after every ``steps_between``
+    AdamW steps, as raw float32 bytes."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(width, width)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    states = []
+    for _ in range(snapshots):
+        for _ in range(steps_between):
+            layer(torch.randn(8, width)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        moments = opt.state[layer.weight]
+        states.append([t.detach().numpy().tobytes() for t in (layer.weight, moments["exp_avg"], moments["exp_avg_sq"])])
+    return states
+
+
+def test_fit_recovers_an_adamw_step_and_beats_a_plain_delta() -> None:
+    """Coefficients fitted on real AdamW state predict most elements exactly."""
+    states = _adamw_states(256, 8, 1)
+    (w1, m1, v1), (w2, m2, v2) = states[-2], states[-1]
+    for predictor, target, bases in ((Predictor.ADAM_WEIGHT, w1, [w2, m2, v2]),
+                                     (Predictor.ADAM_SECOND_MOMENT, v1, [v2, m2, m1])):
+        coefficients = predict.fit(predictor, target, bases)
+        assert coefficients is not None
+        exact = (predict.predict(predictor, coefficients, bases) == np.frombuffer(target, "<u4")).mean()
+        data, by_id = _encode(predictor, coefficients, target, bases)
+        plain = encode_chunk(target, 1, 4, chunk_id(bases[0]), bases[0], allowed=frozenset({Encoding.DELTA}))
+        assert exact > (0.6 if predictor == Predictor.ADAM_WEIGHT else 0.2), (predictor, exact)
+        assert len(data) < 0.5 * len(plain), (predictor, len(data) / len(target))
+        assert _decode(data, by_id, len(target)) == target
+
+
+def _valid() -> tuple[bytes, dict[str, bytes], bytes]:
+    rng = np.random.default_rng(1)
+    bases = [rng.random(64, dtype=np.float32).tobytes() for _ in range(3)]
+    raw = rng.random(64, dtype=np.float32).tobytes()
+    data, by_id = _encode(Predictor.ADAM_WEIGHT, (1.0, 0.5, 0.0), raw, bases)
+    return data, by_id, raw
+
+
+def test_damaged_predicted_objects_are_refused() -> None:
+    data, by_id, raw = _valid()
+    at = HEADER_SIZE + 1 + 3 * 32  # the predictor byte
+    cases = {
+        "names 0 bases": data[:HEADER_SIZE] + b"\x00" + data[HEADER_SIZE + 1:],
+        "names 5 bases": data[:HEADER_SIZE] + b"\x05" + data[HEADER_SIZE + 1:],
+        "unknown predictor": data[:at] + b"\x09" + data[at + 1:],
+        "takes 3 bases": data[:HEADER_SIZE] + b"\x02" + data[HEADER_SIZE + 1:],
+        "outside 0 or": data[:at + 1] + struct.pack("<d", float("nan")) + data[at + 9:],
+        "too short": data[:HEADER_SIZE + 40],
+    }
+    for bad in cases.values():
+        with pytest.raises(IntegrityError):
+            _decode(bad, by_id, len(raw))
+    tiny = data[:at + 1] + struct.pack("<d", 2.0 ** -80) + data[at + 9:]
+    with pytest.raises(IntegrityError, match="outside 0 or"):
+        _decode(tiny, by_id, len(raw))
+    with pytest.raises(IntegrityError, match="without access"):
+        decode(data, Kind.CHUNK, 1 << 28, expected_len=len(raw))
+
+
+def test_a_base_of_the_wrong_length_is_refused() -> None:
+    data, by_id, raw = _valid()
+    short = {k: v[:-4] for k, v in by_id.items()}
+    with pytest.raises(IntegrityError, match="decoded to"):
+        _decode(data, short, len(raw))
+
+
+def test_encoder_declines_what_cannot_pay_or_is_not_float32() -> None:
+    rng = np.random.default_rng(2)
+    bases = [rng.random(64, dtype=np.float32).tobytes() for _ in range(3)]
+    ids = tuple(chunk_id(b) for b in bases)
+    assert encode_predicted(b"\x00" * 255, 1, ids, [b[:255] for b in bases], 2, (1.0, 1.0, 0.0), 1 << 30) is None
+    noise = rng.random(64, dtype=np.float32).tobytes()
+    assert encode_predicted(noise, 1, ids, bases, 2, (1.0, 1.0, 0.0), than=64) is None
+
+
+def test_fit_gives_up_on_weights_many_steps_apart() -> None:
+    """Checkpoints 20 steps apart: the older weights are no function of the newer state, and the
+    fit says so after a cheap probe instead of searching (compaction then keeps a plain delta)."""
+    states = _adamw_states(128, 2, 20)
+    assert predict.fit(Predictor.ADAM_WEIGHT, states[0][0], states[1]) is None
