@@ -262,8 +262,9 @@ class RepositoryMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.corrupted)
     @rule(keep_last=st.integers(1, 3))
     def gc_keep_last(self, keep_last: int) -> None:
-        """Keeps every tagged commit and, per branch, the ``keep_last`` newest kept ones (log's order)."""
-        self.repo.gc(keep_last=keep_last)
+        """Keeps every tagged commit and, per branch, the ``keep_last`` newest kept ones (log's order).
+        With prune_now, as in ``gc``: a deleted branch's reflog would keep its commits 30 days."""
+        self.repo.gc(keep_last=keep_last, prune_now=True)
         keep = {oid for ref, oid in self.refs.items() if ref.startswith("refs/tags/")}
         for ref, tip in self.refs.items():
             if ref.startswith("refs/heads/"):
