@@ -16,6 +16,7 @@ from ckstore.backend.base import Backend
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
 from ckstore.errors import InvalidPathError, LockedError, StorageError
+from helpers import leftover_temp_files
 
 BAD_KEYS = ["", "../x", "a/../../x", "/abs", "a//b", "a/", "./a", "a/./b", "a\\b", "a b", "a/\x00"]
 
@@ -228,7 +229,7 @@ def test_batch_failure_applies_nothing(any_backend: Backend) -> None:
     if isinstance(any_backend, LocalBackend):
         assert not any_backend.exists("objects/ab/new")
         assert any_backend.get("objects/ab/keep") == b"v1"
-        assert list((any_backend.root / "tmp").iterdir()) == []
+        assert leftover_temp_files(any_backend.root) == []
 
 
 def test_batch_replacement_applied_after_its_put(any_backend: Backend) -> None:
@@ -258,9 +259,10 @@ def test_local_temporary_files_hidden_and_cleaned(tmp_path: Path) -> None:
     backend.put_if_absent("objects/aa/b", b"x")
     (tmp_path / "tmp").mkdir(exist_ok=True)
     (tmp_path / "tmp" / "leftover.tmp").write_bytes(b"partial")
+    (tmp_path / "objects" / "aa" / ".0123abcd.tmp").write_bytes(b"staged by a batch that died")
     assert list(backend.list("")) == ["objects/aa/b"]
-    assert backend.clean_temporary() == 1
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert backend.clean_temporary() == 2
+    assert leftover_temp_files(tmp_path) == []
     assert backend.get("objects/aa/b") == b"x"
 
 
@@ -271,7 +273,7 @@ def test_local_writes_leave_no_temporary_files(tmp_path: Path) -> None:
     backend.replace("b", b"1")
     backend.create_exclusive("c", b"1")
     backend.create_exclusive("c", b"2")
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert leftover_temp_files(tmp_path) == []
 
 
 def test_local_lock_released_when_holder_is_killed(tmp_path: Path) -> None:
@@ -309,7 +311,7 @@ def test_local_batch_replacement_dropped_when_its_put_lost(tmp_path: Path) -> No
         assert LocalBackend(tmp_path).put_if_absent("objects/cd/child", b"theirs")  # races us
     assert backend.get("objects/cd/child") == b"theirs"
     assert backend.get("objects/ab/parent") == b"whole"
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert leftover_temp_files(tmp_path) == []
 
 
 def test_local_batch_flushes_early_and_fails_on_an_early_flush_error(
@@ -339,7 +341,7 @@ def test_local_batch_flushes_early_and_fails_on_an_early_flush_error(
             view.put_if_absent("objects/cd/two", b"y" * 150)
             view.put_if_absent("objects/cd/three", b"z" * 10)
     assert not backend.exists("objects/cd/two") and not backend.exists("objects/cd/three")
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert leftover_temp_files(tmp_path) == []
 
 
 def test_local_batch_is_invisible_until_flushed_and_leaves_no_temporaries(tmp_path: Path) -> None:
@@ -348,7 +350,7 @@ def test_local_batch_is_invisible_until_flushed_and_leaves_no_temporaries(tmp_pa
         view.put_if_absent("objects/ab/x", b"x")
         assert not backend.exists("objects/ab/x") and list(backend.list("")) == []
     assert backend.get("objects/ab/x") == b"x"
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert leftover_temp_files(tmp_path) == []
 
 
 def test_append_line_creates_appends_and_cuts_a_torn_tail(backend: Backend) -> None:
@@ -372,7 +374,7 @@ def test_local_append_line_cuts_a_torn_tail_longer_than_its_read_block(tmp_path:
     backend.replace("log", b"first\n" + b"y" * 200_000)
     backend.append_line("log", b"second\n")
     assert backend.get("log") == b"first\nsecond\n"
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert leftover_temp_files(tmp_path) == []
 
 
 def test_local_prune_folders_removes_only_empty_folders_below_stop(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from ckstore.errors import (
 
 from ckstore.repo import Repo
 
-from helpers import checkpoint, flip_bit, object_count, object_file, sha256, tree_digest
+from helpers import checkpoint, flip_bit, leftover_temp_files, object_count, object_file, sha256, tree_digest
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 Cli = Callable[..., Result]  # run(*args, code=expected exit code, repo=pass --repo)
@@ -154,7 +154,7 @@ def test_bad_safetensors_refused_and_repo_unchanged(inited: Cli, tmp_path: Path,
     result = inited("commit", str(folder), code=SafetensorsFormatError.exit_code)
     assert "z.safetensors" in result.stderr
     assert (repo.branches(), object_count(repo)) == before
-    assert list((tmp_path / "repo" / "tmp").iterdir()) == []
+    assert leftover_temp_files(tmp_path / "repo") == []
 
 
 def test_bad_arguments(inited: Cli, tmp_path: Path) -> None:

@@ -89,10 +89,15 @@ def test_dry_run_deletes_nothing_and_reports_the_same(repo: Repo, tmp_path: Path
 def test_gc_removes_temporary_leftovers(repo: Repo, tmp_path: Path) -> None:
     rolling(repo, tmp_path, 1)
     assert repo.path is not None
+    (repo.path / "tmp").mkdir(exist_ok=True)
     (repo.path / "tmp" / "dead.tmp").write_bytes(b"partial")
+    # A batch stages each object beside its final name; one killed midway leaves those behind.
+    folder = next((repo.path / "objects").iterdir())
+    (folder / ".5f3e.tmp").write_bytes(b"staged")
     count = object_count(repo)
-    assert repo.gc().temp_files == 1
+    assert repo.gc().temp_files == 2
     assert object_count(repo) == count and not (repo.path / "tmp" / "dead.tmp").exists()
+    assert not (folder / ".5f3e.tmp").exists()
 
 
 def test_keep_last_must_be_positive(repo: Repo, tmp_path: Path) -> None:

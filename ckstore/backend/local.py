@@ -140,9 +140,11 @@ class LocalBackend(StagingBackend):
         else:
             created.add(path)
 
-    def _write_temp(self, data: bytes | memoryview, sync: bool = True) -> Path:
-        tmp_dir = self.root / TMP_DIR
-        tmp = tmp_dir / f"{uuid.uuid4().hex}.tmp"
+    def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None) -> Path:
+        """A new temporary file holding ``data``, in ``tmp/`` or in ``folder`` (an existing
+        folder of the repository) under a name that starts with a dot, which no key has."""
+        tmp_dir = self.root / TMP_DIR if folder is None else folder
+        tmp = tmp_dir / f".{uuid.uuid4().hex}.tmp"
         mutating_step()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
@@ -278,7 +280,7 @@ class LocalBackend(StagingBackend):
             if rel == TMP_DIR:
                 dirnames.clear()
                 continue
-            keys.extend(name if rel == "." else f"{rel}/{name}" for name in filenames)
+            keys.extend(name if rel == "." else f"{rel}/{name}" for name in filenames if not _is_temporary(name))
         # Sorted as whole keys (os.walk yields a folder's files before its subfolders').
         yield from sorted(keys)
 
@@ -337,12 +339,23 @@ class LocalBackend(StagingBackend):
 
     def clean_temporary(self) -> int:
         removed = 0
-        tmp_dir = self.root / TMP_DIR
-        if tmp_dir.is_dir():
-            for entry in tmp_dir.iterdir():
+        # Batches stage objects in their own fan-out folders (local_batch.py); everything else
+        # writes its temporaries in tmp/.
+        folders = [self.root / TMP_DIR, *sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]"))]
+        for folder in folders:
+            if not folder.is_dir():
+                continue
+            for entry in folder.iterdir():
+                if folder.name != TMP_DIR and not _is_temporary(entry.name):
+                    continue
                 try:
                     entry.unlink()
                     removed += 1
                 except OSError:
                     pass
         return removed
+
+
+def _is_temporary(name: str) -> bool:
+    """A staging file beside an object (``_write_temp`` with a folder): never a key."""
+    return name.startswith(".") and name.endswith(".tmp")

@@ -1,10 +1,17 @@
 """A staged view of a local repository: a commit's objects made durable with two barriers.
 
-Every object is written to ``tmp/`` without fsync (its writeback started at once), then one
-barrier makes all their bytes durable, then each is moved to its final name without replacing
-anything, then a second barrier makes the new directory entries durable; only then does the
-caller write a manifest naming them. So no object ever appears under its final name before its
-bytes are on disk.
+Every object is written without fsync (its writeback started at once) to a temporary name
+beside its final one (``objects/ab/.<random>.tmp``: a dot-name no key has), then one barrier
+makes all their bytes durable, then each is moved to its final name without replacing anything,
+then a second barrier makes the new directory entries durable; only then does the caller write a
+manifest naming them. So no object ever appears under its final name before its bytes are on
+disk.
+
+Why beside the final name rather than in ``tmp/`` (as git writes loose objects into their own
+folder): creating files in one shared folder serialises the workers on that folder's lock. On
+this machine's ext4, 4 threads staging 2000 objects of 360 KB took 1.5 s in ``tmp/`` against
+0.7 s spread over the 256 fan-out folders (1.8 s with one thread either way); a clone of 2000
+objects and a commit's ~600 were paying it per object.
 
 While a batch stages, a syncfs runs on a background thread every 32 MiB staged
 (``fsio.EarlyFlush``): the final barrier's cost was not the guest's writeback (dirty pages were
@@ -43,7 +50,7 @@ class StagingBackend(Backend):
         ...
 
     @abstractmethod
-    def _write_temp(self, data: bytes | memoryview, sync: bool = True) -> Path:
+    def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None) -> Path:
         ...
 
     @abstractmethod
@@ -96,29 +103,27 @@ class LocalBatch(Backend):
         tmp = self._staged(key)
         return self.inner.size(key) if tmp is None else tmp.stat().st_size
 
-    def _stage(self, key: str, data: bytes) -> Path:
+    def _stage(self, key: str, data: bytes | memoryview) -> Path:
+        """Write ``data`` unsynced beside its final name (a dot-name in the object's folder)."""
         try:
-            tmp = self.inner._write_temp(data, sync=False)
+            # Folders are made on the caller's (worker) thread rather than in the single-threaded
+            # flush, which only checks them again; the second barrier makes them durable.
+            folder = self.inner._path(key).parent
+            if folder not in self._seen_folders:  # one check per folder and batch, not per object
+                self.inner._ensure_dir(folder, self._new_folders)
+                with self._mutex:
+                    self._seen_folders.add(folder)
+            tmp = self.inner._write_temp(data, sync=False, folder=folder)
         except OSError as exc:
             raise storage_error(exc, f"staging {self.describe(key)}") from None
         if self._early is not None:
             self._early.wrote(len(data))
         return tmp
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         if self._staged(key) is not None or self.inner.exists(key):
             return False
         tmp = self._stage(key, data)
-        try:
-            # Made on the caller's (worker) thread rather than in the single-threaded flush, which
-            # only checks them again; the second barrier makes them durable.
-            folder = self.inner._path(key).parent
-            if folder not in self._seen_folders:  # one check per folder and batch, not per object
-                self.inner._ensure_dir(folder, self._new_folders)
-                self._seen_folders.add(folder)
-        except OSError as exc:
-            self._unlink(tmp)
-            raise storage_error(exc, f"staging {self.describe(key)}") from None
         with self._mutex:
             if key not in self._puts:
                 self._puts[key] = tmp
