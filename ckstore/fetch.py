@@ -201,7 +201,7 @@ class _Batches:
             batch = self.current
             batch.writers += 1
         try:
-            batch.view.backend.put_if_absent(object_key(oid), data)
+            batch.view.backend.put_new(object_key(oid), data)  # the lander found it absent
         finally:
             with self.lock:
                 batch.writers -= 1

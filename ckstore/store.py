@@ -87,7 +87,7 @@ class ObjectStore:
         if self.has(oid):
             return PutResult(oid, 0)
         data = encode(raw, kind, self.settings.zstd_level)
-        return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
+        return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
 
     def put_chunk(
         self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None, fast: bool = False,
@@ -106,7 +106,7 @@ class ObjectStore:
             data = encode(raw, Kind.CHUNK, self.settings.fast_level)
         else:
             data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
-        return PutResult(oid, len(data) if self.backend.put_if_absent(key, data) else 0)
+        return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
 
     def is_provisional(self, encoding: Encoding, width: int) -> bool:
         """Whether an object of a multi-byte chunk was stored by a fast commit (plain zstd or raw)

@@ -76,6 +76,12 @@ class Backend(ABC):
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool: ...
 
+    def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        """``put_if_absent`` of a key the caller has just found absent: a backend may skip looking
+        again (a batch does: if another writer stores the key meanwhile, its flush keeps the copy
+        already there, as put-if-absent would)."""
+        return self.put_if_absent(key, bytes(data) if isinstance(data, memoryview) else data)
+
     @abstractmethod
     def replace(self, key: str, data: bytes) -> None: ...
 

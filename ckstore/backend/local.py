@@ -140,9 +140,11 @@ class LocalBackend(StagingBackend):
         else:
             created.add(path)
 
-    def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None) -> Path:
+    def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None,
+                    writeback: bool = True) -> Path:
         """A new temporary file holding ``data``, in ``tmp/`` or in ``folder`` (an existing
-        folder of the repository) under a name that starts with a dot, which no key has."""
+        folder of the repository) under a name that starts with a dot, which no key has.
+        Unsynced, its writeback is started at once unless ``writeback`` is False."""
         tmp_dir = self.root / TMP_DIR if folder is None else folder
         tmp = tmp_dir / f".{uuid.uuid4().hex}.tmp"
         mutating_step()
@@ -159,7 +161,7 @@ class LocalBackend(StagingBackend):
             if sync:
                 mutating_step()
                 os.fsync(fd)
-            else:
+            elif writeback:
                 start_writeback(fd)
         except BaseException:
             os.close(fd)
