@@ -337,15 +337,21 @@ def _reverse_delta(
     return "", 0
 
 
+# The coefficients that fitted the last chunk, per predictor: the next chunk of the same step
+# usually takes them as they are (predict.fit's hint). Only a hint: a stale one costs one scoring.
+_LAST_FIT: dict[object, tuple[float, ...]] = {}
+
+
 def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise."""
     from .predict import fit
 
     bases = {b: store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
-    coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases])
+    coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases], _LAST_FIT.get(p.predictor))
     if coefficients is None:
         return None
+    _LAST_FIT[p.predictor] = coefficients
     level = store.settings.zstd_level
     data = encode_predicted(raw, level, p.bases, [bases[b] for b in p.bases], p.predictor, coefficients, than)
     if data is not None:
