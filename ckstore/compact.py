@@ -205,8 +205,12 @@ def _compact_pair(
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
+    # The coefficients that fitted the last chunk of this pair, per predictor: one optimizer step,
+    # so the next chunk usually takes them as they are (predict.fit's hint).
+    fits: dict[object, tuple[float, ...]] = {}
+
     def run(job: _Job) -> tuple[int, int, int, int]:
-        return _compact_chunk(store, job, depth, roles, upgrade)
+        return _compact_chunk(store, job, depth, roles, upgrade, fits)
 
     for delta, predicted, recompressed, saved in ordered_map(run, jobs):
         report.deltas += delta
@@ -249,7 +253,8 @@ def _prediction(
     return _Prediction(Predictor.ADAM_SECOND_MOMENT, (v, m, moment), (v, m), moment)
 
 
-def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade) -> tuple[int, int, int, int]:
+def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade,
+                   fits: dict[object, tuple[float, ...]]) -> tuple[int, int, int, int]:
     """Re-encode one position's parent chunk and the child's own; (deltas, predicted, recompressed,
     saved)."""
     slot = job.slot
@@ -274,7 +279,7 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         raw = store.get_chunk(slot.id, slot.size)  # decoded and verified: the base of any delta
         deltas = predicted = recompressed = saved = 0
         if parent is not None:
-            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade)
+            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits)
             deltas, recompressed, saved = deltas + (made in ("delta", "predicted")), recompressed + (made == "whole"), saved + freed
             predicted += made == "predicted"
         if provisional:
@@ -298,7 +303,7 @@ def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Predictio
 
 def _reverse_delta(
     store: ObjectStore, oid: ObjectId, job: _Job, base_raw: bytes, depth: int, prediction: _Prediction | None,
-    upgrade: _Upgrade,
+    upgrade: _Upgrade, fits: dict[object, tuple[float, ...]],
 ) -> tuple[str, int]:
     """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
     when it was stored provisionally and no delta pays, by its best whole encoding); (what was
@@ -318,7 +323,7 @@ def _reverse_delta(
     # of the child's at most, 1) or the child's chunks (whole, 0).
     predicted = None
     if prediction is not None and height + 1 + (prediction.moment is not None) <= depth:
-        predicted = _predicted(store, oid, raw, prediction, job.slot.size, len(best))
+        predicted = _predicted(store, oid, raw, prediction, job.slot.size, len(best), fits)
     if height + 1 <= depth:
         # Kept only when smaller than the predicted delta (when there is one).
         data = encode_delta(raw, settings.zstd_level, job.slot.width, job.slot.id, base_raw,
@@ -337,21 +342,17 @@ def _reverse_delta(
     return "", 0
 
 
-# The coefficients that fitted the last chunk, per predictor: the next chunk of the same step
-# usually takes them as they are (predict.fit's hint). Only a hint: a stale one costs one scoring.
-_LAST_FIT: dict[object, tuple[float, ...]] = {}
-
-
-def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int) -> bytes | None:
+def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int,
+               fits: dict[object, tuple[float, ...]]) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise."""
     from .predict import fit
 
     bases = {b: store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
-    coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases], _LAST_FIT.get(p.predictor))
+    coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
     if coefficients is None:
         return None
-    _LAST_FIT[p.predictor] = coefficients
+    fits[p.predictor] = coefficients
     level = store.settings.zstd_level
     data = encode_predicted(raw, level, p.bases, [bases[b] for b in p.bases], p.predictor, coefficients, than)
     if data is not None:
