@@ -6,6 +6,7 @@ tensors), checked by the test, which knows nothing of the process group.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -112,6 +113,7 @@ def load(repo: str, ref: str, seed: int) -> tuple[torch.nn.Module, torch.optim.O
 
 
 def main() -> None:
+    faulthandler.enable(all_threads=True)  # an abort in native code names every thread's Python stack
     scenario, repo, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -162,13 +164,21 @@ def main() -> None:
 
             ObjectStore.put_chunk = dying  # type: ignore[method-assign]
         dcp.save(state(model, opt, 0), storage_writer=ckstore.dcp.Writer(repo, branch=sys.argv[4]))
+    ckstore.dcp.wait_compaction()  # the coordinator's background compaction, before anything is torn down
     if rank == 0:
         with open(os.path.join(out, "report.json"), "w") as f:
             json.dump(report, f)
-    # Every rank leaves together: a rank tearing down its gloo connections while another still
-    # uses them aborted a loaded 4-rank run once ("terminate called without an active exception").
+    # Every rank leaves together, and then leaves at once: twice in CI (never in 60 local runs, idle
+    # or loaded) a rank aborted in native code as the process wound down ("terminate called
+    # without an active exception", std::terminate from torch/gloo's teardown). Everything the
+    # tests check is on disk by now; what the interpreter's finalization does to torch's native
+    # threads is not ckstore's behaviour, and exiting without it keeps a teardown race in torch
+    # from failing the suite. faulthandler (above) names every thread's stack if it happens before.
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
