@@ -96,7 +96,7 @@ class DeltaOp(IntEnum):
 # Encodings a repository of each format version may contain (version 1 knew only raw and zstd;
 # version 3 changed link files, not objects; version 4 added the predicted delta).
 _PLAIN = frozenset(Encoding) - {Encoding.PREDICTED}
-ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: _PLAIN, 3: _PLAIN, 4: frozenset(Encoding)}
+ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: _PLAIN, 3: _PLAIN, 4: frozenset(Encoding), 5: frozenset(Encoding)}
 _INT_DTYPES = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _SIGNED_DTYPES = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 

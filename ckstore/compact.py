@@ -162,6 +162,9 @@ def compact_branch(ctx: RepoContext, branch: str) -> CompactReport:
             with ctx.store.batch() as staged:
                 _compact_pair(staged, commits[i], commits[i + 1:], depth, _Roles(newer), report,
                               history_ends=len(commits) < window, upgrade=upgrade)
+        # The commit's pack (if it wrote one) is spread into loose objects here, off the
+        # training loop's path (backend/local_packs.py).
+        ctx.backend.unpack()
     return report
 
 

@@ -10,13 +10,14 @@ from .codec import ENCODINGS_BY_REPO_VERSION, Encoding
 from .errors import IntegrityError, InvalidInputError, UnsupportedFormatError
 
 CONFIG_KEY = "config.json"
-REPO_FORMAT_VERSION = 4  # the newest this ckstore reads (docs/format.md): 2 added byte-grouped and
-# delta chunk encodings, 3 relative link entries, 4 the predicted delta encoding. New repositories
-# start at 2 and are upgraded when they first record a relative link (3) or a predicted delta (4),
-# so an older ckstore keeps reading every repository without one.
+REPO_FORMAT_VERSION = 5  # the newest this ckstore reads (docs/format.md): 2 added byte-grouped and
+# delta chunk encodings, 3 relative link entries, 4 the predicted delta encoding, 5 local packs.
+# New repositories start at 2 and are upgraded when they first record a relative link (3), a
+# predicted delta (4) or a pack (5), so an older ckstore keeps reading every repository without one.
 NEW_REPO_VERSION = 2
 RELATIVE_LINKS_VERSION = 3
 PREDICTED_VERSION = 4
+PACKS_VERSION = 5
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and faster (docs/benchmarks.md)
 DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md

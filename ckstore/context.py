@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 import shlex
+import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .backend.base import Backend
 from .backend.local import LocalBackend, find_repository, locate_repository, prepare_new_repository
 from .backend.memory import MemoryBackend
-from .config import CONFIG_KEY, RepoConfig
+from .config import CONFIG_KEY, PACKS_VERSION, RepoConfig
 from .errors import CkstoreError, InvalidInputError, RefExistsError, RepoNotFoundError, UnsupportedFormatError
 from .graph import CommitGraph
 from .links import ALTERNATES_KEY, MAX_BASE_DEPTH, Link, read_links
@@ -25,6 +26,7 @@ from .refs import RefStore
 from .store import ObjectStore
 
 DEFAULT_DIR = ".ckstore"
+_UPGRADE_LOCK = threading.Lock()  # one format upgrade at a time in this process
 REPO_ENV = "CKSTORE_REPO"
 
 
@@ -85,6 +87,15 @@ class RepoContext:
         self.store.alternates.append(base.store)
         self.graph.bases.append(base.graph)
 
+    def allow_packs(self) -> bool:
+        """Whether objects may go into local packs: a repository of format 2 to 4 becomes 5
+        first (config.json, durable), so an older ckstore refuses it rather than missing objects;
+        a version 1 repository stays readable by the oldest ckstore and keeps objects loose."""
+        with _UPGRADE_LOCK:
+            if 2 <= self.config.version < PACKS_VERSION:
+                self.set_config(replace(self.config, version=PACKS_VERSION))
+            return self.config.version >= PACKS_VERSION
+
     def set_config(self, config: RepoConfig) -> None:
         """Replace the repository settings (they apply to objects written from now on)."""
         config.validate()
@@ -116,6 +127,8 @@ def open_context(
     store = ObjectStore(backend, settings=config.encoding)
     refs = RefStore(backend)
     ctx = RepoContext(root, backend, config, store, refs, CommitGraph(backend, store, refs))
+    if isinstance(backend, LocalBackend):
+        backend.allow_packs = ctx.allow_packs
     if open_alternates:
         ctx.open_bases(depth)
     return ctx

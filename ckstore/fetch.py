@@ -177,7 +177,7 @@ class _Batch:
 
     def __init__(self, store: ObjectStore) -> None:
         self.stack = ExitStack()
-        self.view = self.stack.enter_context(store.batch())
+        self.view = self.stack.enter_context(store.batch(LAND_BATCH))
         self.bytes = 0
         self.writers = 0
 

@@ -118,6 +118,7 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
                     needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}, tensor {t.name!r}"))
 
     present = set(store.iter_ids())
+    problems.extend(ctx.backend.storage_problems())  # a damaged pack: its objects read as missing below
     for oid, (_, where) in sorted(needed.items()):
         if oid not in present and not store.has(oid):
             problems.append(f"object {oid} is missing ({where})")

@@ -98,6 +98,8 @@ def collect_garbage(
     report = GcReport(dry_run)
     graph, store = ctx.graph, ctx.store
     with ctx.backend.exclusive_lock():
+        if not dry_run:
+            ctx.backend.unpack()  # what gc deletes and repack rewrites are loose objects (backend/local_packs.py)
         kept = kept_commits(ctx, policy, prune_now)
         report.pruned_commits = sorted(kept.reachable - kept.commits)
         report.reflog_commits = sorted(kept.logged - kept.reachable)

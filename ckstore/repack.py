@@ -89,6 +89,7 @@ def plan(graph: CommitGraph, commits: Iterable[ObjectId], max_depth: int) -> dic
 
 def repack(ctx: RepoContext, progress: ProgressFactory | None = None) -> RepackReport:
     with ctx.backend.exclusive_lock():
+        ctx.backend.unpack()  # repack re-encodes loose objects in place (backend/local_packs.py)
         return repack_locked(ctx, ctx.graph.reachable_commits(), progress)
 
 

@@ -178,10 +178,10 @@ class ObjectStore:
         return live
 
     @contextmanager
-    def batch(self) -> Iterator[ObjectStore]:
+    def batch(self, expected_bytes: int = 0) -> Iterator[ObjectStore]:
         """A view of this store whose writes become durable together when the block ends
         (``Backend.batch``): a commit's chunks go through it, its manifest after it."""
-        with self.backend.batch() as staged:
+        with self.backend.batch(expected_bytes) as staged:
             view = ObjectStore(staged, settings=self.settings)
             view.alternates = self.alternates
             yield view

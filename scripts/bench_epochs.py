@@ -52,6 +52,11 @@ LAYOUTS: dict[str, Callable[[int, str], str]] = {
 
 
 def timed(fn: Callable[[], object]) -> float:
+    # Every timed operation starts with nothing left dirty in the page cache. In training, minutes
+    # of compute separate two checkpoints, and the kernel writes back what the previous one (and
+    # the compaction after it) left meanwhile; back to back, the next operation's own flush would
+    # pay for it instead, whichever column that is.
+    os.sync()
     gc.collect()
     started = time.perf_counter()
     fn()

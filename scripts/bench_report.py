@@ -41,7 +41,10 @@ def intro(ctx: Context) -> str:
         "more between runs; compare ratios within a row, not seconds between runs. The benchmark runs torch with "
         f"{ctx.torch_threads} intra-op thread(s): with the cores oversubscribed, OpenMP's spinning workers made torch's "
         "copies 2–4× slower with 2 threads than with 1 (cloning a 271 MB state: 4.2 s against 1.1 s), which would "
-        "charge the machine's load to ckstore's snapshot and to the load columns.",
+        "charge the machine's load to ckstore's snapshot and to the load columns. Every timed operation starts after "
+        "an `os.sync()` (not timed), as it would after the minutes of training between two checkpoints, during which "
+        "the kernel writes back what the previous one and its background compaction left dirty; back to back, the "
+        "next timed operation would pay for that writeback, whichever column it belongs to.",
         "",
         "Checkpoints (scripts/bench_data.py): the real all-MiniLM-L6-v2 weights fine-tuned for 4 epochs with AdamW "
         "(lr 2e-5, batches of 8 synthetic sentence pairs) at "

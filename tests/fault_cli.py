@@ -4,7 +4,9 @@ The environment variable ``CKSTORE_FAULT=ACTION@K`` makes the K-th mutating file
 the process (every write, fsync, link, rename, unlink and mkdir of the local backend and of
 checkout's output files; see ckstore/fsio.py) do ACTION instead: ``kill`` (SIGKILL itself),
 ``enospc`` or ``eio`` (raise that OSError). ``CKSTORE_FAULT_COUNT=PATH`` writes the running step
-count to PATH, so a harness can enumerate every K. The production code only offers the seam.
+count to PATH, so a harness can enumerate every K. ``CKSTORE_TEST_PACK_MIN_BYTES=N`` makes batches
+of N bytes or more write local packs (backend/local_packs.py), so small test data takes that path.
+The production code only offers the seams.
 """
 
 from __future__ import annotations
@@ -44,5 +46,9 @@ class FaultPlan:
 
 
 if __name__ == "__main__":
+    if "CKSTORE_TEST_PACK_MIN_BYTES" in os.environ:
+        from ckstore.backend.local import LocalBackend
+
+        LocalBackend.pack_min_bytes = int(os.environ["CKSTORE_TEST_PACK_MIN_BYTES"])
     fsio.observe_steps(FaultPlan(os.environ.get("CKSTORE_FAULT", ""), os.environ.get("CKSTORE_FAULT_COUNT")))
     run()

@@ -29,15 +29,17 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from ..errors import InvalidInputError, LockedError, RefExistsError, StorageError
+from ..errors import IntegrityError, InvalidInputError, LockedError, RefExistsError, StorageError
 from ..fsio import fsync_path, mutating_step, start_writeback
 from .base import Backend, check_key, check_line, check_prefix, storage_error
 from .local_batch import LocalBatch, StagingBackend
+from ..pack import check_read
+from .local_packs import PACK_FOLDER, LocalPacks, key_oid, oid_key
 from .syscalls import HAS_SYNCFS, syncfs
 
 TMP_DIR = "tmp"
@@ -92,8 +94,18 @@ class LocalBackend(StagingBackend):
     # Batches use syncfs(2) when the platform has it; tests turn it off to cover the fallback.
     use_syncfs: bool = HAS_SYNCFS
 
+    # A batch expected to store at least this many bytes writes its new objects into a pack
+    # (local_packs.py); smaller ones stay loose, where one file per object costs little.
+    pack_min_bytes: int = 8 << 20
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.packs = LocalPacks(self.root)
+        # Set by the repository: upgrades its format so that packs are allowed, or says no.
+        self.allow_packs: Callable[[], bool] | None = None
+
+    def may_pack(self) -> bool:
+        return self.allow_packs is not None and self.allow_packs()
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -102,23 +114,31 @@ class LocalBackend(StagingBackend):
         return str(self._path(key))
 
     def get(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            # A folder is not a key, and no key lies below a file ("a/b" when "a" is a ref).
-            raise KeyError(key) from None
-        except OSError as exc:
-            raise storage_error(exc, f"reading {self.describe(key)}") from None
+        return self._read(key, None)
 
     def get_prefix(self, key: str, n: int) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read(n)
-        except (FileNotFoundError, IsADirectoryError):
-            raise KeyError(key) from None
-        except OSError as exc:
-            raise storage_error(exc, f"reading {self.describe(key)}") from None
+        return self._read(key, n)
+
+    def _read(self, key: str, n: int | None) -> bytes:
+        """A loose object, else a packed one, else (a pack unpacked meanwhile) the loose copy."""
+        oid = key_oid(key)
+        for attempt in (0, 1):
+            try:
+                with open(self._path(key), "rb") as f:
+                    return f.read() if n is None else f.read(n)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                # A folder is not a key, and no key lies below a file ("a/b" when "a" is a ref).
+                if oid is None or attempt:
+                    raise KeyError(key) from None
+            except OSError as exc:
+                raise storage_error(exc, f"reading {self.describe(key)}") from None
+            try:
+                packed = self.packs.read(oid, n)
+            except OSError as exc:
+                raise storage_error(exc, f"reading {self.describe(key)} from its pack") from None
+            if packed is not None:
+                return packed
+        raise KeyError(key)
 
     def _fsync_dir(self, path: Path) -> None:
         mutating_step()
@@ -266,7 +286,8 @@ class LocalBackend(StagingBackend):
         try:
             st = self._path(key).stat()
         except (FileNotFoundError, NotADirectoryError):
-            return None
+            oid = key_oid(key)
+            return None if oid is None else self.packs.size(oid)
         except OSError as exc:
             raise storage_error(exc, f"reading {self.describe(key)}") from None
         return st.st_size if not os.path.isdir(self._path(key)) else None
@@ -279,10 +300,13 @@ class LocalBackend(StagingBackend):
         keys = []
         for dirpath, dirnames, filenames in os.walk(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
-            if rel == TMP_DIR:
+            if rel in (TMP_DIR, PACK_FOLDER):  # packs are files, not keys: their objects are listed below
                 dirnames.clear()
                 continue
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in filenames if not _is_temporary(name))
+        if "objects/".startswith(prefix) or prefix.startswith("objects/"):
+            loose = set(keys)
+            keys.extend(k for k in map(oid_key, self.packs.ids()) if k.startswith(prefix) and k not in loose)
         # Sorted as whole keys (os.walk yields a folder's files before its subfolders').
         yield from sorted(keys)
 
@@ -316,14 +340,59 @@ class LocalBackend(StagingBackend):
             os.close(fd)  # closing drops the flock
 
     @contextmanager
-    def batch(self) -> Iterator[Backend]:
-        staged = LocalBatch(self)
+    def batch(self, expected_bytes: int = 0) -> Iterator[Backend]:
+        staged = LocalBatch(self, pack=expected_bytes >= self.pack_min_bytes)
         try:
             yield staged
         except BaseException:
             staged.discard()
             raise
         staged.flush()
+
+    def storage_problems(self) -> list[str]:
+        self.packs.refresh(force=True)
+        return [f"pack {self.packs.path_of(pid)} is damaged and was left out: {why}"
+                for pid, why in sorted(self.packs.damaged.items())]
+
+    def unpack(self) -> int:
+        """Spread every installed pack into loose objects, then delete it (local_packs.py);
+        return how many packs. Each pack's loose copies are durable before the pack goes, so a
+        reader that finds the pack gone finds them. A pack whose objects do not match their
+        recorded digests stays (fsck names the damage); the caller holds a repository lock that
+        keeps other unpackers out (compaction's, or gc's exclusive one)."""
+        done = 0
+        for index in sorted(self.packs.indexes(), key=lambda ix: ix.pack_id):
+            path = self.packs.path_of(index.pack_id)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                staged = LocalBatch(self)
+                try:
+                    for entry in index.in_pack_order():
+                        key = oid_key(entry.id)
+                        if self._path(key).exists():
+                            continue  # already loose (a replacement, or an earlier unpack)
+                        data = os.pread(fd, entry.length, entry.offset)
+                        check_read(data, entry, index.pack_id)
+                        staged.put_new(key, data)
+                except BaseException:
+                    staged.discard()
+                    raise
+                staged.flush()
+            except IntegrityError:
+                continue
+            except OSError as exc:
+                raise storage_error(exc, f"unpacking {path}") from None
+            finally:
+                os.close(fd)
+            mutating_step()
+            path.unlink(missing_ok=True)
+            self.packs.forget(index.pack_id)
+            self._fsync_dir(path.parent)
+            done += 1
+        return done
 
     def sync_barrier(self, paths: Iterable[Path]) -> None:
         """Make everything written under the repository durable: one syncfs(2), or, where the
@@ -343,7 +412,8 @@ class LocalBackend(StagingBackend):
         removed = 0
         # Batches stage objects in their own fan-out folders (local_batch.py); everything else
         # writes its temporaries in tmp/.
-        folders = [self.root / TMP_DIR, *sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]"))]
+        folders = [self.root / TMP_DIR, *sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]")),
+                   self.root / PACK_FOLDER]
         for folder in folders:
             if not folder.is_dir():
                 continue

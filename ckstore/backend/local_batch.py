@@ -32,7 +32,9 @@ from pathlib import Path
 from collections.abc import Iterable
 
 from ..fsio import EarlyFlush, mutating_step
+from ..pack import PackIndex
 from .base import Backend, check_key, storage_error
+from .local_packs import PACK_FOLDER, LocalPacks, PackWriter, key_oid
 from .syscalls import move_if_absent, syncfs
 
 class StagingBackend(Backend):
@@ -40,6 +42,12 @@ class StagingBackend(Backend):
 
     root: Path
     use_syncfs: bool
+    packs: LocalPacks
+
+    def may_pack(self) -> bool:
+        """Whether a batch may write a pack now (the repository's format allows it, after
+        upgrading it if needed); False keeps every object loose."""
+        return False
 
     @abstractmethod
     def _path(self, key: str) -> Path:
@@ -67,10 +75,13 @@ class LocalBatch(Backend):
     commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
     """
 
-    def __init__(self, backend: StagingBackend) -> None:
+    def __init__(self, backend: StagingBackend, pack: bool = False) -> None:
         self.inner = backend
         self._mutex = threading.Lock()
         self._puts: dict[str, Path] = {}
+        # New objects go into packs (local_packs.py) when the caller expects many bytes.
+        self._pack_wanted = pack
+        self._writers: list[PackWriter] = []
         self._replaces: dict[str, tuple[Path, str | None]] = {}
         self._new_folders: set[Path] = set()  # made while staging; the second barrier covers them
         self._seen_folders: set[Path] = set()
@@ -81,10 +92,23 @@ class LocalBatch(Backend):
         with self._mutex:
             return self._puts.get(check_key(key))
 
+    def _packed(self, key: str, n: int | None = None) -> bytes | None:
+        oid = key_oid(key) if self._writers else None
+        if oid is None:
+            return None
+        with self._mutex:
+            writers = list(self._writers)
+        for writer in writers:
+            data = writer.read(oid, n)
+            if data is not None:
+                return data
+        return None
+
     def get(self, key: str) -> bytes:
         tmp = self._staged(key)
         if tmp is None:
-            return self.inner.get(key)
+            packed = self._packed(key)
+            return self.inner.get(key) if packed is None else packed
         try:
             return tmp.read_bytes()
         except OSError as exc:
@@ -93,7 +117,8 @@ class LocalBatch(Backend):
     def get_prefix(self, key: str, n: int) -> bytes:
         tmp = self._staged(key)
         if tmp is None:
-            return self.inner.get_prefix(key, n)
+            packed = self._packed(key, n)
+            return self.inner.get_prefix(key, n) if packed is None else packed
         try:
             with open(tmp, "rb") as f:
                 return f.read(n)
@@ -102,7 +127,17 @@ class LocalBatch(Backend):
 
     def size(self, key: str) -> int | None:
         tmp = self._staged(key)
-        return self.inner.size(key) if tmp is None else tmp.stat().st_size
+        if tmp is not None:
+            return tmp.stat().st_size
+        oid = key_oid(key) if self._writers else None
+        if oid is not None:
+            with self._mutex:
+                writers = list(self._writers)
+            for writer in writers:
+                size = writer.size_of(oid)
+                if size is not None:
+                    return size
+        return self.inner.size(key)
 
     def _stage(self, key: str, data: bytes | memoryview) -> Path:
         """Write ``data`` unsynced beside its final name (a dot-name in the object's folder)."""
@@ -133,6 +168,11 @@ class LocalBatch(Backend):
         # list of absent objects), and flush's no-replace move settles a race with another writer.
         if self._staged(key) is not None:
             return False
+        oid = key_oid(key) if self._pack_wanted else None
+        if oid is not None:
+            packed = self._put_packed(oid, data)
+            if packed is not None:
+                return packed
         tmp = self._stage(key, data)
         with self._mutex:
             if key not in self._puts:
@@ -140,6 +180,41 @@ class LocalBatch(Backend):
                 return True
         self._unlink(tmp)  # a concurrent put of the same key won (same name, same bytes)
         return False
+
+    def _put_packed(self, oid: str, data: bytes | memoryview) -> bool | None:
+        """Append a new object to the batch's pack; None when the batch cannot pack after all
+        (the repository's format does not allow it), and the object is staged loose."""
+        while True:
+            with self._mutex:
+                writers = list(self._writers)
+                if not writers:
+                    if not self.inner.may_pack():
+                        self._pack_wanted = False
+                        return None
+                    try:
+                        folder = self.inner._path(PACK_FOLDER + "/x").parent
+                        self.inner._ensure_dir(folder, self._new_folders)
+                        self._writers.append(PackWriter(folder))
+                    except OSError as exc:
+                        raise storage_error(exc, "starting a pack") from None
+                    writers = list(self._writers)
+            if any(oid in w for w in writers[:-1]):
+                return False
+            try:
+                added = writers[-1].add(oid, data)
+            except OSError as exc:
+                raise storage_error(exc, f"writing {writers[-1].path}") from None
+            if added is not None:
+                if added and self._early is not None:
+                    self._early.wrote(len(data))
+                return added
+            with self._mutex:  # full (4 GiB): the next object starts another pack
+                if self._writers[-1] is writers[-1]:
+                    folder = writers[-1].path.parent
+                    try:
+                        self._writers.append(PackWriter(folder))
+                    except OSError as exc:
+                        raise storage_error(exc, "starting a pack") from None
 
     def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
         tmp = self._stage(key, data)
@@ -196,19 +271,37 @@ class LocalBatch(Backend):
         puts, replaces = self._take()
         for tmp in [t for _, t in puts] + [t for _, t, _ in replaces]:
             self._unlink(tmp)
+        with self._mutex:
+            writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.discard()
 
     def flush(self) -> None:
-        """Barrier, link every put, barrier, then apply the replacements (module docstring)."""
+        """Barrier, link every put and install every pack, barrier, then apply the replacements
+        (module docstring)."""
         puts, replaces = self._take()
-        if not puts and not replaces:
+        with self._mutex:
+            writers, self._writers = self._writers, []
+        if not puts and not replaces and not writers:
             return
-        leftovers = dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces])
+        leftovers = dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces] + [w.path for w in writers])
+        installed: list[PackIndex] = []
         try:
+            packs = [(w, w.finish()) for w in writers]
             if self._early is not None:
                 self._early.finish()  # a failed early flush fails the batch (module docstring)
             self.inner.sync_barrier(leftovers)  # every staged byte is durable before any link
             lost: set[str] = set()
             folders = set(self._new_folders)
+            for writer, index in packs:
+                if index is None:
+                    leftovers.pop(writer.path, None)  # empty: finish removed it
+                    continue
+                mutating_step()
+                os.rename(writer.path, self.inner.packs.path_of(index.pack_id))  # a random name: nothing to replace
+                del leftovers[writer.path]
+                folders.add(writer.path.parent)
+                installed.append(index)
             for key, tmp in puts:
                 path = self.inner._path(key)
                 self.inner._ensure_dir(path.parent, folders)
@@ -222,6 +315,8 @@ class LocalBatch(Backend):
             # New entries (and new folders' entries in their parents) are durable before the
             # caller writes a manifest naming them, and before a replacement can depend on them.
             self.inner.sync_barrier(folders | {f.parent for f in folders})
+            for index in installed:
+                self.inner.packs.add(index)
             for key, tmp, after in replaces:
                 if after is not None and after in lost:
                     continue

@@ -177,7 +177,7 @@ class Writer(StorageWriter):
             header, _ = emit_header(specs, FILE_METADATA)
             size = len(header) + sum(len(b) for b in buffers)
             source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
-            with ctx.backend.shared_lock(), ctx.store.batch() as staged:  # durable before we report
+            with ctx.backend.shared_lock(), ctx.store.batch(size) as staged:  # durable before we report
                 entry, added = store_pieces(staged, source, ctx.config.chunk_size)
             entries = {t.name: t for t in entry.tensors}
             for i, (item, (name, _, _), encoding) in enumerate(zip(plan.items, specs, encodings)):

@@ -61,6 +61,7 @@ class Scenario:
     args: Callable[[Template, Path], list[str]]  # CLI arguments given the template and the copy
     allowed: Callable[[Template], dict[str, set[str | None]]]  # ref -> acceptable values
     new_ref: str | None = None  # the ref a new commit may appear on
+    env: tuple[str, ...] = ()  # NAME=VALUE settings of tests/fault_cli.py for this command
 
 
 def _same_refs(t: Template) -> dict[str, set[str | None]]:
@@ -81,6 +82,10 @@ def _with(**changes: set[str | None]) -> Callable[[Template], dict[str, set[str 
 SCENARIOS = [
     Scenario("commit", lambda t, w: ["commit", str(w / "src"), "-m", "new", "--branch", "main"],
              _with(refs__heads__main={"c3", "NEW"}), new_ref="refs/heads/main"),
+    # The commit's objects go into a pack (however small), which the compaction the CLI waits
+    # for spreads into loose objects: kills land in the pack's writing and in its unpacking.
+    Scenario("commit-packed", lambda t, w: ["commit", str(w / "src"), "-m", "new", "--branch", "main"],
+             _with(refs__heads__main={"c3", "NEW"}), new_ref="refs/heads/main", env=("CKSTORE_TEST_PACK_MIN_BYTES=0",)),
     Scenario("commit-new-branch", lambda t, w: ["commit", str(w / "src"), "--branch", "feat"],
              _with(refs__heads__feat={None, "NEW"}), new_ref="refs/heads/feat"),
     Scenario("gc-keep-last", lambda t, w: ["gc", "--keep-last", "1"], _same_refs),
@@ -91,7 +96,7 @@ SCENARIOS = [
     Scenario("reset", lambda t, w: ["reset", t.ids["c2"]], _with(refs__heads__main={"c3", "c2"})),
     Scenario("switch", lambda t, w: ["switch", "dev"], _same_refs),
 ]
-RANDOM_SCENARIOS = [s for s in SCENARIOS if s.name in ("commit", "gc-keep-last", "checkout")]
+RANDOM_SCENARIOS = [s for s in SCENARIOS if s.name in ("commit", "commit-packed", "gc-keep-last", "checkout")]
 
 
 def copy_template(template: Template, work: Path) -> Path:
@@ -101,7 +106,8 @@ def copy_template(template: Template, work: Path) -> Path:
 
 
 def argv(scenario: Scenario, template: Template, work: Path) -> list[str]:
-    return [*CLI, "--repo", str(work / "repo"), *scenario.args(template, work)]
+    prefix = ["env", *scenario.env] if scenario.env else []  # env execs: the pid that is killed stays the CLI's
+    return [*prefix, *CLI, "--repo", str(work / "repo"), *scenario.args(template, work)]
 
 
 def count_steps(scenario: Scenario, template: Template, work: Path) -> tuple[int, float]:

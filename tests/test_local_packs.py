@@ -1,0 +1,194 @@
+"""Local packs (ckstore/backend/local_packs.py, docs/format.md 3.1 and rule 8.8): a large batch
+writes its new objects into one pack; compaction and gc spread packs into loose objects; every
+read finds an object in either place, also while a pack disappears under it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckstore.backend.local import LocalBackend
+from ckstore.backend.local_packs import PACK_FOLDER, key_oid, oid_key
+from ckstore.config import PACKS_VERSION
+from ckstore.errors import IntegrityError
+from ckstore.repo import Repo
+from ckstore.store import object_key
+
+from helpers import checkpoint, flip_bit, leftover_temp_files, tree_digest
+
+
+@pytest.fixture
+def packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch packs, however small (the default needs 8 MiB)."""
+    monkeypatch.setattr(LocalBackend, "pack_min_bytes", 0)
+
+
+def packs_of(repo: Repo) -> list[Path]:
+    folder = repo.path / PACK_FOLDER  # type: ignore[operator]
+    return sorted(folder.glob("*.pack")) if folder.is_dir() else []
+
+
+def loose_ids(repo: Repo) -> set[str]:
+    root = repo.path / "objects"  # type: ignore[operator]
+    return {p.parent.name + p.name for p in root.glob("[0-9a-f][0-9a-f]/*") if not p.name.startswith(".")}
+
+
+def commit_epoch(repo: Repo, root: Path, seed: int) -> tuple[str, dict[str, str]]:
+    src = root / f"epoch{seed}"
+    checkpoint(src / "model.safetensors", seed)
+    return repo.commit(src, message=f"epoch {seed}"), tree_digest(src)
+
+
+def fresh(tmp_path: Path, compact: bool = False) -> Repo:
+    repo = Repo.init(tmp_path / "repo")
+    repo.compact_after_commit = compact
+    return repo
+
+
+def test_object_keys_and_ids_map_both_ways() -> None:
+    oid = "ab" * 32
+    assert key_oid(oid_key(oid)) == oid and oid_key(oid) == object_key(oid)
+    assert key_oid("refs/heads/main") is None and key_oid("objects/ab/cd") is None
+
+
+def test_a_commit_writes_one_pack_that_reads_back_bit_exact(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    oid, digest = commit_epoch(repo, tmp_path, 1)
+    packs = packs_of(repo)
+    assert len(packs) == 1
+    chunks = {c.id for c in repo.read_commit(oid).all_chunks()}
+    assert chunks and not chunks & loose_ids(repo)  # every chunk is in the pack; the manifest is loose
+    assert repo.config.version == PACKS_VERSION  # upgraded before the pack was installed
+    assert json.loads((repo.path / "config.json").read_text())["version"] == PACKS_VERSION  # type: ignore[operator]
+    assert chunks <= set(repo.store.iter_ids())
+    repo.checkout(oid, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == digest
+    assert repo.fsck(read_data=True) == []
+    assert not leftover_temp_files(repo.path)  # type: ignore[arg-type]
+
+
+def test_compaction_spreads_the_pack_into_loose_objects(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path, compact=True)
+    first, d1 = commit_epoch(repo, tmp_path, 1)
+    second, d2 = commit_epoch(repo, tmp_path, 2)
+    repo.wait()
+    assert packs_of(repo) == []
+    everything = {c.id for oid in (first, second) for c in repo.read_commit(oid).all_chunks()}
+    assert everything <= loose_ids(repo)
+    for oid, digest, out in ((first, d1, "o1"), (second, d2, "o2")):
+        repo.checkout(oid, tmp_path / out)
+        assert tree_digest(tmp_path / out) == digest
+    assert repo.fsck(read_data=True) == []
+
+
+def test_gc_unpacks_then_deletes_what_no_commit_needs(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    keep, digest = commit_epoch(repo, tmp_path, 1)
+    repo.create_branch("scratch", keep)
+    repo.switch("scratch")
+    dropped, _ = commit_epoch(repo, tmp_path, 2)
+    repo.switch("main")
+    repo.delete_branch("scratch", force=True)
+    assert len(packs_of(repo)) == 2
+    report = repo.gc(prune_now=True)
+    assert packs_of(repo) == []
+    assert report.deleted_objects > 0
+    assert not repo.store.has(dropped)
+    repo.checkout(keep, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == digest
+    assert repo.fsck(read_data=True) == []
+
+
+def test_a_reader_whose_pack_vanished_finds_the_loose_copy(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    oid, digest = commit_epoch(repo, tmp_path, 1)
+    reader = Repo(repo.path)
+    chunk = next(iter(reader.read_commit(oid).all_chunks())).id
+    assert reader.store.has(chunk)  # the reader has loaded the pack's index
+    assert Repo(repo.path).backend.unpack() == 1  # another process spreads and deletes the pack
+    assert packs_of(repo) == [] and chunk in loose_ids(repo)
+    reader.checkout(oid, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == digest
+
+
+def test_reads_during_an_unpack_never_fail(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    oid, digest = commit_epoch(repo, tmp_path, 1)
+    reader = Repo(repo.path)
+    ids = [c.id for c in reader.read_commit(oid).all_chunks()]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def read_all() -> None:
+        while not stop.is_set():
+            try:
+                for chunk in ids:
+                    reader.backend.get(object_key(chunk))
+            except BaseException as exc:  # noqa: BLE001 (collected and asserted below)
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=read_all)
+    thread.start()
+    try:
+        Repo(repo.path).backend.unpack()
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
+    reader.checkout(oid, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == digest
+
+
+def test_a_failed_batch_leaves_no_pack(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    with pytest.raises(RuntimeError):
+        with repo.store.batch(1 << 30) as staged:
+            staged.put_chunk(b"x" * 5000)
+            raise RuntimeError("the commit failed")
+    assert packs_of(repo) == []
+    assert not leftover_temp_files(repo.path)  # type: ignore[arg-type]
+
+
+def test_a_damaged_pack_is_named_by_fsck(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    oid, _ = commit_epoch(repo, tmp_path, 1)
+    pack = packs_of(repo)[0]
+    flip_bit(pack, -10)  # inside the table's checksum: the table can no longer be trusted
+    problems = Repo(repo.path).fsck()
+    assert any("is damaged" in p and pack.name in p for p in problems)
+    assert any("is missing" in p for p in problems)  # its objects are not stored as far as readers know
+
+
+def test_a_corrupt_object_in_a_pack_is_caught_and_the_pack_kept(packing: None, tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    oid, _ = commit_epoch(repo, tmp_path, 1)
+    pack = packs_of(repo)[0]
+    flip_bit(pack, 200)  # inside the first object's body
+    fresh_reader = Repo(repo.path)
+    with pytest.raises(IntegrityError):
+        fresh_reader.checkout(oid, tmp_path / "out")
+    assert fresh_reader.backend.unpack() == 0  # its digest fails: the pack stays for fsck to name
+    assert packs_of(repo) == [pack]
+    assert any("corrupt" in p for p in fresh_reader.fsck(read_data=True))
+
+
+def test_small_batches_stay_loose(tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    commit_epoch(repo, tmp_path, 1)  # ~40 KB: below the default threshold
+    assert packs_of(repo) == [] and repo.config.version == 2
+
+
+def test_a_version_1_repository_never_gets_a_pack(packing: None, tmp_path: Path) -> None:
+    Repo.init(tmp_path / "old")
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"ckstore": "repository", "version": 1,
+                                                              "chunk_size": 4096, "zstd_level": 3}))
+    repo = Repo(tmp_path / "old")
+    repo.compact_after_commit = False
+    oid, digest = commit_epoch(repo, tmp_path, 1)
+    assert packs_of(repo) == [] and Repo(tmp_path / "old").config.version == 1
+    repo.checkout(oid, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == digest
