@@ -16,6 +16,7 @@ import fnmatch
 import os
 import re
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,47 +133,95 @@ def _same_file(target: Path, output: Output) -> bool:
 
 
 def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator[bytes | memoryview]:
-    def get(item: tuple[Piece, str]) -> bytes | memoryview:
-        piece, context = item
-        if isinstance(piece, bytes):
-            return piece
-        if isinstance(piece, ChunkRef):
-            return store.chunk_view(piece.id, piece.size, context)
-        return piece()
-
-    return ordered_map(get, outputs)
+    """The bytes of ``outputs`` in order, read and decoded in parallel."""
+    return ordered_map(lambda item: _get(store, item), outputs)
 
 
-def _write_one(store: ObjectStore, target: Path, output: Output, progress: Progress | None) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
-    try:
+def _get(store: ObjectStore, item: tuple[Piece, str]) -> bytes | memoryview:
+    piece, context = item
+    if isinstance(piece, bytes):
+        return piece
+    if isinstance(piece, ChunkRef):
+        return store.chunk_view(piece.id, piece.size, context)
+    return piece()
+
+
+class _Staged:
+    """One output being written to a hidden temporary beside its target."""
+
+    def __init__(self, target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.target = target
+        self.tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
         mutating_step()
-        with open(tmp, "xb") as f:
-            fd = f.fileno()
-            early = EarlyFlush(lambda: os.fdatasync(fd))  # keeps the final fsync short (fsio.py)
-            try:
-                for data in _fetch(store, output.pieces):
-                    f.write(data)
-                    early.wrote(len(data))
-                    if progress:
-                        progress(len(data))
-                f.flush()
-            except BaseException:
-                early.finish(quiet=True)
-                raise
-            # An early flush's error is reported once per descriptor, so the fsync below would
-            # not see it again: finish raises it.
-            early.finish()
+        self.file = open(self.tmp, "xb")
+        fd = self.file.fileno()
+        self.early = EarlyFlush(lambda: os.fdatasync(fd))  # keeps the final fsync short (fsio.py)
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.file.write(data)
+        self.early.wrote(len(data))
+
+    def sync(self) -> None:
+        """Durable, then closed. An early flush's error is reported once per descriptor, so the
+        fsync would not see it again: finish raises it."""
+        try:
+            self.file.flush()
+            self.early.finish()
             mutating_step()
-            os.fsync(fd)
-        mutating_step()
-        os.replace(tmp, target)
+            os.fsync(self.file.fileno())
+        finally:
+            self.file.close()
+
+    def abandon(self) -> None:
+        self.early.finish(quiet=True)
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Progress | None) -> None:
+    """Write every output: all of them through one pipeline (no drain and refill between files),
+    each file's fsync on a background thread while the next one is written, then each renamed
+    over its target once every file is durable, then the folders fsynced. A failure leaves the
+    targets as they were."""
+    staged: list[_Staged] = []
+    syncs: list[Future[None]] = []
+    items = ((i, piece) for i, (_, output) in enumerate(todo) for piece in output.pieces)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckstore-fsync") as syncer:
+        try:
+            def advance(to: int) -> None:  # outputs without pieces (empty files) are opened too
+                while len(staged) <= to:
+                    if staged:
+                        syncs.append(syncer.submit(staged[-1].sync))
+                    staged.append(_Staged(todo[len(staged)][0]))
+
+            for i, data in ordered_map(lambda item: (item[0], _get(store, item[1])), items):
+                advance(i)
+                staged[i].write(data)
+                if progress:
+                    progress(len(data))
+            if todo:
+                advance(len(todo) - 1)
+                syncs.append(syncer.submit(staged[-1].sync))
+            for future in syncs:
+                future.result()
+        except BaseException:
+            for future in syncs:
+                future.exception()  # settled before its file is removed
+            for s in staged:
+                s.abandon()
+            raise
+    try:
+        for s in staged:
+            mutating_step()
+            os.replace(s.tmp, s.target)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for s in staged:
+            s.tmp.unlink(missing_ok=True)
         raise
-    mutating_step()
-    fsync_path(target.parent)
+    for folder in sorted({s.target.parent for s in staged}):
+        mutating_step()
+        fsync_path(folder)
 
 
 def remove_dead_temporaries(folder: Path) -> int:
@@ -222,8 +271,8 @@ def write_outputs(
     try:
         for folder in sorted({target.parent for target, _ in todo}):
             remove_dead_temporaries(folder)
-        for target, output in todo:
-            _write_one(store, target, output, progress)
+        _write_all(store, todo, progress)
+        for _, output in todo:
             result.written.append(output.path)
             result.bytes_written += output.size
     except OSError as exc:
