@@ -51,12 +51,13 @@ LAYOUTS: dict[str, Callable[[int, str], str]] = {
 }
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object], settle: bool = True) -> float:
     # Every timed operation starts with nothing left dirty in the page cache. In training, minutes
     # of compute separate two checkpoints, and the kernel writes back what the previous one (and
     # the compaction after it) left meanwhile; back to back, the next operation's own flush would
     # pay for it instead, whichever column that is.
-    os.sync()
+    if settle:
+        os.sync()
     gc.collect()
     started = time.perf_counter()
     fn()
@@ -150,11 +151,12 @@ class EpochBench:
         times, compaction = [], []
         for f in folders:
             times.append(timed(lambda f=f: repo.commit(str(f), message=f.name)))
-            compaction.append(timed(repo.wait))  # training would run meanwhile (compact.py)
+            compaction.append(timed(repo.wait, settle=False))  # training would run meanwhile (compact.py)
         self._add(f"commit1 {layout}", times[0])
         self._add(f"commit {layout}", statistics.mean(times[1:]))
         self._add(f"compaction {layout}", statistics.mean(compaction[1:]))
-        self._add(f"checkout {layout}", timed(lambda: repo.checkout("HEAD", self._fresh("out"))))
+        out = self._fresh("out")  # deleting the previous checkout is not part of this one
+        self._add(f"checkout {layout}", timed(lambda: repo.checkout("HEAD", out)))
         if first:
             self.stored[layout] = repo.stats().stored_bytes
 

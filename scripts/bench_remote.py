@@ -271,9 +271,10 @@ def report(r: dict[str, object]) -> str:
         "named at random before their first byte, so an upload starts with the first verified object instead of "
         "after a whole 32 MiB pack has been read, verified, joined and hashed to name it (that pause and the 32 MiB "
         "copy per pack were what kept pushes at about 0.7 of the plain upload). A clone downloads a few packs at "
-        "a time with one ranged GET each, checks each object against its digest (~2 GiB/s a thread), writes it as "
-        "a loose object on worker threads and lands 64 MiB batches on a background thread (syncfs barriers, links) "
-        "while the next packs download; commits are written last. The plain download only receives the bytes into "
+        "a time with one ranged GET each, checks each object against its digest (~2 GiB/s a thread), appends it "
+        "to the landing batch's local pack on worker threads (one file per 64 MiB batch, not one per object: "
+        "docs/design.md, \"Commit into a pack, spread it later\") and lands each batch on a background thread "
+        "(syncfs barriers, one rename) while the next packs download; commits are written last. The plain download only receives the bytes into "
         f"memory. A plain download that also writes each pack to a file and fsyncs it, with no ckstore work at "
         f"all, ran at {r['plain_down'] / r['plain_saved']:.2f} of the in-memory download in this run "  # type: ignore[operator]
         "(durable writes of the same bytes, on the same 2 cores as the server): that is the ceiling for any clone "
