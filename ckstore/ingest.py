@@ -21,7 +21,7 @@ from .errors import (
     CkstoreWarning, InvalidInputError, InvalidPathError, PickleCheckpointError, SafetensorsFormatError, StorageError,
 )
 from .manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
-from .pipeline import ordered_map
+from .pipeline import grouped, ordered_map
 from .positions import HEADER, ChunkIndex, Position, chunk_at, element_width
 from .safetensors_format import SafetensorsLayout, header_length, parse_header
 from .store import ObjectStore, PutResult
@@ -269,34 +269,15 @@ def ingest(
         return p_index, s_index, len(piece), store.put_chunk(piece, width, fast=fast)
 
     added = 0
-    for results in ordered_map(lambda group: [put(job) for job in group], _grouped(_jobs(plans, chunk_size), chunk_size)):
+    # Small pieces travel to the workers together (pipeline.grouped), up to half a chunk's bytes.
+    groups = grouped(_jobs(plans, chunk_size), lambda job: len(job[3]), chunk_size // 2)
+    for results in ordered_map(lambda group: [put(job) for job in group], groups):
         for p_index, s_index, length, result in results:
             plans[p_index].segments[s_index].append(ChunkRef(result.id, length))
             added += result.stored
             if progress:
                 progress(length)
     return [_entry(plan) for plan in plans], added
-
-
-_GROUP_MAX = 64
-
-
-def _grouped(jobs: Iterator[tuple[int, int, int, bytes | memoryview]], chunk_size: int,
-             ) -> Iterator[list[tuple[int, int, int, bytes | memoryview]]]:
-    """Consecutive small pieces go to a worker together (up to half a chunk's bytes): a checkpoint
-    has hundreds of tiny tensors (biases, norms, optimizer steps), and one thread-pool task each
-    cost more in hand-offs under the GIL than hashing and storing them."""
-    group: list[tuple[int, int, int, bytes | memoryview]] = []
-    size = 0
-    for job in jobs:
-        n = len(job[3])
-        if group and (size + n > chunk_size // 2 or len(group) >= _GROUP_MAX):
-            yield group
-            group, size = [], 0
-        group.append(job)
-        size += n
-    if group:
-        yield group
 
 
 def _entry(plan: _Plan) -> FileEntry:

@@ -47,6 +47,27 @@ def _shared_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+GROUP_MAX_ITEMS = 64
+
+
+def grouped(items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """Consecutive items in lists of at most ``limit`` bytes (an item larger than that alone) and
+    ``GROUP_MAX_ITEMS`` items: one pool task per list. A checkpoint has hundreds of tiny tensors
+    (biases, norms, optimizer steps), and one task each cost more in hand-offs under the GIL than
+    hashing, storing or decoding them."""
+    group: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if group and (total + n > limit or len(group) >= GROUP_MAX_ITEMS):
+            yield group
+            group, total = [], 0
+        group.append(item)
+        total += n
+    if group:
+        yield group
+
+
 def ordered_map(
     fn: Callable[[T], R], items: Iterable[T], workers: int | None = None, max_inflight: int | None = None
 ) -> Iterator[R]:
