@@ -184,6 +184,10 @@ class PackBuilder:
     def __contains__(self, oid: object) -> bool:
         return oid in self._entries
 
+    def entry(self, oid: str) -> PackEntry | None:
+        """Where an object added to this pack lies, if it was added."""
+        return self._entries.get(oid)
+
     @property
     def size(self) -> int:
         """The size the pack would have if closed now."""

@@ -92,17 +92,18 @@ class LocalBatch(Backend):
         with self._mutex:
             return self._puts.get(check_key(key))
 
-    def _packed(self, key: str, n: int | None = None) -> bytes | None:
+    def _writer_of(self, key: str) -> tuple[str, PackWriter] | None:
+        """The object id of ``key`` and the batch's pack holding it, if one does."""
         oid = key_oid(key) if self._writers else None
         if oid is None:
             return None
         with self._mutex:
             writers = list(self._writers)
-        for writer in writers:
-            data = writer.read(oid, n)
-            if data is not None:
-                return data
-        return None
+        return next(((oid, w) for w in writers if oid in w), None)
+
+    def _packed(self, key: str, n: int | None = None) -> bytes | None:
+        found = self._writer_of(key)
+        return None if found is None else found[1].read(found[0], n)
 
     def get(self, key: str) -> bytes:
         tmp = self._staged(key)
@@ -129,15 +130,8 @@ class LocalBatch(Backend):
         tmp = self._staged(key)
         if tmp is not None:
             return tmp.stat().st_size
-        oid = key_oid(key) if self._writers else None
-        if oid is not None:
-            with self._mutex:
-                writers = list(self._writers)
-            for writer in writers:
-                size = writer.size_of(oid)
-                if size is not None:
-                    return size
-        return self.inner.size(key)
+        found = self._writer_of(key)
+        return self.inner.size(key) if found is None else found[1].size_of(found[0])
 
     def _stage(self, key: str, data: bytes | memoryview) -> Path:
         """Write ``data`` unsynced beside its final name (a dot-name in the object's folder)."""
@@ -186,18 +180,12 @@ class LocalBatch(Backend):
         (the repository's format does not allow it), and the object is staged loose."""
         while True:
             with self._mutex:
-                writers = list(self._writers)
-                if not writers:
+                if not self._writers:
                     if not self.inner.may_pack():
                         self._pack_wanted = False
                         return None
-                    try:
-                        folder = self.inner._path(PACK_FOLDER + "/x").parent
-                        self.inner._ensure_dir(folder, self._new_folders)
-                        self._writers.append(PackWriter(folder))
-                    except OSError as exc:
-                        raise storage_error(exc, "starting a pack") from None
-                    writers = list(self._writers)
+                    self._start_pack()
+                writers = list(self._writers)
             if any(oid in w for w in writers[:-1]):
                 return False
             try:
@@ -210,11 +198,16 @@ class LocalBatch(Backend):
                 return added
             with self._mutex:  # full (4 GiB): the next object starts another pack
                 if self._writers[-1] is writers[-1]:
-                    folder = writers[-1].path.parent
-                    try:
-                        self._writers.append(PackWriter(folder))
-                    except OSError as exc:
-                        raise storage_error(exc, "starting a pack") from None
+                    self._start_pack()
+
+    def _start_pack(self) -> None:
+        """Open the batch's next pack (the caller holds the mutex)."""
+        folder = self.inner.root / PACK_FOLDER
+        try:
+            self.inner._ensure_dir(folder, self._new_folders)
+            self._writers.append(PackWriter(folder))
+        except OSError as exc:
+            raise storage_error(exc, "starting a pack") from None
 
     def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
         tmp = self._stage(key, data)

@@ -98,7 +98,7 @@ class PackWriter:
     def read(self, oid: str, n: int | None = None) -> bytes | None:
         """The staged object's bytes (the first ``n``), once its writer has written them."""
         with self._lock:
-            entry = self._builder._entries.get(oid)
+            entry = self._builder.entry(oid)
             if entry is None:
                 return None
             while oid not in self._written:
@@ -107,7 +107,7 @@ class PackWriter:
 
     def size_of(self, oid: str) -> int | None:
         with self._lock:
-            entry = self._builder._entries.get(oid)
+            entry = self._builder.entry(oid)
         return None if entry is None else entry.length
 
     def finish(self) -> PackIndex | None:
