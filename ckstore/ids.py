@@ -49,3 +49,18 @@ def parse_object_id(text: object, what: str = "object id") -> ObjectId:
     if not isinstance(text, str) or not is_object_id(text):
         raise InvalidInputError(f"invalid {what}: {text!r}")
     return ObjectId(text)
+
+
+OBJECTS_PREFIX = "objects/"
+
+
+def object_key(oid: str) -> str:
+    """Where an object is stored: ``objects/`` + its name split after two digits."""
+    return f"{OBJECTS_PREFIX}{oid[:2]}/{oid[2:]}"
+
+
+def key_object_id(key: str) -> str | None:
+    """The object name an ``object_key`` holds, or None for any other key."""
+    if len(key) == 73 and key.startswith(OBJECTS_PREFIX) and key[10] == "/":
+        return key[8:10] + key[11:]
+    return None

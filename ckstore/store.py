@@ -30,7 +30,7 @@ from .codec import (
 )
 from .config import EncodingSettings
 from .errors import CkstoreError, IntegrityError, ObjectMissingError
-from .ids import ObjectId, chunk_id, commit_id, is_object_id
+from .ids import ObjectId, chunk_id, commit_id, is_object_id, object_key
 
 MAX_CHUNK_SIZE = 1 << 28
 MAX_COMMIT_SIZE = 1 << 30
@@ -43,10 +43,6 @@ _PREFIX = BASES_PREFIX_SIZE
 
 class _BaseError(IntegrityError):
     """A delta base failed to decode; its message already names the base and the chain."""
-
-
-def object_key(oid: str) -> str:
-    return f"objects/{oid[:2]}/{oid[2:]}"
 
 
 @dataclass(frozen=True)

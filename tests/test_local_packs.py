@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ckstore.backend.local import LocalBackend
-from ckstore.backend.local_packs import PACK_FOLDER, key_oid, oid_key
+from ckstore.backend.local_packs import PACK_FOLDER
+from ckstore.ids import key_object_id
 from ckstore.config import PACKS_VERSION
 from ckstore.errors import IntegrityError
 from ckstore.repo import Repo
@@ -50,8 +51,8 @@ def fresh(tmp_path: Path, compact: bool = False) -> Repo:
 
 def test_object_keys_and_ids_map_both_ways() -> None:
     oid = "ab" * 32
-    assert key_oid(oid_key(oid)) == oid and oid_key(oid) == object_key(oid)
-    assert key_oid("refs/heads/main") is None and key_oid("objects/ab/cd") is None
+    assert key_object_id(object_key(oid)) == oid
+    assert key_object_id("refs/heads/main") is None and key_object_id("objects/ab/cd") is None
 
 
 def test_a_commit_writes_one_pack_that_reads_back_bit_exact(packing: None, tmp_path: Path) -> None:

@@ -37,10 +37,11 @@ from pathlib import Path
 
 from ..errors import IntegrityError, InvalidInputError, LockedError, RefExistsError, StorageError
 from ..fsio import fsync_path, mutating_step, start_writeback
+from ..ids import key_object_id, object_key
+from ..pack import check_read
 from .base import Backend, check_key, check_line, check_prefix, storage_error
 from .local_batch import LocalBatch, StagingBackend
-from ..pack import check_read
-from .local_packs import PACK_FOLDER, LocalPacks, key_oid, oid_key
+from .local_packs import PACK_FOLDER, LocalPacks
 from .syscalls import HAS_SYNCFS, syncfs
 
 TMP_DIR = "tmp"
@@ -128,7 +129,7 @@ class LocalBackend(StagingBackend):
 
     def _read(self, key: str, n: int | None) -> bytes:
         """A loose object, else a packed one, else (a pack unpacked meanwhile) the loose copy."""
-        oid = key_oid(key)
+        oid = key_object_id(key)
         for attempt in (0, 1):
             try:
                 with open(self._file(key), "rb", buffering=0) as f:
@@ -293,7 +294,7 @@ class LocalBackend(StagingBackend):
         try:
             st = os.stat(self._file(key))
         except (FileNotFoundError, NotADirectoryError):
-            oid = key_oid(key)
+            oid = key_object_id(key)
             return None if oid is None else self.packs.size(oid)
         except OSError as exc:
             raise storage_error(exc, f"reading {self.describe(key)}") from None
@@ -313,7 +314,7 @@ class LocalBackend(StagingBackend):
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in filenames if not _is_temporary(name))
         if "objects/".startswith(prefix) or prefix.startswith("objects/"):
             loose = set(keys)
-            keys.extend(k for k in map(oid_key, self.packs.ids()) if k.startswith(prefix) and k not in loose)
+            keys.extend(k for k in map(object_key, self.packs.ids()) if k.startswith(prefix) and k not in loose)
         # Sorted as whole keys (os.walk yields a folder's files before its subfolders').
         yield from sorted(keys)
 
@@ -378,7 +379,7 @@ class LocalBackend(StagingBackend):
                 staged = LocalBatch(self)
                 try:
                     for entry in index.in_pack_order():
-                        key = oid_key(entry.id)
+                        key = object_key(entry.id)
                         if self._path(key).exists():
                             continue  # already loose (a replacement, or an earlier unpack)
                         data = os.pread(fd, entry.length, entry.offset)

@@ -32,9 +32,10 @@ from pathlib import Path
 from collections.abc import Iterable
 
 from ..fsio import EarlyFlush, mutating_step
+from ..ids import key_object_id
 from ..pack import PackIndex
 from .base import Backend, check_key, storage_error
-from .local_packs import PACK_FOLDER, LocalPacks, PackWriter, key_oid
+from .local_packs import PACK_FOLDER, LocalPacks, PackWriter
 from .syscalls import move_if_absent, syncfs
 
 class StagingBackend(Backend):
@@ -94,7 +95,7 @@ class LocalBatch(Backend):
 
     def _writer_of(self, key: str) -> tuple[str, PackWriter] | None:
         """The object id of ``key`` and the batch's pack holding it, if one does."""
-        oid = key_oid(key) if self._writers else None
+        oid = key_object_id(key) if self._writers else None
         if oid is None:
             return None
         with self._mutex:
@@ -162,7 +163,7 @@ class LocalBatch(Backend):
         # list of absent objects), and flush's no-replace move settles a race with another writer.
         if self._staged(key) is not None:
             return False
-        oid = key_oid(key) if self._pack_wanted else None
+        oid = key_object_id(key) if self._pack_wanted else None
         if oid is not None:
             packed = self._put_packed(oid, data)
             if packed is not None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,18 +32,6 @@ from ..pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex,
 
 PACK_FOLDER = "objects/pack"
 PACK_SUFFIX = ".pack"
-OBJECTS_PREFIX = "objects/"
-
-
-def key_oid(key: str) -> str | None:
-    """The object id an ``objects/ab/cdef…`` key names, or None for any other key."""
-    if len(key) == 73 and key.startswith(OBJECTS_PREFIX) and key[10] == "/":
-        return key[8:10] + key[11:]
-    return None
-
-
-def oid_key(oid: str) -> str:
-    return f"{OBJECTS_PREFIX}{oid[:2]}/{oid[2:]}"
 
 
 class PackWriter:
@@ -243,9 +230,6 @@ class LocalPacks:
                 for e in index.entries:
                     if self._where.get(e.id) == pack_id:
                         del self._where[e.id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.ids())
 
 
 def _read_index(path: Path, pack_id: str) -> PackIndex:
