@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-EARLY_FLUSH_BYTES = 32 << 20
+EARLY_FLUSH_BYTES = 16 << 20  # 8 and 16 MiB: bf16 epochs 8-10% faster than 32 (docs/design.md)
 _SYNC_FILE_RANGE_WRITE = 2
 
 

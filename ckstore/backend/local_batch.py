@@ -13,7 +13,7 @@ this machine's ext4, 4 threads staging 2000 objects of 360 KB took 1.5 s in ``tm
 0.7 s spread over the 256 fan-out folders (1.8 s with one thread either way); a clone of 2000
 objects and a commit's ~600 were paying it per object.
 
-While a batch stages, a syncfs runs on a background thread every 32 MiB staged
+While a batch stages, a syncfs runs on a background thread every 16 MiB staged
 (``fsio.EarlyFlush``): the final barrier's cost was not the guest's writeback (dirty pages were
 ~0 before it) but the device flush, proportional to the bytes since the last flush, and flushing
 as the batch goes overlaps it with hashing and compressing the next chunks (measured on 185 MB:
@@ -144,7 +144,7 @@ class LocalBatch(Backend):
                 self.inner._ensure_dir(folder, self._new_folders)
                 with self._mutex:
                     self._seen_folders.add(folder)
-            # Its writeback starts with the batch's next early flush (a syncfs every 32 MiB), not
+            # Its writeback starts with the batch's next early flush (a syncfs every 16 MiB), not
             # with a sync_file_range per file: one system call less per object.
             tmp = self.inner._write_temp(data, sync=False, folder=folder, writeback=self._early is None)
         except OSError as exc:
