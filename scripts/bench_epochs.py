@@ -6,6 +6,9 @@ hits both sides alike:
 
 - the baseline: safetensors ``save_file`` of the epoch's tensors (already in memory) + fsync of
   both files and their folder; ``load_file`` of both files + reading every byte;
+- the I/O floor of writing an epoch: the two files' exact bytes, already in memory, written with
+  one ``write`` each + fsync of both and their folder (what save_file costs without serializing;
+  a checkout writes these very bytes);
 - ``Repo.commit`` of the epoch's files, in each naming layout (one name for every epoch, a file
   name per epoch), each layout in a fresh repository, until it returns (the commit is durable);
   then the compaction that follows it (``Repo.wait``, timed apart: it runs while training goes
@@ -104,6 +107,7 @@ class EpochBench:
         self.work = work
         self.states = [{"model": load_file(str(d / FILES[0])), "optimizer": load_file(str(d / FILES[1]))}
                        for d in dirs]
+        self.file_bytes = [[(d / f).read_bytes() for f in FILES] for d in dirs]
         self.raw = sum((d / f).stat().st_size for d in dirs for f in FILES)
         self.staged = {layout: stage(dirs, work / "staged" / layout.replace(" ", "_"), name)
                        for layout, name in LAYOUTS.items()}
@@ -130,8 +134,8 @@ class EpochBench:
             shutil.rmtree(self.work / name, ignore_errors=True)
 
     def _baseline(self) -> None:
-        times = []
-        for n, state in enumerate(self.states, start=1):
+        times, floor = [], []
+        for n, (state, blobs) in enumerate(zip(self.states, self.file_bytes), start=1):
             folder = self._fresh("st") / f"epoch{n}"
             folder.mkdir(parents=True)
 
@@ -141,8 +145,18 @@ class EpochBench:
                     fsync_path(folder / f)
                 fsync_path(folder)
 
+            def write() -> None:
+                for f, blob in zip(FILES, blobs):
+                    with open(folder / f"written_{f}", "wb") as out:
+                        out.write(blob)
+                        out.flush()
+                        os.fsync(out.fileno())
+                fsync_path(folder)
+
             times.append(timed(save))
+            floor.append(timed(write))
         self._add("save", statistics.mean(times[1:]))
+        self._add("write", statistics.mean(floor[1:]))
         last = self.dirs[-1]
         self._add("load", timed(lambda: touch([load_file(str(last / f)) for f in FILES])))
 
