@@ -1,0 +1,160 @@
+"""How small lossless coding can make four epochs of a fine-tune: the stored-bytes limit of issue 11.
+
+Issue 11 asks for ckstore's stored bytes over 4 epochs at or below 0.55x ZipNN's for a bf16 run
+and 0.45x for a partly frozen fp32 run. This measures, on the very checkpoints scripts/bench.py
+uses, what the best per-tensor coding we know of reaches, independently of ckstore's encoder:
+
+- epoch 1: every tensor whole; epochs 2-4: every tensor whole, or its XOR residual, or its
+  zig-zag integer difference against the same tensor of the previous epoch, whichever is
+  smallest (ckstore's delta candidates);
+- each candidate cut into byte planes (byte i of every little-endian element), every plane coded
+  on its own by the better of zstd (level 3, and level 19 with ``--level19``) and its order-0
+  entropy: n * H(plane) / 8 bytes, what an ideal coder of independent bytes would store.
+
+The order-0 figure is not a bound on every coder (a context model can beat it, and zstd beats it
+on runs of zeros, which is why each plane takes the better of the two), but it is what any coder
+that treats a plane's bytes as independent symbols can reach, and no coder we tried came within
+a few percent of it on the residuals (docs/benchmarks.md). Printed: one markdown row per run and
+step count, sizes as fractions of ZipNN's bytes for the same 4 epochs (each file compressed on its
+own, as scripts/bench.py measures it).
+
+    python scripts/bench_residuals.py [--runs bf16 fp32_frozen] [--steps 25 60] [--level19]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_data import RUNS, STEPS, cached_checkpoints
+
+FILES = ("model.safetensors", "optimizer.safetensors")
+TARGETS = {"fp32_full": 0.80, "bf16": 0.55, "fp32_frozen": 0.45}
+WIDTH = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+Tensors = dict[str, tuple[np.ndarray, int]]  # name -> (bytes as uint8, element width)
+
+
+def load_epoch(folder: Path) -> Tensors:
+    out: Tensors = {}
+    for f in FILES:
+        with safe_open(str(folder / f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name).contiguous()
+                width = WIDTH.get(t.dtype, 1)
+                out[f"{f}:{name}"] = (t.reshape(-1).view(torch.uint8).numpy().copy(), width)
+    return out
+
+
+def zigzag(x: np.ndarray, base: np.ndarray, width: int) -> np.ndarray:
+    unsigned, signed = f"<u{width}", f"<i{width}"
+    d = (x.view(unsigned) - base.view(unsigned)).view(signed)
+    return ((d << 1) ^ (d >> (8 * width - 1))).view(np.uint8)
+
+
+def order0(plane: np.ndarray) -> float:
+    counts = np.bincount(plane, minlength=256)
+    p = counts[counts > 0] / plane.size
+    return float(-(p * np.log2(p)).sum() * plane.size / 8)
+
+
+def plane_cost(data: np.ndarray, width: int, compressors: list[zstandard.ZstdCompressor]) -> tuple[float, float]:
+    """(zstd bytes, best of zstd and order-0 per plane) of ``data`` split into byte planes."""
+    if data.size < 64 or data.size % width:
+        n = len(compressors[0].compress(data.tobytes()))
+        return n, n
+    planes = data.reshape(-1, width).T
+    z = best = 0.0
+    for plane in planes:
+        plane = np.ascontiguousarray(plane)
+        coded = min(len(c.compress(plane)) for c in compressors)
+        z += coded
+        best += min(coded, order0(plane))
+    return z, best
+
+
+def tensor_cost(x: np.ndarray, base: np.ndarray | None, width: int,
+                compressors: list[zstandard.ZstdCompressor]) -> tuple[float, float, str]:
+    """The smallest (zstd, best-per-plane) over the candidates, and which candidate won."""
+    candidates = {"whole": x}
+    if base is not None and base.size == x.size and width in (2, 4) and x.size % width == 0:
+        if np.array_equal(x, base):
+            return 0.0, 0.0, "unchanged"
+        candidates["xor"] = np.bitwise_xor(x, base)
+        candidates["difference"] = zigzag(x, base, width)
+    costs = {k: plane_cost(v, width, compressors) for k, v in candidates.items()}
+    winner = min(costs, key=lambda k: costs[k][1])
+    return min(c[0] for c in costs.values()), costs[winner][1], winner
+
+
+def kind_of(name: str) -> str:
+    for kind in ("exp_avg_sq", "exp_avg", "step"):
+        if name.endswith(kind) or f".{kind}" in name or f"{kind}." in name:
+            return kind
+    return "weights" if name.startswith("model") else "other"
+
+
+def measure(dirs: list[Path], level19: bool) -> dict[str, float]:
+    compressors = [zstandard.ZstdCompressor(level=3)] + ([zstandard.ZstdCompressor(level=19)] if level19 else [])
+    totals: dict[str, float] = defaultdict(float)
+    previous: Tensors | None = None
+    for n, folder in enumerate(dirs, start=1):
+        tensors = load_epoch(folder)
+        for name, (x, width) in tensors.items():
+            base = previous[name][0] if previous is not None and name in previous else None
+            z, best, _ = tensor_cost(x, base, width, compressors)
+            totals["raw"] += x.size
+            totals["zstd"] += z
+            totals["best"] += best
+            totals[f"best {kind_of(name)}"] += best
+            totals[f"epoch {n}"] += best
+        previous = tensors
+    return dict(totals)
+
+
+def zipnn_bytes(dirs: list[Path], dtype: str) -> int:
+    from zipnn import ZipNN
+
+    zipnn = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=os.cpu_count() or 1)
+    return sum(len(zipnn.compress((d / f).read_bytes())) for d in dirs for f in FILES)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, default=Path("bench-work"))
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=["bf16", "fp32_frozen", "fp32_full"])
+    parser.add_argument("--steps", nargs="+", type=int, choices=list(STEPS), default=list(STEPS))
+    parser.add_argument("--level19", action="store_true", help="also try zstd level 19 on every plane (slow)")
+    args = parser.parse_args()
+    print("| steps/epoch | run | raw MB | ZipNN MB | best zstd per tensor / ZipNN | best of zstd and order-0 "
+          "entropy per plane / ZipNN | epochs 1 / 2 / 3 / 4 MB | weights / exp_avg / exp_avg_sq MB | target |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for steps in args.steps:
+        for run in args.runs:
+            dirs = cached_checkpoints(args.work / "checkpoints", steps=steps).get(run)
+            if dirs is None:
+                print(f"{run}, {steps} steps: not cached under {args.work} (python scripts/bench.py trains it)",
+                      file=sys.stderr)
+                continue
+            started = time.perf_counter()
+            t = measure(dirs, args.level19)
+            zipnn = zipnn_bytes(dirs, "bfloat16" if run == "bf16" else "float32")
+            mb = 1e6
+            epochs = " / ".join(f"{t[f'epoch {n}'] / mb:.0f}" for n in range(1, len(dirs) + 1))
+            kinds = " / ".join(f"{t.get(f'best {k}', 0) / mb:.0f}" for k in ("weights", "exp_avg", "exp_avg_sq"))
+            print(f"| {steps} | {run} | {t['raw'] / mb:.0f} | {zipnn / mb:.0f} | {t['zstd'] / zipnn:.3f} | "
+                  f"{t['best'] / zipnn:.3f} | {epochs} | {kinds} | ≤ {TARGETS[run]:.2f} |", flush=True)
+            print(f"({run}, {steps} steps: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
