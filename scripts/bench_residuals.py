@@ -24,7 +24,6 @@ own, as scripts/bench.py measures it).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
@@ -36,9 +35,10 @@ import zstandard
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import zipnn_files
 from bench_data import RUNS, STEPS, cached_checkpoints
+from bench_epochs import FILES
 
-FILES = ("model.safetensors", "optimizer.safetensors")
 TARGETS = {"fp32_full": 0.80, "bf16": 0.55, "fp32_frozen": 0.45}
 WIDTH = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 Tensors = dict[str, tuple[np.ndarray, int]]  # name -> (bytes as uint8, element width)
@@ -121,13 +121,6 @@ def measure(dirs: list[Path], level19: bool) -> dict[str, float]:
     return dict(totals)
 
 
-def zipnn_bytes(dirs: list[Path], dtype: str) -> int:
-    from zipnn import ZipNN
-
-    zipnn = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=os.cpu_count() or 1)
-    return sum(len(zipnn.compress((d / f).read_bytes())) for d in dirs for f in FILES)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=Path("bench-work"))
@@ -147,7 +140,7 @@ def main() -> None:
                 continue
             started = time.perf_counter()
             t = measure(dirs, args.level19)
-            zipnn = zipnn_bytes(dirs, "bfloat16" if run == "bf16" else "float32")
+            zipnn, _ = zipnn_files(dirs, "bfloat16" if run == "bf16" else "float32")
             mb = 1e6
             epochs = " / ".join(f"{t[f'epoch {n}'] / mb:.0f}" for n in range(1, len(dirs) + 1))
             kinds = " / ".join(f"{t.get(f'best {k}', 0) / mb:.0f}" for k in ("weights", "exp_avg", "exp_avg_sq"))
