@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import CkstoreError, IntegrityError
-from .repo import Repo
-from .version import __version__
+from ckstore.errors import CkstoreError, IntegrityError
+from ckstore.repo import Repo
+from ckstore.version import __version__
 
 __all__ = ["CkstoreError", "IntegrityError", "Repo", "__version__", "rng_state", "set_rng_state"]
 
@@ -14,7 +14,7 @@ __all__ = ["CkstoreError", "IntegrityError", "Repo", "__version__", "rng_state",
 def __getattr__(name: str) -> Any:
     # The RNG helpers need torch; importing them lazily keeps `import ckstore` (and the CLI) torch-free.
     if name in ("rng_state", "set_rng_state"):
-        from . import state
+        from ckstore.training import state
 
         return getattr(state, name)
     raise AttributeError(f"module 'ckstore' has no attribute {name!r}")

@@ -12,30 +12,31 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import branches, history
-from .backend.base import Backend
-from .background import BackgroundCommits, Compactions
-from .checkout import CheckoutResult, write_with_progress
-from .commit import commit_sources, encode_metadata
-from .compact import CompactReport, compact_branch
-from .config import RepoConfig
-from .context import (
+from ckstore.repository import branches
+from ckstore.history import log as history
+from ckstore.backend.base import Backend
+from ckstore.write.background import BackgroundCommits, Compactions
+from ckstore.read.checkout import CheckoutResult, write_with_progress
+from ckstore.write.commit import commit_sources, encode_metadata
+from ckstore.write.compact import CompactReport, compact_branch
+from ckstore.format.settings import RepoConfig
+from ckstore.repository.context import (
     DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
 )
-from .errors import RefNotFoundError
-from .export import plan_checkout, plan_export
-from .filedata import read_file_bytes, state_values
-from .gc import GcReport, collect_garbage
-from .history import Decorations, Diff, LogEntry, TensorChange
-from .ids import ObjectId
-from .ingest import collect_sources
-from .manifest import Commit, StateFiles
-from .overlay import RelinkReport, relink, resolve_base
-from .pipeline import ProgressBar, ProgressFactory
-from .reflog import Entry as ReflogEntry
-from .refs import HEADS, TAGS, check_ref_name
-from .retention import RetentionPolicy, best
-from .sizes import CommitSizes, Stats
+from ckstore.errors import RefNotFoundError
+from ckstore.read.export import plan_checkout, plan_export
+from ckstore.repository.filedata import read_file_bytes, state_values
+from ckstore.maintenance.gc import GcReport, collect_garbage
+from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
+from ckstore.format.ids import ObjectId
+from ckstore.write.ingest import collect_sources
+from ckstore.format.manifest import Commit, StateFiles
+from ckstore.repository.overlay import RelinkReport, relink, resolve_base
+from ckstore.write.pipeline import ProgressBar, ProgressFactory
+from ckstore.repository.reflog import Entry as ReflogEntry
+from ckstore.repository.refs import HEADS, TAGS, check_ref_name
+from ckstore.maintenance.retention import RetentionPolicy, best
+from ckstore.maintenance.sizes import CommitSizes, Stats
 
 __all__ = ["DEFAULT_DIR", "CheckoutResult", "CommitSizes", "Decorations", "Diff", "ProgressBar", "ProgressFactory",
            "ReflogEntry", "Repo", "Stats", "TensorChange"]
@@ -203,7 +204,7 @@ class Repo:
         With ``background`` the tensors are copied and a ``CommitHandle`` is returned at once;
         hashing, encoding and writing go on in the background (see background.py).
         """
-        from .state import STATE_TENSORS, STATE_VALUES, state_files
+        from ckstore.training.state import STATE_TENSORS, STATE_VALUES, state_files
 
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         meta = encode_metadata(metadata)
@@ -250,7 +251,7 @@ class Repo:
         self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Any = "cpu", lazy: bool = False
     ) -> Any:
         """The state committed at ``ref``, bit-exact; ``only`` filters by key prefix or glob."""
-        from .state import load_state
+        from ckstore.training.state import load_state
 
         return load_state(self._ctx.graph, ref, only=only, device=device, lazy=lazy)
 
@@ -293,7 +294,7 @@ class Repo:
         branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
     ) -> Iterator[Any]:
         """Like ``import_checkpoint``, yielding each file's result as its commit lands."""
-        from .legacy import import_checkpoints
+        from ckstore.training.legacy import import_checkpoints
 
         yield from import_checkpoints(self.commit_state, self.load_state, path, exclude=self.path,
                                       recursive=recursive, message=message, branch=branch,
@@ -301,7 +302,7 @@ class Repo:
 
     def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> Any:
         """A lazy read-only mapping of the commit's tensors with safe_open-style slices; see partial.py."""
-        from .partial import LazyTensors
+        from ckstore.training.partial import LazyTensors
 
         return LazyTensors(self._ctx.graph, ref, path, framework)
 
@@ -318,7 +319,7 @@ class Repo:
 
     def commit_sizes(self, oids: Sequence[str]) -> dict[ObjectId, CommitSizes]:
         """Each commit's size figures: logical, added when committed, new, held alone (sizes.py)."""
-        from . import sizes
+        from ckstore.maintenance import sizes
 
         self.wait()  # figures of a repository that this process is not changing underneath
         return sizes.commit_sizes(self._ctx, [self.resolve(o) for o in oids])
@@ -329,7 +330,7 @@ class Repo:
 
     def from_base(self, ref: str) -> set[tuple[str, str | None]]:
         """(path, tensor) pairs of an overlay commit that are identical to its base's; empty otherwise."""
-        from .overlay import from_base
+        from ckstore.repository.overlay import from_base
 
         commit = self.read_commit(self.resolve(ref))
         return set() if commit.base is None else from_base(commit, self.read_commit(commit.base.commit))
@@ -352,14 +353,14 @@ class Repo:
 
     def summary(self, ref: str = "HEAD") -> list[Any]:
         """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
-        from .summary import summarise
+        from ckstore.history.summary import summarise
 
         oid = self.resolve(ref)
         return summarise(self.read_commit(oid), self.from_base(oid))
 
     def stats(self) -> Stats:
         """Logical bytes over all commits, bytes stored (and unreferenced), and counts."""
-        from . import sizes
+        from ckstore.maintenance import sizes
 
         self.wait()
         return sizes.stats(self._ctx)
@@ -387,7 +388,7 @@ class Repo:
                                progress=progress)
 
     def repack(self, progress: ProgressFactory | None = None) -> Any:
-        from .repack import repack
+        from ckstore.maintenance.repack import repack
 
         self.wait()
         return repack(self._ctx, progress)
@@ -402,62 +403,62 @@ class Repo:
 
     def remotes(self) -> dict[str, Any]:
         """Name -> RemoteSpec (url, endpoint_url) of every remote."""
-        from .remotes import read_remotes
+        from ckstore.remote.names import read_remotes
 
         return read_remotes(self._ctx.backend)
 
     def add_remote(self, name: str, url: str, endpoint_url: str | None = None) -> Any:
-        from . import remotes
+        from ckstore.remote import names as remotes
 
         return remotes.add(self._ctx, name, url, endpoint_url)
 
     def remove_remote(self, name: str) -> Any:
-        from . import remotes
+        from ckstore.remote import names as remotes
 
         return remotes.remove(self._ctx, name)
 
     def push(self, remote: str | None = None, refs: Sequence[str] = (), force: bool = False, **options: Any) -> Any:
         """Send ``refs`` (default: the current branch) and what they need to ``remote``; see push.py."""
-        from .push import push
+        from ckstore.remote.push import push
 
         self.wait()
         return push(self._ctx, remote, refs, force, **options)
 
     def fetch(self, remote: str | None = None) -> Any:
         """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py."""
-        from .fetch import fetch
+        from ckstore.remote.fetch import fetch
 
         return fetch(self._ctx, remote)
 
     def pull(self, remote: str | None = None) -> Any:
         """Fetch, then fast-forward the current branch; returns (report, old commit, new commit)."""
-        from .fetch import pull
+        from ckstore.remote.fetch import pull
 
         return pull(self._ctx, remote)
 
     @classmethod
     def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None) -> Repo:
         """A new repository at ``path`` with every branch of the remote at ``url`` ("origin")."""
-        from .fetch import clone
+        from ckstore.remote.fetch import clone
 
         ctx, _ = clone(url, path, endpoint_url)
         return cls(_context=ctx)
 
     def gc_remote(self, remote: str | None = None, **options: Any) -> Any:
         """Garbage-collect a remote (two-phase, see remote_gc.py)."""
-        from .remote_gc import collect_remote
+        from ckstore.remote.gc import collect_remote
 
         return collect_remote(self._ctx, remote, **options)
 
     def use_remote(self, remote: str | None = None) -> Any:
         """Read objects missing here from ``remote`` on demand (ranged reads, cached locally):
         ``checkout``, ``open`` and ``load_state`` then work on commits only the remote holds."""
-        from .lazy import attach
+        from ckstore.remote.lazy import attach
 
         return attach(self._ctx, remote)
 
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
-        from .fsck import check
+        from ckstore.maintenance.fsck import check
 
         self.wait()
         return check(self._ctx, read_data=read_data, progress=progress)

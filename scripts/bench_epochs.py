@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckstore import Repo
-from ckstore.fsio import fsync_path
+from ckstore.backend.fsio import fsync_path
 
 FILES = ("model.safetensors", "optimizer.safetensors")
 # How a training script names what it saves each epoch; the path committed for file f of epoch n.

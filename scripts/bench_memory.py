@@ -95,7 +95,7 @@ STATE_CHILD = """
 import json, resource, sys, time
 import torch
 from ckstore import Repo
-from ckstore.torch_tensors import FROM_ST_CODE
+from ckstore.format.torch_dtypes import FROM_ST_CODE
 
 out, repo_path, mode, *epochs = sys.argv[1:]
 state = {"model": {}, "optimizer": {}}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckstore.fsio import fsync_path
+from ckstore.backend.fsio import fsync_path
 from ckstore.repo import Repo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -2,7 +2,7 @@
 
 The environment variable ``CKSTORE_FAULT=ACTION@K`` makes the K-th mutating file-system step of
 the process (every write, fsync, link, rename, unlink and mkdir of the local backend and of
-checkout's output files; see ckstore/fsio.py) do ACTION instead: ``kill`` (SIGKILL itself),
+checkout's output files; see ckstore/backend/fsio.py) do ACTION instead: ``kill`` (SIGKILL itself),
 ``enospc`` or ``eio`` (raise that OSError). ``CKSTORE_FAULT_COUNT=PATH`` writes the running step
 count to PATH, so a harness can enumerate every K. ``CKSTORE_TEST_PACK_MIN_BYTES=N`` makes batches
 of N bytes or more write local packs (backend/local_packs.py), so small test data takes that path.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout under test
 
-from ckstore import fsio  # noqa: E402
+from ckstore.backend import fsio  # noqa: E402
 from ckstore.cli import run  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from ckstore.repo import Repo
-from ckstore.store import object_key
+from ckstore.repository.store import object_key
 # One definition of the dtype table and tensor maker, shared with the safetensors format tests.
 from test_safetensors_format import TORCH_DTYPES, make_tensor  # noqa: F401  (re-exported)
 
@@ -133,6 +133,6 @@ def encodings(repo: Repo) -> dict[str, int]:
     """How many stored objects use each encoding, by name."""
     from collections import Counter
 
-    from ckstore.codec import parse_header
+    from ckstore.format.codec import parse_header
 
     return dict(Counter(parse_header(repo.store.read_raw(o)).encoding.name for o in repo.store.iter_ids()))

@@ -320,7 +320,7 @@ def test_local_batch_flushes_early_and_fails_on_an_early_flush_error(
     """Every EARLY_FLUSH_BYTES staged, a syncfs starts in the background; if one fails, the batch
     fails and links nothing (a later syncfs need not report the writeback error again)."""
     import ckstore.backend.local_batch as local_batch
-    import ckstore.fsio as fsio
+    import ckstore.backend.fsio as fsio
 
     if not LocalBackend.use_syncfs:
         pytest.skip("no syncfs on this platform: the batch fsyncs file by file")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckstore import Repo
-from ckstore.background import CommitHandle
+from ckstore.write.background import CommitHandle
 from ckstore.errors import StorageError
 
 
@@ -178,7 +178,7 @@ def test_disk_full_in_the_background_worker_fails_the_handle_and_keeps_the_repos
     import errno
     import os
 
-    from ckstore import fsio
+    from ckstore.backend import fsio
 
     repo = Repo.init(tmp_path / "repo", chunk_size=1 << 16)
     repo.commit_state({"w": torch.zeros(1 << 18)}, message="before")

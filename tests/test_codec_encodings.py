@@ -10,7 +10,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore.codec import (
+from ckstore.format.codec import (
     HEADER,
     HEADER_SIZE,
     MAGIC,

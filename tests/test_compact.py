@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from ckstore import Repo
 from ckstore.cli import main
-from ckstore.codec import Encoding, parse_header
-from ckstore.compact import _Roles
+from ckstore.format.codec import Encoding, parse_header
+from ckstore.write.compact import _Roles
 
 CHUNK = 4096
 

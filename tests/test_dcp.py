@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import ckstore
 from ckstore.errors import IntegrityError, UnsupportedFormatError
-from ckstore.manifest import decode_commit, encode_commit
+from ckstore.format.manifest import decode_commit, encode_commit
 
 WORKER = Path(__file__).parent / "dcp" / "worker.py"
 
@@ -280,13 +280,13 @@ def test_consolidated_checkout_reassembles_any_grid_of_pieces(grid: Any, whole_r
 
     import numpy as np
 
-    from ckstore.checkout import _fetch
-    from ckstore.dcp.consolidate import plan_consolidated
-    from ckstore.dcp_manifest import DTYPES, DcpPiece, DcpRecord, DcpTensor, piece_name, stored_dtype
-    from ckstore.ingest import MemoryFile, ingest
-    from ckstore.manifest import Commit
-    from ckstore.safetensors_format import emit_header, parse_header
-    from ckstore.values import encode_value
+    from ckstore.read.checkout import _fetch
+    from ckstore.read.consolidate import plan_consolidated
+    from ckstore.format.dcp_record import DTYPES, DcpPiece, DcpRecord, DcpTensor, piece_name, stored_dtype
+    from ckstore.write.ingest import MemoryFile, ingest
+    from ckstore.format.manifest import Commit
+    from ckstore.format.safetensors import emit_header, parse_header
+    from ckstore.format.values import encode_value
 
     shape, cuts, dtype = grid
     if whole_rows:  # FSDP-like: split on the first dimension only, streamed as stored chunks

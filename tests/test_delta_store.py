@@ -18,9 +18,9 @@ from safetensors.numpy import save_file
 
 from ckstore import Repo
 from ckstore.cli import main
-from ckstore.codec import Encoding, parse_header
+from ckstore.format.codec import Encoding, parse_header
 from ckstore.errors import IntegrityError
-from ckstore.store import object_key
+from ckstore.repository.store import object_key
 
 CHUNK = 4096
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ckstore.errors import InvalidInputError, TensorNotFoundError
 from ckstore.repo import Repo
-from ckstore.shards import INDEX_NAME
+from ckstore.read.shards import INDEX_NAME
 
 from helpers import save_st, sha256
 from test_cli import Cli, cli  # noqa: F401  (fixture)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ckstore.fsio import EarlyFlush
+from ckstore.backend.fsio import EarlyFlush
 
 
 def test_flushes_once_per_threshold_and_one_at_a_time() -> None:

@@ -6,7 +6,7 @@ import blake3
 import pytest
 
 from ckstore.errors import InvalidInputError
-from ckstore.ids import chunk_id, commit_id, is_id_prefix, is_object_id, parse_object_id
+from ckstore.format.ids import chunk_id, commit_id, is_id_prefix, is_object_id, parse_object_id
 
 
 def test_chunk_id_is_blake3_of_raw_bytes() -> None:

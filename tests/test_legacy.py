@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_cli import Cli, cli  # noqa: F401  (fixture)
 
-from ckstore import legacy
+from ckstore.training import legacy
 from ckstore.errors import IntegrityError, MissingDependencyError, UnsafeCheckpointError
 from ckstore.repo import Repo
 

@@ -12,11 +12,11 @@ import pytest
 
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.local_packs import PACK_FOLDER
-from ckstore.ids import key_object_id
-from ckstore.config import PACKS_VERSION
+from ckstore.format.ids import key_object_id
+from ckstore.format.settings import PACKS_VERSION
 from ckstore.errors import IntegrityError
 from ckstore.repo import Repo
-from ckstore.store import object_key
+from ckstore.repository.store import object_key
 
 from helpers import checkpoint, flip_bit, leftover_temp_files, tree_digest
 

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckstore.errors import CkstoreError, IntegrityError
-from ckstore.ids import chunk_id
-from ckstore.manifest import ChunkRef, Commit, FileEntry, TensorEntry, canonical_json, decode_commit, encode_commit
-from ckstore.values import encode_value
+from ckstore.format.ids import chunk_id
+from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry, canonical_json, decode_commit, encode_commit
+from ckstore.format.values import encode_value
 
 A, B, C = (chunk_id(bytes([i])) for i in range(3))
 

@@ -18,7 +18,7 @@ from ckstore.errors import (
     CkstoreWarning, InvalidInputError, OutputExistsError, PickleCheckpointError, RefExistsError,
     TensorNotFoundError,
 )
-from ckstore.ingest import pickle_format
+from ckstore.write.ingest import pickle_format
 from ckstore.repo import Repo
 
 from helpers import checkpoint, save_st, sha256, tree_digest

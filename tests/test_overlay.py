@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from ckstore.cli import main
 from ckstore.errors import DependentNotFoundError, InvalidInputError
-from ckstore.links import ALTERNATES_KEY, DEPENDENTS_KEY, read_paths
-from ckstore.manifest import BaseRef
+from ckstore.repository.links import ALTERNATES_KEY, DEPENDENTS_KEY, read_paths
+from ckstore.format.manifest import BaseRef
 from ckstore.repo import Repo
 
 from helpers import save_st, tree_digest

@@ -1,7 +1,7 @@
-"""Tests for ckstore.pack: round trips, the layout of docs/format.md, and hostile input.
+"""Tests for ckstore.format.pack: round trips, the layout of docs/format.md, and hostile input.
 
 The hostile packs and indexes are built here with this file's own encoder, written from the
-byte layout in docs/format.md rather than with ckstore.pack's, so the checks also test that the
+byte layout in docs/format.md rather than with ckstore.format.pack's, so the checks also test that the
 module and the spec agree.
 """
 
@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckstore import pack
-from ckstore.codec import HEADER_SIZE, Kind, decode, encode
+from ckstore.format import pack
+from ckstore.format.codec import HEADER_SIZE, Kind, decode, encode
 from ckstore.errors import IntegrityError
-from ckstore.ids import chunk_id
-from ckstore.store import MAX_CHUNK_SIZE, MAX_COMMIT_SIZE
+from ckstore.format.ids import chunk_id
+from ckstore.repository.store import MAX_CHUNK_SIZE, MAX_COMMIT_SIZE
 
 
 def stored_object(raw: bytes) -> tuple[str, bytes]:

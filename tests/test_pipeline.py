@@ -1,4 +1,4 @@
-"""The parallel map behind commit and checkout (ckstore/pipeline.py): order, bounded work, and the
+"""The parallel map behind commit and checkout (ckstore/write/pipeline.py): order, bounded work, and the
 grouping of small items into one task."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore.pipeline import GROUP_MAX_ITEMS, grouped, ordered_map
+from ckstore.write.pipeline import GROUP_MAX_ITEMS, grouped, ordered_map
 
 
 @settings(max_examples=300)

@@ -10,9 +10,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from ckstore import Repo
-from ckstore.ids import ObjectId
-from ckstore.manifest import ChunkRef, FileEntry, TensorEntry
-from ckstore.positions import HEADER, ChunkIndex
+from ckstore.format.ids import ObjectId
+from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry
+from ckstore.format.positions import HEADER, ChunkIndex
 
 CHUNK = 4096
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore import predict
-from ckstore.codec import (
+from ckstore.format import predict
+from ckstore.format.codec import (
     BASES_PREFIX_SIZE,
     HEADER_SIZE,
     Encoding,
@@ -24,8 +24,8 @@ from ckstore.codec import (
     parse_header,
 )
 from ckstore.errors import IntegrityError
-from ckstore.ids import chunk_id
-from ckstore.predict import Predictor
+from ckstore.format.ids import chunk_id
+from ckstore.format.predict import Predictor
 
 # Bit patterns worth covering on purpose: zeros, subnormals, the normal range's ends, infinities,
 # NaNs with various payloads and signs, and negative values (a negative "second moment").

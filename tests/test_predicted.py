@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckstore import codec, compact, config
-from ckstore.codec import Encoding, delta_bases, parse_header
+from ckstore.format import codec
+from ckstore.write import compact
+from ckstore.format import settings as config
+from ckstore.format.codec import Encoding, delta_bases, parse_header
 from ckstore.errors import IntegrityError, UnsupportedFormatError
 from ckstore.repo import Repo
-from ckstore.store import object_key
+from ckstore.repository.store import object_key
 from helpers import assert_reads_back, dcp_adamw_run, encodings, flip_bit
 
 CHUNK = 16384  # a 192 x 192 float32 weight is 9 chunks: siblings pair by chunk index

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore import reflog as reflog_module
+from ckstore.repository import reflog as reflog_module
 from ckstore.backend.base import Backend
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
@@ -22,7 +22,7 @@ from ckstore.errors import (
     RefExistsError,
     RefNotFoundError,
 )
-from ckstore.reflog import DAY, Entry, RefLog, parse_line
+from ckstore.repository.reflog import DAY, Entry, RefLog, parse_line
 from ckstore.repo import Repo
 
 from helpers import checkpoint, object_count, tree_digest

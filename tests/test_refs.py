@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cli import assert_one_line_error
 
-from ckstore import refs as refs_module
+from ckstore.repository import refs as refs_module
 from ckstore.backend.base import check_key
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
@@ -31,8 +31,8 @@ from ckstore.errors import (
     RefChangedError,
     RefExistsError,
 )
-from ckstore.ids import ObjectId, chunk_id
-from ckstore.refs import (
+from ckstore.format.ids import ObjectId, chunk_id
+from ckstore.repository.refs import (
     ANY,
     RefStore,
     check_ref_name,

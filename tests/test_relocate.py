@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from ckstore.cli import main
 from ckstore.errors import DependentNotFoundError, InvalidInputError, NotFoundError, ObjectMissingError
-from ckstore.links import ALTERNATES_KEY, DEPENDENTS_KEY, LOCATION_KEY, link_entry, read_links, read_paths, resolve_entry
+from ckstore.repository.links import ALTERNATES_KEY, DEPENDENTS_KEY, LOCATION_KEY, link_entry, read_links, read_paths, resolve_entry
 from ckstore.repo import Repo
 
 from helpers import tree_digest

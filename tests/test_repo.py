@@ -323,7 +323,7 @@ def test_checkout_fails_cleanly_when_an_early_flush_fails(
     final fsync (which would not see it again), and leave no file behind."""
     import errno
 
-    import ckstore.fsio as fsio
+    import ckstore.backend.fsio as fsio
 
     src = hf_folder(tmp_path / "m")
     oid = repo.commit(src)

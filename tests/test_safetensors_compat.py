@@ -22,7 +22,7 @@ from test_cli import Cli, assert_one_line_error, cli  # noqa: F401  (fixture)
 
 from ckstore.errors import NotFoundError, SafetensorsFormatError
 from ckstore.repo import Repo
-from ckstore.safetensors_format import DTYPE_BITS, parse_header
+from ckstore.format.safetensors import DTYPE_BITS, parse_header
 
 ST, PLAIN, REFUSED = "safetensors", "blob", "refused"  # stored as a safetensors entry, as plain bytes
 

@@ -1,4 +1,4 @@
-"""Tests for ckstore.safetensors_format, cross-checked against the safetensors library itself."""
+"""Tests for ckstore.format.safetensors, cross-checked against the safetensors library itself."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors import SafetensorError, deserialize, safe_open
 from safetensors.torch import save, save_file
 
 from ckstore.errors import SafetensorsFormatError
-from ckstore.safetensors_format import (
+from ckstore.format.safetensors import (
     DTYPE_BITS,
     MAX_HEADER_SIZE,
     SafetensorsLayout,

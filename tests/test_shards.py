@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ckstore.errors import InvalidInputError, OutputExistsError
 from ckstore.repo import Repo
-from ckstore.shards import INDEX_NAME, parse_size, split_into_shards
+from ckstore.read.shards import INDEX_NAME, parse_size, split_into_shards
 
 from helpers import save_st, tree_digest
 from test_cli import Cli, cli  # noqa: F401  (fixture)

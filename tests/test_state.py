@@ -25,7 +25,7 @@ import ckstore
 from ckstore.cli import main
 from ckstore.errors import ObjectMissingError, UnencodableValueError
 from ckstore.repo import Repo
-from ckstore.state import STATE_TENSORS, STATE_VALUES, rng_state, set_rng_state
+from ckstore.training.state import STATE_TENSORS, STATE_VALUES, rng_state, set_rng_state
 from helpers import TORCH_DTYPES, make_tensor, object_count, object_file
 
 TESTS = Path(__file__).resolve().parent

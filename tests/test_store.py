@@ -9,11 +9,11 @@ import pytest
 
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
-from ckstore.codec import Kind
+from ckstore.format.codec import Kind
 from ckstore.errors import IntegrityError, ObjectMissingError
-from ckstore.ids import chunk_id
-from ckstore.manifest import Commit, encode_commit
-from ckstore.store import ObjectStore, object_key
+from ckstore.format.ids import chunk_id
+from ckstore.format.manifest import Commit, encode_commit
+from ckstore.repository.store import ObjectStore, object_key
 
 from helpers import flip_bit
 

@@ -1,4 +1,4 @@
-"""Tests for ckstore.values: exact, canonical, pickle-free value encoding."""
+"""Tests for ckstore.format.values: exact, canonical, pickle-free value encoding."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckstore.errors import IntegrityError, ObjectMissingError, UnencodableValueError
-from ckstore.values import (
+from ckstore.format.values import (
     MAX_DEPTH,
     MAX_INT_DIGITS,
     decode_value,

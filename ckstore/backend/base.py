@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from ..errors import InvalidPathError, LockedError, StorageError
+from ckstore.errors import InvalidPathError, LockedError, StorageError
 
 # '%' carries the escapes of ref names (refs.encode_ref); no character here can change a path.
 # A key is parts joined by '/', none empty, '.' or '..': one match per key (every object access

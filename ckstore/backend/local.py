@@ -35,14 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from ..errors import IntegrityError, InvalidInputError, LockedError, RefExistsError, StorageError
-from ..fsio import fsync_path, mutating_step, start_writeback
-from ..ids import key_object_id, object_key
-from ..pack import check_read
-from .base import Backend, check_key, check_line, check_prefix, storage_error
-from .local_batch import LocalBatch, StagingBackend
-from .local_packs import PACK_FOLDER, LocalPacks
-from .syscalls import HAS_SYNCFS, syncfs
+from ckstore.errors import IntegrityError, InvalidInputError, LockedError, RefExistsError, StorageError
+from ckstore.backend.fsio import fsync_path, mutating_step, start_writeback
+from ckstore.format.ids import key_object_id, object_key
+from ckstore.format.pack import check_read
+from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
+from ckstore.backend.local_batch import LocalBatch, StagingBackend
+from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks
+from ckstore.backend.syscalls import HAS_SYNCFS, syncfs
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"

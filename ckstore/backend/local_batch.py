@@ -31,12 +31,12 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from collections.abc import Iterable
 
-from ..fsio import EarlyFlush, mutating_step
-from ..ids import key_object_id
-from ..pack import PackIndex
-from .base import Backend, check_key, storage_error
-from .local_packs import PACK_FOLDER, LocalPacks, PackWriter
-from .syscalls import move_if_absent, syncfs
+from ckstore.backend.fsio import EarlyFlush, mutating_step
+from ckstore.format.ids import key_object_id
+from ckstore.format.pack import PackIndex
+from ckstore.backend.base import Backend, check_key, storage_error
+from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks, PackWriter
+from ckstore.backend.syscalls import move_if_absent, syncfs
 
 class StagingBackend(Backend):
     """What a batch needs of the local backend beyond ``Backend`` (local.py implements it)."""

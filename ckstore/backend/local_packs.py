@@ -25,10 +25,10 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import IntegrityError
-from ..fsio import mutating_step
-from ..ids import is_object_id
-from ..pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, index_from_tail, tail_length
+from ckstore.errors import IntegrityError
+from ckstore.backend.fsio import mutating_step
+from ckstore.format.ids import is_object_id
+from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, index_from_tail, tail_length
 
 PACK_FOLDER = "objects/pack"
 PACK_SUFFIX = ".pack"

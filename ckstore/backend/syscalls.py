@@ -9,7 +9,7 @@ import errno
 import os
 from pathlib import Path
 
-from ..fsio import libc_function
+from ckstore.backend.fsio import libc_function
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1

@@ -6,7 +6,12 @@ registers them on ``main``.
 
 from __future__ import annotations
 
-from . import files, inspect, maintenance, overlays, refs, remotes  # noqa: F401  (registers the commands)
-from .base import main, run
+from ckstore.cli import files
+from ckstore.cli import inspect
+from ckstore.cli import maintenance
+from ckstore.cli import overlays
+from ckstore.cli import refs
+from ckstore.cli import remotes  # noqa: F401  (registers the commands)
+from ckstore.cli.base import main, run
 
 __all__ = ["main", "run"]

@@ -1,3 +1,3 @@
-from .base import run
+from ckstore.cli.base import run
 
 run()

@@ -19,8 +19,8 @@ from typing import Any, NoReturn
 import click
 import click.shell_completion
 
-from ..errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
-from ..repo import ProgressBar, Repo
+from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
+from ckstore.repo import ProgressBar, Repo
 
 EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141  # 128 + SIGPIPE

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..errors import InvalidInputError, PickleCheckpointError
-from ..repo import CheckoutResult, Repo
-from .base import (
+from ckstore.errors import InvalidInputError, PickleCheckpointError
+from ckstore.repo import CheckoutResult, Repo
+from ckstore.cli.base import (
     complete_ref,
     human,
     main,

@@ -1,6 +1,6 @@
 """Commands that read history: log, show, diff, stats, best.
 
-Their figures are defined once in ckstore/sizes.py (docs/design.md, "Size figures"); their
+Their figures are defined once in ckstore/maintenance/sizes.py (docs/design.md, "Size figures"); their
 ``--json`` fields are documented in docs/cli-json.md.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from ..dcp_manifest import record_json
-from ..repo import Decorations, Repo
-from .base import complete_ref, human, main, pass_repo, print_json, short
+from ckstore.format.dcp_record import record_json
+from ckstore.repo import Decorations, Repo
+from ckstore.cli.base import complete_ref, human, main, pass_repo, print_json, short
 
 _STATUS_MARKS = {"added": "+", "removed": "-", "changed": "~", "unchanged": "="}
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from ..errors import IntegrityError, InvalidInputError
-from ..repo import Repo
-from .base import die, human, main, pass_repo, print_json, progress_factory
-from .inspect import commit_line
+from ckstore.errors import IntegrityError, InvalidInputError
+from ckstore.repo import Repo
+from ckstore.cli.base import die, human, main, pass_repo, print_json, progress_factory
+from ckstore.cli.inspect import commit_line
 
 
 @main.command()
@@ -40,7 +40,7 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
     if keep_best is not None and not metric:
         raise InvalidInputError("--keep-best needs --metric NAME")
     if remote_name is not None:
-        from .remotes import report_remote_gc
+        from ckstore.cli.remotes import report_remote_gc
 
         report_remote_gc(repo.gc_remote(remote_name, keep_last=keep_last, keep_best=keep_best, metric=metric,
                                         maximize=maximize, keep_every=keep_every, dry_run=dry_run,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..overlay import RelinkReport
-from ..repo import Repo
-from .base import main, pass_repo
+from ckstore.repository.overlay import RelinkReport
+from ckstore.repo import Repo
+from ckstore.cli.base import main, pass_repo
 
 
 @main.command()

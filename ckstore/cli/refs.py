@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 
 import click
 
-from ..errors import InvalidInputError
-from ..repo import ReflogEntry, Repo
-from .base import complete_ref, main, pass_repo, print_json
+from ckstore.errors import InvalidInputError
+from ckstore.repo import ReflogEntry, Repo
+from ckstore.cli.base import complete_ref, main, pass_repo, print_json
 
 
 def _refs_command(kind: str) -> Callable[..., None]:

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..repo import Repo
-from .base import human, main, pass_repo, print_json, short
+from ckstore.repo import Repo
+from ckstore.cli.base import human, main, pass_repo, print_json, short
 
 if TYPE_CHECKING:
-    from ..fetch import FetchReport
-    from ..remote_gc import RemoteGcReport
+    from ckstore.remote.fetch import FetchReport
+    from ckstore.remote.gc import RemoteGcReport
 
 
 @main.group(invoke_without_command=True)
@@ -102,7 +102,7 @@ def pull(repo: Repo, remote_name: str | None) -> None:
 @click.option("--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself).")
 def clone(url: str, path: str, endpoint_url: str | None) -> None:
     """Create a repository at PATH (default ./.ckstore) with every branch of the remote at URL."""
-    from ..fetch import clone as do_clone
+    from ckstore.remote.fetch import clone as do_clone
 
     ctx, r = do_clone(url, path, endpoint_url)
     click.echo(f"cloned {url} into {ctx.path}: {len(ctx.refs.list('refs/heads/'))} branch(es)")

@@ -13,11 +13,11 @@ __all__ = ["Reader", "Writer", "saved_commit", "wait_compaction"]
 
 def __getattr__(name: str) -> Any:
     if name == "wait_compaction":
-        from .compaction import wait_compaction
+        from ckstore.dcp.compaction import wait_compaction
 
         return wait_compaction
     if name in __all__:
-        from . import storage
+        from ckstore.dcp import storage
 
         return getattr(storage, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

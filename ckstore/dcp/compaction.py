@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import threading
 
-from ..background import Compactions
-from ..compact import compact_branch
-from ..context import RepoContext
-from ..ingest import MemoryFile, ingest
-from ..manifest import FileEntry
-from ..store import ObjectStore
+from ckstore.write.background import Compactions
+from ckstore.write.compact import compact_branch
+from ckstore.repository.context import RepoContext
+from ckstore.write.ingest import MemoryFile, ingest
+from ckstore.format.manifest import FileEntry
+from ckstore.repository.store import ObjectStore
 
 _lock = threading.Lock()
 _compactions: dict[str, Compactions] = {}  # per repository location, this process

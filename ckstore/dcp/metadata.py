@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..dcp_manifest import DTYPES, DcpObject, DcpPiece, DcpRecord, DcpTensor
-from ..errors import IntegrityError, UnencodableValueError
-from ..manifest import ChunkRef, TensorEntry
-from ..values import decode_value, encode_value
+from ckstore.format.dcp_record import DTYPES, DcpObject, DcpPiece, DcpRecord, DcpTensor
+from ckstore.errors import IntegrityError, UnencodableValueError
+from ckstore.format.manifest import ChunkRef, TensorEntry
+from ckstore.format.values import decode_value, encode_value
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def build_metadata(record: DcpRecord) -> tuple[Metadata, dict[MetadataIndex, Loc
 
 def decode_object(data: bytes, fqn: str) -> Any:
     """A non-tensor item stored as typed JSON (encoding "value")."""
-    from ..manifest import parse_json
+    from ckstore.format.manifest import parse_json
 
     try:
         return decode_value(parse_json(data))

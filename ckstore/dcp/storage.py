@@ -43,19 +43,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..commit import encode_metadata, record_commit
-from ..context import RepoContext, open_context
-from ..dcp_manifest import DTYPES, piece_name, stored_dtype
-from ..errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
-from ..ingest import MemoryFile
-from ..manifest import FileEntry, canonical_json
-from ..partial import LazyTensors
-from ..refs import check_ref_name
-from ..safetensors_format import emit_header, parse_header
-from ..torch_tensors import bytes_of
-from ..values import encode_value
-from .compaction import compact_later, store_pieces
-from .metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
+from ckstore.write.commit import encode_metadata, record_commit
+from ckstore.repository.context import RepoContext, open_context
+from ckstore.format.dcp_record import DTYPES, piece_name, stored_dtype
+from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
+from ckstore.write.ingest import MemoryFile
+from ckstore.format.manifest import FileEntry, canonical_json
+from ckstore.training.partial import LazyTensors
+from ckstore.repository.refs import check_ref_name
+from ckstore.format.safetensors import emit_header, parse_header
+from ckstore.format.torch_dtypes import bytes_of
+from ckstore.format.values import encode_value
+from ckstore.dcp.compaction import compact_later, store_pieces
+from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 
 FILE_METADATA = {"format": "ckstore-dcp"}
 COMMIT_KEY = "ckstore_commit"  # in the Metadata dcp.save returns: the commit id, on every rank

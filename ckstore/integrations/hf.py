@@ -18,10 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidInputError, MissingDependencyError
-from ..repo import Repo
-from ..state import rng_state, set_rng_state
-from . import plain, scalar_metrics
+from ckstore.errors import InvalidInputError, MissingDependencyError
+from ckstore.repo import Repo
+from ckstore.training.state import rng_state, set_rng_state
+from ckstore.integrations import plain
+from ckstore.integrations import scalar_metrics
 
 try:
     from transformers import TrainerCallback

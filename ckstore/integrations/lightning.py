@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidInputError, MissingDependencyError
-from ..repo import Repo
-from . import plain, scalar_metrics
+from ckstore.errors import InvalidInputError, MissingDependencyError
+from ckstore.repo import Repo
+from ckstore.integrations import plain
+from ckstore.integrations import scalar_metrics
 
 try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO

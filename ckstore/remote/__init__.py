@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
-from ..errors import InvalidInputError
-from .transport import NotFound, ObjectInfo, RemoteOptions, Transport, check_remote_key
+from ckstore.errors import InvalidInputError
+from ckstore.remote.transport import NotFound, ObjectInfo, RemoteOptions, Transport, check_remote_key
 
 __all__ = ["NotFound", "ObjectInfo", "RemoteOptions", "Transport", "open_transport", "parse_url"]
 
@@ -50,9 +50,9 @@ def open_transport(url: str, options: RemoteOptions | None = None) -> Transport:
     """The transport for a remote URL; makes no request (``Transport.check`` does one)."""
     kind, where, prefix = parse_url(url)
     if kind == "s3":
-        from .s3 import S3Transport
+        from ckstore.remote.s3 import S3Transport
 
         return S3Transport(where, prefix, options)
-    from .directory import DirectoryTransport
+    from ckstore.remote.directory import DirectoryTransport
 
     return DirectoryTransport(where, url=where, options=options)

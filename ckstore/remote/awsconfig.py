@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingDependencyError, StorageError
+from ckstore.errors import MissingDependencyError, StorageError
 
 # Profile keys that mean "credentials come from a flow, not from the file".
 _FLOW_KEYS = ("credential_process", "sso_session", "sso_start_url", "role_arn", "credential_source")

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import blake3
 
-from ..fsio import fsync_path
-from ..errors import LockedError, StorageError
-from .transport import (
+from ckstore.backend.fsio import fsync_path
+from ckstore.errors import LockedError, StorageError
+from ckstore.remote.transport import (
     NotFound,
     ObjectInfo,
     RemoteOptions,

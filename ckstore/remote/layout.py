@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..backend.base import Backend
-from ..errors import IntegrityError, StorageError, UnsupportedFormatError
-from ..fsio import mutating_step
-from ..ids import ObjectId, is_object_id
-from ..pack import PackEntry, PackIndex, check_read, parse_index
-from .transport import NotFound, Transport
+from ckstore.backend.base import Backend
+from ckstore.errors import IntegrityError, StorageError, UnsupportedFormatError
+from ckstore.backend.fsio import mutating_step
+from ckstore.format.ids import ObjectId, is_object_id
+from ckstore.format.pack import PackEntry, PackIndex, check_read, parse_index
+from ckstore.remote.transport import NotFound, Transport
 
 FORMAT_KEY = "ckstore-remote.json"
 FORMAT_NAME = "ckstore remote"

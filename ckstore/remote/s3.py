@@ -27,9 +27,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CkstoreError, MissingDependencyError, StorageError
-from . import awsconfig
-from .transport import (
+from ckstore.errors import CkstoreError, MissingDependencyError, StorageError
+from ckstore.remote import awsconfig
+from ckstore.remote.transport import (
     NotFound,
     ObjectInfo,
     RemoteOptions,

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .transport import RemoteOptions
+from ckstore.remote.transport import RemoteOptions
 
 STARTUP_TIMEOUT = 30.0
 BUCKET = "ckstore-test"
@@ -136,8 +136,8 @@ def _remove_sockets(folder: Path, ports: dict[str, int]) -> None:
 
 
 def _ready(server: S3Server) -> bool:
-    from ..errors import StorageError
-    from .s3 import S3Transport
+    from ckstore.errors import StorageError
+    from ckstore.remote.s3 import S3Transport
 
     probe = S3Transport(server.bucket, "ready-probe", server.options(max_retries=0), env=server.env)
     try:

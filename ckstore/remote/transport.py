@@ -53,8 +53,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from ..backend.base import check_key, check_prefix
-from ..errors import InvalidPathError
+from ckstore.backend.base import check_key, check_prefix
+from ckstore.errors import InvalidPathError
 
 
 class NotFound(KeyError):

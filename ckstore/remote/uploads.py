@@ -25,8 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from ..pack import DEFAULT_TARGET_SIZE, PackBuilder, PackIndex
-from .layout import RemoteRepo
+from ckstore.format.pack import DEFAULT_TARGET_SIZE, PackBuilder, PackIndex
+from ckstore.remote.layout import RemoteRepo
 
 # Parts queued for one pack ahead of its upload (memory: about this many stored objects).
 FEED_AHEAD = 8

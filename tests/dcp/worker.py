@@ -152,7 +152,7 @@ def main() -> None:
         model, opt = build(0)
         train_step(model, opt, 0)
         if rank == 1:
-            from ckstore.store import ObjectStore
+            from ckstore.repository.store import ObjectStore
 
             original, calls = ObjectStore.put_chunk, []
 

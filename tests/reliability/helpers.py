@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import ckstore.provenance
-import ckstore.commit
+import ckstore.write.provenance
+import ckstore.write.commit
 from ckstore.repo import Repo
-from ckstore.safetensors_format import emit_header
-from ckstore.store import object_key
+from ckstore.format.safetensors import emit_header
+from ckstore.repository.store import object_key
 
 # Figures for docs/reliability.md (written out by conftest.py when CKSTORE_RELIABILITY_REPORT is set).
 COUNTS: Counter[str] = Counter()
@@ -125,8 +125,8 @@ def reproducible_commits() -> Iterator[None]:
         return (start + timedelta(seconds=next(ticks))).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ckstore.commit, "_now", clock)  # raises if the name moves: update it here
-        patch.setattr(ckstore.provenance, "collect", lambda cwd=None: {"ckstore": "test", "python": "3"})
+        patch.setattr(ckstore.write.commit, "_now", clock)  # raises if the name moves: update it here
+        patch.setattr(ckstore.write.provenance, "collect", lambda cwd=None: {"ckstore": "test", "python": "3"})
         yield
 
 

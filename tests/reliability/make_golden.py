@@ -21,11 +21,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-import ckstore.commit  # noqa: E402
-import ckstore.provenance  # noqa: E402
+import ckstore.write.commit  # noqa: E402
+import ckstore.write.provenance  # noqa: E402
 from ckstore.repo import Repo  # noqa: E402
-from ckstore.safetensors_format import emit_header  # noqa: E402
-from ckstore.store import object_key  # noqa: E402
+from ckstore.format.safetensors import emit_header  # noqa: E402
+from ckstore.repository.store import object_key  # noqa: E402
 
 GOLDEN = HERE / "golden"
 
@@ -44,8 +44,8 @@ def _checkpoint(folder: Path, epoch: int) -> None:
 
 
 def _base(root: Path) -> tuple[Repo, list[str]]:
-    ckstore.commit._now = _fixed_clock()  # type: ignore[attr-defined]
-    ckstore.provenance.collect = lambda cwd=None: {"ckstore": "golden", "python": "3", "hostname": "golden"}
+    ckstore.write.commit._now = _fixed_clock()  # type: ignore[attr-defined]
+    ckstore.write.provenance.collect = lambda cwd=None: {"ckstore": "golden", "python": "3", "hostname": "golden"}
     repo = Repo.init(root / "repo", chunk_size=4096, zstd_level=3)
     ids = []
     for epoch in (1, 2):

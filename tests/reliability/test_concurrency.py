@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ckstore.errors import RefChangedError
-from ckstore.refs import RefStore
+from ckstore.repository.refs import RefStore
 from ckstore.repo import Repo
 
 from .helpers import assert_clean_error, checkout_digest, cli_env, count, run_cli, write_checkpoint

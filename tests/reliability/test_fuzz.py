@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ckstore.codec import HEADER, HEADER_SIZE, Encoding, Kind, decode, encode, parse_header
+from ckstore.format.codec import HEADER, HEADER_SIZE, Encoding, Kind, decode, encode, parse_header
 from ckstore.errors import CkstoreError, IntegrityError, SafetensorsFormatError
-from ckstore.manifest import canonical_json, decode_commit, encode_commit
+from ckstore.format.manifest import canonical_json, decode_commit, encode_commit
 from ckstore.repo import Repo
-from ckstore.safetensors_format import DTYPE_BITS, emit_header, parse_header as parse_st
+from ckstore.format.safetensors import DTYPE_BITS, emit_header, parse_header as parse_st
 
 from .helpers import count, flip_bit, object_path, reproducible_commits, st_bytes, tree_digest
 

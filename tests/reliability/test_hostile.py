@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import zstandard
 
-from ckstore.codec import HEADER, MAGIC, OBJECT_VERSION, Encoding, Kind, encode
+from ckstore.format.codec import HEADER, MAGIC, OBJECT_VERSION, Encoding, Kind, encode
 from ckstore.errors import InvalidRefNameError
-from ckstore.ids import chunk_id
-from ckstore.manifest import canonical_json
+from ckstore.format.ids import chunk_id
+from ckstore.format.manifest import canonical_json
 from ckstore.repo import Repo
-from ckstore.store import object_key
+from ckstore.repository.store import object_key
 
 from .helpers import (
     assert_clean_error, checkpoint_bytes, cli_env, count, limit_address_space, run_cli, st_bytes, tree_digest,

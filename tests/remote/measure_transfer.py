@@ -19,9 +19,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckstore import pack
-from ckstore.codec import Kind, encode
-from ckstore.ids import chunk_id
+from ckstore.format import pack
+from ckstore.format.codec import Kind, encode
+from ckstore.format.ids import chunk_id
 from ckstore.remote.s3 import S3Transport
 
 from .conftest import S3Server, seaweedfs

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from ckstore import pack
-from ckstore.codec import Kind, encode
+from ckstore.format import pack
+from ckstore.format.codec import Kind, encode
 from ckstore.errors import StorageError
-from ckstore.ids import chunk_id
+from ckstore.format.ids import chunk_id
 from ckstore.remote.s3 import S3Transport
 
 from .conftest import S3Server

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from ckstore.cli import main
 from ckstore.errors import ConflictError, IntegrityError, NotFoundError, StorageError
-from ckstore.pack import ENTRY
-from ckstore.push import FetchFirstError
+from ckstore.format.pack import ENTRY
+from ckstore.remote.push import FetchFirstError
 from ckstore.remote.layout import PACKS, pack_name
 from ckstore.repo import Repo
 
@@ -207,8 +207,8 @@ def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, g
     """Older epochs are stored as deltas of newer ones, so a clone (oldest commit first) meets
     deltas before their bases: in one batch they wait for the base's in-memory verification, one
     batch per commit fetches the base in a later round. Either way a damaged base is named."""
-    from ckstore import fetch as fetch_module
-    from ckstore.pack import parse_pack
+    from ckstore.remote import fetch as fetch_module
+    from ckstore.format.pack import parse_pack
     from ckstore.remote import open_transport
 
     if group == "batch per commit":

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from ckstore.cli import main
 from ckstore.errors import StorageError
 from ckstore.remote.layout import INDEXES, PACKS
-from ckstore.remotes import open_remote
+from ckstore.remote.names import open_remote
 from ckstore.repo import Repo
 
 from .conftest import S3Server
@@ -196,8 +196,8 @@ def test_interrupted_fetch_resumes_with_what_is_missing(tmp_path: Path, monkeypa
     """A fetch stopped at each of its steps in turn (an exception from the step seam: what a
     crash leaves on disk, since a batch's staged files are invisible until it lands) leaves a
     repository where every commit present is whole, and the next fetch brings only the rest."""
-    from ckstore import fetch as fetch_module
-    from ckstore import fsio
+    from ckstore.remote import fetch as fetch_module
+    from ckstore.backend import fsio
 
     a = Repo.init(tmp_path / "a", chunk_size=16 << 10)
     ids = [a.commit(epoch_files(tmp_path / "work" / f"e{e}", e, n=16 << 10), message=f"epoch {e}") for e in (1, 2, 3)]

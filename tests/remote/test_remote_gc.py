@@ -11,8 +11,8 @@ import pytest
 
 from ckstore.errors import IntegrityError, LockedError
 from ckstore.remote.layout import GC_LOCK_KEY, PACKS
-from ckstore.remote_gc import MTIME_RESOLUTION
-from ckstore.remotes import open_remote
+from ckstore.remote.gc import MTIME_RESOLUTION
+from ckstore.remote.names import open_remote
 from ckstore.repo import Repo
 
 from .epochs import assert_checks_out, digests, epoch_files, make_repo, pushed

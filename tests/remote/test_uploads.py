@@ -10,10 +10,10 @@ from pathlib import Path
 import blake3
 import pytest
 
-from ckstore.codec import Kind, encode
+from ckstore.format.codec import Kind, encode
 from ckstore.errors import StorageError
-from ckstore.ids import chunk_id
-from ckstore.pack import parse_index, parse_pack
+from ckstore.format.ids import chunk_id
+from ckstore.format.pack import parse_index, parse_pack
 from ckstore.remote.directory import DirectoryTransport
 from ckstore.remote.layout import INDEXES, PACKS, RemoteRepo, index_key, pack_name
 from ckstore.remote.uploads import PackUploads

@@ -15,12 +15,12 @@ import blake3
 import pytest
 
 from ckstore.errors import IntegrityError
-from ckstore.pack import parse_index, parse_pack
+from ckstore.format.pack import parse_index, parse_pack
 from ckstore.remote import open_transport
 from ckstore.remote.layout import INDEXES, PACKS, index_key, pack_key, pack_name
 from ckstore.remote.transport import Transport
 from ckstore.repo import Repo
-from ckstore.store import object_key
+from ckstore.repository.store import object_key
 
 from .conftest import S3Server
 from .epochs import digests, epoch_files, make_repo
@@ -164,8 +164,8 @@ class Interrupted(BaseException):
 def test_an_interrupted_fetch_keeps_the_batches_that_landed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Objects land in rolling batches before any commit names them: a fetch stopped halfway
     leaves no commit, and the next fetch downloads only the objects that had not landed."""
-    from ckstore import fetch as fetch_module
-    from ckstore import fsio
+    from ckstore.remote import fetch as fetch_module
+    from ckstore.backend import fsio
 
     url = str(tmp_path / "remote")
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))

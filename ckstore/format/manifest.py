@@ -1,0 +1,352 @@
+"""Commit manifests: the records, their canonical JSON, and strict parsing (pure, no I/O).
+
+A manifest is one JSON object (UTF-8, no insignificant whitespace, keys in the fixed order the
+writer emits). Parsing validates every field, every id, every size and every path, so a damaged
+or hostile manifest is an IntegrityError and never reaches the filesystem. docs/format.md is the
+normative description of this schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ckstore.format.dcp_record import DcpRecord, parse_record, record_json
+from ckstore.errors import IntegrityError, InvalidPathError, UnsupportedFormatError
+from ckstore.format.ids import ObjectId, is_object_id
+from ckstore.format.safetensors import DTYPE_BITS
+from ckstore.format.values import JSONValue, decode_value
+
+# Version 2 adds the ``dcp`` field (distributed checkpoints, format.md section 16). Writers emit
+# version 1, byte for byte as before, for every commit without a dcp record, so only DCP commits
+# are refused by readers that know version 1 alone.
+MANIFEST_VERSION = 2
+MAX_MANIFEST_BYTES = 1 << 30
+KINDS = ("safetensors", "blob")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    id: ObjectId
+    size: int  # raw (decoded) length in bytes
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRef, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    kind: str  # "safetensors" or "blob"
+    size: int
+    header: tuple[ChunkRef, ...] = ()  # safetensors: the exact 8-byte length + JSON header
+    tensors: tuple[TensorEntry, ...] = ()  # safetensors: in file order
+    chunks: tuple[ChunkRef, ...] = ()  # blob: the file's bytes
+
+    def all_chunks(self) -> Iterator[ChunkRef]:
+        yield from self.header
+        for tensor in self.tensors:
+            yield from tensor.chunks
+        yield from self.chunks
+
+
+@dataclass(frozen=True)
+class StateFiles:
+    """A training-state commit's two files: typed-JSON values and the safetensors of tensors."""
+
+    values: str
+    tensors: str
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """An overlay's base commit; ``repo`` is None when it lives in the same repository."""
+
+    commit: ObjectId
+    repo: str | None = None
+
+
+@dataclass(frozen=True)
+class Commit:
+    parents: tuple[ObjectId, ...]
+    time: str
+    message: str
+    branch: str
+    files: tuple[FileEntry, ...]
+    metadata: JSONValue = field(default_factory=dict)  # typed encoding, see values.py
+    provenance: Mapping[str, str] = field(default_factory=dict)
+    logical_bytes: int = 0
+    added_bytes: int = 0
+    state: StateFiles | None = None  # training state
+    base: BaseRef | None = None  # overlay
+    dcp: DcpRecord | None = None  # distributed checkpoint (manifest version 2)
+
+    def all_chunks(self) -> Iterator[ChunkRef]:
+        for f in self.files:
+            yield from f.all_chunks()
+
+    @property
+    def timestamp(self) -> float:
+        """``time`` as seconds since the epoch (validated when the manifest was parsed)."""
+        return datetime.fromisoformat(self.time).timestamp()
+
+    def decoded_metadata(self) -> dict[str, Any]:
+        value = decode_value(self.metadata)
+        if not isinstance(value, dict):
+            raise IntegrityError("commit metadata is not a mapping")
+        return value
+
+
+def check_relative_path(path: str) -> str:
+    """Refuse any path that is absolute, climbs out of its root, or holds hostile characters."""
+    if not isinstance(path, str) or not path:
+        raise InvalidPathError(f"invalid file path {path!r}")
+    if _CONTROL.search(path) or "\\" in path or path.startswith("/") or _DRIVE.match(path):
+        raise InvalidPathError(f"file path {path!r} is absolute or holds forbidden characters")
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise InvalidPathError(f"file path {path!r} has an empty, '.' or '..' component")
+    return path
+
+
+def _chunks_json(chunks: Sequence[ChunkRef]) -> list[list[Any]]:
+    return [[c.id, c.size] for c in chunks]
+
+
+def _file_json(f: FileEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": f.path, "kind": f.kind, "size": f.size}
+    if f.kind == "safetensors":
+        out["header"] = _chunks_json(f.header)
+        out["tensors"] = [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": _chunks_json(t.chunks)}
+            for t in f.tensors
+        ]
+    else:
+        out["chunks"] = _chunks_json(f.chunks)
+    return out
+
+
+def encode_commit(commit: Commit) -> bytes:
+    doc = {
+        "ckstore": 1 if commit.dcp is None else 2,
+        "parents": list(commit.parents),
+        "time": commit.time,
+        "branch": commit.branch,
+        "message": commit.message,
+        "metadata": commit.metadata,
+        "provenance": dict(commit.provenance),
+        "logical_bytes": commit.logical_bytes,
+        "added_bytes": commit.added_bytes,
+        "state": {"values": commit.state.values, "tensors": commit.state.tensors} if commit.state else None,
+        "base": {"commit": commit.base.commit, "repo": commit.base.repo} if commit.base else None,
+        "files": [_file_json(f) for f in commit.files],
+    }
+    if commit.dcp is not None:
+        files = doc.pop("files")
+        doc["dcp"] = record_json(commit.dcp)
+        doc["files"] = files
+    return canonical_json(doc)
+
+
+def canonical_json(doc: Any) -> bytes:
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise IntegrityError(f"duplicate key {key!r} in manifest")
+        out[key] = value
+    return out
+
+
+def _refuse_constant(name: str) -> float:
+    raise IntegrityError(f"manifest holds the non-JSON constant {name}")
+
+
+def parse_json(data: bytes) -> Any:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise IntegrityError("manifest exceeds the size limit")
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise IntegrityError(f"manifest is not valid JSON: {exc}") from None
+
+
+def _expect(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in doc:
+        raise IntegrityError(f"{where}: missing field {key!r}")
+    value = doc[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise IntegrityError(f"{where}: field {key!r} has the wrong type")
+    return value
+
+
+def _size(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 1 << 63:
+        raise IntegrityError(f"{where}: invalid size {value!r}")
+    return value
+
+
+def _parse_chunks(value: Any, where: str) -> tuple[ChunkRef, ...]:
+    if not isinstance(value, list):
+        raise IntegrityError(f"{where}: chunks are not a list")
+    out = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and is_object_id(item[0])):
+            raise IntegrityError(f"{where}: malformed chunk reference {item!r:.80}")
+        size = _size(item[1], where)
+        if size == 0:
+            raise IntegrityError(f"{where}: empty chunk")
+        out.append(ChunkRef(ObjectId(item[0]), size))
+    return tuple(out)
+
+
+def _parse_tensor(doc: Any, where: str) -> TensorEntry:
+    if not isinstance(doc, dict) or set(doc) != {"name", "dtype", "shape", "chunks"}:
+        raise IntegrityError(f"{where}: malformed tensor entry")
+    name = _expect(doc, "name", str, where)
+    where = f"{where}, tensor {name!r}"
+    dtype = _expect(doc, "dtype", str, where)
+    if dtype not in DTYPE_BITS:
+        raise IntegrityError(f"{where}: unknown dtype {dtype!r}")
+    shape = _expect(doc, "shape", list, where)
+    if len(shape) > 64 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 63 for d in shape):
+        raise IntegrityError(f"{where}: invalid shape")
+    chunks = _parse_chunks(doc["chunks"], where)
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits != 8 * sum(c.size for c in chunks):
+        raise IntegrityError(f"{where}: chunk sizes do not match dtype and shape")
+    return TensorEntry(name, dtype, tuple(shape), chunks)
+
+
+def _parse_file(doc: Any, index: int) -> FileEntry:
+    where = f"file #{index}"
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{where}: not an object")
+    try:
+        path = check_relative_path(_expect(doc, "path", str, where))
+    except InvalidPathError as exc:
+        raise IntegrityError(f"{where}: {exc}") from None
+    where = f"file {path!r}"
+    kind = _expect(doc, "kind", str, where)
+    size = _size(doc.get("size"), where)
+    if kind == "safetensors":
+        if set(doc) != {"path", "kind", "size", "header", "tensors"}:
+            raise IntegrityError(f"{where}: unexpected fields")
+        header = _parse_chunks(doc["header"], where)
+        tensors_doc = _expect(doc, "tensors", list, where)
+        tensors = tuple(_parse_tensor(t, where) for t in tensors_doc)
+        if len({t.name for t in tensors}) != len(tensors):
+            raise IntegrityError(f"{where}: duplicate tensor names")
+        entry = FileEntry(path, kind, size, header=header, tensors=tensors)
+    elif kind == "blob":
+        if set(doc) != {"path", "kind", "size", "chunks"}:
+            raise IntegrityError(f"{where}: unexpected fields")
+        entry = FileEntry(path, kind, size, chunks=_parse_chunks(doc["chunks"], where))
+    else:
+        raise IntegrityError(f"{where}: unknown kind {kind!r}")
+    if sum(c.size for c in entry.all_chunks()) != size:
+        raise IntegrityError(f"{where}: chunk sizes do not add up to the file size {size}")
+    return entry
+
+
+def _parse_state(value: Any, kinds: Mapping[str, str]) -> StateFiles | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict) or set(value) != {"values", "tensors"}
+        or not all(isinstance(v, str) for v in value.values())  # a list would make kinds.get raise TypeError
+        or kinds.get(value["values"]) != "blob" or kinds.get(value["tensors"]) != "safetensors"
+    ):
+        raise IntegrityError("manifest: malformed state record")
+    return StateFiles(value["values"], value["tensors"])
+
+
+def _parse_base(value: Any) -> BaseRef | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict) or set(value) != {"commit", "repo"}
+        or not isinstance(value["commit"], str) or not is_object_id(value["commit"])
+        or not (value["repo"] is None or (isinstance(value["repo"], str) and value["repo"].startswith("/")
+                                          and not _CONTROL.search(value["repo"])))
+    ):
+        raise IntegrityError("manifest: malformed base record")
+    return BaseRef(ObjectId(value["commit"]), value["repo"])
+
+
+def _parse_dcp(value: Any, files: Sequence[FileEntry]) -> DcpRecord:
+    stored = {(f.path, t.name): (t.dtype, t.shape) for f in files for t in f.tensors}
+    return parse_record(value, stored)
+
+
+_COMMIT_FIELDS = (
+    "ckstore", "parents", "time", "branch", "message", "metadata", "provenance",
+    "logical_bytes", "added_bytes", "state", "base", "files",
+)
+_COMMIT_FIELDS_V2 = (*_COMMIT_FIELDS[:-1], "dcp", "files")
+
+
+def decode_commit(data: bytes) -> Commit:
+    doc = parse_json(data)
+    if not isinstance(doc, dict):
+        raise IntegrityError("manifest is not a JSON object")
+    version = _expect(doc, "ckstore", int, "manifest")
+    if version > MANIFEST_VERSION:
+        raise UnsupportedFormatError(f"manifest version {version} is newer than this ckstore reads")
+    if tuple(doc) != (_COMMIT_FIELDS if version < 2 else _COMMIT_FIELDS_V2):
+        raise IntegrityError("manifest fields are missing, unexpected or out of order")
+    parents = _expect(doc, "parents", list, "manifest")
+    if not all(isinstance(p, str) and is_object_id(p) for p in parents):
+        raise IntegrityError("manifest: malformed parent id")
+    provenance = _expect(doc, "provenance", dict, "manifest")
+    if not all(isinstance(v, str) for v in provenance.values()):
+        raise IntegrityError("manifest: provenance values must be strings")
+    files = tuple(_parse_file(f, i) for i, f in enumerate(_expect(doc, "files", list, "manifest")))
+    paths = {f.path for f in files}
+    if len(paths) != len(files):
+        raise IntegrityError("manifest: duplicate file paths")
+    for path in paths:  # "a" and "a/b" cannot both be files
+        parts = path.split("/")
+        if any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
+            raise IntegrityError(f"manifest: {path!r} lies below another file")
+    try:
+        datetime.fromisoformat(_expect(doc, "time", str, "manifest"))
+    except ValueError:
+        raise IntegrityError("manifest: time is not an ISO 8601 timestamp") from None
+    commit = Commit(
+        parents=tuple(ObjectId(p) for p in parents),
+        time=_expect(doc, "time", str, "manifest"),
+        message=_expect(doc, "message", str, "manifest"),
+        branch=_expect(doc, "branch", str, "manifest"),
+        files=files,
+        metadata=_expect(doc, "metadata", (dict, list), "manifest"),
+        provenance=provenance,
+        logical_bytes=_size(doc["logical_bytes"], "manifest"),
+        added_bytes=_size(doc["added_bytes"], "manifest"),
+        state=_parse_state(doc["state"], {f.path: f.kind for f in files}),
+        base=_parse_base(doc["base"]),
+        dcp=None if version < 2 else _parse_dcp(doc["dcp"], files),
+    )
+    commit.decoded_metadata()  # validates the typed encoding now, not at first display
+    return commit

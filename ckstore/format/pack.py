@@ -1,0 +1,436 @@
+"""Pack files and pack indexes: many stored objects in one file (pure, no I/O).
+
+Objects travel to and live on a remote in packs, because one request per ~1 MiB chunk is the
+wrong grain for object storage (a 10 GB checkpoint would be ~10,000 requests) and for network
+drives. A pack is the concatenation of stored objects exactly as the loose store holds them
+(codec.py: 16-byte header + body, never re-encoded), framed by a small header and followed by
+its own table of contents; a separate index file repeats that table with the pack's name and
+size, so a client learns what every pack holds by fetching only indexes (72 bytes an object),
+and reads any one object with a single ranged GET. docs/format.md ("Remote repositories and
+packs") is the normative layout; in short:
+
+    pack  = "CKPK" ver 0 0 0 | object ... object | table | trailer
+    table = count x (id[32] offset u32 length u32 blake3(stored bytes)[32]), sorted by id
+    trailer = count u32 | ver u8 | 0 0 0 | blake3(table)[32] | "CKPK"
+    index = "CKPI" ver 0 0 0 | pack id[32] | pack size u64 | count u32 | 0 0 0 0 | table | blake3[32]
+
+Version 2 (written now) records in each entry the BLAKE3 of the object's stored bytes, so a
+reader checks what a ranged read returned with one hash of those bytes, without decoding them
+(docs/design.md, "Verification on arrival"); version 1 entries lack it (40 bytes, not 72) and
+stay readable: their objects are checked by decoding them, as before.
+
+Why a pack's name is random rather than the hash of its bytes (as it was before): a name that
+depends on the bytes is known only once the last object is in, so a pusher would have to read
+and verify a whole pack before the first byte of it could leave; a name chosen up front lets the
+upload run while the pack is being made (push.py). Nothing needs the content name: each object
+is checked against the digest its entry records, the table against the trailer's checksum, the
+index against its own, and two packs holding the same object are allowed anyway.
+
+Why a table inside the pack as well as the index file (restic does the same): the pack alone
+is then self-describing, so a lost or damaged index is rebuilt from the pack's tail with one or
+two ranged reads, and fsck can check a pack without trusting anything else. Why sorted by id:
+the bytes of an index are canonical (one pack, one index) and a duplicate is an adjacent pair.
+
+An entry carries its object id because the id is the hash of the *decoded* bytes: nothing in
+the stored bytes names the object. Parsing is strict, like safetensors_format.py: every count,
+offset and length is checked against hard limits before use, the entries must tile the object
+area exactly (no hole, no overlap, no trailing byte), checksums must match, and every failure is
+an IntegrityError naming the pack.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import blake3
+
+from ckstore.format.codec import HEADER_SIZE, parse_header
+from ckstore.errors import IntegrityError
+from ckstore.format.ids import is_object_id
+
+PACK_MAGIC = b"CKPK"
+INDEX_MAGIC = b"CKPI"
+PACK_VERSION = 2  # what writers write
+PACK_HEADER = struct.Struct("<4sB3s")
+ENTRY_V1 = struct.Struct("<32sII")
+ENTRY = struct.Struct("<32sII32s")
+# Entry layout by version: readers accept both.
+ENTRIES = {1: ENTRY_V1, 2: ENTRY}
+TRAILER = struct.Struct("<IB3s32s4s")
+INDEX_HEADER = struct.Struct("<4sB3s32sQI4s")
+CHECKSUM_SIZE = 32
+_ZERO3 = b"\0\0\0"
+_ZERO4 = b"\0\0\0\0"
+
+DEFAULT_TARGET_SIZE = 32 << 20
+# Offsets and lengths are u32: packs are tens of MiB, and the limit keeps a hostile index from
+# naming ranges no pack can have.
+MAX_PACK_SIZE = (1 << 32) - 1
+# Bounds the memory a hostile count can make a reader allocate (40 MiB of table at most).
+MAX_PACK_OBJECTS = 1 << 20
+# The largest stored object: a manifest of store.MAX_COMMIT_SIZE stored raw behind its header
+# (codec never stores an object larger than raw + header).
+MAX_OBJECT_LENGTH = (1 << 30) + HEADER_SIZE
+# A reader that rebuilds an index from a pack first fetches this many bytes of its tail: enough
+# for the table of a full 32 MiB pack of 1 MiB chunks with room to spare.
+TAIL_GUESS = 64 << 10
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """Where one stored object lies in its pack."""
+
+    id: str
+    offset: int
+    length: int
+    # BLAKE3-256 of the stored bytes (pack version 2); None in a version 1 pack.
+    digest: bytes | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class PackIndex:
+    """The validated contents of one pack: its name, size and entries sorted by object id."""
+
+    pack_id: str
+    pack_size: int
+    entries: tuple[PackEntry, ...]
+    version: int = PACK_VERSION
+    _by_id: dict[str, PackEntry] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_id", {e.id: e for e in self.entries})
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, oid: object) -> bool:
+        return oid in self._by_id
+
+    def find(self, oid: str) -> PackEntry | None:
+        return self._by_id.get(oid)
+
+    def in_pack_order(self) -> list[PackEntry]:
+        return sorted(self.entries, key=lambda e: e.offset)
+
+    def to_bytes(self) -> bytes:
+        """The index file for this pack (section "Pack index" of docs/format.md)."""
+        return encode_index(self.pack_id, self.pack_size, self.entries, self.version)
+
+
+@dataclass(frozen=True)
+class BuiltPack:
+    """A finished pack: its name, bytes, and the index file that describes it."""
+
+    index: PackIndex
+    data: bytes
+    index_data: bytes
+
+    @property
+    def name(self) -> str:
+        return self.index.pack_id
+
+
+def _table_bytes(entries: Iterable[PackEntry], version: int) -> bytes:
+    if version == 1:
+        return b"".join(ENTRY_V1.pack(bytes.fromhex(e.id), e.offset, e.length) for e in entries)
+    rows = list(entries)
+    if any(e.digest is None for e in rows):
+        raise ValueError(f"a version {version} table needs every entry's digest")
+    return b"".join(ENTRY.pack(bytes.fromhex(e.id), e.offset, e.length, e.digest) for e in rows)
+
+
+def encode_index(pack_id: str, pack_size: int, entries: Iterable[PackEntry], version: int = PACK_VERSION) -> bytes:
+    """Index file bytes; ``entries`` must be sorted by id (PackIndex.entries always are)."""
+    rows = list(entries)
+    body = INDEX_HEADER.pack(
+        INDEX_MAGIC, version, _ZERO3, bytes.fromhex(pack_id), pack_size, len(rows), _ZERO4,
+    ) + _table_bytes(rows, version)
+    return body + blake3.blake3(body).digest()
+
+
+class PackBuilder:
+    """Lays out one pack, object by object, without holding the objects' bytes.
+
+    The pack's name is chosen before its first byte (random, docs/format.md 15.1), so a caller
+    can send ``header``, then each object's stored bytes as it is added, then ``close()``'s tail,
+    while later objects are still being read and verified: the upload of a pack overlaps its
+    making. The caller decides where one pack ends: ``fits`` says whether an object of a given
+    length still belongs in this pack. Objects are laid out in the order they are added, so
+    adding the chunks of one tensor in order lets a reader fetch them with one coalesced read.
+    """
+
+    def __init__(self, target_size: int = DEFAULT_TARGET_SIZE, pack_id: str | None = None) -> None:
+        if not 0 < target_size <= MAX_PACK_SIZE:
+            raise ValueError(f"pack target size {target_size} out of range 1..{MAX_PACK_SIZE}")
+        if pack_id is not None and not is_object_id(pack_id):
+            raise ValueError(f"invalid pack id {pack_id!r}")
+        self.target_size = target_size
+        self.pack_id = pack_id or secrets.token_hex(32)
+        self.header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, _ZERO3)
+        self._entries: dict[str, PackEntry] = {}
+        self._end = PACK_HEADER.size
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, oid: object) -> bool:
+        return oid in self._entries
+
+    def entry(self, oid: str) -> PackEntry | None:
+        """Where an object added to this pack lies, if it was added."""
+        return self._entries.get(oid)
+
+    @property
+    def size(self) -> int:
+        """The size the pack would have if closed now."""
+        return self._end + ENTRY.size * len(self._entries) + TRAILER.size
+
+    def fits(self, length: int) -> bool:
+        """Whether an object of ``length`` stored bytes belongs in this pack: always for an empty
+        pack (an object larger than the target gets a pack of its own), else while the pack
+        stays within the target size and the hard limits."""
+        if len(self._entries) >= MAX_PACK_OBJECTS:
+            return False
+        grown = self.size + length + ENTRY.size
+        return not self._entries and grown <= MAX_PACK_SIZE or grown <= self.target_size
+
+    def add(self, oid: str, stored: bytes | memoryview, digest: bytes | None = None) -> PackEntry:
+        """Place one stored object (its exact stored bytes) named ``oid`` next in the pack;
+        ``digest`` is the BLAKE3 of ``stored`` when the caller has it already (hashed here
+        otherwise). The caller writes ``stored`` itself, right after the previous object's."""
+        if self._closed:
+            raise ValueError("the pack is closed")
+        if not is_object_id(oid):
+            raise ValueError(f"invalid object id {oid!r}")
+        if oid in self._entries:
+            raise ValueError(f"object {oid} is already in this pack")
+        length = len(stored)
+        if length > MAX_OBJECT_LENGTH:
+            raise ValueError(f"object {oid} is {length} bytes, more than a stored object can be")
+        if len(self._entries) >= MAX_PACK_OBJECTS or self.size + length + ENTRY.size > MAX_PACK_SIZE:
+            raise ValueError("pack is full: check fits() before add()")
+        try:
+            parse_header(stored)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
+        entry = PackEntry(oid, self._end, length, digest if digest is not None else blake3.blake3(stored).digest())
+        self._entries[oid] = entry
+        self._end += length
+        return entry
+
+    def close(self) -> tuple[bytes, PackIndex]:
+        """The pack's last bytes (table and trailer) and its index; no object can follow."""
+        if not self._entries:
+            raise ValueError("an empty pack cannot be written")
+        self._closed = True
+        entries = tuple(sorted(self._entries.values(), key=lambda e: e.id))
+        table = _table_bytes(entries, PACK_VERSION)
+        trailer = TRAILER.pack(len(entries), PACK_VERSION, _ZERO3, blake3.blake3(table).digest(), PACK_MAGIC)
+        return table + trailer, PackIndex(self.pack_id, self.size, entries)
+
+
+def pack_objects(
+    objects: Iterable[tuple[str, bytes | memoryview] | tuple[str, bytes | memoryview, bytes]],
+    target_size: int = DEFAULT_TARGET_SIZE,
+) -> Iterator[BuiltPack]:
+    """Group (id, stored bytes[, their BLAKE3]) into whole packs of about ``target_size``
+    bytes, in order. A repeated id is stored once (the first time it appears)."""
+    builder = PackBuilder(target_size)
+    parts: list[bytes | memoryview] = [builder.header]
+    seen: set[str] = set()
+
+    def built() -> BuiltPack:
+        tail, index = builder.close()
+        return BuiltPack(index, b"".join([*parts, tail]), index.to_bytes())
+
+    for oid, stored, *digest in objects:
+        if oid in seen:
+            continue
+        seen.add(oid)
+        if not builder.fits(len(stored)):
+            yield built()
+            builder = PackBuilder(target_size)
+            parts = [builder.header]
+        builder.add(oid, stored, *digest)
+        parts.append(stored)
+    if len(builder):
+        yield built()
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+
+
+def _fail(what: str, reason: str) -> IntegrityError:
+    return IntegrityError(f"{what} is corrupt: {reason}")
+
+
+def _parse_table(table: bytes | memoryview, count: int, data_end: int, what: str, version: int) -> tuple[PackEntry, ...]:
+    """Entries of a table whose objects must tile ``[PACK_HEADER.size, data_end)`` exactly."""
+    layout = ENTRIES[version]
+    assert len(table) == count * layout.size
+    entries = []
+    previous = b""
+    for raw_id, offset, length, *digest in layout.iter_unpack(table):
+        if raw_id <= previous:
+            reason = "an object is listed twice" if raw_id == previous else "entries are not sorted by object id"
+            raise _fail(what, reason)
+        previous = raw_id
+        if length < HEADER_SIZE or length > MAX_OBJECT_LENGTH:
+            raise _fail(what, f"object {raw_id.hex()} has impossible length {length}")
+        entries.append(PackEntry(raw_id.hex(), offset, length, *digest))
+    expected = PACK_HEADER.size
+    for e in sorted(entries, key=lambda e: e.offset):
+        if e.offset != expected:
+            kind = "a hole" if e.offset > expected else "overlapping objects"
+            raise _fail(what, f"{kind} at offset {min(e.offset, expected)} (object {e.id})")
+        expected = e.end  # Python ints cannot overflow; the bound below keeps them in range
+        if expected > data_end:
+            raise _fail(what, f"object {e.id} ends at {expected}, past the object area ({data_end})")
+    if expected != data_end:
+        raise _fail(what, f"{data_end - expected} bytes after the last object are not listed")
+    return tuple(entries)
+
+
+def _check_frame(what: str, part: str, magic_ok: bool, version: int, reserved_ok: bool) -> None:
+    """The fixed fields of a pack header, pack trailer or index header."""
+    if not magic_ok:
+        raise _fail(what, f"its {part} lacks the magic bytes")
+    if version not in ENTRIES:
+        raise _fail(what, f"unknown version {version} in its {part}")
+    if not reserved_ok:
+        raise _fail(what, f"reserved bytes of its {part} are not zero")
+
+
+def _check_count(count: int, what: str) -> None:
+    if not 0 < count <= MAX_PACK_OBJECTS:
+        raise _fail(what, f"object count {count} out of range 1..{MAX_PACK_OBJECTS}")
+
+
+def _check_size(size: int, what: str) -> None:
+    if size > MAX_PACK_SIZE:
+        raise _fail(what, f"size {size} exceeds the limit {MAX_PACK_SIZE}")
+    if size < PACK_HEADER.size + HEADER_SIZE + ENTRY_V1.size + TRAILER.size:
+        raise _fail(what, f"size {size} is too small for a pack of one object")
+
+
+def parse_index(data: bytes | memoryview, pack_id: str | None = None) -> PackIndex:
+    """Validate an index file; ``pack_id`` (from its name) must match the pack it names."""
+    what = f"index of pack {pack_id}" if pack_id else "pack index"
+    view = memoryview(data)
+    if len(view) < INDEX_HEADER.size + CHECKSUM_SIZE:
+        raise _fail(what, f"{len(view)} bytes is shorter than the smallest index")
+    magic, version, reserved, raw_pack, size, count, reserved2 = INDEX_HEADER.unpack_from(view)
+    _check_frame(what, "index header", magic == INDEX_MAGIC, version, reserved == _ZERO3 and reserved2 == _ZERO4)
+    if pack_id is not None and raw_pack.hex() != pack_id:
+        raise _fail(what, f"it describes pack {raw_pack.hex()}")
+    what = f"index of pack {raw_pack.hex()}"
+    _check_count(count, what)
+    _check_size(size, what)
+    expected_len = INDEX_HEADER.size + count * ENTRIES[version].size + CHECKSUM_SIZE
+    if len(view) != expected_len:
+        raise _fail(what, f"it is {len(view)} bytes, its count of {count} objects implies {expected_len}")
+    body = view[:-CHECKSUM_SIZE]
+    if blake3.blake3(body).digest() != bytes(view[-CHECKSUM_SIZE:]):
+        raise _fail(what, "checksum mismatch")
+    table = view[INDEX_HEADER.size:-CHECKSUM_SIZE]
+    data_end = size - len(table) - TRAILER.size
+    entries = _parse_table(table, count, data_end, what, version)
+    return PackIndex(raw_pack.hex(), size, entries, version)
+
+
+def tail_length(trailer: bytes | memoryview, pack_size: int, pack_id: str) -> int:
+    """How many bytes at the end of a pack hold its table and trailer, from the last
+    ``TRAILER.size`` bytes; fetch that many (``TAIL_GUESS`` first usually covers it)."""
+    what = f"pack {pack_id}"
+    _check_size(pack_size, what)
+    if len(trailer) < TRAILER.size:
+        raise _fail(what, "its trailer is truncated")
+    count, version, reserved, _, magic = TRAILER.unpack_from(trailer, len(trailer) - TRAILER.size)
+    _check_frame(what, "trailer", magic == PACK_MAGIC, version, reserved == _ZERO3)
+    _check_count(count, what)
+    needed = TRAILER.size + count * ENTRIES[version].size
+    if PACK_HEADER.size + count * HEADER_SIZE + needed > pack_size:
+        raise _fail(what, f"{count} objects cannot fit in {pack_size} bytes")
+    return needed
+
+
+def index_from_tail(tail: bytes | memoryview, pack_size: int, pack_id: str) -> PackIndex:
+    """The index of a pack from the last bytes of it (at least ``tail_length`` of them).
+
+    Only the table's checksum vouches for it: the pack's name covers the whole pack, which a
+    reader of the tail does not have. Each object is still verified against its id when read.
+    """
+    what = f"pack {pack_id}"
+    view = memoryview(tail)
+    needed = tail_length(view, pack_size, pack_id)
+    if len(view) < needed:
+        raise ValueError(f"need the last {needed} bytes of the pack, got {len(view)}")
+    if len(view) > pack_size:
+        raise ValueError("tail is longer than the pack")
+    count, version, _, checksum, _ = TRAILER.unpack_from(view, len(view) - TRAILER.size)
+    table = view[len(view) - needed:len(view) - TRAILER.size]
+    if blake3.blake3(table).digest() != checksum:
+        raise _fail(what, "table checksum mismatch")
+    entries = _parse_table(table, count, pack_size - needed, what, version)
+    return PackIndex(pack_id, pack_size, entries, version)
+
+
+def parse_pack(data: bytes | memoryview, pack_id: str) -> PackIndex:
+    """Validate a whole pack named ``pack_id``: framing, table, and every object's header and
+    (version 2) recorded digest.
+
+    A pack's name says nothing about its bytes (packs written now have random names; older ones
+    were named by their hash, which readers do not rely on: docs/format.md 15.1). Objects are not
+    decoded here (a delta needs its base, which may be in another pack); the store decodes and
+    re-hashes each one when it is used.
+    """
+    view = memoryview(data)
+    what = f"pack {pack_id}"
+    _check_size(len(view), what)
+    magic, version, reserved = PACK_HEADER.unpack_from(view)
+    _check_frame(what, "header", magic == PACK_MAGIC, version, reserved == _ZERO3)
+    index = index_from_tail(view[len(view) - tail_length(view, len(view), pack_id):], len(view), pack_id)
+    if index.version != version:
+        raise _fail(what, f"its header says version {version}, its trailer {index.version}")
+    for e in index.entries:
+        try:
+            parse_header(view[e.offset:e.offset + HEADER_SIZE])
+        except IntegrityError as exc:
+            raise _fail(what, f"object {e.id}: {exc}") from None
+        check_read(view[e.offset:e.end], e, what[len("pack "):])
+    return index
+
+
+def object_bytes(pack: bytes | memoryview, entry: PackEntry) -> memoryview:
+    """The stored bytes of one object, out of the whole pack."""
+    view = memoryview(pack)
+    if entry.end > len(view):
+        raise IntegrityError(f"object {entry.id}: the pack is {len(view)} bytes, the object ends at {entry.end}")
+    return view[entry.offset:entry.end]
+
+
+def check_read(data: bytes | memoryview, entry: PackEntry, pack_id: str) -> bool:
+    """Refuse a ranged read of one object that came back short (a truncated pack: the
+    transport returns fewer bytes when the object ends early, never an error), or whose bytes
+    differ from the digest its entry records (pack version 2). True when the bytes were checked
+    against a digest: they are exactly what the pusher verified and sent; False for a version 1
+    entry, whose object only decoding can check."""
+    if len(data) != entry.length:
+        raise IntegrityError(
+            f"pack {pack_id} is truncated: object {entry.id} at offset {entry.offset} should be "
+            f"{entry.length} bytes, read {len(data)}"
+        )
+    if entry.digest is None:
+        return False
+    if blake3.blake3(data).digest() != entry.digest:
+        raise IntegrityError(f"object {entry.id} is corrupt: its stored bytes in pack {pack_id} do not match "
+                             "the digest its index records")
+    return True

@@ -1,0 +1,158 @@
+"""Repository checking: refs resolve, manifests parse, referenced objects exist (and decode).
+
+Each problem is one line naming the damaged ref or object and, for a chunk, the commit, file and
+tensor that need it. A damaged object is reported once, however many commits share it.
+"""
+
+from __future__ import annotations
+
+from ckstore.repository.context import RepoContext
+from ckstore.errors import CkstoreError
+from ckstore.repository.graph import kept_parents
+from ckstore.format.ids import ObjectId
+from ckstore.repository.overlay import link_problems
+from ckstore.write.pipeline import ProgressFactory, ordered_map
+from ckstore.repository.refs import HEADS, TAGS
+from ckstore.repository.store import MAX_CHAIN_DEPTH, ObjectStore
+
+
+def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]]) -> list[str]:
+    """Every delta's bases exist and its chains end in whole objects within the depth limit."""
+    problems: list[str] = []
+    depth_of: dict[str, int] = {}  # objects whose chains are known to be sound
+    for start in chunks:
+        # Depth-first over the bases; ``path`` is the chain from ``start`` to the object visited.
+        path: list[str] = []
+        stack: list[tuple[str, list[str]]] = []
+        oid = start
+        while True:
+            if oid in depth_of:
+                pass
+            elif oid in path or len(path) > MAX_CHAIN_DEPTH:
+                problems.append(f"object {start} ({needed[start][1]}): delta chain is cyclic or longer than "
+                                f"{MAX_CHAIN_DEPTH}")
+                break
+            elif oid not in present and not store.has(oid):  # an overlay's base may be in a base repository
+                problems.append(f"object {path[-1] if path else start} is a delta of missing object {oid} ({needed[start][1]})")
+                break
+            else:
+                try:
+                    bases = list(store.bases_of(oid))
+                except CkstoreError as exc:
+                    problems.append(str(exc))
+                    break
+                path.append(oid)
+                stack.append((oid, bases))
+            # Next: a base still to visit, or the deepest object whose bases are all known.
+            while stack and not [b for b in stack[-1][1] if b not in depth_of]:
+                done, bases = stack.pop()
+                path.pop()
+                depth_of[done] = 1 + max(depth_of[b] for b in bases) if bases else 0
+            if not stack:
+                break
+            oid = next(b for b in stack[-1][1] if b not in depth_of)
+    return problems
+
+
+def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
+    problems: list[str] = []
+    graph, store = ctx.graph, ctx.store
+    # Check what is on disk now: commits read earlier are cached, and a cached copy would hide
+    # a commit object deleted or damaged since.
+    graph.cache.clear()
+    try:
+        pruned = graph.pruned()
+    except CkstoreError as exc:
+        problems.append(str(exc))
+        pruned = {}
+    try:
+        ctx.refs.head_branch()
+    except CkstoreError as exc:
+        problems.append(str(exc))
+    problems.extend(link_problems(ctx))  # each names the relink command that repairs it
+    logged, reflog_problems = ctx.refs.logs.check()
+    problems.extend(reflog_problems)
+
+    tips: list[tuple[str, ObjectId]] = []
+    for prefix in (HEADS, TAGS):
+        for key, ref in ctx.refs.entries(prefix):
+            try:
+                if ref is None:
+                    raise ctx.refs.stray_error(key)
+                oid = ctx.refs.read(ref)
+            except CkstoreError as exc:
+                problems.append(str(exc))
+                continue
+            if oid is not None:
+                tips.append((ref, oid))
+
+    needed: dict[str, tuple[int, str]] = {}  # chunk id -> (raw size, where it is used)
+    seen: set[str] = set()
+    # Commits the reflog names are kept by gc and restorable, so they must be whole too; walked
+    # after the refs' history (todo is a stack), so damage both reach is named from a ref.
+    todo = [(oid, f"reflog of {ref}; 'ckstore gc' drops entries whose commits are gone") for ref, oid in logged]
+    todo += [(oid, f"ref {key}") for key, oid in tips]
+    while todo:
+        oid, via = todo.pop()
+        if oid in seen:
+            continue
+        seen.add(oid)
+        try:
+            commit = graph.read_commit(oid)
+        except CkstoreError as exc:
+            problems.append(f"{exc} (reached from {via})")
+            continue
+        if commit.base is not None:
+            if commit.base.repo is None:
+                todo.append((commit.base.commit, f"overlay commit {oid[:12]}"))
+            elif not store.has(commit.base.commit):
+                problems.append(f"commit {oid}: base commit {commit.base.commit} in {commit.base.repo} is unreachable")
+        for parent in kept_parents(commit.parents, pruned):  # walk on to the older commits gc kept
+            if parent not in seen:
+                todo.append((parent, f"commit {oid[:12]}"))
+        for f in commit.files:
+            for chunk in f.header + f.chunks:
+                needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}"))
+            for t in f.tensors:
+                for chunk in t.chunks:
+                    needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}, tensor {t.name!r}"))
+
+    present = set(store.iter_ids())
+    problems.extend(ctx.backend.storage_problems())  # a damaged pack: its objects read as missing below
+    for oid, (_, where) in sorted(needed.items()):
+        if oid not in present and not store.has(oid):
+            problems.append(f"object {oid} is missing ({where})")
+    chain_problems = _check_bases(store, [oid for oid in sorted(needed) if oid in present], present, needed)
+
+    if read_data:
+        def verify(oid: str) -> str | None:
+            try:
+                if oid in needed:
+                    size, where = needed[oid]
+                    store.get_chunk(oid, size, f" ({where})")
+                elif oid not in seen:  # commits were verified when read above
+                    store.verify(oid)
+            except CkstoreError as exc:
+                return str(exc)
+            return None
+
+        elsewhere = {oid for oid in needed if oid not in present and store.has(oid)}  # in base repos
+        order = sorted(present | elsewhere)
+        sizes = [store.stored_size(oid) or 0 for oid in order]  # objects of base repositories count there
+        bar = progress(sum(sizes), "fsck") if progress else None
+        failed = {}
+        try:
+            for oid, size, problem in zip(order, sizes, ordered_map(verify, order)):
+                if problem:
+                    failed[oid] = problem
+                if bar:
+                    bar.update(size)
+        finally:
+            if bar:
+                bar.close()
+        # A damaged object is reported once: its read failure names its file and tensor.
+        problems.extend(p for p in chain_problems if p.split(" ", 2)[1] not in failed)
+        problems.extend(failed.values())
+    else:
+        problems.extend(chain_problems)
+    return problems

@@ -1,0 +1,185 @@
+"""Garbage collection: reflog expiry and retention of commits, then removal of every object no
+kept commit needs.
+
+gc holds the repository lock exclusively for its whole run, while every commit holds it shared
+from its first object write to its ref update. So gc never sees a half-written commit, and never
+deletes an object that a running commit is about to reference (docs/design.md explains why a
+lock was chosen over git's grace period). Order: the ``pruned`` list and the expired reflogs are
+written before any object is deleted, so an interrupted gc leaves history that reads correctly
+and no reflog entry naming a deleted commit.
+
+What is kept: every commit reachable from a branch or tag (or, with a retention policy, what the
+policy selects there), and every commit an unexpired reflog entry names, with its history (so
+a deleted branch or a reset can be undone until the entry expires; reflog.py). A gc that would
+leave no commit at all refuses without ``force``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckstore.format.codec import Kind
+from ckstore.repository.context import RepoContext
+from ckstore.errors import CkstoreError, ForceRequiredError
+from ckstore.format.ids import ObjectId
+from ckstore.write.pipeline import ProgressFactory
+from ckstore.repository.overlay import external_needs
+from ckstore.repository.reflog import HEAD_LOG, Entry, Expiry, surviving
+from ckstore.repository.refs import HEADS
+from ckstore.maintenance.repack import repack_locked
+from ckstore.maintenance.retention import RetentionPolicy, select_kept
+
+
+@dataclass
+class GcReport:
+    dry_run: bool
+    pruned_commits: list[ObjectId] = field(default_factory=list)  # deleted by the retention policy
+    unreachable_commits: list[ObjectId] = field(default_factory=list)  # deleted: nothing names them any more
+    reflog_commits: list[ObjectId] = field(default_factory=list)  # kept only because the reflog names them
+    expired_entries: int = 0  # reflog entries dropped
+    deletes_every_commit: bool = False  # no commit is left (refused without force)
+    deleted_objects: int = 0
+    freed_bytes: int = 0  # "stored" bytes of the deleted objects (docs/design.md, "Size figures")
+    temp_files: int = 0
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The commits gc keeps, and why; what they need is ``live_objects``."""
+
+    reachable: set[ObjectId]  # from branches and tags
+    chosen: set[ObjectId]  # kept by the policy (without one: every reachable commit)
+    pinned: set[ObjectId]  # needed by dependent (overlay) repositories, whatever the policy
+    logged: set[ObjectId]  # named by unexpired reflog entries, with their history
+    commits: set[ObjectId]  # chosen + reflog-only + pinned + the in-repository bases of kept overlays
+    external: set[str]  # local objects that dependent repositories need
+    logs: dict[str, list[Entry]] = field(default_factory=dict)  # every reflog, as read
+    alive: dict[str, list[Entry]] = field(default_factory=dict)  # the entries that survive expiry
+
+
+def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = False) -> Kept:
+    graph, store = ctx.graph, ctx.store
+    reachable = graph.reachable_from(graph.tips())
+    logs = ctx.refs.logs.read_all()
+    alive = _surviving_reflogs(ctx, logs, prune_now)
+    logged = graph.reachable_from({i for entries in alive.values() for e in entries for i in e.ids})
+    chosen = select_kept(graph, policy) if policy.active else set(reachable)
+    needed_commits, needed_objects = external_needs(ctx)
+    pinned = {c for c in needed_commits if store.has_local(c)}
+    # A retention policy thins branches, not what only the reflog holds.
+    commits = graph.with_overlay_bases(chosen | (logged - reachable) | pinned)
+    # Entries naming a commit this run deletes (a policy pruned it) go with it.
+    alive = {ref: [e for e in entries if set(e.ids) <= commits] for ref, entries in alive.items()}
+    return Kept(reachable, chosen, pinned, logged, commits, {c for c in needed_objects if store.has_local(c)},
+                logs, alive)
+
+
+def live_objects(ctx: RepoContext, kept: Kept) -> set[str]:
+    """Every object the kept commits need: themselves, their chunks, and kept deltas' bases."""
+    chunks = set(kept.external)
+    for oid in kept.commits:
+        chunks.update(c.id for c in ctx.graph.read_commit(oid).all_chunks())
+    return ctx.store.with_delta_bases(chunks) | kept.commits
+
+
+def collect_garbage(
+    ctx: RepoContext, policy: RetentionPolicy | None = None, dry_run: bool = False, repack: bool = False,
+    prune_now: bool = False, force: bool = False, progress: ProgressFactory | None = None,
+) -> GcReport:
+    """Expire reflog entries, prune commits the policy drops and delete every object no kept
+    commit needs.
+
+    Kept deltas keep their bases. With ``repack`` the kept chunks are re-encoded first (newest
+    whole, see repack.py), so bases that only pruned commits needed can go too. ``prune_now``
+    expires every reflog entry whose commits the ref no longer reaches, whatever its age.
+    """
+    policy = policy or RetentionPolicy()
+    policy.validate()
+    report = GcReport(dry_run)
+    graph, store = ctx.graph, ctx.store
+    with ctx.backend.exclusive_lock():
+        if not dry_run:
+            ctx.backend.unpack()  # what gc deletes and repack rewrites are loose objects (backend/local_packs.py)
+        kept = kept_commits(ctx, policy, prune_now)
+        report.pruned_commits = sorted(kept.reachable - kept.commits)
+        report.reflog_commits = sorted(kept.logged - kept.reachable)
+        if not kept.commits and not force and not dry_run:
+            _refuse_deleting_every_commit(ctx, prune_now)
+        report.expired_entries = sum(len(kept.logs[ref]) - len(kept.alive[ref]) for ref in kept.logs)
+        if repack and not dry_run:
+            repack_locked(ctx, kept.commits, progress)
+        pruned = graph.pruned_after(kept.commits, kept.reachable | kept.logged)
+        live = live_objects(ctx, kept)
+        victims = {oid: store.stored_size(oid) or 0 for oid in store.iter_ids() if oid not in live}
+        by_policy = set(report.pruned_commits)
+        report.unreachable_commits = sorted(v for v in victims if v not in by_policy and _is_commit(ctx, v))
+        report.deletes_every_commit = not kept.commits and bool(report.pruned_commits or report.unreachable_commits)
+        report.deleted_objects = len(victims)
+        report.freed_bytes = sum(victims.values())
+        if dry_run:
+            return report
+        graph.write_pruned(pruned)
+        for ref, entries in kept.alive.items():
+            if len(entries) != len(kept.logs[ref]):
+                ctx.refs.logs.rewrite(ref, entries)
+        bar = progress(report.freed_bytes, "gc") if progress and victims else None
+        try:
+            for oid, size in victims.items():
+                store.delete(oid)
+                if bar:
+                    bar.update(size)
+        finally:
+            if bar:
+                bar.close()
+        report.temp_files = ctx.backend.clean_temporary()
+    return report
+
+
+def _surviving_reflogs(ctx: RepoContext, logs: dict[str, list[Entry]], prune_now: bool) -> dict[str, list[Entry]]:
+    """Each ref's reflog entries that survive expiry (reflog.surviving): reachability is judged
+    from the ref's current value, as git does; a deleted ref reaches nothing."""
+    config, graph, refs = ctx.config, ctx.graph, ctx.refs
+    expiry = Expiry.from_days(config.reflog_expire_days, config.reflog_expire_unreachable_days, prune_now)
+    pruned = graph.pruned()
+    history: dict[ObjectId | None, set[ObjectId]] = {None: set()}
+    present: dict[ObjectId, bool] = {}
+
+    def exists(oid: ObjectId) -> bool:
+        # Presence only: a commit that is there but unreadable stops gc when its history is
+        # walked, as any kept commit would, rather than being dropped as stale.
+        if oid not in present:
+            present[oid] = oid not in pruned and ctx.store.has(oid)
+        return present[oid]
+
+    out = {}
+    for ref, entries in logs.items():
+        tip = _head_commit(ctx) if ref == HEAD_LOG else refs.read(ref)
+        if tip not in history:
+            history[tip] = graph.reachable_from([tip]) if tip is not None else set()
+        out[ref] = surviving(entries, history[tip].__contains__, exists, expiry)
+    return out
+
+
+def _head_commit(ctx: RepoContext) -> ObjectId | None:
+    try:
+        return ctx.refs.read(HEADS + ctx.refs.head_branch())
+    except CkstoreError:
+        return None  # a damaged HEAD reaches nothing: its entries expire as unreachable ones
+
+
+def _is_commit(ctx: RepoContext, oid: ObjectId) -> bool:
+    try:
+        return ctx.store.has(oid) and ctx.store.kind(oid) == Kind.COMMIT
+    except CkstoreError:
+        return False  # unreadable: not a commit anyone can restore
+
+
+def _refuse_deleting_every_commit(ctx: RepoContext, prune_now: bool) -> None:
+    commits = sum(1 for oid in ctx.store.iter_ids() if _is_commit(ctx, oid))
+    if commits:
+        why = "--prune-now expires the reflog entries that name them" if prune_now else \
+            "no branch, tag or unexpired reflog entry names any of them"
+        raise ForceRequiredError(
+            f"gc would delete every commit of this repository ({commits}): {why}; restore a branch first"
+            " ('ckstore reflog' lists earlier values, 'ckstore branch NAME ID' names one) or pass --force"
+        )

@@ -1,0 +1,156 @@
+"""The size figures, each defined once (docs/design.md, "Size figures", is the user's version).
+
+- **logical**: bytes of a commit's files as checkout writes them (recorded in the manifest; exact).
+- **stored**: bytes of object files in this repository (``history.stored_bytes``); objects that a
+  base repository holds count there. ``stats`` sums it over every object.
+- **added when committed**: how much the store grew when the commit was made (the manifest's
+  ``added_bytes``): its new chunk objects as the commit stored them, before the compaction that
+  follows it. A record of that moment: compaction, gc and repack do not change it.
+- **new** (now): stored bytes of the objects a commit's files use and the other commit's files
+  use nowhere (``history.new_objects``); ``diff A B`` reports it for B against A, ``log --sizes``
+  for each commit against its first kept parent. Delta bases are not followed: a delta counts
+  its own bytes.
+- **held alone** (now): what deleting only this commit would free, i.e. the stored bytes of the
+  objects (its manifest, its chunks, their delta bases) that no other commit gc keeps needs.
+  Computed from gc's own ``kept_commits`` and ``live_objects``, so ``gc`` that drops exactly this
+  commit frees exactly this (tests/test_cli_output.py checks it for every commit).
+- **unreferenced** (now): stored bytes that no kept commit needs; plain ``gc`` frees exactly this.
+
+Held alone and unreferenced depend on what overlay repositories of this one need; while one of
+them cannot be opened (it may have moved) gc refuses to run, and these two figures are None
+(unknown) rather than an error: stats and log still answer.
+
+So ``stored = needed by the kept commits + unreferenced``, and the newest commit of a branch
+usually holds little alone: its parent's deltas need its chunks as their bases.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ckstore.repository.context import RepoContext
+from ckstore.errors import DependentNotFoundError, IntegrityError, ObjectMissingError
+from ckstore.maintenance.gc import Kept, kept_commits, live_objects
+from ckstore.repository.graph import kept_parents
+from ckstore.history.log import new_objects, stored_bytes
+from ckstore.format.ids import ObjectId
+from ckstore.maintenance.retention import RetentionPolicy
+from ckstore.repository.store import ObjectStore
+
+
+@dataclass(frozen=True)
+class Stats:
+    logical_bytes: int  # summed over the reachable commits
+    stored_bytes: int  # every object file of this repository
+    commits: int  # reachable commits
+    objects: int
+    unreferenced_bytes: int | None = 0  # what plain gc would free now (None: unknown, see above)
+    unreferenced_objects: int | None = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.stored_bytes / self.logical_bytes if self.logical_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class CommitSizes:
+    logical_bytes: int
+    added_bytes: int  # recorded when committed
+    new_bytes: int  # now, against the first kept parent (all of its objects for a root)
+    held_alone_bytes: int | None  # now: what deleting only this commit frees (None: unknown)
+
+
+def stats(ctx: RepoContext) -> Stats:
+    store = ctx.store
+    ids = list(store.iter_ids())
+    reachable = ctx.graph.reachable_commits()
+    logical = sum(ctx.graph.read_commit(c).logical_bytes for c in reachable)
+    kept = _kept(ctx)
+    if kept is None:
+        return Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), None, None)
+    live = live_objects(ctx, kept)
+    garbage = [oid for oid in ids if oid not in live]
+    return Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), stored_bytes(store, garbage), len(garbage))
+
+
+def commit_sizes(ctx: RepoContext, oids: Iterable[ObjectId]) -> dict[ObjectId, CommitSizes]:
+    """The per-commit figures of ``oids`` (one pass over the kept commits' objects)."""
+    graph, store = ctx.graph, ctx.store
+    kept = _kept(ctx)
+    needs = _needs(ctx, kept) if kept is not None else {}
+    holders: Counter[str] = Counter()
+    for objects in needs.values():
+        holders.update(objects)
+    pruned = graph.pruned()
+    out = {}
+    for oid in oids:
+        commit = graph.read_commit(oid)
+        parent = next((p for p in kept_parents(commit.parents, pruned) if store.has(p)), None)
+        new = stored_bytes(store, new_objects(graph.read_commit(parent) if parent else None, commit))
+        held = _held_alone(ctx, kept, needs, holders, oid) if kept is not None else None
+        out[oid] = CommitSizes(commit.logical_bytes, commit.added_bytes, new, held)
+    return out
+
+
+def _kept(ctx: RepoContext) -> Kept | None:
+    """What plain gc keeps; None while a dependent repository cannot be opened."""
+    try:
+        return kept_commits(ctx, RetentionPolicy())
+    except DependentNotFoundError:
+        return None
+
+
+def _held_alone(ctx: RepoContext, kept: Kept, needs: dict[str, set[str]], holders: Counter[str],
+                oid: ObjectId) -> int:
+    if oid not in kept.commits:
+        return 0
+    # Dropping a commit drops the in-repository overlay bases only it kept, unless they are
+    # kept for their own sake: exactly what gc's kept_commits would decide without it.
+    remaining = ctx.graph.with_overlay_bases((kept.chosen - {oid}) | (kept.logged - kept.reachable - {oid}) | kept.pinned)
+    dropped = kept.commits - remaining
+    inside: Counter[str] = Counter()
+    for commit in dropped:
+        inside.update(needs[commit])
+    return stored_bytes(ctx.store, (o for o, n in inside.items() if holders[o] == n))
+
+
+def _needs(ctx: RepoContext, kept: Kept) -> dict[str, set[str]]:
+    """Each kept commit's objects (itself, its chunks, their delta bases), and under the key ""
+    what dependent repositories need: ``live_objects`` is the union of these sets."""
+    graph = ctx.graph
+    roots = {oid: {c.id for c in graph.read_commit(oid).all_chunks()} for oid in kept.commits}
+    base = _delta_bases(ctx.store, set(kept.external).union(*roots.values()))
+    out = {oid: _with_bases(chunks, base) | {oid} for oid, chunks in roots.items()}
+    out[""] = _with_bases(kept.external, base)
+    return out
+
+
+def _delta_bases(store: ObjectStore, chunks: set[str]) -> dict[str, tuple[str, ...]]:
+    """Each object's delta bases (empty: whole or missing), for ``chunks`` and their bases."""
+    base: dict[str, tuple[str, ...]] = {}
+    todo = list(chunks)
+    while todo:
+        oid = todo.pop()
+        if oid in base:
+            continue
+        try:
+            base[oid] = store.bases_of(oid)
+        except ObjectMissingError:
+            base[oid] = ()  # nothing to follow; fsck reports it
+        except IntegrityError as exc:
+            raise IntegrityError(f"{exc}; run 'ckstore fsck'") from None
+        todo.extend(base[oid])
+    return base
+
+
+def _with_bases(chunks: Iterable[str], base: dict[str, tuple[str, ...]]) -> set[str]:
+    out: set[str] = set()
+    todo = list(chunks)
+    while todo:
+        cur = todo.pop()
+        if cur not in out:
+            out.add(cur)
+            todo.extend(base.get(cur, ()))
+    return out

@@ -1,0 +1,309 @@
+"""Writing a commit's files back out (the read path of checkout).
+
+Each output file is written to a temporary file beside its target, fsynced, then renamed into
+place, so no file under its final name is ever partially written. A checkout killed outright
+(SIGKILL, power loss) can leave its hidden temporary ``.NAME.PID.HEX.ckstore-tmp``; the next
+checkout writing into that folder removes the temporaries of processes that no longer run.
+Before anything is written every target is checked: a different existing file is refused unless
+``force``; an identical one (same size, and every chunk region hashing to its chunk's name) is
+left alone. Chunks are fetched, decoded and verified on a bounded thread pool and written in
+order.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckstore.errors import InvalidPathError, OutputExistsError, StorageError, TensorNotFoundError
+from ckstore.backend.fsio import EarlyFlush, fsync_path, mutating_step, pid_alive
+from ckstore.format.ids import chunk_id
+from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
+from ckstore.write.pipeline import ProgressFactory, ordered_map
+from ckstore.repository.filedata import file_context, header_metadata
+from ckstore.format.safetensors import emit_header
+from ckstore.repository.store import ObjectStore
+
+Progress = Callable[[int], None]
+TEMP_SUFFIX = ".ckstore-tmp"
+_TEMP_NAME = re.compile(r"\..+\.(\d+)\.[0-9a-f]{12}" + re.escape(TEMP_SUFFIX))
+
+
+@dataclass
+class CheckoutResult:
+    written: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+
+
+# A piece of an output file: a stored chunk, literal bytes (a re-emitted header), or a function
+# computing bytes when the piece is written (merged LoRA weights), so memory holds one at a time.
+Piece = ChunkRef | bytes | Callable[[], bytes]
+
+
+@dataclass(frozen=True)
+class Output:
+    """What to write at one path: a sequence of byte pieces (chunks or a re-emitted header)."""
+
+    path: str
+    pieces: tuple[tuple[Piece, str], ...]  # (piece, context for errors)
+    size: int
+
+
+def full_output(f: FileEntry) -> Output:
+    pieces: list[tuple[Piece, str]] = [(c, file_context(f.path, None)) for c in f.header + f.chunks]
+    for t in f.tensors:
+        pieces.extend((c, file_context(f.path, t.name)) for c in t.chunks)
+    return Output(f.path, tuple(pieces), f.size)
+
+
+def _filtered_output(store: ObjectStore, f: FileEntry, patterns: Sequence[str]) -> Output | None:
+    keep = select_tensors(f.tensors, patterns)
+    if not keep:
+        return None
+    if len(keep) == len(f.tensors):
+        return full_output(f)
+    header, _ = emit_header([(t.name, t.dtype, t.shape) for t in keep], header_metadata(store, f))
+    pieces: list[tuple[Piece, str]] = [(header, "")]
+    for t in keep:
+        pieces.extend((c, file_context(f.path, t.name)) for c in t.chunks)
+    return Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in keep))
+
+
+def plan_outputs(store: ObjectStore, commit: Commit, only: Sequence[str] | None) -> list[Output]:
+    if only:
+        check_patterns([t for f in commit.files if f.kind == "safetensors" for t in f.tensors], only)
+    outputs = []
+    for f in commit.files:
+        if only and f.kind == "safetensors":
+            out = _filtered_output(store, f, only)
+            if out is not None:
+                outputs.append(out)
+        else:
+            outputs.append(full_output(f))
+    return outputs
+
+
+def _target(out_dir: Path, rel: str) -> Path:
+    check_relative_path(rel)
+    target = out_dir / rel
+    # A symlinked folder inside out_dir must not carry the write elsewhere.
+    resolved_parent = target.parent.resolve()
+    if resolved_parent != out_dir.resolve() and out_dir.resolve() not in resolved_parent.parents:
+        raise InvalidPathError(f"output path {rel!r} leads outside {out_dir}")
+    return target
+
+
+def _blocking_file(out_dir: Path, rel: str) -> Path | None:
+    """An existing non-folder where the output needs a folder: ``out_dir`` itself or a parent of
+    ``rel`` in it. --force does not remove it: it is not a version of any file being written."""
+    parents = rel.split("/")[:-1]
+    for depth in range(len(parents) + 1):
+        folder = out_dir.joinpath(*parents[:depth])
+        if not (folder.exists() or folder.is_symlink()):
+            return None
+        if not folder.is_dir():
+            return folder
+    return None
+
+
+def _same_file(target: Path, output: Output) -> bool:
+    """True when the existing file holds exactly the bytes ``output`` would write: chunk regions
+    hash to their chunk's name and literal pieces compare equal, so nothing is decoded. Computed
+    pieces (merged LoRA weights) are computed, one at a time, and compared: a second checkout with
+    ``merge_lora`` into the same folder finds its own output unchanged instead of a conflict."""
+    if not target.is_file() or target.stat().st_size != output.size:
+        return False
+    with open(target, "rb") as f:
+        for piece, _ in output.pieces:
+            if isinstance(piece, ChunkRef):
+                if chunk_id(f.read(piece.size)) != piece.id:
+                    return False
+                continue
+            expected = piece() if callable(piece) else piece
+            if f.read(len(expected)) != expected:
+                return False
+    return True
+
+
+def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator[bytes | memoryview]:
+    """The bytes of ``outputs`` in order, read and decoded in parallel."""
+    return ordered_map(lambda item: _get(store, item), outputs)
+
+
+def _get(store: ObjectStore, item: tuple[Piece, str]) -> bytes | memoryview:
+    piece, context = item
+    if isinstance(piece, bytes):
+        return piece
+    if isinstance(piece, ChunkRef):
+        return store.chunk_view(piece.id, piece.size, context)
+    return piece()
+
+
+class _Staged:
+    """One output being written to a hidden temporary beside its target."""
+
+    def __init__(self, target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.target = target
+        self.tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+        mutating_step()
+        self.file = open(self.tmp, "xb")
+        fd = self.file.fileno()
+        self.early = EarlyFlush(lambda: os.fdatasync(fd))  # keeps the final fsync short (fsio.py)
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.file.write(data)
+        self.early.wrote(len(data))
+
+    def sync(self) -> None:
+        """Durable, then closed. An early flush's error is reported once per descriptor, so the
+        fsync would not see it again: finish raises it."""
+        try:
+            self.file.flush()
+            self.early.finish()
+            mutating_step()
+            os.fsync(self.file.fileno())
+        finally:
+            self.file.close()
+
+    def abandon(self) -> None:
+        self.early.finish(quiet=True)
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Progress | None) -> None:
+    """Write every output: all of them through one pipeline (no drain and refill between files),
+    each file's fsync on a background thread while the next one is written, then each renamed
+    over its target once every file is durable, then the folders fsynced. A failure leaves the
+    targets as they were."""
+    staged: list[_Staged] = []
+    syncs: list[Future[None]] = []
+    items = ((i, piece) for i, (_, output) in enumerate(todo) for piece in output.pieces)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckstore-fsync") as syncer:
+        try:
+            def advance(to: int) -> None:  # outputs without pieces (empty files) are opened too
+                while len(staged) <= to:
+                    if staged:
+                        syncs.append(syncer.submit(staged[-1].sync))
+                    staged.append(_Staged(todo[len(staged)][0]))
+
+            for i, data in ordered_map(lambda item: (item[0], _get(store, item[1])), items):
+                advance(i)
+                staged[i].write(data)
+                if progress:
+                    progress(len(data))
+            if todo:
+                advance(len(todo) - 1)
+                syncs.append(syncer.submit(staged[-1].sync))
+            for future in syncs:
+                future.result()
+        except BaseException:
+            for future in syncs:
+                future.exception()  # settled before its file is removed
+            for s in staged:
+                s.abandon()
+            raise
+    try:
+        for s in staged:
+            mutating_step()
+            os.replace(s.tmp, s.target)
+    except BaseException:
+        for s in staged:
+            s.tmp.unlink(missing_ok=True)
+        raise
+    for folder in sorted({s.target.parent for s in staged}):
+        mutating_step()
+        fsync_path(folder)
+
+
+def remove_dead_temporaries(folder: Path) -> int:
+    """Delete the checkout temporaries in ``folder`` whose writer (the PID in the name) is gone."""
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        m = _TEMP_NAME.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except OSError:
+                pass  # gone meanwhile, or not ours to delete: harmless
+    return removed
+
+
+def write_outputs(
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: Progress | None = None
+) -> CheckoutResult:
+    result = CheckoutResult()
+    todo: list[tuple[Path, Output]] = []
+    conflicts = []
+    for output in outputs:
+        blocker = _blocking_file(out_dir, output.path)
+        if blocker is not None:
+            raise OutputExistsError(f"{blocker} is not a directory, and the checkout writes {output.path} below it")
+        target = _target(out_dir, output.path)
+        if target.exists() or target.is_symlink():
+            if target.is_dir():
+                raise OutputExistsError(f"{target} is a directory")
+            if _same_file(target, output):
+                result.unchanged.append(output.path)
+                continue
+            if not force:
+                conflicts.append(output.path)
+                continue
+        todo.append((target, output))
+    if conflicts:
+        raise OutputExistsError(
+            f"{len(conflicts)} file(s) in {out_dir} differ from the commit ({', '.join(conflicts[:3])}"
+            f"{', …' if len(conflicts) > 3 else ''}); use --force to overwrite"
+        )
+    try:
+        for folder in sorted({target.parent for target, _ in todo}):
+            remove_dead_temporaries(folder)
+        _write_all(store, todo, progress)
+        for _, output in todo:
+            result.written.append(output.path)
+            result.bytes_written += output.size
+    except OSError as exc:
+        raise StorageError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
+    return result
+
+
+def total_size(outputs: list[Output]) -> int:
+    return sum(o.size for o in outputs)
+
+
+def write_with_progress(
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: ProgressFactory | None,
+    desc: str = "checkout",
+) -> CheckoutResult:
+    """``write_outputs`` with a progress bar over the bytes to write (when a factory is given)."""
+    bar = progress(total_size(outputs), desc) if progress else None
+    try:
+        return write_outputs(store, outputs, out_dir, force, bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+
+
+def select_tensors(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> list[TensorEntry]:
+    return [t for t in tensors if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
+
+
+def check_patterns(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> None:
+    """Every pattern must match a tensor: a mistyped one must not check out the rest silently."""
+    names = [t.name for t in tensors]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise TensorNotFoundError(f"no tensor of the commit matches {pattern!r}")

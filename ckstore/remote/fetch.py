@@ -1,0 +1,525 @@
+"""``fetch``, ``pull`` and ``clone``: bring a remote's commits and the objects they need here.
+
+Every object is checked on arrival, before any ref names it: a commit is decoded and re-hashed
+in memory as soon as its bytes come; its chunks (and the delta bases they need) are checked as
+they arrive (``_Lander``: against the BLAKE3 of their stored bytes that a version 2 pack index
+records, which the pusher wrote only after decoding and re-hashing them; by decoding and
+re-hashing them for a version 1 pack) and only then staged in rolling ``Backend.batch``es that
+land on a background thread while later packs download. A corrupt or truncated remote object
+raises an IntegrityError naming the object and its pack. The commit objects are written last,
+oldest first, once every batch landed, so the local invariant holds at every moment (a commit
+present means its objects and its history are present) and an interrupted fetch resumes where
+it stopped: a commit already here is never fetched again, and objects that landed are skipped.
+Every later read decodes and verifies each object again (store.py), as does ``fsck``.
+
+Remote-tracking refs ``refs/remotes/NAME/BRANCH`` (resolvable as ``NAME/BRANCH``) record each
+remote branch as last seen; remote tags become local tags unless a local tag of that name exists.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+
+from ckstore.format.codec import Encoding, Kind, decode, delta_bases, parse_header
+from ckstore.format.settings import PREDICTED_VERSION, RepoConfig
+from ckstore.repository.context import RepoContext, init_context
+from ckstore.errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
+from ckstore.format.ids import ObjectId, chunk_id
+from ckstore.format.manifest import Commit, decode_commit
+from ckstore.repository.refs import HEADS, TAGS
+from ckstore.remote.layout import Located, RemoteRepo, pack_key
+from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
+from ckstore.repository.store import (
+    MAX_CHAIN_DEPTH,
+    MAX_CHUNK_SIZE,
+    ObjectStore,
+    object_key,
+    verified_commit,
+)
+
+READ_WORKERS = 4
+# Objects land in batches of about this many bytes, each on a background thread while later
+# packs download: a batch costs two durability barriers, and an interrupted fetch loses at most
+# the batches not landed yet (the next fetch skips objects that landed).
+LAND_BATCH = 64 << 20
+# Downloads pause while verification workers hold this many stored bytes (memory stays bounded).
+MAX_IN_FLIGHT = 64 << 20
+
+
+@dataclass
+class FetchReport:
+    remote: str
+    updated: list[tuple[str, ObjectId | None, ObjectId]] = field(default_factory=list)  # local ref, old, new
+    commits: int = 0
+    objects: int = 0
+    bytes: int = 0  # object bytes transferred
+
+
+def read_objects(remote: RemoteRepo, where: dict[str, Located], oids: Iterable[str]) -> Iterator[tuple[str, str, bytes]]:
+    """(object id, pack id, stored bytes) of each object, by ranged reads grouped per pack; a few
+    packs are read at once, so memory stays a few packs' worth of wanted ranges."""
+    by_pack: dict[str, list[Located]] = {}
+    for oid in dict.fromkeys(oids):
+        loc = where[oid]
+        by_pack.setdefault(loc.pack_id, []).append(loc)
+
+    def read(pack_id: str) -> list[tuple[str, bytes]]:
+        return [(e.id, data) for e, data in remote.read_objects(pack_id, [loc.entry for loc in by_pack[pack_id]])]
+
+    pending: list[tuple[str, Future[list[tuple[str, bytes]]]]] = []
+    with ThreadPoolExecutor(READ_WORKERS) as pool:
+        packs = iter(by_pack)
+        for pack_id in packs:
+            pending.append((pack_id, pool.submit(read, pack_id)))
+            while len(pending) >= READ_WORKERS:
+                done_id, fut = pending.pop(0)
+                for oid, data in fut.result():
+                    yield oid, done_id, data
+        for done_id, fut in pending:
+            for oid, data in fut.result():
+                yield oid, done_id, data
+
+
+def verify_commit(oid: str, data: bytes, where: str) -> Commit:
+    try:
+        return decode_commit(verified_commit(oid, data))
+    except IntegrityError as exc:
+        raise IntegrityError(f"commit {oid} from {where} is corrupt: {exc}") from None
+
+
+def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId], report: FetchReport) -> None:
+    """Fetch every commit reachable from ``tips`` that is not here, with its objects."""
+    store, graph = ctx.store, ctx.graph
+    remote.catalogue()
+    where = remote.locate(exclude=remote.read_condemned().claimed())
+    theirs = remote.read_pruned()
+    commits: dict[ObjectId, Commit] = {}
+    stored: dict[ObjectId, bytes] = {}  # each commit's stored bytes, verified
+    boundary: set[ObjectId] = set()  # parents the remote no longer has (its gc pruned them)
+    frontier: list[ObjectId] = [t for t in dict.fromkeys(tips) if not store.has(t)]
+    for tip in frontier:
+        if tip not in where:
+            raise IntegrityError(f"remote {remote.name}: a ref names commit {tip}, which no pack there holds")
+    while frontier:
+        # A pruned commit may still lie in a pack that holds live objects too: not fetched.
+        present = [oid for oid in frontier if oid in where and oid not in theirs]
+        boundary.update(oid for oid in frontier if oid not in present)
+        for oid, pack_id, data in read_objects(remote, where, present):
+            commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
+            commits[ObjectId(oid)] = commit
+            stored[ObjectId(oid)] = bytes(data)
+            report.bytes += len(data)
+        nxt = []
+        for oid in frontier:  # a commit the remote gc pruned: history goes on with its parents
+            for p in theirs.get(oid, ()):
+                if p not in commits and p not in nxt and not store.has(p):
+                    nxt.append(ObjectId(p))
+        for oid in present:
+            c = commits[ObjectId(oid)]
+            for p in [*c.parents, *([c.base.commit] if c.base is not None else [])]:
+                if p not in commits and p not in nxt and not store.has(p):
+                    nxt.append(p)
+        frontier = nxt
+    if boundary:  # history continues through the remote gc's record of what it pruned
+        pruned = graph.pruned()
+        graph.write_pruned({**pruned, **{b: pruned.get(b, tuple(theirs.get(b, ()))) for b in boundary}})
+    order = _oldest_first(commits)
+    # Hashing, decoding and staging writes release the GIL: every core works while the next
+    # packs download, and full batches land on another thread meanwhile.
+    with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="verify") as pool:
+        batches = _Batches(store)
+        try:
+            lander = _Lander(store, batches, remote, where, pool, report)
+            lander.on_predicted = lambda: _allow_predicted(ctx)
+            for oid in order:
+                lander.want_commit(oid, commits[oid])
+            lander.run()
+            batches.land_all()
+        except BaseException:
+            batches.abandon()
+            raise
+        batches.lander.shutdown()
+    # The commits only once every object is durable, oldest first, each durable before the next:
+    # a commit here always has its objects and its history.
+    for oid in order:
+        store.backend.put_if_absent(object_key(oid), stored[oid])
+        graph.remember(oid, commits[oid])
+        report.commits += 1
+        report.objects += 1
+
+
+def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
+    out: list[ObjectId] = []
+    done: set[ObjectId] = set()
+    for start in commits:
+        stack = [(start, False)]
+        while stack:
+            oid, expanded = stack.pop()
+            if oid in done or oid not in commits:
+                continue
+            if expanded:
+                done.add(oid)
+                out.append(oid)
+                continue
+            stack.append((oid, True))
+            c = commits[oid]
+            stack.extend((p, False) for p in [*c.parents, *([c.base.commit] if c.base is not None else [])] if p not in done)
+    return out
+
+
+class _Batch:
+    """One open ``Backend.batch`` and the staging writes still going into it."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.stack = ExitStack()
+        self.view = self.stack.enter_context(store.batch(LAND_BATCH))
+        self.bytes = 0
+        self.writers = 0
+
+
+class _Batches:
+    """Rolling batches: verified objects are staged into the open batch; once it holds LAND_BATCH
+    bytes it is closed and lands (two durability barriers, the links between them) on a
+    background thread, in order, while downloads go on. A landed object is durable but no commit
+    names it until ``land_all``; a failure discards every batch not landed yet."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.lock = threading.Condition()
+        self.current = _Batch(store)
+        self.lander = ThreadPoolExecutor(1, thread_name_prefix="land")
+        self.landing: list[Future[None]] = []
+        self.failed = False
+
+    def put(self, oid: str, data: bytes) -> None:
+        with self.lock:
+            batch = self.current
+            batch.writers += 1
+        try:
+            batch.view.backend.put_new(object_key(oid), data)  # the lander found it absent
+        finally:
+            with self.lock:
+                batch.writers -= 1
+                batch.bytes += len(data)
+                self.lock.notify_all()
+        if batch.bytes >= LAND_BATCH:
+            self.roll(batch)
+
+    def roll(self, batch: _Batch | None = None) -> None:
+        """Close the open batch (if it is still ``batch``) and queue it to land."""
+        with self.lock:
+            if batch is not None and batch is not self.current:
+                return
+            closed, self.current = self.current, _Batch(self.store)
+            self.landing.append(self.lander.submit(self._land, closed))
+
+    def _land(self, batch: _Batch) -> None:
+        with self.lock:
+            while batch.writers:
+                self.lock.wait()
+            failed = self.failed
+        if failed:
+            batch.stack.__exit__(CkstoreError, CkstoreError("fetch failed"), None)  # discards it
+        else:
+            batch.stack.close()
+
+    def land_all(self) -> None:
+        """Make every object staged so far durable (returns once every batch has landed)."""
+        self.roll()
+        for fut in list(self.landing):
+            fut.result()
+
+    def abandon(self) -> None:
+        """After a failure: discard what has not landed; return once no batch is landing."""
+        with self.lock:
+            self.failed = True
+            self.landing.append(self.lander.submit(self._land, self.current))
+        for fut in self.landing:
+            try:
+                fut.result()
+            except BaseException:
+                pass  # the first error is the one raised
+        self.lander.shutdown()
+
+
+class _Lander:
+    """The objects of the commits wanted, into rolling batches: downloaded a few packs at a time,
+    each object checked on a worker as soon as it arrives (while later packs download), then
+    staged. An object from a version 2 pack was checked against its entry's digest as it was
+    read (``RemoteRepo.read_objects``); one from a version 1 pack is decoded and re-hashed here.
+    Nothing is staged unchecked, and no commit is written before ``run`` returned and every
+    batch landed, so a failure leaves no commit naming anything missing.
+
+    A version 1 delta whose base came in this fetch waits for that base's verification and is
+    decoded against the base's raw bytes kept in memory (only while a waiting delta needs them);
+    otherwise its base is read through the store, which verifies it. Chains are bounded as a
+    local read bounds them (store.MAX_CHAIN_DEPTH), so nothing lands that the store would refuse.
+    """
+
+    def __init__(self, view: ObjectStore, batches: _Batches, remote: RemoteRepo, where: dict[str, Located],
+                 pool: ThreadPoolExecutor, report: FetchReport) -> None:
+        self.view, self.remote, self.where, self.pool, self.report = view, remote, where, pool, report
+        self.batches = batches
+        self.queued: dict[str, str] = {}  # object -> the commit that first needed it (for errors)
+        self.queued_bytes = 0
+        self.origin: dict[str, str] = {}  # object -> pack id, every object downloaded here
+        self.depth: dict[str, int] = {}  # verified objects: delta links down to a whole object
+        self.raws: dict[str, bytes] = {}  # verified raw bytes of bases that deltas wait for
+        self.needed: dict[str, int] = {}  # base -> how many waiting deltas still need its raw
+        self.waiting: dict[str, list[tuple[str, str, bytes]]] = {}  # base -> deltas waiting for it
+        self.late: list[tuple[str, str, bytes]] = []  # deltas on a local base whose chain is incomplete
+        self.lock = threading.Condition()
+        self.futures: list[Future[None]] = []
+        self.in_flight = 0  # stored bytes handed to workers and not yet done (memory bound)
+        self.failed = False
+        self.on_predicted: Callable[[], None] = lambda: None  # before a predicted delta is staged
+
+    def want_commit(self, oid: ObjectId, commit: Commit) -> None:
+        chunks = {c.id for c in commit.all_chunks()} - self.queued.keys()
+        todo = [c for c in chunks if not self.view.has(c)]
+        todo += _missing_bases(self.view, chunks - set(todo))
+        for o in dict.fromkeys(todo):
+            if o not in self.queued:
+                self.queued[o] = oid
+                loc = self.where.get(o)
+                self.queued_bytes += loc.entry.length if loc is not None else 0
+
+    def run(self) -> None:
+        todo = list(self.queued)
+        try:
+            while todo:
+                absent = [o for o in dict.fromkeys(todo) if o not in self.origin and not self.view.has(o)]
+                for o in absent:
+                    if o not in self.where:
+                        needer = self.queued.get(o, "?")
+                        raise IntegrityError(f"remote {self.remote.name}: object {o} (needed by commit {needer[:12]}) "
+                                             "is in no pack there")
+                    self.origin[o] = self.where[o].pack_id
+                todo = []
+                for o, pack_id, data in read_objects(self.remote, self.where, absent):
+                    self.report.bytes += len(data)
+                    self.report.objects += 1
+                    todo += self._arrive(o, pack_id, data)
+            self._drain()
+            if self.late:
+                self.batches.land_all()  # their bases' chains came in this fetch: readable once landed
+            for item in self.late:
+                self._submit(*item, wait=False)
+            self._drain()
+        except BaseException:
+            with self.lock:
+                self.failed = True
+            self._drain(quiet=True)
+            raise
+        assert not self.waiting, "a delta waited for a base that never came"
+
+    def _fail(self, o: str, pack_id: str, reason: str) -> IntegrityError:
+        return IntegrityError(f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})")
+
+    def _arrive(self, o: str, pack_id: str, data: bytes) -> list[str]:
+        """Hand one downloaded object to a worker, or park it until its bases are verified; the
+        bases to download next (a delta's bases the remote has and this store lacks)."""
+        try:
+            bases = delta_bases(data)
+        except IntegrityError as exc:
+            raise self._fail(o, pack_id, str(exc)) from None
+        if not bases:
+            self._submit(o, pack_id, data, wait=True)
+            return []
+        if parse_header(data).encoding == Encoding.PREDICTED:
+            self.on_predicted()
+        absent = [b for b in bases if b not in self.origin and not self.view.has(b)]
+        for base in absent:
+            self.queued.setdefault(base, self.queued.get(o, "?"))
+        incomplete = _missing_bases(self.view, {b for b in bases if b not in self.origin and b not in absent})
+        if incomplete:
+            self.late.append((o, pack_id, data))  # verified once its bases' chains are staged
+            return absent + incomplete
+        if not self._park_unverified(o, pack_id, data, bases, absent):
+            self._submit(o, pack_id, data, wait=True)
+        return absent
+
+    def _park_unverified(self, o: str, pack_id: str, data: bytes, bases: Sequence[str], absent: Sequence[str]) -> bool:
+        """Park the object on one of its bases that came (or comes) in this fetch and is not
+        verified yet; False when there is none (it can be verified now)."""
+        with self.lock:
+            waiting = [b for b in bases if b in self.origin and b not in self.depth] + list(absent)
+            if waiting:
+                self._park(waiting[0], (o, pack_id, data))
+            return bool(waiting)
+
+    def _park(self, base: str, item: tuple[str, str, bytes]) -> None:
+        self.waiting.setdefault(base, []).append(item)
+        self.needed[base] = self.needed.get(base, 0) + 1
+
+    def _submit(self, o: str, pack_id: str, data: bytes, wait: bool) -> None:
+        with self.lock:
+            # Downloads pause while workers hold this much; a worker releasing waiting deltas
+            # never waits (the bytes are in memory already).
+            while wait and self.in_flight > MAX_IN_FLIGHT and not self.failed:
+                self.lock.wait()
+            self.in_flight += len(data)
+            self.futures.append(self.pool.submit(self._verify, o, pack_id, data))
+
+    def _verify(self, o: str, pack_id: str, data: bytes) -> None:
+        try:
+            if not self.failed:
+                self._verify_one(o, pack_id, data)
+        finally:
+            with self.lock:
+                self.in_flight -= len(data)
+                self.lock.notify_all()
+
+    def _verify_one(self, o: str, pack_id: str, data: bytes) -> None:
+        bases = delta_bases(data)
+        depth = 1 + max(self._depth_of(b) for b in bases) if bases else 0
+        if depth > MAX_CHAIN_DEPTH:
+            raise self._fail(o, pack_id, f"delta chain longer than {MAX_CHAIN_DEPTH}")
+
+        def fetch_base(base_id: str, length: int) -> bytes:
+            with self.lock:
+                raw = self.raws.get(base_id)
+                if raw is not None:
+                    self.needed[base_id] -= 1
+                    if not self.needed[base_id]:
+                        del self.needed[base_id], self.raws[base_id]
+            if raw is None and base_id in self.origin:
+                self.batches.land_all()  # it came in this fetch: readable once its batch landed
+            return raw if raw is not None else self.view.get_chunk(base_id, length, f" (delta base of {o})")
+
+        raw: bytes | None = None
+        if self.where[o].entry.digest is None:  # a version 1 pack: only decoding can check it
+            try:
+                raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=fetch_base)
+            except CkstoreError as exc:
+                raise self._fail(o, pack_id, str(exc)) from None
+            if chunk_id(raw) != o:
+                raise self._fail(o, pack_id, "its bytes do not hash to its name")
+        # Else the bytes matched their entry's digest as they arrived (read_objects): they are
+        # the bytes the pusher decoded, re-hashed and sent; reads decode and verify them again.
+        self.batches.put(o, data)
+        with self.lock:
+            self.depth[o] = depth
+            released = self.waiting.pop(o, [])
+            if raw is not None and o in self.needed:
+                self.raws[o] = raw
+        for item in released:
+            # A predicted delta parked on one base may still wait for another of this fetch.
+            if not self._park_unverified(*item, delta_bases(item[2]), ()):
+                self._submit(*item, wait=False)
+
+    def _depth_of(self, oid: str) -> int:
+        """Delta links from ``oid`` (verified or here) down to whole objects."""
+        with self.lock:
+            known = self.depth.get(oid)
+        return known if known is not None else self.view.chain_depth(oid)
+
+    def _drain(self, quiet: bool = False) -> None:
+        """Wait for every worker task, including those that tasks submitted; the first error
+        raises (unless ``quiet``)."""
+        i = 0
+        while True:
+            with self.lock:
+                if i >= len(self.futures):
+                    return
+                fut = self.futures[i]
+            i += 1
+            try:
+                fut.result()
+            except BaseException:
+                if not quiet:
+                    with self.lock:
+                        self.failed = True
+                    self._drain(quiet=True)
+                    raise
+
+
+def _allow_predicted(ctx: RepoContext) -> None:
+    """A repository of format 2 or 3 becomes 4 before it holds a predicted delta (docs/format.md)."""
+    if ctx.config.version in (2, 3):
+        ctx.set_config(replace(ctx.config, version=PREDICTED_VERSION))
+
+
+def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
+    """Delta bases that objects already here lack: a crash while an earlier fetch's batch was
+    landing can leave an object in place without its base (and without any commit naming it)."""
+    missing: list[str] = []
+    seen = set(present)
+    todo = list(present)
+    while todo:
+        for base in view.bases_of(todo.pop()):
+            if base in seen:
+                continue
+            seen.add(base)
+            if view.has(base):
+                todo.append(base)
+            else:
+                missing.append(base)
+    return missing
+
+
+def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
+    remote = open_remote(ctx, remote_name)
+    report = FetchReport(remote.name)
+    remote.require_format()
+    refs = remote.list_refs()
+    fetch_history(ctx, remote, list(refs.values()), report)
+    for ref, oid in sorted(refs.items()):
+        local = tracking_ref(remote.name, ref)
+        if local is None:
+            if not ref.startswith(TAGS) or ctx.refs.read(ref) is not None:
+                continue  # a local tag of that name wins, as in git
+            local = ref
+        old = ctx.refs.read(local)
+        if old != oid:
+            ctx.refs.update(local, oid, reason=f"fetch {remote.name}")
+            report.updated.append((local, old, oid))
+    # Branches deleted on the remote: their tracking refs go (the reflog keeps what they held).
+    prefix = f"{TRACKING}{remote.name}/"
+    for branch in ctx.refs.list(prefix):
+        if HEADS + branch not in refs:
+            ctx.refs.delete(prefix + branch, reason=f"fetch {remote.name}: gone from the remote")
+    return report
+
+
+def pull(ctx: RepoContext, remote_name: str | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
+    """Fetch, then fast-forward the current branch to its remote-tracking ref; (report, old, new)."""
+    report = fetch(ctx, remote_name)
+    branch = ctx.refs.head_branch()
+    theirs = ctx.refs.read(f"{TRACKING}{report.remote}/{branch}")
+    if theirs is None:
+        raise RefNotFoundError(f"remote {report.remote} has no branch {branch!r}")
+    ours = ctx.refs.read(HEADS + branch)
+    if ours == theirs or (ours is not None and theirs in ctx.graph.reachable_from([ours])):
+        return report, ours, ours  # up to date (or ahead)
+    if ours is not None and ours not in ctx.graph.reachable_from([theirs]):
+        raise ConflictError(
+            f"branch {branch!r} and {report.remote}/{branch} have diverged; ckstore does not merge: "
+            f"'ckstore reset {report.remote}/{branch}' takes theirs, 'ckstore push --force' keeps yours"
+        )
+    ctx.refs.update(HEADS + branch, theirs, expected=ours, reason=f"pull {report.remote}: fast-forward")
+    return report, ours, theirs
+
+
+def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = None,
+          config: RepoConfig | None = None) -> tuple[RepoContext, FetchReport]:
+    """A new repository at ``path`` with remote "origin", every remote branch as a local branch,
+    and HEAD on "main" (or the first branch)."""
+    from ckstore.remote.names import RemoteSpec, open_spec
+
+    # Refuse an empty or foreign remote before creating anything.
+    open_spec(RemoteSpec("origin", url, endpoint_url)).require_format()
+    ctx = init_context(path, config or RepoConfig())
+    add(ctx, "origin", url, endpoint_url)
+    report = fetch(ctx, "origin")
+    branches = ctx.refs.list(f"{TRACKING}origin/")
+    for branch, oid in branches.items():
+        ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
+    if branches:
+        ctx.refs.set_head_branch("main" if "main" in branches else min(branches))
+    return ctx, report

@@ -1,0 +1,206 @@
+"""``gc --remote``: delete the packs of a remote that no kept commit needs, two-phase.
+
+A remote has no lock that pushes take, so gc cannot stop the world as local gc does. Instead
+(docs/design.md, "Remote gc"; docs/format.md 15.9), each run:
+
+1. takes ``gc/lock.json`` (put-if-absent: one gc at a time; pushes never look at it);
+2. reads the refs and computes what is live: the commits the retention policy keeps (all
+   reachable ones without a policy), their chunks, and every delta base of those as stored on
+   the remote (read from the objects' headers there, since a local copy may be encoded
+   differently);
+3. sweeps: claims (compare-and-swap on ``gc/condemned.json``) every entry condemned at least
+   ``grace`` seconds ago whose pack is still not live, deletes its index, then its pack, then
+   drops the entries; entries whose packs became live again are dropped unclaimed;
+4. marks: condemns every pack that holds no live object and was written more than ``grace``
+   ago (a younger one may belong to a push that has not moved its ref yet), and records the
+   commits the policy dropped in ``gc/pruned`` so pushes stop sending them.
+
+Deletion therefore happens at least ``grace`` after condemnation, by a run that re-read the refs.
+A push relies on a pack only after checking the list (and rescuing its entry), and it re-checks
+when its last check is older than grace / 2 before moving a ref: whichever way a push and a gc
+interleave, the sweep's fresh read of the refs sees any ref that names a condemned pack. A pack
+holding both live and dead objects is kept whole (repacking a remote is future work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ckstore.backend.memory import MemoryBackend
+from ckstore.format.codec import BASES_PREFIX_SIZE, delta_bases
+from ckstore.repository.context import RepoContext
+from ckstore.errors import IntegrityError, LockedError
+from ckstore.repository.graph import PRUNED_KEY, CommitGraph
+from ckstore.format.ids import ObjectId
+from ckstore.remote.lazy import RemoteObjects
+from ckstore.repository.refs import RefStore, encode_ref
+from ckstore.remote.layout import (
+    DEFAULT_GRACE,
+    GC_LOCK_KEY,
+    PACKS,
+    Condemned,
+    Located,
+    RemoteRepo,
+    index_key,
+    pack_key,
+)
+from ckstore.remote.names import open_remote
+from ckstore.maintenance.retention import RetentionPolicy, select_kept
+from ckstore.repository.store import ObjectStore
+
+# S3 reports Last-Modified in whole seconds: a pack may be up to this much younger than it looks.
+MTIME_RESOLUTION = 1.0
+
+
+@dataclass
+class RemoteGcReport:
+    remote: str
+    dry_run: bool
+    live_objects: int = 0
+    pruned_commits: list[ObjectId] = field(default_factory=list)  # dropped by the retention policy
+    condemned: list[str] = field(default_factory=list)  # packs condemned by this run
+    deleted: list[str] = field(default_factory=list)  # packs deleted by this run
+    freed_bytes: int = 0
+    rescued: list[str] = field(default_factory=list)  # condemned packs found live again
+
+
+@contextmanager
+def _gc_lock(remote: RemoteRepo) -> Iterator[None]:
+    owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+    if not remote.transport.put_if_absent(GC_LOCK_KEY, owner):
+        try:
+            info = json.loads(remote.transport.get(GC_LOCK_KEY))
+            who = f" (started {time.ctime(info['time'])} by process {info['pid']} on {info['host']})"
+        except (KeyError, ValueError, TypeError):
+            who = ""
+        raise LockedError(f"remote {remote.name}: another remote gc is running{who}; if none is, delete "
+                          f"{remote.describe(GC_LOCK_KEY)}")
+    try:
+        yield
+    finally:
+        remote.transport.delete(GC_LOCK_KEY)
+
+
+def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> CommitGraph:
+    """The remote's commit graph: its refs and pruned record in memory, commits read from the
+    local store when here (same name, same bytes) and from the remote otherwise."""
+    backend = MemoryBackend()
+    for ref, oid in refs.items():
+        backend.replace(encode_ref(ref), f"{oid}\n".encode())
+    pruned = remote.read_pruned()
+    if pruned:
+        backend.replace(PRUNED_KEY, "".join(" ".join([o, *pruned[o]]) + "\n" for o in sorted(pruned)).encode())
+    store = ObjectStore(MemoryBackend(), ctx.store.settings)
+    store.alternates = [ctx.store, RemoteObjects(remote, ObjectStore(MemoryBackend()))]
+    return CommitGraph(backend, store, RefStore(backend))
+
+
+def remote_bases(remote: RemoteRepo, where: dict[str, Located], chunks: set[str]) -> set[str]:
+    """``chunks`` plus every delta base they need as stored on the remote (headers read there)."""
+    live = set(chunks)
+    todo = [c for c in live if c in where]
+    while todo:
+        by_pack: dict[str, list[Located]] = {}
+        for oid in todo:
+            by_pack.setdefault(where[oid].pack_id, []).append(where[oid])
+        todo = []
+        for pack_id, locs in by_pack.items():
+            ranges = [(loc.entry.offset, min(loc.entry.length, BASES_PREFIX_SIZE)) for loc in locs]
+            for loc, head in zip(locs, remote.transport.get_ranges(pack_key(pack_id), ranges)):
+                try:
+                    bases = delta_bases(head)
+                except IntegrityError as exc:
+                    # Without the header, what it needs is unknown: deleting anything could lose data.
+                    raise IntegrityError(f"object {loc.entry.id} in {remote.describe(pack_key(pack_id))} is corrupt: "
+                                         f"{exc}; remote gc stopped") from None
+                for base in bases:
+                    if base not in live:
+                        live.add(base)
+                        if base in where:
+                            todo.append(base)
+    return live
+
+
+def collect_remote(
+    ctx: RepoContext, remote_name: str | None = None, *, keep_last: int | None = None, keep_best: int | None = None,
+    metric: str | None = None, maximize: bool = False, keep_every: int | None = None, grace: float = DEFAULT_GRACE,
+    dry_run: bool = False,
+) -> RemoteGcReport:
+    policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
+    policy.validate()
+    remote = open_remote(ctx, remote_name)
+    remote.require_format()
+    report = RemoteGcReport(remote.name, dry_run)
+    with _gc_lock(remote):
+        refs = remote.list_refs()
+        packs = {info.key[len(PACKS):-len(".pack")]: info for info in remote.transport.list(PACKS)
+                 if info.key.endswith(".pack")}
+        condemned = remote.read_condemned()
+        remote.catalogue()
+        # An object in a condemned pack and in another counts in the other: the condemned one may go.
+        where = {**remote.locate(), **remote.locate(exclude=set(condemned.packs))}
+        graph = remote_graph(ctx, remote, refs)
+        reachable = graph.reachable_from(graph.tips())
+        kept = select_kept(graph, policy) if policy.active else reachable
+        report.pruned_commits = sorted(reachable - kept)
+        chunks = {c.id for oid in kept for c in graph.read_commit(oid).all_chunks()}
+        live = remote_bases(remote, where, chunks) | kept
+        report.live_objects = len(live)
+        live_packs = {where[o].pack_id for o in live if o in where}
+        now = time.time()
+        due = {p for p, (since, claimed) in condemned.packs.items()
+               if p not in live_packs and (claimed or now - since >= grace)}
+        fresh = sorted(p for p, info in packs.items() if p not in live_packs and p not in condemned.packs
+                       and now - info.last_modified.timestamp() - MTIME_RESOLUTION >= grace)
+        report.rescued = sorted(p for p, (_, claimed) in condemned.packs.items() if p in live_packs and not claimed)
+        report.condemned = fresh
+        if dry_run:
+            report.deleted = sorted(due)
+            report.freed_bytes = sum(packs[p].size for p in due if p in packs)
+            return report
+        if policy.active and report.pruned_commits:
+            # Before any pack goes: pushes stop sending these commits, fetches stop at them.
+            remote.add_pruned(graph.pruned_after(kept, reachable))
+        claimed = _update(remote, lambda c: _claim(c, due, live_packs))
+        for p in sorted(claimed):
+            remote.transport.delete(index_key(p))  # first: nothing names a pack that is going
+            remote.transport.delete(pack_key(p))
+            report.deleted.append(p)
+            report.freed_bytes += packs[p].size if p in packs else 0
+        _update(remote, lambda c: _settle(c, claimed, fresh, now))
+    return report
+
+
+def _update(remote: RemoteRepo, change: Callable[[Condemned], set[str]]) -> set[str]:
+    """Apply ``change`` to the condemned list by compare-and-swap until it sticks."""
+    while True:
+        condemned = remote.read_condemned()
+        result = change(condemned)
+        if remote.write_condemned(condemned):
+            return result
+        time.sleep(0.01)
+
+
+def _claim(condemned: Condemned, due: set[str], live_packs: set[str]) -> set[str]:
+    """Claim the due entries still listed (a push may have rescued some meanwhile); drop entries
+    whose packs are live again."""
+    for p in [p for p, (_, c) in condemned.packs.items() if p in live_packs and not c]:
+        del condemned.packs[p]
+    claimed = {p for p in due if p in condemned.packs}
+    for p in claimed:
+        condemned.packs[p] = (condemned.packs[p][0], True)
+    return claimed
+
+
+def _settle(condemned: Condemned, deleted: set[str], fresh: list[str], now: float) -> set[str]:
+    for p in deleted:
+        condemned.packs.pop(p, None)
+    for p in fresh:
+        condemned.packs.setdefault(p, (now, False))
+    return set()

@@ -1,0 +1,106 @@
+"""Lazy reads from a remote: objects this repository lacks are read on demand, one ranged read
+of a pack each, and kept in a local cache (``remote-cache/<name>/objects/``).
+
+``attach`` adds a ``RemoteObjects`` store to the repository's read-through alternates (the same
+seam overlays use for their base repositories), so checkout, ``open`` and ``load_state`` of a
+commit only the remote holds fetch exactly the chunks they decode (a delta's base too) and
+nothing else: ``checkout REF --only 'model.*' --remote origin`` never transfers the optimizer
+state. The cache is separate from ``objects/`` on purpose: a commit whose objects are only
+partly here must never look complete to fetch, gc or fsck. Every object read is decoded and
+re-hashed by the store as any other read.
+"""
+
+from __future__ import annotations
+
+from ckstore.format.codec import Kind, parse_header
+from ckstore.repository.context import RepoContext
+from ckstore.errors import IntegrityError, ObjectMissingError, RefNotFoundError
+from ckstore.remote.fetch import verify_commit
+from ckstore.format.ids import ObjectId
+from ckstore.repository.refs import HEADS, TAGS
+from ckstore.remote.layout import Located, RemoteRepo, pack_key
+from ckstore.remote.names import cache_backend, default_name, open_remote
+from ckstore.repository.store import ObjectStore, object_key
+
+
+class RemoteObjects(ObjectStore):
+    """An object store that reads what its cache lacks from a remote's packs."""
+
+    def __init__(self, remote: RemoteRepo, cache: ObjectStore) -> None:
+        super().__init__(cache.backend, cache.settings)
+        self.remote = remote
+        self._where: dict[str, Located] | None = None
+        self.fetched_bytes = 0  # bytes read from the remote (benchmarks and tests)
+        self.fetched_objects = 0
+
+    def where(self) -> dict[str, Located]:
+        if self._where is None:
+            self.remote.catalogue()
+            self._where = self.remote.locate(exclude=self.remote.read_condemned().claimed())
+        return self._where
+
+    def has(self, oid: str) -> bool:
+        return self.has_local(oid) or oid in self.where()
+
+    def _read_any(self, oid: str, n: int | None, context: str) -> bytes:
+        key = object_key(oid)
+        try:
+            return self.backend.get(key) if n is None else self.backend.get_prefix(key, n)
+        except KeyError:
+            pass
+        loc = self.where().get(oid)
+        if loc is None:
+            raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
+        where = f" (read from {self.remote.describe(pack_key(loc.pack_id))})"
+        ((_, view),) = self.remote.read_objects(loc.pack_id, [loc.entry])
+        data = bytes(view)
+        self.fetched_bytes += len(data)
+        self.fetched_objects += 1
+        self._verify(oid, data, context + where)  # before it is cached: a damaged copy never sticks
+        self.backend.put_if_absent(key, data)
+        return data if n is None else data[:n]
+
+    def _verify(self, oid: str, data: bytes, context: str) -> None:
+        try:
+            header = parse_header(data)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
+        if header.kind == Kind.COMMIT:
+            verify_commit(oid, data, context.strip(" ()"))
+        else:
+            self._decode_chunk(oid, data, header.raw_len, context, 0)
+
+
+class RemoteNames:
+    """Resolves the remote's branch and tag names (``NAME/BRANCH``, and ``BRANCH`` or ``TAG``
+    when this repository has no such name) as a base graph does, without writing any ref here:
+    a ref naming a commit whose objects are not here would look like damage to fsck."""
+
+    def __init__(self, name: str, refs: dict[str, str]) -> None:
+        self.names: dict[str, ObjectId] = {}
+        for ref, oid in refs.items():
+            for prefix in (HEADS, TAGS):
+                if ref.startswith(prefix):
+                    short = ref[len(prefix):]
+                    self.names.setdefault(short, ObjectId(oid))
+                    if prefix == HEADS:
+                        self.names[f"{name}/{short}"] = ObjectId(oid)
+
+    def _resolve_with_bases(self, name: str) -> ObjectId:
+        if name in self.names:
+            return self.names[name]
+        raise RefNotFoundError(f"unknown revision {name!r} (not a branch, tag or commit id, here or on the remote)")
+
+
+def attach(ctx: RepoContext, name: str | None = None) -> RemoteObjects:
+    """Make ``ctx`` read missing objects from remote ``name`` and resolve its branch and tag names."""
+    name = default_name(ctx) if name is None else name
+    remote = open_remote(ctx, name)
+    remote.require_format()
+    lazy = RemoteObjects(remote, ObjectStore(cache_backend(ctx, name), ctx.store.settings))
+    ctx.store.alternates.append(lazy)
+    ctx.graph.bases.append(RemoteNames(name, remote.list_refs()))  # type: ignore[arg-type]
+    return lazy
+
+
+__all__ = ["RemoteNames", "RemoteObjects", "attach"]

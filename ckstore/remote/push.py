@@ -1,0 +1,280 @@
+"""``push``: send the objects a remote lacks, in packs, then move its refs by compare-and-swap.
+
+Order (docs/format.md 15.7): every pack, then its index, then the refs. A ref is swapped only
+with the token read before the objects went up (``If-Match``), so of two pushers to one branch
+exactly one wins and the other is told to fetch first; a branch whose remote tip is not an
+ancestor of the pushed commit is refused up front for the same reason (``force`` skips that
+check but not the swap: a force push still loses to a concurrent one rather than erase it
+unseen). An interrupted push leaves packs with indexes (or a pack without one, which nothing
+names); run again, it learns from the indexes what arrived and sends only the rest.
+
+Nothing leaves unverified: each object is read as stored here, decoded and re-hashed against its
+name on worker threads (``_Verifier``; a delta against its base's verified bytes) while earlier
+packs are built and uploaded, and the pack index records the BLAKE3 of those exact stored bytes.
+A fetch checks arriving objects against that digest instead of decoding them (fetch.py), which
+is sound only because a locally damaged object can never get past this step.
+
+What a remote has: the objects the indexes list, minus packs a remote gc has claimed for
+deletion. Packs a gc merely condemned are rescued (taken off its list) before the refs move, and
+the check is repeated when it is older than half the grace period, so a concurrent gc never
+deletes an object a ref is about to need (docs/design.md, "Remote gc").
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import blake3
+
+from ckstore.format.codec import Kind, decode_view, delta_bases, parse_header
+from ckstore.repository.context import RepoContext
+from ckstore.errors import (
+    ConflictError,
+    IntegrityError,
+    RefChangedError,
+    RefNotFoundError,
+)
+from ckstore.repository.graph import kept_parents
+from ckstore.format.ids import ObjectId, chunk_id
+from ckstore.format.pack import DEFAULT_TARGET_SIZE
+from ckstore.repository.refs import HEADS, TAGS
+from ckstore.remote.layout import DEFAULT_GRACE, RemoteRepo
+from ckstore.remote.uploads import PackUploads
+from ckstore.remote.names import open_remote, tracking_ref
+from ckstore.repository.store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, ObjectStore, verified_commit
+
+UPLOAD_WORKERS = 4
+# Objects read and verified ahead of the pack being built (memory: this many stored objects).
+VERIFY_AHEAD = 16
+# Verified raw bytes of delta bases kept for the deltas that follow (a chain decodes once).
+BASE_CACHE = 64 << 20
+
+
+@dataclass
+class PushReport:
+    remote: str
+    updated: list[tuple[str, ObjectId | None, ObjectId]] = field(default_factory=list)  # ref, old, new
+    up_to_date: list[str] = field(default_factory=list)
+    objects: int = 0  # objects sent
+    packs: int = 0  # packs sent
+    bytes: int = 0  # pack and index bytes sent
+    pack_sizes: list[int] = field(default_factory=list)
+
+
+class FetchFirstError(RefChangedError):
+    """The remote branch holds commits the local one does not: fetch (and merge) first."""
+
+
+def full_ref(ctx: RepoContext, name: str) -> str:
+    """The local ref a push argument names: a branch, else a tag, else a full ref name."""
+    for ref in ([name] if name.startswith("refs/") else [HEADS + name, TAGS + name]):
+        if ctx.refs.read(ref) is not None:
+            return ref
+    raise RefNotFoundError(f"no branch or tag {name!r} to push")
+
+
+def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Mapping[str, Sequence[str]] = {}) -> list[str]:
+    """Every object the history of ``tips`` needs, in a reader-friendly order: for each commit
+    (oldest first) its chunks in file order, then the commit; then any delta base not listed.
+    Commits pruned here or by a remote gc (``remote_pruned``) are skipped."""
+    graph, store = ctx.graph, ctx.store
+    pruned = {**{ObjectId(k): tuple(ObjectId(p) for p in v) for k, v in remote_pruned.items()}, **graph.pruned()}
+    order: list[ObjectId] = []
+    seen: set[ObjectId] = set()
+    todo = list(kept_parents(tips, pruned))
+    while todo:
+        oid = todo.pop()
+        if oid in seen:
+            continue
+        seen.add(oid)
+        order.append(oid)
+        commit = graph.read_commit(oid)
+        todo.extend(kept_parents(commit.parents, pruned))
+        if commit.base is not None:
+            todo.append(commit.base.commit)  # an overlay's base goes along: the remote stands alone
+    out: dict[str, None] = {}
+    for oid in reversed(order):
+        for chunk in graph.read_commit(oid).all_chunks():
+            out.setdefault(chunk.id)
+        out.setdefault(oid)
+    for base in sorted(store.with_delta_bases(out) - set(out)):
+        out.setdefault(base)
+    return list(out)
+
+
+def push(
+    ctx: RepoContext, remote_name: str | None = None, names: Sequence[str] = (), force: bool = False,
+    target_size: int = DEFAULT_TARGET_SIZE, grace: float = DEFAULT_GRACE,
+) -> PushReport:
+    remote = open_remote(ctx, remote_name)
+    report = PushReport(remote.name)
+    refs = [full_ref(ctx, n) for n in (names or [ctx.refs.head_branch()])]
+    remote.check_format(create=True)
+    plan: list[tuple[str, ObjectId, ObjectId | None, str | None]] = []
+    for ref in dict.fromkeys(refs):
+        new = ctx.refs.read(ref)
+        assert new is not None  # full_ref found it
+        old, token = remote.read_ref(ref)
+        if old == new:
+            report.up_to_date.append(ref)
+            continue
+        if old is not None and not force:
+            _refuse_non_fast_forward(ctx, remote, ref, old, new)
+        plan.append((ref, new, old, token))
+    if not plan:
+        return report
+    tips = [new for _, new, _, _ in plan]
+    wanted = needed_objects(ctx, tips, remote.read_pruned())
+    # Commits gc pruned here that the pushed history still reaches: the remote must know them as
+    # pruned too, or its readers would look for them.
+    here = ctx.graph.pruned_after(ctx.graph.reachable_from(tips), set())
+    checked = time.monotonic()
+    relied = _send_missing(ctx, remote, wanted, target_size, report)
+    while True:
+        lost = remote.rescue(relied)
+        if lost:  # a remote gc is deleting packs we counted on: send those objects again
+            relied = _send_missing(ctx, remote, wanted, target_size, report, forget=lost)
+            checked = time.monotonic()
+            continue
+        if time.monotonic() - checked <= grace / 2:
+            break
+        remote.catalogue()  # slow push: look again before the refs name anything
+        relied = _send_missing(ctx, remote, wanted, target_size, report)
+        checked = time.monotonic()
+    if here:
+        remote.add_pruned(here)
+    for ref, new, old, token in plan:
+        if not remote.swap_ref(ref, new, token):
+            now, _ = remote.read_ref(ref)
+            if now != new:
+                raise FetchFirstError(
+                    f"remote {remote.name}: {_short(ref)} moved to {str(now)[:12]} while pushing; "
+                    f"fetch first ('ckstore pull {remote.name}'), then push again"
+                )
+        report.updated.append((ref, old, new))
+        tracking = tracking_ref(remote.name, ref)
+        if tracking is not None:
+            ctx.refs.update(tracking, new, reason=f"push {remote.name}")
+    return report
+
+
+def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old: ObjectId, new: ObjectId) -> None:
+    if ref.startswith(TAGS):
+        raise ConflictError(f"remote {remote.name}: tag {ref[len(TAGS):]!r} exists there at {old[:12]}; use --force to move it")
+    if not (ctx.store.has(old) and old in ctx.graph.reachable_from([new])):
+        raise FetchFirstError(
+            f"remote {remote.name}: {_short(ref)} is at {old[:12]}, which the local branch does not contain; "
+            f"fetch first ('ckstore pull {remote.name}'), or push --force to overwrite it"
+        )
+
+
+def _send_missing(
+    ctx: RepoContext, remote: RemoteRepo, wanted: list[str], target_size: int, report: PushReport,
+    forget: frozenset[str] | set[str] = frozenset(),
+) -> set[str]:
+    """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
+    in afterwards (those a push relies on)."""
+    remote.catalogue()
+    claimed = remote.read_condemned().claimed() | set(forget)
+    where = remote.locate(exclude=claimed)
+    missing = [oid for oid in wanted if oid not in where]
+    relied = {where[oid].pack_id for oid in wanted if oid in where}
+    store = ctx.store
+
+    verifier = _Verifier(store)
+
+    def objects() -> Iterator[tuple[str, bytes, bytes]]:
+        # The delta bases are taken from the bytes actually sent: a compaction may have re-encoded
+        # an object since the list was made, and the remote must hold every base it sends.
+        queue, listed = deque(missing), set(missing)
+        ahead: deque[Future[tuple[str, bytes, bytes, tuple[str, ...]]]] = deque()
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="verify") as pool:
+            try:
+                while queue or ahead:
+                    while queue and len(ahead) < VERIFY_AHEAD:
+                        ahead.append(pool.submit(verifier.stored, queue.popleft()))
+                    oid, data, digest, bases = ahead.popleft().result()
+                    for base in bases:
+                        if base in where:
+                            relied.add(where[base].pack_id)
+                        elif base not in listed:
+                            listed.add(base)
+                            queue.append(base)
+                    yield oid, data, digest
+            finally:
+                pool.shutdown(cancel_futures=True)
+
+    with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
+        for oid, data, digest in objects():
+            uploads.add(oid, data, digest)
+    for index in uploads.sent:
+        relied.add(index.pack_id)
+        report.packs += 1
+        report.objects += len(index)
+        report.bytes += index.pack_size + len(index.to_bytes())
+        report.pack_sizes.append(index.pack_size)
+    remote.catalogue()
+    return relied
+
+
+class _Verifier:
+    """Reads objects as stored here and proves each decodes to its name before it is sent.
+
+    ``ObjectStore.read_raw`` returns stored bytes unverified; sending those as they are would let
+    a locally damaged object reach the remote under a digest that vouches for it. Thread-safe.
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.bases: OrderedDict[str, bytes | memoryview] = OrderedDict()  # verified raw bytes, least recent first
+        self.cached = 0
+
+    def stored(self, oid: str) -> tuple[str, bytes, bytes, tuple[str, ...]]:
+        """(id, stored bytes, their BLAKE3, delta bases) of one verified object."""
+        data = self.store.read_raw(oid)
+        try:
+            bases = delta_bases(data)
+            if parse_header(data).kind == Kind.COMMIT:
+                verified_commit(oid, data)
+            else:
+                self._decode(oid, data, 0)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt here, so it is not sent: {exc}; run 'ckstore fsck'") from None
+        return oid, data, blake3.blake3(data).digest(), bases
+
+    def _decode(self, oid: str, data: bytes, depth: int) -> bytes | memoryview:
+        raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))
+        if chunk_id(raw) != oid:
+            raise IntegrityError("its bytes do not hash to its name")
+        return raw
+
+    def _base(self, oid: str, length: int, depth: int) -> bytes | memoryview:
+        if depth > MAX_CHAIN_DEPTH:
+            raise IntegrityError(f"delta chain longer than {MAX_CHAIN_DEPTH}")
+        with self.lock:
+            raw = self.bases.get(oid)
+            if raw is not None:
+                self.bases.move_to_end(oid)
+        if raw is None:
+            try:
+                raw = self._decode(oid, self.store.read_raw(oid), depth)
+            except IntegrityError as exc:
+                raise IntegrityError(f"its delta base {oid} is corrupt: {exc}") from None
+            with self.lock:
+                if oid not in self.bases:
+                    self.bases[oid] = raw
+                    self.cached += len(raw)
+                while self.cached > BASE_CACHE and len(self.bases) > 1:
+                    self.cached -= len(self.bases.popitem(last=False)[1])
+        return raw  # decode checks its length
+
+
+def _short(ref: str) -> str:
+    return f"branch {ref[len(HEADS):]!r}" if ref.startswith(HEADS) else ref

@@ -1,0 +1,304 @@
+"""The object store: chunks and commit manifests by name, over a storage backend.
+
+Objects live under ``objects/<first two hex digits>/<remaining 62>``. Writes are put-if-absent
+(an object that exists is never rewritten by a commit: same name, same content); only repack
+replaces an object, atomically, with another encoding of the same bytes. Every read decodes within
+the size the caller expects and re-hashes the result against the name, so corrupt data raises
+IntegrityError instead of flowing on. A delta's bases are read the same way (decoded and
+verified), recursively, at most ``MAX_CHAIN_DEPTH`` deep, so a cycle or an overlong chain in a
+damaged repository is an IntegrityError, not a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ckstore.backend.base import Backend
+from ckstore.format.codec import (
+    BASES_PREFIX_SIZE,
+    HEADER_SIZE,
+    Encoding,
+    Kind,
+    decode,
+    decode_view,
+    delta_bases,
+    encode,
+    encode_chunk,
+    parse_header,
+)
+from ckstore.format.settings import EncodingSettings
+from ckstore.errors import CkstoreError, IntegrityError, ObjectMissingError
+from ckstore.format.ids import ObjectId, chunk_id, commit_id, is_object_id, object_key
+
+MAX_CHUNK_SIZE = 1 << 28
+MAX_COMMIT_SIZE = 1 << 30
+# Hard limit on the delta chain a reader follows (docs/format.md): far above the largest
+# configurable max_delta_depth (16), so an interrupted repack (whose chains can briefly reach
+# 2 * depth + 1) still reads, while a cycle in a damaged repository stops quickly.
+MAX_CHAIN_DEPTH = 64
+_PREFIX = BASES_PREFIX_SIZE
+
+
+class _BaseError(IntegrityError):
+    """A delta base failed to decode; its message already names the base and the chain."""
+
+
+@dataclass(frozen=True)
+class PutResult:
+    id: ObjectId
+    stored: int  # bytes this put added to the store (0 when the object existed)
+
+
+def verified_commit(oid: str, data: bytes) -> bytes:
+    """The manifest bytes of a stored commit object, proven to hash to ``oid``; IntegrityError
+    (saying what is wrong, not which object: callers name it) otherwise."""
+    raw = decode(data, Kind.COMMIT, MAX_COMMIT_SIZE)
+    if commit_id(raw) != oid:
+        raise IntegrityError("its bytes do not hash to its name")
+    return raw
+
+
+class ObjectStore:
+    def __init__(self, backend: Backend, settings: EncodingSettings | None = None) -> None:
+        self.backend = backend
+        self.settings = settings or EncodingSettings()
+        # Base repositories' stores (overlays): reads fall through to them, and an object one of
+        # them holds is referenced, never copied. Writes and deletes stay local.
+        self.alternates: list[ObjectStore] = []
+        self.missing_hint = ""  # appended to "object … is missing" (a base repository that moved)
+
+    def has_local(self, oid: str) -> bool:
+        return self.backend.exists(object_key(oid))
+
+    def has(self, oid: str) -> bool:
+        return self.has_local(oid) or any(alt.has(oid) for alt in self.alternates)
+
+    def stored_size(self, oid: str) -> int | None:
+        return self.backend.size(object_key(oid))
+
+    def _put(self, oid: ObjectId, raw: bytes | memoryview, kind: Kind) -> PutResult:
+        key = object_key(oid)
+        if self.has(oid):
+            return PutResult(oid, 0)
+        data = encode(raw, kind, self.settings.zstd_level)
+        return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
+
+    def put_chunk(
+        self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None, fast: bool = False,
+    ) -> PutResult:
+        """Store a chunk of elements ``width`` bytes wide; ``base_id`` is a delta base candidate
+        (the same chunk in the parent commit), used when its chain leaves room for one more.
+
+        ``fast`` stores a multi-byte chunk with plain zstd at ``fast_level`` (a commit on the
+        training loop's critical path); ``is_provisional`` tells compaction to re-encode it.
+        """
+        oid = chunk_id(raw)
+        key = object_key(oid)
+        if self.has(oid):
+            return PutResult(oid, 0)
+        if fast and width > 1:
+            data = encode(raw, Kind.CHUNK, self.settings.fast_level)
+        else:
+            data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
+        return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
+
+    def is_provisional(self, encoding: Encoding, width: int) -> bool:
+        """Whether an object of a multi-byte chunk was stored by a fast commit (plain zstd or raw)
+        and byte grouping, which the best encoding of such a chunk always tries, is allowed."""
+        return width > 1 and encoding in (Encoding.ZSTD, Encoding.RAW) and Encoding.GROUPED in self.settings.allowed
+
+    def encode_chunk(self, raw: bytes | memoryview, width: int, base_id: str | None) -> bytes:
+        base = None
+        if base_id is not None and self.settings.max_delta_depth > 0 and Encoding.DELTA in self.settings.allowed:
+            base = self._delta_base(base_id, len(raw))
+        return encode_chunk(
+            raw, self.settings.zstd_level, width, base_id if base is not None else None, base,
+            allowed=self.settings.allowed,
+        )
+
+    def _delta_base(self, base_id: str, size: int) -> bytes | None:
+        """The base's raw bytes when a delta against it stays within max_delta_depth, else None.
+
+        A base that is missing or damaged only costs compression: the chunk is stored whole.
+        """
+        try:
+            depth = self.chain_depth(base_id)
+            if depth + 1 > self.settings.max_delta_depth:
+                return None
+            return self.get_chunk(base_id, size)
+        except CkstoreError:
+            return None
+
+    def chain_depth(self, oid: str, _known: dict[str, int] | None = None, _level: int = 0) -> int:
+        """Delta links between an object and whole ones: 0 when whole, else 1 + the deepest of
+        its bases (read from headers)."""
+        known = {} if _known is None else _known
+        if oid in known:
+            return known[oid]
+        if _level > MAX_CHAIN_DEPTH:
+            raise IntegrityError(f"delta chain through object {oid} is longer than {MAX_CHAIN_DEPTH}")
+        bases = self.bases_of(oid)
+        depth = 1 + max(self.chain_depth(b, known, _level + 1) for b in bases) if bases else 0
+        known[oid] = depth
+        return depth
+
+    def bases_of(self, oid: str) -> tuple[ObjectId, ...]:
+        """The bases a stored object is a delta of (empty when it is whole); reads only its header."""
+        prefix = self._read_prefix(oid, _PREFIX)
+        try:
+            bases = delta_bases(prefix)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
+        return tuple(ObjectId(b) for b in bases)
+
+    def with_delta_bases(self, chunks: Iterable[str]) -> set[str]:
+        """``chunks`` plus every delta base they need, transitively (reads object headers only)."""
+        live = set(chunks)
+        todo = list(live)
+        while todo:
+            oid = todo.pop()
+            try:
+                bases = self.bases_of(oid)
+            except ObjectMissingError:
+                continue  # nothing to follow; fsck reports the missing object
+            except IntegrityError as exc:
+                # Without its header we cannot know what it needs, so deleting anything could
+                # lose data: stop rather than guess.
+                raise IntegrityError(f"{exc}; gc stopped, run 'ckstore fsck'") from None
+            for base in bases:
+                if base not in live:
+                    live.add(base)
+                    todo.append(base)
+        return live
+
+    @contextmanager
+    def batch(self, expected_bytes: int = 0) -> Iterator[ObjectStore]:
+        """A view of this store whose writes become durable together when the block ends
+        (``Backend.batch``): a commit's chunks go through it, its manifest after it."""
+        with self.backend.batch(expected_bytes) as staged:
+            view = ObjectStore(staged, settings=self.settings)
+            view.alternates = self.alternates
+            yield view
+
+    def put_commit(self, manifest: bytes) -> PutResult:
+        return self._put(commit_id(manifest), manifest, Kind.COMMIT)
+
+    def replace_chunk(self, oid: str, data: bytes) -> None:
+        """Atomically swap a chunk object for another encoding of the same bytes (repack)."""
+        self.backend.replace(object_key(oid), data)
+
+    def read_raw(self, oid: str) -> bytes:
+        """The stored (encoded) bytes of an object."""
+        return self._read(oid, "")
+
+    def _read(self, oid: str, context: str) -> bytes:
+        return self._read_any(oid, None, context)
+
+    def _read_prefix(self, oid: str, n: int) -> bytes:
+        """The first ``n`` stored bytes of an object (its header), here or in a base repository."""
+        return self._read_any(oid, n, "")
+
+    def _read_any(self, oid: str, n: int | None, context: str) -> bytes:
+        """The stored bytes (all, or the first ``n``) of an object, here or in a base repository."""
+        key = object_key(oid)
+        try:
+            return self.backend.get(key) if n is None else self.backend.get_prefix(key, n)
+        except KeyError:
+            for alt in self.alternates:
+                try:
+                    return alt._read_any(oid, n, context)
+                except ObjectMissingError:
+                    continue
+            raise ObjectMissingError(f"object {oid} is missing{context}{self.missing_hint}") from None
+
+    def get_chunk(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes:
+        """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""
+        raw = self.chunk_view(oid, size, context, _depth)
+        return raw if isinstance(raw, bytes) else raw.tobytes()
+
+    def chunk_view(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes | memoryview:
+        """``get_chunk`` without its last copy: a byte-grouped or delta chunk comes back as a view
+        of the array it was decoded into, for readers that write or copy it on anyway (checkout,
+        load_state), where copying it into bytes first cost as much as interleaving its planes."""
+        if _depth > MAX_CHAIN_DEPTH:
+            raise IntegrityError(f"object {oid}{context} is corrupt: delta chain longer than {MAX_CHAIN_DEPTH}")
+        return self._decode_chunk(oid, self._read(oid, context), size, context, _depth)
+
+    def check_encoded(self, oid: str, data: bytes, size: int) -> None:
+        """Raise IntegrityError unless ``data`` decodes to the bytes named ``oid`` (repack)."""
+        self._decode_chunk(oid, data, size, " (re-encoded)", 0)
+
+    def read_local(self, oid: str) -> bytes | None:
+        """The stored bytes of an object of this repository (not a base's), None when absent."""
+        try:
+            return self.backend.get(object_key(oid))
+        except KeyError:
+            return None
+
+    def header_local(self, oid: str) -> bytes | None:
+        """The header and delta-bases prefix of an object of this repository, None when absent."""
+        try:
+            return self.backend.get_prefix(object_key(oid), _PREFIX)
+        except KeyError:
+            return None
+
+    def stage_replace(self, oid: str, data: bytes) -> None:
+        """Swap a chunk object for another encoding of the same bytes; in a batch, applied when it
+        ends (compaction)."""
+        self.backend.replace_object(object_key(oid), data)
+
+    def _decode_chunk(self, oid: str, data: bytes, size: int, context: str, _depth: int) -> bytes | memoryview:
+        def fetch_base(base_id: str, length: int) -> bytes | memoryview:
+            where = f" (delta base of {oid}{context})"
+            try:
+                return self.chunk_view(base_id, length, where, _depth + 1)
+            except _BaseError:
+                raise
+            except IntegrityError as exc:
+                raise _BaseError(str(exc)) from None  # already names the base and this object
+
+        try:
+            raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
+        except _BaseError as exc:
+            raise IntegrityError(str(exc)) from None
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
+        if chunk_id(raw) != oid:
+            raise IntegrityError(f"object {oid}{context} is corrupt: its bytes do not hash to its name")
+        return raw
+
+    def get_commit(self, oid: str) -> bytes:
+        data = self._read(oid, " (a commit)")
+        try:
+            return verified_commit(oid, data)
+        except IntegrityError as exc:
+            raise IntegrityError(f"commit {oid} is corrupt: {exc}") from None
+
+    def kind(self, oid: str) -> Kind:
+        return parse_header(self._read_prefix(oid, HEADER_SIZE)).kind
+
+    def verify(self, oid: str) -> None:
+        """Decode and re-hash any object, whatever its kind (fsck --read-data)."""
+        try:
+            header = parse_header(self._read_prefix(oid, HEADER_SIZE))
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
+        if header.kind == Kind.COMMIT:
+            self.get_commit(oid)
+        else:
+            self.get_chunk(oid, header.raw_len)
+
+    def iter_ids(self, prefix: str = "") -> Iterator[ObjectId]:
+        """Names of the stored objects (optionally those starting with ``prefix``, 2+ digits)."""
+        folder = f"objects/{prefix[:2]}/" if len(prefix) >= 2 else "objects/"
+        for key in self.backend.list(folder):
+            parts = key.split("/")
+            if len(parts) == 3 and len(parts[1]) == 2 and is_object_id(parts[1] + parts[2]):
+                oid = parts[1] + parts[2]
+                if oid.startswith(prefix):
+                    yield ObjectId(oid)
+
+    def delete(self, oid: str) -> bool:
+        return self.backend.delete(object_key(oid))

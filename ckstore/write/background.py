@@ -1,0 +1,200 @@
+"""Commits that finish in the background, so a training loop waits only for a snapshot.
+
+``Repo.commit_state(..., background=True)`` takes a private copy of the state's tensors in the
+caller's thread (CPU tensors copied once; CUDA tensors copied into pinned host memory, then one
+synchronize), returns a ``CommitHandle``, and hashes, encodes and writes on one worker thread.
+At most ``max_in_flight`` snapshots exist at a time: the next background commit waits for a slot
+before copying anything, which bounds host memory to that many copies of the state.
+
+Errors are never silent: ``handle.result()`` raises the commit's error, and a failed commit that
+nobody looked at is raised again by the next commit through the same repository. At interpreter
+exit pending commits are waited for; a failure nobody observed is printed on stderr.
+
+``Compactions`` runs the compaction that follows every commit (compact.py) the same way: on its
+own worker thread, waited for at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+from ckstore.errors import CkstoreError, CkstoreWarning
+
+T = TypeVar("T")
+
+
+class CommitHandle:
+    """A commit running in the background."""
+
+    def __init__(self, future: Future[str], owner: BackgroundCommits) -> None:
+        self._future = future
+        self._owner = owner
+
+    def result(self, timeout: float | None = None) -> str:
+        """The commit id once it is recorded; raises the commit's error if it failed."""
+        self._owner.observed(self._future)
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(commit id)`` once the commit is recorded (on the worker thread; not on failure)."""
+        self._future.add_done_callback(lambda f: None if f.exception() is not None else fn(f.result()))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._owner.observed(self._future)
+        return self._future.exception(timeout)
+
+
+class BackgroundCommits:
+    """One worker thread and a bounded number of snapshots in flight, per repository."""
+
+    def __init__(self, max_in_flight: int = 1) -> None:
+        if max_in_flight < 1:
+            raise CkstoreError("max_in_flight must be at least 1")
+        self.max_in_flight = max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckstore-commit")
+        self._pending: list[Future[str]] = []
+        self._unobserved: list[Future[str]] = []  # failed, and nobody called result() yet
+        self._observed: set[Future[str]] = set()  # a handle's result() or exception() was called
+        self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    def submit(self, snapshot: Callable[[], T], write: Callable[[T], str]) -> CommitHandle:
+        """Wait for a free slot, take the snapshot here, write it on the worker thread."""
+        self.raise_unobserved()
+        self._slots.acquire()
+        try:
+            taken = snapshot()
+            future = self._executor.submit(write, taken)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._lock:
+            self._pending.append(future)
+        future.add_done_callback(self._finished)
+        return CommitHandle(future, self)
+
+    def _finished(self, future: Future[str]) -> None:
+        self._slots.release()
+        with self._lock:
+            self._pending.remove(future)
+            if future.exception() is not None and future not in self._observed:
+                self._unobserved.append(future)
+            self._observed.discard(future)
+
+    def observed(self, future: Future[str]) -> None:
+        with self._lock:
+            if future in self._unobserved:
+                self._unobserved.remove(future)
+            elif not future.done() or future in self._pending:
+                self._observed.add(future)  # still running: its failure is the caller's to see
+
+    def raise_unobserved(self) -> None:
+        """Raise the error of an earlier background commit that nobody has looked at."""
+        with self._lock:
+            failed = self._unobserved.pop(0) if self._unobserved else None
+        if failed is not None:
+            error = failed.exception()
+            assert error is not None
+            raise error
+
+    def wait(self) -> None:
+        """Wait for every pending commit and its done-callbacks (errors stay on their handles)."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.exception()
+        # Done-callbacks run on the worker thread before it takes the next job: a no-op job
+        # finishing means every earlier callback has finished too.
+        self._executor.submit(lambda: None).result()
+
+    def close(self) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.exception()
+        self._executor.shutdown(wait=True)  # after its callbacks, like wait()
+        with self._lock:
+            failed = list(self._unobserved)
+            self._unobserved.clear()
+        for future in failed:
+            print(f"ckstore: a background commit failed and nobody checked its result: {future.exception()}",
+                  file=sys.stderr)
+
+
+class Compactions:
+    """Compaction (compact.py) on one worker thread per repository, after each commit.
+
+    A request made while another is waiting replaces it: every run also compacts the pair below
+    the tip, so the newest request covers what the older one would have done. A failure never
+    touches a commit (the objects only stay bigger): it is reported as a CkstoreWarning.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckstore-compact")
+        self._lock = threading.Lock()
+        self._next: Callable[[], object] | None = None
+        self._scheduled = False
+        _LIVE_COMPACTIONS.add(self)
+
+    def request(self, job: Callable[[], object]) -> None:
+        with self._lock:
+            self._next = job
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._executor.submit(self._run)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                job, self._next = self._next, None
+                if job is None:
+                    self._scheduled = False
+                    return
+            try:
+                job()
+            except Exception as exc:  # a background thread: the warning is the only way out
+                warnings.warn(CkstoreWarning(
+                    f"compacting after a commit failed ({exc}); every commit is intact, its chunks are only"
+                    " stored less compactly until the next commit or 'ckstore repack'"), stacklevel=1)
+
+    def wait(self) -> None:
+        """Wait until no compaction is running or waiting."""
+        self._executor.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown(wait=True)
+
+
+_LIVE: weakref.WeakSet[BackgroundCommits] = weakref.WeakSet()
+_LIVE_COMPACTIONS: weakref.WeakSet[Compactions] = weakref.WeakSet()
+
+
+def _wait_at_exit() -> None:
+    for committer in list(_LIVE):
+        committer.close()
+    # After the commits: each of them requests a compaction when it is recorded.
+    for compactions in list(_LIVE_COMPACTIONS):
+        compactions.close()
+
+
+# A pending commit still needs the worker pools, and concurrent.futures refuses new work once
+# its own exit hook (a threading "atexit", run before ``atexit``'s) has run. Threading's hooks run
+# last-registered first, so registering here waits for pending commits before that.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_wait_at_exit)
+else:  # pragma: no cover (CPython < 3.9)
+    atexit.register(_wait_at_exit)

@@ -1,0 +1,105 @@
+"""Recording a commit: files or in-memory state → chunks → manifest → branch ref.
+
+Write order, under the shared repository lock: chunks (one durability batch), then the manifest,
+then the branch ref by compare-and-swap. A crash at any point leaves the refs as they were plus,
+at worst, unreferenced objects, which gc removes under the exclusive lock. When the ref moved
+meanwhile (another trainer committed to the branch), the manifest is re-parented onto the new tip
+and the swap retried: the objects are already stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from ckstore.write import provenance
+from ckstore.repository.context import RepoContext
+from ckstore.format.dcp_record import DcpRecord
+from ckstore.errors import InvalidInputError, RefChangedError, RefExistsError
+from ckstore.write.ingest import MemoryFile, SourceFile, ingest
+from ckstore.format.manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit
+from ckstore.repository.overlay import merge_files
+from ckstore.write.pipeline import ProgressFactory
+from ckstore.repository.refs import HEADS
+from ckstore.format.values import encode_value
+
+MAX_CAS_ATTEMPTS = 20
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def encode_metadata(metadata: Mapping[str, Any] | None) -> Any:
+    metadata = dict(metadata or {})
+    for key in metadata:
+        if not isinstance(key, str):
+            raise InvalidInputError(f"metadata keys must be strings, not {key!r}")
+    return encode_value(metadata)
+
+
+def commit_sources(
+    ctx: RepoContext, sources: Sequence[SourceFile | MemoryFile], message: str, branch: str, meta: Any,
+    progress: ProgressFactory | None = None, state: StateFiles | None = None, base: BaseRef | None = None,
+) -> str:
+    """Store ``sources`` and record them as one commit on ``branch``; return its id."""
+    base_commit = ctx.graph.read_commit(base.commit) if base is not None else None
+    with ctx.backend.shared_lock():
+        bar = progress(sum(s.size for s in sources), "commit") if progress else None
+        # An overlay's tensors are forward deltas against its base's (the base may live in
+        # another repository and must not change); a branch's new chunks are stored fast, and
+        # compaction (compact.py) re-encodes them and the parent's once the commit is durable.
+        overlay = bool(base_commit and ctx.config.encoding.max_delta_depth)
+        hints = base_commit.files if overlay and base_commit else None
+        try:
+            # One durability barrier for all of the commit's chunks; they are durable under
+            # their names when the block ends, before the manifest is written (format.md §8).
+            with ctx.store.batch(sum(s.size for s in sources)) as staged:
+                files, added = ingest(
+                    staged, sources, ctx.config.chunk_size, bar.update if bar else None, parent=hints,
+                    fast=base_commit is None,
+                )
+        finally:
+            if bar:
+                bar.close()
+        if base_commit is not None:
+            files = merge_files(base_commit, files)
+        return record_commit(ctx, files, added, message, branch, meta, state, base)
+
+
+def _reflog_reason(parent: str | None, message: str) -> str:
+    """git's wording: "commit: <first line>", "(initial)" for the first commit of a branch."""
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    return f"commit{'' if parent else ' (initial)'}: {first}"
+
+
+def record_commit(
+    ctx: RepoContext, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
+    state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
+) -> str:
+    """Write the manifest and move ``branch`` to it (objects must be stored already)."""
+    ref = HEADS + branch
+    origin = provenance.collect()  # runs git: once, not on every retry
+    for _ in range(MAX_CAS_ATTEMPTS):
+        parent = ctx.refs.read(ref)
+        commit = Commit(
+            parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
+            files=tuple(files), metadata=metadata, provenance=origin,
+            logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
+            dcp=dcp,
+        )
+        oid = ctx.store.put_commit(encode_commit(commit)).id
+        try:
+            ctx.refs.update(ref, oid, expected=parent, reason=_reflog_reason(parent, message))
+        except RefChangedError:
+            continue  # another writer advanced the branch: re-parent onto its commit, as documented
+        except RefExistsError:
+            if ctx.refs.read(ref) is None:
+                raise  # a name conflict ("a" vs "a/b"), not a race
+            continue  # another writer created the branch first: re-parent onto its commit
+        if ctx.refs.read(HEADS + ctx.refs.head_branch()) is None and branch != ctx.refs.head_branch():
+            ctx.refs.set_head_branch(branch, reason="commit")
+        ctx.graph.remember(oid, commit)
+        return oid
+    raise RefChangedError(f"branch {branch!r} kept moving; commit not recorded")

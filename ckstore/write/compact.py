@@ -1,0 +1,412 @@
+"""Compaction: after a commit is durable, its parent's chunks become deltas against its own.
+
+A commit on the training loop's critical path only hashes, compresses fast and writes
+(``ObjectStore.put_chunk(fast=True)``). The expensive part of storing a rolling checkpoint —
+decoding the parent's chunks, encoding them as deltas against the new ones, checking every delta
+decodes back — runs afterwards, off that path (``Repo`` runs it on a background thread,
+background.py), the way git turns loose objects into packs later. For each chunk position of the
+branch tip (paired with its parent's chunk by ``positions.ChunkIndex``: by position, else by tensor
+name):
+
+1. the parent's chunk, when whole and different, is replaced by a delta against the tip's chunk
+   if that is smaller (a reverse delta: the newest commit stays whole and cheap to read) and the
+   chain below it leaves room for one more link (``max_delta_depth``); for a DCP parameter's
+   weight or ``exp_avg_sq`` piece (optstate.py), by a predicted delta from the tip's weight and
+   moments (and the parent's ``exp_avg``) when that is smaller still (predict.py);
+2. a chunk stored provisionally by a fast commit (tip's or parent's, when no delta replaced it)
+   is replaced by its best whole encoding (byte grouping).
+
+Every replacement is decoded and re-hashed before it is staged, and all of a run's replacements
+are applied together after one durability barrier (``ObjectStore.batch``); an interrupted run
+leaves each object in its old or its new encoding, both of which decode to the same bytes, so
+every commit stays readable and the next run redoes what is left. A base is a whole object
+when the run starts, and every new link leads to a whole object within two steps when it ends
+(``_Roles``: only a predicted delta may name a base that the run turns into a plain delta), and
+one compaction runs at a time per repository (``Backend.compaction_lock``), so deltas can never
+form a cycle: docs/format.md sections 4 and 8, docs/design.md "Chains".
+
+Each run also covers the pair below (the parent against the grandparent): work that a killed
+process left undone is picked up by the next commit's compaction.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ckstore.format.codec import (
+    Encoding,
+    Kind,
+    decode,
+    delta_bases,
+    encode_chunk,
+    encode_delta,
+    encode_predicted,
+    parse_header,
+)
+from ckstore.format.settings import PREDICTED_VERSION
+from ckstore.repository.context import RepoContext
+from ckstore.errors import CkstoreError, IntegrityError
+from ckstore.format.ids import ObjectId, chunk_id
+from ckstore.format.manifest import Commit
+from ckstore.format.optstate import FIRST, SECOND, WEIGHT, float32_members
+from ckstore.write.pipeline import ordered_map
+from ckstore.format.positions import HEADER, ChunkIndex, Position, Slot, chunk_at, slots
+from ckstore.repository.refs import HEADS
+from ckstore.repository.store import MAX_CHUNK_SIZE, ObjectStore
+
+# predict.py needs numpy: imported where used, so commands that compact nothing start without it.
+if TYPE_CHECKING:
+    from ckstore.format.predict import Predictor
+
+# How long a compaction waits for another process's to finish before leaving the work to the
+# next one (nothing is lost by skipping: the objects are only less compressed until then).
+COMPACTION_LOCK_TIMEOUT = 60.0
+
+
+@dataclass
+class CompactReport:
+    deltas: int = 0  # parent chunks now stored as deltas against the tip's (predicted ones included)
+    predicted: int = 0  # of those, predicted deltas (codec encoding 4)
+    recompressed: int = 0  # provisional chunks now in their best whole encoding
+    saved: int = 0  # stored bytes freed
+
+
+@dataclass(frozen=True)
+class _Prediction:
+    """A parent chunk to try as a predicted delta: ``bases`` in the predictor's order; ``whole``
+    are the child's chunks (whole through the run), ``moment`` the parent's first moment (whole
+    when the run starts, at most a plain delta against the child's when it ends) or None."""
+    predictor: Predictor
+    bases: tuple[ObjectId, ...]
+    whole: tuple[ObjectId, ...]
+    moment: ObjectId | None
+
+
+@dataclass(frozen=True)
+class _Job:
+    slot: Slot  # the child's chunk
+    parent: ObjectId | None  # the parent's chunk at the same position, if a delta candidate
+    # For each older commit in view (newest first), the chunks at this position and, for a
+    # parameter's piece, at its siblings' (weight, moments): what may depend on the parent's chunk.
+    older: tuple[tuple[ObjectId | None, ...], ...]
+    history_ends: bool  # ``older`` reaches the branch's first commit
+    prediction: _Prediction | None = None
+
+
+class _Roles:
+    """What a run has decided about each object, so that within one run new bases only ever lead
+    to whole objects (staged replacements are invisible to reads until the run ends): that is
+    what keeps chains acyclic and as long as their headers say.
+
+    Roles: "base" stays whole through the run; "delta" may become a plain delta against a "base";
+    "moment" (a predicted delta's base from the parent) may become a plain delta but is nobody's
+    plain-delta base; "predicted" may become a predicted delta whose bases are "base", "delta" or
+    "moment" objects, and is nobody's base. So every new link goes predicted -> {moment, delta,
+    base} or {moment, delta} -> base, and a chain of new links ends in a whole object within two.
+    """
+
+    def __init__(self, keep_whole: Iterable[str] = ()) -> None:
+        self._role: dict[str, str] = dict.fromkeys(keep_whole, "base")
+        self._recompressed: set[str] = set()
+        self._lock = threading.Lock()
+
+    def pair(self, delta: str, base: str) -> bool:
+        """Claim ``delta`` to be re-encoded against ``base``, unless either was claimed otherwise."""
+        with self._lock:
+            if self._role.get(delta, "moment") != "moment" or self._role.get(base, "base") != "base":
+                return False
+            self._role[delta] = "delta"
+            self._role[base] = "base"
+            return True
+
+    def predict(self, target: str, whole: Sequence[str], moment: str | None) -> bool:
+        """Claim ``target`` to be re-encoded from ``whole`` and ``moment`` (see the class)."""
+        with self._lock:
+            if target in self._role or any(self._role.get(b, "base") != "base" for b in whole):
+                return False
+            if moment is not None and self._role.get(moment) == "predicted":
+                return False
+            self._role[target] = "predicted"
+            self._role.update(dict.fromkeys(whole, "base"))
+            if moment is not None:
+                self._role.setdefault(moment, "moment")
+            return True
+
+    def recompress(self, oid: str) -> bool:
+        with self._lock:
+            if oid in self._recompressed or self._role.get(oid) in ("delta", "predicted"):
+                return False
+            self._recompressed.add(oid)
+            return True
+
+
+def compact_branch(ctx: RepoContext, branch: str) -> CompactReport:
+    """Compact the tip of ``branch`` against its parent, and the parent against its parent."""
+    report = CompactReport()
+    depth = ctx.config.encoding.max_delta_depth
+    with ctx.backend.compaction_lock(COMPACTION_LOCK_TIMEOUT), ctx.backend.shared_lock():
+        tip = ctx.refs.read(HEADS + branch)
+        window = depth + 3
+        commits = ctx.graph.first_parents(tip, window)
+        if not commits:
+            return report
+        # The pair below first, each pair in its own batch: the tip's pair then reads the
+        # chains as the first one left them. A chunk the tip or the child uses never becomes a
+        # delta (the tip reads whole; a chunk can sit at several positions or come back).
+        upgrade = _Upgrade(ctx)
+        for i in reversed(range(min(2, len(commits)))):
+            newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
+            with ctx.store.batch() as staged:
+                _compact_pair(staged, commits[i], commits[i + 1:], depth, _Roles(newer), report,
+                              history_ends=len(commits) < window, upgrade=upgrade)
+        # The commit's pack (if it wrote one) is spread into loose objects here, off the
+        # training loop's path (backend/local_packs.py).
+        ctx.backend.unpack()
+    return report
+
+
+class _Upgrade:
+    """Whether predicted deltas may be written, upgrading a version 2 or 3 repository to 4
+    (config.json, durable) before the first one is staged (docs/format.md, compatibility)."""
+
+    def __init__(self, ctx: RepoContext) -> None:
+        self.ctx = ctx
+        self.lock = threading.Lock()
+
+    def possible(self) -> bool:
+        return self.ctx.config.version >= 2 and self.ctx.store.settings.max_delta_depth > 0
+
+    def __call__(self) -> bool:
+        with self.lock:
+            if self.ctx.config.version in (2, 3):
+                self.ctx.set_config(replace(self.ctx.config, version=PREDICTED_VERSION))
+            return self.ctx.config.version >= PREDICTED_VERSION
+
+
+def _compact_pair(
+    store: ObjectStore, child: Commit, older: Sequence[Commit], depth: int, roles: _Roles, report: CompactReport,
+    history_ends: bool, upgrade: _Upgrade,
+) -> None:
+    # An overlay's chunks are forward deltas against its base's: nothing of it is re-encoded.
+    if child.base is not None:
+        return
+    new_files = {f.path: [t.name for t in f.tensors] for f in child.files if f.kind == "safetensors"}
+    indexes = [ChunkIndex(c.files, new_files) for c in older[:depth + 1]] if depth else []
+    child_slots = slots(child.files)
+    found: dict[tuple[Position, int], list[ObjectId | None]] = {
+        where: [chunk_at(ix, where[0], where[1], slot.size) for ix in indexes] for where, slot in child_slots.items()}
+    siblings = _siblings(child, child_slots) if indexes and upgrade.possible() else {}
+    jobs = []
+    for where, slot in child_slots.items():
+        parent = found[where][0] if found[where] and where[0][1] != HEADER else None
+        group = siblings.get(where, {"": where})
+        older_ids = tuple(tuple(found[p][k] for p in group.values()) for k in range(1, len(found[where])))
+        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends)
+        if job.parent is not None and where in siblings:
+            job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
+        jobs.append(job)
+    # The coefficients that fitted the last chunk of this pair, per predictor: one optimizer step,
+    # so the next chunk usually takes them as they are (predict.fit's hint).
+    fits: dict[object, tuple[float, ...]] = {}
+
+    def run(job: _Job) -> tuple[int, int, int, int]:
+        return _compact_chunk(store, job, depth, roles, upgrade, fits)
+
+    for delta, predicted, recompressed, saved in ordered_map(run, jobs):
+        report.deltas += delta
+        report.predicted += predicted
+        report.recompressed += recompressed
+        report.saved += saved
+
+
+def _siblings(child: Commit, child_slots: dict[tuple[Position, int], Slot]) -> dict[tuple[Position, int], dict[str, tuple[Position, int]]]:
+    """For each chunk of a parameter's float32 piece (optstate.py): its own and its siblings'
+    places, by role, when the three pieces are cut into chunks of equal sizes."""
+    out: dict[tuple[Position, int], dict[str, tuple[Position, int]]] = {}
+    for roles in float32_members(child.files).values():
+        index = 0
+        while all(((p, index) in child_slots) for p in roles.values()):
+            group = {role: (p, index) for role, p in roles.items()}
+            if len({child_slots[w].size for w in group.values()}) == 1:
+                out.update(dict.fromkeys(group.values(), group))
+            index += 1
+    return out
+
+
+def _prediction(
+    target: ObjectId, group: dict[str, tuple[Position, int]], child_slots: dict[tuple[Position, int], Slot],
+    found: dict[tuple[Position, int], list[ObjectId | None]],
+) -> _Prediction | None:
+    """How to predict the parent's chunk ``target`` from its siblings (None: a first moment, or a
+    sibling the parent lacks)."""
+    from ckstore.format.predict import Predictor
+
+    m, v = (child_slots[group[r]].id for r in (FIRST, SECOND))
+    w = child_slots[group[WEIGHT]].id if WEIGHT in group else None
+    if target in (w, m, v):
+        return None
+    if w is not None and found[group[WEIGHT]][0] == target:
+        return _Prediction(Predictor.ADAM_WEIGHT, (w, m, v), (w, m, v), None)
+    moment = found[group[FIRST]][0]
+    if found[group[SECOND]][0] != target or moment is None or moment == target:
+        return None
+    return _Prediction(Predictor.ADAM_SECOND_MOMENT, (v, m, moment), (v, m), moment)
+
+
+def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade,
+                   fits: dict[object, tuple[float, ...]]) -> tuple[int, int, int, int]:
+    """Re-encode one position's parent chunk and the child's own; (deltas, predicted, recompressed,
+    saved)."""
+    slot = job.slot
+    try:
+        child_prefix = store.header_local(slot.id)
+        if child_prefix is None:
+            return 0, 0, 0, 0  # a base repository's object (overlay): never ours to change
+        child_header = parse_header(child_prefix)
+        child_whole = not delta_bases(child_prefix)
+        if not child_whole:
+            # A chunk that came back (a tensor reverted to an older value) and had become a
+            # delta: the newer commit reads it whole again, which also cuts the chains through it.
+            if not roles.recompress(slot.id):
+                return 0, 0, 0, 0
+            raw = store.get_chunk(slot.id, slot.size)
+            return 0, 0, 1, _recompress(store, slot.id, raw, slot.width, even_if_larger=True)
+        prediction = job.prediction if job.prediction is not None and _claim_prediction(store, job.parent, job.prediction, roles) else None
+        parent = job.parent if prediction is not None or (job.parent is not None and roles.pair(job.parent, slot.id)) else None
+        provisional = store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
+        if not provisional and parent is None:
+            return 0, 0, 0, 0
+        raw = store.get_chunk(slot.id, slot.size)  # decoded and verified: the base of any delta
+        deltas = predicted = recompressed = saved = 0
+        if parent is not None:
+            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits)
+            deltas, recompressed, saved = deltas + (made in ("delta", "predicted")), recompressed + (made == "whole"), saved + freed
+            predicted += made == "predicted"
+        if provisional:
+            freed = _recompress(store, slot.id, raw, slot.width)
+            recompressed, saved = recompressed + (freed > 0), saved + freed
+        return deltas, predicted, recompressed, saved
+    except CkstoreError:
+        return 0, 0, 0, 0  # a damaged or missing chunk only costs compression; fsck reports it
+
+
+def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Prediction, roles: _Roles) -> bool:
+    """Claim ``target`` for a predicted delta when every base is this repository's and whole now."""
+    if target is None:
+        return False
+    for base in p.bases:
+        prefix = store.header_local(base)
+        if prefix is None or delta_bases(prefix):
+            return False
+    return roles.predict(target, p.whole, p.moment)
+
+
+def _reverse_delta(
+    store: ObjectStore, oid: ObjectId, job: _Job, base_raw: bytes, depth: int, prediction: _Prediction | None,
+    upgrade: _Upgrade, fits: dict[object, tuple[float, ...]],
+) -> tuple[str, int]:
+    """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
+    when it was stored provisionally and no delta pays, by its best whole encoding); (what was
+    made, bytes freed)."""
+    current = store.read_local(oid)
+    if current is None:
+        return "", 0
+    header = parse_header(current)
+    if header.kind != Kind.CHUNK or header.encoding in (Encoding.DELTA, Encoding.PREDICTED) or header.raw_len != job.slot.size:
+        return "", 0
+    settings = store.settings
+    raw = decode(current, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=job.slot.size)  # whole: no base
+    provisional = store.is_provisional(header.encoding, job.slot.width)
+    best = encode_chunk(raw, settings.zstd_level, job.slot.width, allowed=settings.allowed) if provisional else current
+    height = _height(store, oid, job, depth) if depth and Encoding.DELTA in settings.allowed else depth
+    # A predicted delta's chain: 1 + its deepest base, the parent's first moment (a plain delta
+    # of the child's at most, 1) or the child's chunks (whole, 0).
+    predicted = None
+    if prediction is not None and height + 1 + (prediction.moment is not None) <= depth:
+        predicted = _predicted(store, oid, raw, prediction, job.slot.size, len(best), fits)
+    if height + 1 <= depth:
+        # Kept only when smaller than the predicted delta (when there is one).
+        data = encode_delta(raw, settings.zstd_level, job.slot.width, job.slot.id, base_raw,
+                            len(predicted) if predicted is not None else len(best))
+        if data is not None:
+            _check_delta(oid, data, job.slot.size, {job.slot.id: base_raw})
+            store.stage_replace(oid, data)
+            return "delta", len(current) - len(data)
+    if predicted is not None and upgrade():
+        store.stage_replace(oid, predicted)
+        return "predicted", len(current) - len(predicted)
+    if len(best) < len(current):
+        store.check_encoded(oid, best, job.slot.size)
+        store.stage_replace(oid, best)
+        return "whole", len(current) - len(best)
+    return "", 0
+
+
+def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int,
+               fits: dict[object, tuple[float, ...]]) -> bytes | None:
+    """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
+    decoding; None otherwise."""
+    from ckstore.format.predict import fit
+
+    bases = {b: store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
+    coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
+    if coefficients is None:
+        return None
+    fits[p.predictor] = coefficients
+    level = store.settings.zstd_level
+    data = encode_predicted(raw, level, p.bases, [bases[b] for b in p.bases], p.predictor, coefficients, than)
+    if data is not None:
+        _check_delta(oid, data, size, bases)
+    return data
+
+
+def _height(store: ObjectStore, oid: ObjectId, job: _Job, depth: int) -> int:
+    """How many delta links already hang above ``oid``: the longest chain of chunks of older
+    commits in view (at this position or a sibling's) that leads to it, followed by their headers.
+    A chain that reaches the oldest commit in view may go on further back (a chunk unchanged for
+    some commits, or links beyond the view): then it counts as a full chain (``oid`` stays whole),
+    unless the view reaches the branch's first commit."""
+    above: dict[str, int] = {oid: 0}
+    for k, ids in enumerate(job.older):
+        present = [o for o in dict.fromkeys(ids) if o is not None]
+        for _ in range(2):  # a sibling may depend on one of the same commit (v on m)
+            for o in present:
+                if o in above:
+                    continue
+                links = [above[b] + 1 for b in store.bases_of(o) if b in above]
+                if links:
+                    above[o] = max(links)
+        if k == len(job.older) - 1 and not job.history_ends and any(o in above for o in present):
+            return depth
+    return max(above.values())
+
+
+def _recompress(store: ObjectStore, oid: ObjectId, raw: bytes, width: int, even_if_larger: bool = False) -> int:
+    """Replace an object by its best whole encoding when smaller (``even_if_larger``: a delta
+    made whole); bytes freed."""
+    current = store.read_local(oid)
+    if current is None or bool(delta_bases(current)) != even_if_larger:
+        return 0
+    settings = store.settings
+    best = encode_chunk(raw, settings.zstd_level, width, allowed=settings.allowed)
+    if len(best) >= len(current) and not even_if_larger:
+        return 0
+    store.check_encoded(oid, best, len(raw))
+    store.stage_replace(oid, best)
+    return len(current) - len(best)
+
+
+def _check_delta(oid: str, data: bytes, size: int, bases: dict[str, bytes]) -> None:
+    """Decode a new delta with its bases from memory and re-hash it (the bases' bytes were
+    verified against their names when read)."""
+    def fetch_base(wanted: str, length: int) -> bytes:
+        if wanted not in bases or length != len(bases[wanted]):
+            raise IntegrityError(f"re-encoded object {oid} names an unexpected base {wanted}")
+        return bases[wanted]
+
+    raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
+    if chunk_id(raw) != oid:
+        raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")

@@ -1,0 +1,290 @@
+"""Turning files on disk into stored chunks and manifest file entries (the commit write path).
+
+Files are read sequentially in the calling thread, one chunk at a time; hashing, compression and
+object writes run on a bounded thread pool (see pipeline.py), so memory stays at a few chunks
+whatever the checkpoint size. A safetensors file is validated in full from its header before any
+of its data is stored; its tensors are chunked from each tensor's own start, so an unchanged
+tensor yields the same chunks wherever it sits in the file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ckstore.errors import (
+    CkstoreWarning, InvalidInputError, InvalidPathError, PickleCheckpointError, SafetensorsFormatError, StorageError,
+)
+from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
+from ckstore.write.pipeline import grouped, ordered_map
+from ckstore.format.positions import HEADER, ChunkIndex, Position, chunk_at, element_width
+from ckstore.format.safetensors import SafetensorsLayout, header_length, parse_header
+from ckstore.repository.store import ObjectStore, PutResult
+
+Progress = Callable[[int], None]
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+# Every pickle opcode (pickletools.opcodes): a protocol 2+ pickle is PROTO <n> then one of these.
+_PICKLE_OPCODES = frozenset(b"()0123BCFGIJKLMNPQRSTUVX]abcdeghijlopqrstu}" + bytes(range(0x80, 0x99)))
+_ZIP_LOCAL = struct.Struct("<4s22xHH")  # signature, then file name and extra field lengths
+
+
+def pickle_format(path: Path) -> str | None:
+    """"zip" for a torch.save archive, "pickle" for a protocol 2+ pickle (also torch's legacy
+    format), None otherwise. Only the first bytes are read; nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_ZIP_LOCAL.size + 256)
+    except OSError:
+        return None
+    if len(head) >= 3 and head[0] == 0x80 and 2 <= head[1] <= 5 and head[2] in _PICKLE_OPCODES:
+        return "pickle"
+    if len(head) >= _ZIP_LOCAL.size:
+        signature, name_len, _ = _ZIP_LOCAL.unpack_from(head)
+        name = head[_ZIP_LOCAL.size:_ZIP_LOCAL.size + name_len]
+        # torch.save writes its pickle first, as "<archive>/data.pkl".
+        if signature == b"PK\x03\x04" and (name == b"data.pkl" or name.endswith(b"/data.pkl")):
+            return "zip"
+    return None
+
+
+def _refuse_pickle(source: Path) -> None:
+    if pickle_format(source) is not None:
+        raise PickleCheckpointError(
+            f"{source} is a PyTorch pickle checkpoint, which commit would store as one opaque blob without per-tensor"
+            " dedup: import it (ckstore import, Repo.import_checkpoint) to store its tensors, or commit it raw",
+            str(source))
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # relative POSIX path recorded in the manifest
+    source: Path
+    size: int
+
+
+def _is_inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw: bool = False) -> list[SourceFile]:
+    """Files to commit: each file argument under its own name, each directory's files under
+    their path relative to it (recursively; the repository itself is skipped).
+
+    Unless ``raw``, a pickle checkpoint named as an argument is refused (import is the way to
+    store one), and pickles inside a directory are stored as they are with a CkstoreWarning: a
+    Trainer's checkpoint folder holds optimizer.pt, rng_state.pth… and must check out unchanged.
+    """
+    found: dict[str, SourceFile] = {}
+    pickles: list[str] = []
+
+    def add(rel: str, source: Path) -> None:
+        rel = check_relative_path(rel)
+        if rel in found:
+            raise InvalidInputError(f"two inputs would both be stored as {rel!r}")
+        try:
+            size = source.stat().st_size
+        except OSError as exc:
+            raise InvalidInputError(f"cannot read {source}: {exc.strerror}") from None
+        found[rel] = SourceFile(rel, source, size)
+
+    if not paths:
+        raise InvalidInputError("nothing to commit: give at least one file or directory")
+    for given in paths:
+        root = Path(given)
+        if root.is_dir():
+            if _is_inside(root, exclude):
+                raise InvalidInputError(f"{root} is inside the repository")
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = sorted(d for d in dirnames if not _is_inside(Path(dirpath, d), exclude))
+                for name in sorted(filenames):
+                    full = Path(dirpath, name)
+                    if full.is_file():
+                        add(full.relative_to(root).as_posix(), full)
+                        if not raw and not name.endswith(SAFETENSORS_SUFFIX) and pickle_format(full):
+                            pickles.append(full.relative_to(root).as_posix())
+        elif root.is_file():
+            if not raw and not root.name.endswith(SAFETENSORS_SUFFIX):
+                _refuse_pickle(root)
+            add(root.name, root)
+        else:
+            raise InvalidInputError(f"no such file or directory: {root}")
+    if not found:
+        raise InvalidInputError("nothing to commit: the given directories hold no files")
+    for rel in found:  # "a" and "a/b" cannot both be files in a checkout
+        parent = rel.rsplit("/", 1)[0] if "/" in rel else None
+        while parent:
+            if parent in found:
+                raise InvalidPathError(f"{parent!r} is both a file and a directory")
+            parent = parent.rsplit("/", 1)[0] if "/" in parent else None
+    if pickles:
+        warnings.warn(CkstoreWarning(
+            f"storing {len(pickles)} pickle file(s) as opaque blobs, without per-tensor dedup ({', '.join(pickles[:3])}"
+            f"{', …' if len(pickles) > 3 else ''}); import converts a pickle checkpoint to tensors (ckstore import)"),
+            stacklevel=3)
+    return sorted(found.values(), key=lambda s: s.path)
+
+
+def read_layout(f: BinaryIO, name: str, size: int) -> SafetensorsLayout:
+    """Read and validate a safetensors header from an open file."""
+    try:
+        prefix = f.read(8)
+        length = header_length(prefix)
+        if 8 + length > size:
+            raise SafetensorsFormatError(f"header length {length} runs past the end of the {size}-byte file")
+        header = prefix + f.read(length)
+        return parse_header(header, size)
+    except SafetensorsFormatError as exc:
+        raise SafetensorsFormatError(f"{name} is not a valid safetensors file: {exc}") from None
+
+
+def _read_exact(f: BinaryIO, n: int, name: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise InvalidInputError(f"{name} changed while being committed (it got shorter)")
+    return data
+
+
+def _pieces(f: BinaryIO, offset: int, length: int, chunk_size: int, name: str) -> Iterator[bytes]:
+    f.seek(offset)
+    done = 0
+    while done < length:
+        n = min(chunk_size, length - done)
+        yield _read_exact(f, n, name)
+        done += n
+
+
+@dataclass(frozen=True)
+class MemoryFile:
+    """A file built in memory (training state): its segments are already bytes-like.
+
+    ``segments`` are the header and then each tensor's bytes for a safetensors file (``layout``
+    given), or a single segment for a blob. Chunks are cut from these buffers without copying.
+    """
+
+    path: str
+    layout: SafetensorsLayout | None
+    segments: tuple[memoryview, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
+@dataclass
+class _Plan:
+    """One file's segments (header, each tensor, or the whole blob) in the order they are read."""
+
+    source: SourceFile | MemoryFile
+    layout: SafetensorsLayout | None
+    segments: list[list[ChunkRef]]
+
+
+def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, int, bytes | memoryview]]:
+    for p_index, plan in enumerate(plans):
+        if isinstance(plan.source, MemoryFile):
+            for s_index, buffer in enumerate(plan.source.segments):
+                for c_index, offset in enumerate(range(0, len(buffer), chunk_size)):
+                    yield p_index, s_index, c_index, buffer[offset : offset + chunk_size]
+            continue
+        name = str(plan.source.source)
+        try:
+            with open(plan.source.source, "rb") as f:
+                if plan.layout is None:
+                    spans = [(0, plan.source.size)]
+                else:
+                    base = plan.layout.data_offset
+                    spans = [(0, base)] + [(base + t.begin, t.nbytes) for t in plan.layout.tensors]
+                for s_index, (offset, length) in enumerate(spans):
+                    for c_index, piece in enumerate(_pieces(f, offset, length, chunk_size, name)):
+                        yield p_index, s_index, c_index, piece
+                if f.read(1):
+                    raise InvalidInputError(f"{name} changed while being committed (it got longer)")
+        except OSError as exc:
+            raise StorageError(f"cannot read {name}: {exc.strerror}") from None
+
+
+def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
+    """Element width and position of the chunks of one segment of a file."""
+    if plan.layout is None:
+        return 1, (plan.source.path, None)
+    if s_index == 0:
+        return 1, (plan.source.path, HEADER)
+    tensor = plan.layout.tensors[s_index - 1]
+    return element_width(tensor.dtype), (plan.source.path, tensor.name)
+
+
+def ingest(
+    store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
+    parent: Sequence[FileEntry] | None = None, fast: bool = False,
+) -> tuple[list[FileEntry], int]:
+    """Store every chunk of ``sources``; return their manifest entries and the bytes added.
+
+    ``parent`` (an overlay's base commit's files) offers the previous version of each chunk (the
+    chunk at the same index of the same tensor, found by ``positions.ChunkIndex``: by position,
+    else by tensor name) as the base of a forward delta. ``fast`` stores new multi-byte chunks
+    provisionally (``ObjectStore.put_chunk``), for compaction (compact.py) to re-encode later.
+    """
+    plans = []
+    for source in sources:
+        layout = None
+        if isinstance(source, MemoryFile):
+            layout = source.layout
+            segments: list[list[ChunkRef]] = [[] for _ in source.segments]
+        elif source.path.endswith(SAFETENSORS_SUFFIX):
+            try:
+                with open(source.source, "rb") as f:
+                    layout = read_layout(f, str(source.source), source.size)
+            except OSError as exc:
+                raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
+            if layout.plain_reason is not None:
+                layout = None  # safetensors reads it, the manifest cannot model it: plain bytes (format.md 13)
+            segments = [[] for _ in range(1 + len(layout.tensors))] if layout else [[]]
+        else:
+            segments = [[]]
+        plans.append(_Plan(source, layout, segments))
+    new_files = {p.source.path: [t.name for t in p.layout.tensors] for p in plans if p.layout is not None}
+    base_index = ChunkIndex(parent, new_files) if parent is not None else None
+
+    def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
+        p_index, s_index, c_index, piece = job
+        width, position = _chunk_kind(plans[p_index], s_index)
+        if position[1] == HEADER:
+            # Headers are not delta candidates at commit: unchanged ones dedup, changed ones are
+            # small (repack may still pair them).
+            return p_index, s_index, len(piece), store.put_chunk(piece, width)
+        if base_index is not None:
+            return p_index, s_index, len(piece), store.put_chunk(
+                piece, width, chunk_at(base_index, position, c_index, len(piece)))
+        return p_index, s_index, len(piece), store.put_chunk(piece, width, fast=fast)
+
+    added = 0
+    # Small pieces travel to the workers together (pipeline.grouped), up to half a chunk's bytes.
+    groups = grouped(_jobs(plans, chunk_size), lambda job: len(job[3]), chunk_size // 2)
+    for results in ordered_map(lambda group: [put(job) for job in group], groups):
+        for p_index, s_index, length, result in results:
+            plans[p_index].segments[s_index].append(ChunkRef(result.id, length))
+            added += result.stored
+            if progress:
+                progress(length)
+    return [_entry(plan) for plan in plans], added
+
+
+def _entry(plan: _Plan) -> FileEntry:
+    if plan.layout is None:
+        return FileEntry(plan.source.path, "blob", plan.source.size, chunks=tuple(plan.segments[0]))
+    tensors = tuple(
+        TensorEntry(t.name, t.dtype, tuple(t.shape), tuple(chunks))
+        for t, chunks in zip(plan.layout.tensors, plan.segments[1:])
+    )
+    return FileEntry(plan.source.path, "safetensors", plan.source.size, header=tuple(plan.segments[0]), tensors=tensors)
