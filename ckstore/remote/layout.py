@@ -259,6 +259,13 @@ class RemoteRepo:
                 out.setdefault(e.id, Located(pack_id, e))
         return out
 
+    def holdings(self, forget: Iterable[str] = ()) -> dict[str, Located]:
+        """What the remote holds (the one definition): object id -> where, for every object an
+        index lists, in packs that no remote gc has claimed for deletion, nor in ``forget``
+        (packs found claimed meanwhile). Packs merely condemned still count: a push rescues them."""
+        self.catalogue()
+        return self.locate(exclude=self.read_condemned().claimed() | set(forget))
+
     def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes | memoryview]]:
         """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""
         ordered = sorted(entries, key=lambda e: e.offset)
