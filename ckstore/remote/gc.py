@@ -44,6 +44,7 @@ from ckstore.repository.refs import RefStore, encode_ref
 from ckstore.remote.layout import (
     DEFAULT_GRACE,
     GC_LOCK_KEY,
+    MAX_GC_LOCK,
     PACKS,
     Condemned,
     Located,
@@ -76,9 +77,9 @@ def _gc_lock(remote: RemoteRepo) -> Iterator[None]:
     owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
     if not remote.transport.put_if_absent(GC_LOCK_KEY, owner):
         try:
-            info = json.loads(remote.transport.get(GC_LOCK_KEY))
+            info = json.loads(remote.get(GC_LOCK_KEY, MAX_GC_LOCK))
             who = f" (started {time.ctime(info['time'])} by process {info['pid']} on {info['host']})"
-        except (KeyError, ValueError, TypeError):
+        except (KeyError, ValueError, TypeError, IntegrityError):
             who = ""
         raise LockedError(f"remote {remote.name}: another remote gc is running{who}; if none is, delete "
                           f"{remote.describe(GC_LOCK_KEY)}")

@@ -43,8 +43,9 @@ MAX_CHAIN_DEPTH = 64
 DECODE_BUDGET = 1 << 33
 # A manifest up to this size is read whatever its compression; above it, it may decode to at
 # most MANIFEST_RATIO times its stored size (a real one, mostly random chunk names, compresses
-# about 2:1; one that repeats a single chunk a million times still fits under the free size).
-MANIFEST_FREE = 64 << 20
+# about 2:1; one naming a single chunk 200,000 times still fits under the free size). Writers
+# store a manifest that compresses better than this raw (store.py).
+MANIFEST_FREE = 16 << 20
 MANIFEST_RATIO = 16
 
 # The stored bytes of an object by name (and what it is, for errors); raises ObjectMissingError
@@ -82,11 +83,17 @@ class _Read:
         self.held += n
 
 
+def manifest_size_ok(stored_len: int, raw_len: int) -> bool:
+    """Whether a manifest of ``raw_len`` bytes may be stored in ``stored_len`` (writers store a
+    manifest that compresses better than this raw)."""
+    return raw_len <= MANIFEST_FREE or raw_len <= MANIFEST_RATIO * stored_len
+
+
 def check_manifest_size(stored_len: int, raw_len: int) -> None:
     """Refuse a manifest that declares more bytes than a real one of its stored size can hold."""
     if raw_len > MAX_COMMIT_SIZE:
         raise IntegrityError(f"object declares {raw_len} bytes, more than the limit {MAX_COMMIT_SIZE}")
-    if raw_len > MANIFEST_FREE and raw_len > MANIFEST_RATIO * stored_len:
+    if not manifest_size_ok(stored_len, raw_len):
         raise IntegrityError(f"manifest declares {raw_len} bytes from {stored_len} stored ones, "
                              f"more than a real manifest can compress ({MANIFEST_RATIO}:1)")
 

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from ckstore.backend.base import Backend
 from ckstore.format.codec import (
     BASES_PREFIX_SIZE,
+    HEADER,
     HEADER_SIZE,
+    MAGIC,
+    OBJECT_VERSION,
     Encoding,
     Kind,
     delta_bases,
@@ -35,6 +38,7 @@ from ckstore.repository.reader import (  # noqa: F401  (the limits are part of t
     MAX_COMMIT_SIZE,
     VerifiedReader,
     delta_closure,
+    manifest_size_ok,
     verified_commit,
 )
 
@@ -70,6 +74,9 @@ class ObjectStore:
         if self.has(oid):
             return PutResult(oid, 0)
         data = encode(raw, kind, self.settings.zstd_level)
+        if kind == Kind.COMMIT and not manifest_size_ok(len(data), len(raw)):
+            # Compresses better than readers believe a manifest can: stored raw, readable by all.
+            data = HEADER.pack(MAGIC, OBJECT_VERSION, Kind.COMMIT, Encoding.RAW, 0, len(raw)) + bytes(raw)
         return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
 
     def put_chunk(
