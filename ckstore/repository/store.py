@@ -4,8 +4,8 @@ Objects live under ``objects/<first two hex digits>/<remaining 62>``. Writes are
 (an object that exists is never rewritten by a commit: same name, same content); only repack
 replaces an object, atomically, with another encoding of the same bytes. Every read decodes within
 the size the caller expects and re-hashes the result against the name, so corrupt data raises
-IntegrityError instead of flowing on. A delta's bases are read the same way (decoded and
-verified), recursively, at most ``MAX_CHAIN_DEPTH`` deep, so a cycle or an overlong chain in a
+IntegrityError instead of flowing on. Decoding is the one verified reader's (reader.py): a
+delta's bases are read through it too, so a cycle or a chain over ``MAX_CHAIN_DEPTH`` links in a
 damaged repository is an IntegrityError, not a hang.
 """
 
