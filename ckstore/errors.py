@@ -63,6 +63,14 @@ class IntegrityError(CkstoreError):
     exit_code = 4
 
 
+class ObjectCorruptError(IntegrityError):
+    """One object (``oid``) does not decode to its name; ``reason`` says why."""
+
+    def __init__(self, message: str, oid: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.oid, self.reason = oid, reason
+
+
 class InvalidInputError(CkstoreError):
     """Input the user gave is malformed: a file, a name, a value, an option."""
 

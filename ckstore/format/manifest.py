@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from ckstore.format.dcp_record import DcpRecord, parse_record, record_json
-from ckstore.errors import IntegrityError, InvalidPathError, UnsupportedFormatError
+from ckstore.errors import IntegrityError, InvalidInputError, InvalidPathError, UnsupportedFormatError
 from ckstore.format.ids import ObjectId, is_object_id
 from ckstore.format.safetensors import DTYPE_BITS
 from ckstore.format.values import JSONValue, decode_value
@@ -27,6 +27,10 @@ from ckstore.format.values import JSONValue, decode_value
 # are refused by readers that know version 1 alone.
 MANIFEST_VERSION = 2
 MAX_MANIFEST_BYTES = 1 << 30
+# Beyond MAX_DENSE_CONTAINERS, a manifest holds at most one JSON list or object per
+# MIN_CONTAINER_BYTES bytes of text (a real one: one per 20 bytes or more; docs/format.md 10).
+MAX_DENSE_CONTAINERS = 1 << 16
+MIN_CONTAINER_BYTES = 8
 KINDS = ("safetensors", "blob")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _DRIVE = re.compile(r"^[A-Za-z]:")
@@ -160,7 +164,12 @@ def encode_commit(commit: Commit) -> bytes:
         files = doc.pop("files")
         doc["dcp"] = record_json(commit.dcp)
         doc["files"] = files
-    return canonical_json(doc)
+    data = canonical_json(doc)
+    try:
+        check_shape(data)
+    except IntegrityError as exc:  # readers would refuse it: it is never written
+        raise InvalidInputError(f"commit refused: its {exc} (its metadata is the likely cause)") from None
+    return data
 
 
 def canonical_json(doc: Any) -> bytes:
@@ -181,6 +190,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _refuse_constant(name: str) -> float:
     raise IntegrityError(f"manifest holds the non-JSON constant {name}")
+
+
+def check_shape(data: bytes) -> None:
+    """Refuse (IntegrityError) manifest text that no real manifest can be, before parsing it."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise IntegrityError("manifest exceeds the size limit")
+    # Parsed JSON costs memory per container: ``[[],[],…]`` takes about 20 times its text, a
+    # real manifest (mostly 70-byte chunk references) about 3 times. Counted before parsing, so
+    # a manifest bomb is refused at the cost of one scan of its text.
+    containers = data.count(b"[") + data.count(b"{")
+    if containers > MAX_DENSE_CONTAINERS + len(data) // MIN_CONTAINER_BYTES:
+        raise IntegrityError(f"manifest holds {containers} JSON lists and objects in {len(data)} bytes, "
+                             "far more than a real one")
 
 
 def parse_json(data: bytes) -> Any:
@@ -308,6 +330,7 @@ _COMMIT_FIELDS_V2 = (*_COMMIT_FIELDS[:-1], "dcp", "files")
 
 
 def decode_commit(data: bytes) -> Commit:
+    check_shape(data)
     doc = parse_json(data)
     if not isinstance(doc, dict):
         raise IntegrityError("manifest is not a JSON object")

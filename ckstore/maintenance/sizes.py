@@ -31,12 +31,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckstore.repository.context import RepoContext
-from ckstore.errors import DependentNotFoundError, IntegrityError, ObjectMissingError
+from ckstore.errors import DependentNotFoundError
 from ckstore.maintenance.gc import Kept, kept_commits, live_objects
 from ckstore.repository.graph import kept_parents
 from ckstore.history.log import new_objects, stored_bytes
 from ckstore.format.ids import ObjectId
 from ckstore.maintenance.retention import RetentionPolicy
+from ckstore.repository.reader import delta_closure
 from ckstore.repository.store import ObjectStore
 
 
@@ -128,29 +129,17 @@ def _needs(ctx: RepoContext, kept: Kept) -> dict[str, set[str]]:
 
 
 def _delta_bases(store: ObjectStore, chunks: set[str]) -> dict[str, tuple[str, ...]]:
-    """Each object's delta bases (empty: whole or missing), for ``chunks`` and their bases."""
+    """Each object's delta bases (empty: whole or missing), for ``chunks`` and their bases: read
+    once here, then closed over per commit by ``_with_bases``."""
     base: dict[str, tuple[str, ...]] = {}
-    todo = list(chunks)
-    while todo:
-        oid = todo.pop()
-        if oid in base:
-            continue
-        try:
-            base[oid] = store.bases_of(oid)
-        except ObjectMissingError:
-            base[oid] = ()  # nothing to follow; fsck reports it
-        except IntegrityError as exc:
-            raise IntegrityError(f"{exc}; run 'ckstore fsck'") from None
-        todo.extend(base[oid])
+
+    def read(oid: str) -> tuple[str, ...]:
+        base[oid] = store.bases_of(oid)
+        return base[oid]
+
+    delta_closure(chunks, read)
     return base
 
 
 def _with_bases(chunks: Iterable[str], base: dict[str, tuple[str, ...]]) -> set[str]:
-    out: set[str] = set()
-    todo = list(chunks)
-    while todo:
-        cur = todo.pop()
-        if cur not in out:
-            out.add(cur)
-            todo.extend(base.get(cur, ()))
-    return out
+    return delta_closure(chunks, lambda oid: base.get(oid, ()))

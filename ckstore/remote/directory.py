@@ -39,6 +39,7 @@ import blake3
 from ckstore.backend.fsio import fsync_path
 from ckstore.errors import LockedError, StorageError
 from ckstore.remote.transport import (
+    MAX_SWAPPED,
     NotFound,
     ObjectInfo,
     RemoteOptions,
@@ -106,10 +107,10 @@ class DirectoryTransport(Transport):
         os.close(fd)
         return tmp
 
-    def _read(self, key: str) -> bytes:
+    def _read(self, key: str, limit: int | None = None) -> bytes:
         try:
             with open(self._path(key), "rb") as f:
-                return f.read()
+                return f.read() if limit is None else f.read(limit + 1)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             if not self.root.is_dir():
                 raise self._error(FileNotFoundError(), "reading", key) from None
@@ -119,8 +120,8 @@ class DirectoryTransport(Transport):
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
-        return self._read(key)
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        return self._read(key, limit)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return bytes(self.get_ranges(key, [(start, length)])[0])
@@ -157,8 +158,8 @@ class DirectoryTransport(Transport):
         finally:
             os.close(fd)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        data = self._read(key)
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        data = self._read(key, limit)
         return data, content_token(data)
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -256,7 +257,8 @@ class DirectoryTransport(Transport):
             with self._lock(path, key):
                 try:
                     with open(path, "rb") as f:
-                        current: str | None = content_token(f.read())
+                        # Bounded: a value past it cannot have a token a bounded read returned.
+                        current: str | None = content_token(f.read(MAX_SWAPPED + 1))
                 except FileNotFoundError:
                     current = None
                 if current != token:

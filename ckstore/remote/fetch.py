@@ -1,10 +1,11 @@
 """``fetch``, ``pull`` and ``clone``: bring a remote's commits and the objects they need here.
 
 Every object is checked on arrival, before any ref names it: a commit is decoded and re-hashed
-in memory as soon as its bytes come; its chunks (and the delta bases they need) are checked as
-they arrive (``_Lander``: against the BLAKE3 of their stored bytes that a version 2 pack index
-records, which the pusher wrote only after decoding and re-hashing them; by decoding and
-re-hashing them for a version 1 pack) and only then staged in rolling ``Backend.batch``es that
+in memory as soon as its bytes come; its chunks (and the delta bases they need) are decoded and
+re-hashed against their names as they arrive, by the one verified reader (reader.py), whatever
+the pack's version (a version 2 entry's digest is checked as the bytes are read, but it comes
+from the same party as the bytes: it proves they arrived intact, not that they are the object
+named), and only then staged in rolling ``Backend.batch``es that
 land on a background thread while later packs download. A corrupt or truncated remote object
 raises an IntegrityError naming the object and its pack. The commit objects are written last,
 oldest first, once every batch landed, so the local invariant holds at every moment (a commit
@@ -25,30 +26,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 
-from ckstore.format.codec import Encoding, Kind, decode, delta_bases, parse_header
+from ckstore.format.codec import Encoding, delta_bases, parse_header
 from ckstore.format.settings import PREDICTED_VERSION, RepoConfig
 from ckstore.repository.context import RepoContext, init_context
 from ckstore.errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
-from ckstore.format.ids import ObjectId, chunk_id
+from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit, decode_commit
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
-from ckstore.repository.store import (
-    MAX_CHAIN_DEPTH,
-    MAX_CHUNK_SIZE,
-    ObjectStore,
-    object_key,
-    verified_commit,
-)
+from ckstore.repository.reader import VerifiedReader, delta_closure, verified_commit
+from ckstore.repository.store import ObjectStore, object_key
 
 READ_WORKERS = 4
 # Objects land in batches of about this many bytes, each on a background thread while later
 # packs download: a batch costs two durability barriers, and an interrupted fetch loses at most
 # the batches not landed yet (the next fetch skips objects that landed).
 LAND_BATCH = 64 << 20
-# Downloads pause while verification workers hold this many stored bytes (memory stays bounded).
+# Downloads pause while verification workers hold this many stored and decoded bytes (memory
+# stays bounded).
 MAX_IN_FLIGHT = 64 << 20
+# Verified raw bytes of delta bases kept for the deltas waiting on them.
+BASE_CACHE = 64 << 20
 
 
 @dataclass
@@ -95,8 +94,7 @@ def verify_commit(oid: str, data: bytes, where: str) -> Commit:
 def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId], report: FetchReport) -> None:
     """Fetch every commit reachable from ``tips`` that is not here, with its objects."""
     store, graph = ctx.store, ctx.graph
-    remote.catalogue()
-    where = remote.locate(exclude=remote.read_condemned().claimed())
+    where = remote.holdings()
     theirs = remote.read_pruned()
     commits: dict[ObjectId, Commit] = {}
     stored: dict[ObjectId, bytes] = {}  # each commit's stored bytes, verified
@@ -250,15 +248,16 @@ class _Batches:
 class _Lander:
     """The objects of the commits wanted, into rolling batches: downloaded a few packs at a time,
     each object checked on a worker as soon as it arrives (while later packs download), then
-    staged. An object from a version 2 pack was checked against its entry's digest as it was
-    read (``RemoteRepo.read_objects``); one from a version 1 pack is decoded and re-hashed here.
+    staged. Every object is decoded and re-hashed here (``VerifiedReader``); one from a version 2
+    pack was also checked against its entry's digest as it was read (``RemoteRepo.read_objects``).
     Nothing is staged unchecked, and no commit is written before ``run`` returned and every
     batch landed, so a failure leaves no commit naming anything missing.
 
-    A version 1 delta whose base came in this fetch waits for that base's verification and is
-    decoded against the base's raw bytes kept in memory (only while a waiting delta needs them);
-    otherwise its base is read through the store, which verifies it. Chains are bounded as a
-    local read bounds them (store.MAX_CHAIN_DEPTH), so nothing lands that the store would refuse.
+    A delta whose base came in this fetch waits for that base's verification and is decoded
+    against the base's raw bytes kept in memory (at most BASE_CACHE bytes of them, least recently
+    used out); otherwise its base is read through the store once it landed. Chains are bounded by
+    the reader (MAX_CHAIN_DEPTH, cycles refused), so nothing lands that the store would refuse;
+    a delta whose bases never resolve (a cycle across objects of this fetch) is an IntegrityError.
     """
 
     def __init__(self, view: ObjectStore, batches: _Batches, remote: RemoteRepo, where: dict[str, Located],
@@ -268,14 +267,15 @@ class _Lander:
         self.queued: dict[str, str] = {}  # object -> the commit that first needed it (for errors)
         self.queued_bytes = 0
         self.origin: dict[str, str] = {}  # object -> pack id, every object downloaded here
-        self.depth: dict[str, int] = {}  # verified objects: delta links down to a whole object
-        self.raws: dict[str, bytes] = {}  # verified raw bytes of bases that deltas wait for
-        self.needed: dict[str, int] = {}  # base -> how many waiting deltas still need its raw
+        self.verified: set[str] = set()  # objects of this fetch verified and staged
+        # Verified raw bytes of bases deltas wait for, at most BASE_CACHE of them; a base dropped
+        # is read again through the store (it landed), so memory never grows with the fetch.
+        self.reader = VerifiedReader(self._stored, base_cache=BASE_CACHE)
         self.waiting: dict[str, list[tuple[str, str, bytes]]] = {}  # base -> deltas waiting for it
         self.late: list[tuple[str, str, bytes]] = []  # deltas on a local base whose chain is incomplete
         self.lock = threading.Condition()
         self.futures: list[Future[None]] = []
-        self.in_flight = 0  # stored bytes handed to workers and not yet done (memory bound)
+        self.in_flight = 0  # stored and decoded bytes handed to workers and not yet done (memory bound)
         self.failed = False
         self.on_predicted: Callable[[], None] = lambda: None  # before a predicted delta is staged
 
@@ -316,7 +316,12 @@ class _Lander:
                 self.failed = True
             self._drain(quiet=True)
             raise
-        assert not self.waiting, "a delta waited for a base that never came"
+        if self.waiting:  # a real check, not an assert: it must hold under python -O (F11)
+            stuck = sorted(o for items in self.waiting.values() for o, _, _ in items)
+            raise IntegrityError(
+                f"remote {self.remote.name}: object {stuck[0]}"
+                + (f" and {len(stuck) - 1} more" if len(stuck) > 1 else "")
+                + " never resolved: its delta bases form a cycle or never came")
 
     def _fail(self, o: str, pack_id: str, reason: str) -> IntegrityError:
         return IntegrityError(f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})")
@@ -348,14 +353,13 @@ class _Lander:
         """Park the object on one of its bases that came (or comes) in this fetch and is not
         verified yet; False when there is none (it can be verified now)."""
         with self.lock:
-            waiting = [b for b in bases if b in self.origin and b not in self.depth] + list(absent)
+            waiting = [b for b in bases if b in self.origin and b not in self.verified] + list(absent)
             if waiting:
                 self._park(waiting[0], (o, pack_id, data))
             return bool(waiting)
 
     def _park(self, base: str, item: tuple[str, str, bytes]) -> None:
         self.waiting.setdefault(base, []).append(item)
-        self.needed[base] = self.needed.get(base, 0) + 1
 
     def _submit(self, o: str, pack_id: str, data: bytes, wait: bool) -> None:
         with self.lock:
@@ -363,7 +367,7 @@ class _Lander:
             # never waits (the bytes are in memory already).
             while wait and self.in_flight > MAX_IN_FLIGHT and not self.failed:
                 self.lock.wait()
-            self.in_flight += len(data)
+            self.in_flight += _cost(data)
             self.futures.append(self.pool.submit(self._verify, o, pack_id, data))
 
     def _verify(self, o: str, pack_id: str, data: bytes) -> None:
@@ -372,52 +376,35 @@ class _Lander:
                 self._verify_one(o, pack_id, data)
         finally:
             with self.lock:
-                self.in_flight -= len(data)
+                self.in_flight -= _cost(data)
                 self.lock.notify_all()
 
     def _verify_one(self, o: str, pack_id: str, data: bytes) -> None:
-        bases = delta_bases(data)
-        depth = 1 + max(self._depth_of(b) for b in bases) if bases else 0
-        if depth > MAX_CHAIN_DEPTH:
-            raise self._fail(o, pack_id, f"delta chain longer than {MAX_CHAIN_DEPTH}")
-
-        def fetch_base(base_id: str, length: int) -> bytes:
-            with self.lock:
-                raw = self.raws.get(base_id)
-                if raw is not None:
-                    self.needed[base_id] -= 1
-                    if not self.needed[base_id]:
-                        del self.needed[base_id], self.raws[base_id]
-            if raw is None and base_id in self.origin:
-                self.batches.land_all()  # it came in this fetch: readable once its batch landed
-            return raw if raw is not None else self.view.get_chunk(base_id, length, f" (delta base of {o})")
-
-        raw: bytes | None = None
-        if self.where[o].entry.digest is None:  # a version 1 pack: only decoding can check it
-            try:
-                raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=fetch_base)
-            except CkstoreError as exc:
-                raise self._fail(o, pack_id, str(exc)) from None
-            if chunk_id(raw) != o:
-                raise self._fail(o, pack_id, "its bytes do not hash to its name")
-        # Else the bytes matched their entry's digest as they arrived (read_objects): they are
-        # the bytes the pusher decoded, re-hashed and sent; reads decode and verify them again.
+        # Every object is decoded and re-hashed against its name before it is staged, whatever
+        # its pack's version: a version 2 digest comes from the same party as the bytes, so it
+        # proves only that they arrived intact, not that they are the object named (F1).
+        try:
+            raw, depth = self.reader.chunk_depth(o, None, "", data)
+        except CkstoreError as exc:
+            raise self._fail(o, pack_id, str(exc)) from None
         self.batches.put(o, data)
         with self.lock:
-            self.depth[o] = depth
+            self.verified.add(o)
             released = self.waiting.pop(o, [])
-            if raw is not None and o in self.needed:
-                self.raws[o] = raw
+        if released:  # kept for the deltas waiting on it, within BASE_CACHE (F9: never unbounded)
+            self.reader.remember(o, raw, depth)
+        del raw
         for item in released:
             # A predicted delta parked on one base may still wait for another of this fetch.
             if not self._park_unverified(*item, delta_bases(item[2]), ()):
                 self._submit(*item, wait=False)
 
-    def _depth_of(self, oid: str) -> int:
-        """Delta links from ``oid`` (verified or here) down to whole objects."""
-        with self.lock:
-            known = self.depth.get(oid)
-        return known if known is not None else self.view.chain_depth(oid)
+    def _stored(self, oid: str, context: str) -> bytes:
+        """A delta base's stored bytes: one that came in this fetch is readable once its batch
+        landed (it was verified before it was staged)."""
+        if oid in self.origin:
+            self.batches.land_all()
+        return self.view.read_raw(oid)
 
     def _drain(self, quiet: bool = False) -> None:
         """Wait for every worker task, including those that tasks submitted; the first error
@@ -448,19 +435,16 @@ def _allow_predicted(ctx: RepoContext) -> None:
 def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
     """Delta bases that objects already here lack: a crash while an earlier fetch's batch was
     landing can leave an object in place without its base (and without any commit naming it)."""
-    missing: list[str] = []
-    seen = set(present)
-    todo = list(present)
-    while todo:
-        for base in view.bases_of(todo.pop()):
-            if base in seen:
-                continue
-            seen.add(base)
-            if view.has(base):
-                todo.append(base)
-            else:
-                missing.append(base)
-    return missing
+    return sorted(b for b in delta_closure(present, view.bases_of, follow=view.has) - present if not view.has(b))
+
+
+def _cost(data: bytes) -> int:
+    """Memory a worker holds verifying one object: its stored and its decoded bytes (the header
+    declares the latter; a 10 KB frame of 256 MiB counts as 256 MiB, F9)."""
+    try:
+        return len(data) + parse_header(data).raw_len
+    except IntegrityError:
+        return len(data)
 
 
 def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:

@@ -39,10 +39,12 @@ from ckstore.errors import IntegrityError, LockedError
 from ckstore.repository.graph import PRUNED_KEY, CommitGraph
 from ckstore.format.ids import ObjectId
 from ckstore.remote.lazy import RemoteObjects
+from ckstore.repository.reader import delta_closure_many
 from ckstore.repository.refs import RefStore, encode_ref
 from ckstore.remote.layout import (
     DEFAULT_GRACE,
     GC_LOCK_KEY,
+    MAX_GC_LOCK,
     PACKS,
     Condemned,
     Located,
@@ -75,9 +77,9 @@ def _gc_lock(remote: RemoteRepo) -> Iterator[None]:
     owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
     if not remote.transport.put_if_absent(GC_LOCK_KEY, owner):
         try:
-            info = json.loads(remote.transport.get(GC_LOCK_KEY))
+            info = json.loads(remote.get(GC_LOCK_KEY, MAX_GC_LOCK))
             who = f" (started {time.ctime(info['time'])} by process {info['pid']} on {info['host']})"
-        except (KeyError, ValueError, TypeError):
+        except (KeyError, ValueError, TypeError, IntegrityError):
             who = ""
         raise LockedError(f"remote {remote.name}: another remote gc is running{who}; if none is, delete "
                           f"{remote.describe(GC_LOCK_KEY)}")
@@ -102,29 +104,22 @@ def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> 
 
 
 def remote_bases(remote: RemoteRepo, where: dict[str, Located], chunks: set[str]) -> set[str]:
-    """``chunks`` plus every delta base they need as stored on the remote (headers read there)."""
-    live = set(chunks)
-    todo = [c for c in live if c in where]
-    while todo:
+    """``chunks`` plus every delta base they need as stored on the remote (headers read there,
+    one ranged read per pack and level)."""
+    def bases_of_many(todo: list[str]) -> Iterator[tuple[str, tuple[str, ...]]]:
         by_pack: dict[str, list[Located]] = {}
         for oid in todo:
             by_pack.setdefault(where[oid].pack_id, []).append(where[oid])
-        todo = []
         for pack_id, locs in by_pack.items():
             ranges = [(loc.entry.offset, min(loc.entry.length, BASES_PREFIX_SIZE)) for loc in locs]
             for loc, head in zip(locs, remote.transport.get_ranges(pack_key(pack_id), ranges)):
                 try:
-                    bases = delta_bases(head)
+                    yield loc.entry.id, delta_bases(head)
                 except IntegrityError as exc:
-                    # Without the header, what it needs is unknown: deleting anything could lose data.
-                    raise IntegrityError(f"object {loc.entry.id} in {remote.describe(pack_key(pack_id))} is corrupt: "
-                                         f"{exc}; remote gc stopped") from None
-                for base in bases:
-                    if base not in live:
-                        live.add(base)
-                        if base in where:
-                            todo.append(base)
-    return live
+                    raise IntegrityError(f"object {loc.entry.id} in {remote.describe(pack_key(pack_id))} "
+                                         f"is corrupt: {exc}") from None
+
+    return delta_closure_many(chunks, bases_of_many, follow=lambda oid: oid in where)
 
 
 def collect_remote(

@@ -30,8 +30,16 @@ from ckstore.backend.base import Backend
 from ckstore.errors import IntegrityError, StorageError, UnsupportedFormatError
 from ckstore.backend.fsio import mutating_step
 from ckstore.format.ids import ObjectId, is_object_id
-from ckstore.format.pack import PackEntry, PackIndex, check_read, parse_index
-from ckstore.remote.transport import NotFound, Transport
+from ckstore.format.pack import (
+    ENTRY,
+    INDEX_HEADER,
+    MAX_PACK_OBJECTS,
+    PackEntry,
+    PackIndex,
+    check_read,
+    parse_index,
+)
+from ckstore.remote.transport import MAX_SWAPPED, NotFound, Transport
 
 FORMAT_KEY = "ckstore-remote.json"
 FORMAT_NAME = "ckstore remote"
@@ -47,6 +55,14 @@ GC_LOCK_KEY = "gc/lock.json"
 # yet). A push re-checks the condemned list when its last check is older than half of this.
 DEFAULT_GRACE = 3600.0
 _INDEX_WORKERS = 8
+# What a real value of each key can be, so nothing read from a remote is read past its bound
+# (docs/format.md 15.5): a hostile, damaged or sparse value is refused, not loaded whole.
+MAX_MARKER = 4096
+REF_SIZE = 65  # 64 hex digits and a newline
+MAX_INDEX_SIZE = INDEX_HEADER.size + MAX_PACK_OBJECTS * ENTRY.size + 32
+MAX_CONDEMNED = 16 << 20  # about 100,000 packs
+MAX_PRUNED = MAX_SWAPPED  # about 250,000 pruned commits with their parents
+MAX_GC_LOCK = 4096
 
 
 def pack_key(pack_id: str) -> str:
@@ -127,6 +143,22 @@ class RemoteRepo:
     def describe(self, key: str = "") -> str:
         return self.transport.describe(key)
 
+    def get(self, key: str, limit: int) -> bytes:
+        """A small protocol value, refused (IntegrityError) when longer than ``limit``: at most
+        ``limit + 1`` bytes of it are ever read."""
+        return self._bounded(key, limit, self.transport.get(key, limit))
+
+    def get_versioned(self, key: str, limit: int) -> tuple[bytes, str]:
+        """``get`` with the value's compare-and-swap token."""
+        data, token = self.transport.get_versioned(key, limit)
+        return self._bounded(key, limit, data), token
+
+    def _bounded(self, key: str, limit: int, data: bytes) -> bytes:
+        if len(data) > limit:
+            raise IntegrityError(f"{self.describe(key)} is corrupt: larger than {limit} bytes, "
+                                 "more than a real one can be")
+        return data
+
     # ---- format ----------------------------------------------------------------------------
 
     def check_format(self, create: bool = False) -> bool:
@@ -136,14 +168,14 @@ class RemoteRepo:
         if create:
             self.transport.create_location()
         try:
-            data = self.transport.get(FORMAT_KEY)
+            data = self.get(FORMAT_KEY, MAX_MARKER)
         except NotFound:
             if not create:
                 return False
             mutating_step()
             if self.transport.put_if_absent(FORMAT_KEY, marker):
                 return True
-            data = self.transport.get(FORMAT_KEY)
+            data = self.get(FORMAT_KEY, MAX_MARKER)
         try:
             doc = json.loads(data)
             fmt, version = doc["format"], doc["version"]
@@ -172,7 +204,7 @@ class RemoteRepo:
             if ref is None:
                 return key, None
             try:
-                return ref, self._parse_ref(ref, self.transport.get(key))
+                return ref, self._parse_ref(ref, self.transport.get(key, REF_SIZE))
             except NotFound:
                 return ref, None
 
@@ -189,7 +221,7 @@ class RemoteRepo:
     def read_ref(self, ref: str) -> tuple[ObjectId | None, str | None]:
         """(commit id, token for compare-and-swap), (None, None) when the ref is absent."""
         try:
-            data, token = self.transport.get_versioned(self.encode_ref(ref))
+            data, token = self.transport.get_versioned(self.encode_ref(ref), REF_SIZE)
         except NotFound:
             return None, None
         return self._parse_ref(ref, data), token
@@ -240,7 +272,7 @@ class RemoteRepo:
                 except IntegrityError:
                     pass  # a damaged cache entry is fetched again
         try:
-            data = self.transport.get(index_key(pack_id))
+            data = self.transport.get(index_key(pack_id), MAX_INDEX_SIZE)  # parse_index refuses a longer one
         except NotFound:
             return None
         index = parse_index(data, pack_id)  # names the pack when damaged
@@ -258,6 +290,13 @@ class RemoteRepo:
             for e in index.entries:
                 out.setdefault(e.id, Located(pack_id, e))
         return out
+
+    def holdings(self, forget: Iterable[str] = ()) -> dict[str, Located]:
+        """What the remote holds (the one definition): object id -> where, for every object an
+        index lists, in packs that no remote gc has claimed for deletion, nor in ``forget``
+        (packs found claimed meanwhile). Packs merely condemned still count: a push rescues them."""
+        self.catalogue()
+        return self.locate(exclude=self.read_condemned().claimed() | set(forget))
 
     def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes | memoryview]]:
         """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""
@@ -282,7 +321,7 @@ class RemoteRepo:
 
     def read_condemned(self) -> Condemned:
         try:
-            data, token = self.transport.get_versioned(CONDEMNED_KEY)
+            data, token = self.get_versioned(CONDEMNED_KEY, MAX_CONDEMNED)
         except NotFound:
             return Condemned()
         return Condemned.parse(data, token, self.describe(CONDEMNED_KEY))
@@ -295,7 +334,7 @@ class RemoteRepo:
     def read_pruned(self) -> dict[str, tuple[str, ...]]:
         """Commits a remote gc pruned, each with its parents (the local ``pruned`` format)."""
         try:
-            return self._parse_pruned(self.transport.get(PRUNED_KEY))
+            return self._parse_pruned(self.get(PRUNED_KEY, MAX_PRUNED))
         except NotFound:
             return {}
 
@@ -314,7 +353,7 @@ class RemoteRepo:
         pruned locally and remote gcs both add to it; neither may lose the other's lines)."""
         while True:
             try:
-                data, token = self.transport.get_versioned(PRUNED_KEY)
+                data, token = self.get_versioned(PRUNED_KEY, MAX_PRUNED)
             except NotFound:
                 data, token = b"", None
             current = self._parse_pruned(data)

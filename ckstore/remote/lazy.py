@@ -12,14 +12,13 @@ re-hashed by the store as any other read.
 
 from __future__ import annotations
 
-from ckstore.format.codec import Kind, parse_header
 from ckstore.repository.context import RepoContext
-from ckstore.errors import IntegrityError, ObjectMissingError, RefNotFoundError
-from ckstore.remote.fetch import verify_commit
+from ckstore.errors import ObjectMissingError, RefNotFoundError
 from ckstore.format.ids import ObjectId
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import cache_backend, default_name, open_remote
+from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.store import ObjectStore, object_key
 
 
@@ -35,8 +34,7 @@ class RemoteObjects(ObjectStore):
 
     def where(self) -> dict[str, Located]:
         if self._where is None:
-            self.remote.catalogue()
-            self._where = self.remote.locate(exclude=self.remote.read_condemned().claimed())
+            self._where = self.remote.holdings()
         return self._where
 
     def has(self, oid: str) -> bool:
@@ -48,27 +46,33 @@ class RemoteObjects(ObjectStore):
             return self.backend.get(key) if n is None else self.backend.get_prefix(key, n)
         except KeyError:
             pass
+        data, where = self._download(oid, context)
+        # Verified before it is cached (a damaged copy never sticks), by one reader whose chain
+        # walk spans the remote: bases come raw from the remote on the same path, so a cycle or
+        # an overlong chain there is refused like a local one; each verified link is cached.
+        VerifiedReader(self._stored, on_verified=self._keep).verify(oid, data, context + where)
+        return data if n is None else data[:n]
+
+    def _stored(self, oid: str, context: str) -> bytes:
+        """An object's stored bytes, unverified: from the cache, else from the remote."""
+        try:
+            return self.backend.get(object_key(oid))
+        except KeyError:
+            return self._download(oid, context)[0]
+
+    def _download(self, oid: str, context: str) -> tuple[bytes, str]:
+        """Its stored bytes, read from the remote, and where they were read (for errors)."""
         loc = self.where().get(oid)
         if loc is None:
             raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
-        where = f" (read from {self.remote.describe(pack_key(loc.pack_id))})"
         ((_, view),) = self.remote.read_objects(loc.pack_id, [loc.entry])
         data = bytes(view)
         self.fetched_bytes += len(data)
         self.fetched_objects += 1
-        self._verify(oid, data, context + where)  # before it is cached: a damaged copy never sticks
-        self.backend.put_if_absent(key, data)
-        return data if n is None else data[:n]
+        return data, f" (read from {self.remote.describe(pack_key(loc.pack_id))})"
 
-    def _verify(self, oid: str, data: bytes, context: str) -> None:
-        try:
-            header = parse_header(data)
-        except IntegrityError as exc:
-            raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
-        if header.kind == Kind.COMMIT:
-            verify_commit(oid, data, context.strip(" ()"))
-        else:
-            self._decode_chunk(oid, data, header.raw_len, context, 0)
+    def _keep(self, oid: str, data: bytes | memoryview) -> None:
+        self.backend.put_if_absent(object_key(oid), bytes(data))
 
 
 class RemoteNames:

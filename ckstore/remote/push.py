@@ -11,11 +11,11 @@ names); run again, it learns from the indexes what arrived and sends only the re
 Nothing leaves unverified: each object is read as stored here, decoded and re-hashed against its
 name on worker threads (``_Verifier``; a delta against its base's verified bytes) while earlier
 packs are built and uploaded, and the pack index records the BLAKE3 of those exact stored bytes.
-A fetch checks arriving objects against that digest instead of decoding them (fetch.py), which
-is sound only because a locally damaged object can never get past this step.
+A fetch checks arriving objects against that digest and decodes them again (fetch.py): the
+digest proves the bytes arrived as sent, decoding proves they are the objects named.
 
-What a remote has: the objects the indexes list, minus packs a remote gc has claimed for
-deletion. Packs a gc merely condemned are rescued (taken off its list) before the refs move, and
+What a remote has (``RemoteRepo.holdings``): the objects the indexes list, minus packs a remote
+gc has claimed for deletion. Packs a gc merely condemned are rescued (taken off its list) before the refs move, and
 the check is repeated when it is older than half the grace period, so a concurrent gc never
 deletes an object a ref is about to need (docs/design.md, "Remote gc").
 """
@@ -23,31 +23,32 @@ deletes an object a ref is about to need (docs/design.md, "Remote gc").
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import blake3
 
-from ckstore.format.codec import Kind, decode_view, delta_bases, parse_header
+from ckstore.format.codec import delta_bases
 from ckstore.repository.context import RepoContext
 from ckstore.errors import (
     ConflictError,
     IntegrityError,
+    ObjectCorruptError,
     RefChangedError,
     RefNotFoundError,
 )
 from ckstore.repository.graph import kept_parents
-from ckstore.format.ids import ObjectId, chunk_id
+from ckstore.format.ids import ObjectId
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import DEFAULT_GRACE, RemoteRepo
 from ckstore.remote.uploads import PackUploads
 from ckstore.remote.names import open_remote, tracking_ref
-from ckstore.repository.store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, ObjectStore, verified_commit
+from ckstore.repository.reader import VerifiedReader
+from ckstore.repository.store import ObjectStore
 
 UPLOAD_WORKERS = 4
 # Objects read and verified ahead of the pack being built (memory: this many stored objects).
@@ -180,9 +181,7 @@ def _send_missing(
 ) -> set[str]:
     """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
     in afterwards (those a push relies on)."""
-    remote.catalogue()
-    claimed = remote.read_condemned().claimed() | set(forget)
-    where = remote.locate(exclude=claimed)
+    where = remote.holdings(forget)
     missing = [oid for oid in wanted if oid not in where]
     relied = {where[oid].pack_id for oid in wanted if oid in where}
     store = ctx.store
@@ -232,48 +231,21 @@ class _Verifier:
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
-        self.lock = threading.Lock()
-        self.bases: OrderedDict[str, bytes | memoryview] = OrderedDict()  # verified raw bytes, least recent first
-        self.cached = 0
+        self.reader = VerifiedReader(lambda oid, _: store.read_raw(oid), base_cache=BASE_CACHE)
 
     def stored(self, oid: str) -> tuple[str, bytes, bytes, tuple[str, ...]]:
         """(id, stored bytes, their BLAKE3, delta bases) of one verified object."""
         data = self.store.read_raw(oid)
         try:
             bases = delta_bases(data)
-            if parse_header(data).kind == Kind.COMMIT:
-                verified_commit(oid, data)
-            else:
-                self._decode(oid, data, 0)
+            self.reader.verify(oid, data)
+        except ObjectCorruptError as exc:
+            which = "" if exc.oid == oid else f" (a delta base of {oid})"
+            raise IntegrityError(f"object {exc.oid} is corrupt here{which}, so it is not sent: {exc.reason}; "
+                                 "run 'ckstore fsck'") from None
         except IntegrityError as exc:
-            raise IntegrityError(f"object {oid} is corrupt here, so it is not sent: {exc}; run 'ckstore fsck'") from None
+            raise IntegrityError(f"{exc}; it is not sent, run 'ckstore fsck'") from None
         return oid, data, blake3.blake3(data).digest(), bases
-
-    def _decode(self, oid: str, data: bytes, depth: int) -> bytes | memoryview:
-        raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, fetch_base=lambda b, n: self._base(b, n, depth + 1))
-        if chunk_id(raw) != oid:
-            raise IntegrityError("its bytes do not hash to its name")
-        return raw
-
-    def _base(self, oid: str, length: int, depth: int) -> bytes | memoryview:
-        if depth > MAX_CHAIN_DEPTH:
-            raise IntegrityError(f"delta chain longer than {MAX_CHAIN_DEPTH}")
-        with self.lock:
-            raw = self.bases.get(oid)
-            if raw is not None:
-                self.bases.move_to_end(oid)
-        if raw is None:
-            try:
-                raw = self._decode(oid, self.store.read_raw(oid), depth)
-            except IntegrityError as exc:
-                raise IntegrityError(f"its delta base {oid} is corrupt: {exc}") from None
-            with self.lock:
-                if oid not in self.bases:
-                    self.bases[oid] = raw
-                    self.cached += len(raw)
-                while self.cached > BASE_CACHE and len(self.bases) > 1:
-                    self.cached -= len(self.bases.popitem(last=False)[1])
-        return raw  # decode checks its length
 
 
 def _short(ref: str) -> str:

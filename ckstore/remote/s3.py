@@ -157,10 +157,26 @@ class S3Transport(Transport):
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        return self._get(key, limit)[0]
+
+    def _get(self, key: str, limit: int | None) -> tuple[bytes, Any]:
+        """The body of a get, at most ``limit + 1`` bytes of it (an endless one is cut there),
+        and the response (its metadata)."""
         result = self._call("reading", key, self._obs.get, check_remote_key(key))
+        return self._body(result, key, limit), result
+
+    def _body(self, result: Any, key: str, limit: int | None) -> bytes:
         try:
-            return bytes(result.bytes())
+            if limit is None:
+                return bytes(result.bytes())
+            parts, got = [], 0
+            for part in result.stream(min_chunk_size=min(limit + 1, 8 << 20)):
+                parts.append(bytes(part))
+                got += len(parts[-1])
+                if got > limit:
+                    break
+            return b"".join(parts)[:limit + 1]
         except (FileNotFoundError, self._obs.exceptions.BaseError) as exc:  # the body failed midway
             raise self._error(exc, "reading", key) from None
 
@@ -212,12 +228,8 @@ class S3Transport(Transport):
                 raise _RangeNotSatisfiable() from None
             raise self._error(exc, "reading", key) from None
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        result = self._call("reading", key, self._obs.get, check_remote_key(key))
-        try:
-            data = bytes(result.bytes())
-        except (FileNotFoundError, self._obs.exceptions.BaseError) as exc:
-            raise self._error(exc, "reading", key) from None
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        data, result = self._get(key, limit)
         etag = result.meta.get("e_tag")
         if not etag:
             raise StorageError(f"remote {self.url}: the server sent no ETag for {key}, so compare-and-swap cannot work")

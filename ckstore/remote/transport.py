@@ -8,6 +8,9 @@ own: temporary and lock files). Every implementation must satisfy these obligati
 (``tests/remote/test_transport.py`` is the conformance suite that runs against each one):
 
 * ``get(key)`` returns the whole value; ``NotFound`` (a ``KeyError``) when the key is absent.
+  With ``limit``, it reads at most ``limit + 1`` bytes: a longer value comes back cut there,
+  for the caller to refuse, so a huge, sparse or endless value is never read whole (the
+  caller's bound comes from what a real value of that key can be). ``get_versioned`` likewise.
 * ``get_range(key, start, length)`` returns ``length`` bytes from ``start``, fewer only when the
   value ends first (``b""`` when ``start`` is at or past its end): a short read is the caller's
   to judge (a truncated pack). ``NotFound`` when absent. ``get_ranges`` does the same for many
@@ -55,6 +58,11 @@ from datetime import datetime
 
 from ckstore.backend.base import check_key, check_prefix
 from ckstore.errors import InvalidPathError
+
+
+# The largest value a compare-and-swap ever targets (refs, gc's lists; layout.py bounds each
+# below this): a folder remote's put_if_match never reads more of the current value.
+MAX_SWAPPED = 64 << 20
 
 
 class NotFound(KeyError):
@@ -125,7 +133,7 @@ class Transport(ABC):
     url: str
 
     @abstractmethod
-    def get(self, key: str) -> bytes: ...
+    def get(self, key: str, limit: int | None = None) -> bytes: ...
 
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes: ...
@@ -146,7 +154,7 @@ class Transport(ABC):
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool: ...
 
     @abstractmethod
-    def get_versioned(self, key: str) -> tuple[bytes, str]: ...
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]: ...
 
     @abstractmethod
     def put_if_match(self, key: str, data: bytes | memoryview, token: str | None) -> bool: ...

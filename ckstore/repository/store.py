@@ -4,8 +4,8 @@ Objects live under ``objects/<first two hex digits>/<remaining 62>``. Writes are
 (an object that exists is never rewritten by a commit: same name, same content); only repack
 replaces an object, atomically, with another encoding of the same bytes. Every read decodes within
 the size the caller expects and re-hashes the result against the name, so corrupt data raises
-IntegrityError instead of flowing on. A delta's bases are read the same way (decoded and
-verified), recursively, at most ``MAX_CHAIN_DEPTH`` deep, so a cycle or an overlong chain in a
+IntegrityError instead of flowing on. Decoding is the one verified reader's (reader.py): a
+delta's bases are read through it too, so a cycle or a chain over ``MAX_CHAIN_DEPTH`` links in a
 damaged repository is an IntegrityError, not a hang.
 """
 
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from ckstore.backend.base import Backend
 from ckstore.format.codec import (
     BASES_PREFIX_SIZE,
+    HEADER,
     HEADER_SIZE,
+    MAGIC,
+    OBJECT_VERSION,
     Encoding,
     Kind,
-    decode,
-    decode_view,
     delta_bases,
     encode,
     encode_chunk,
@@ -31,33 +32,23 @@ from ckstore.format.codec import (
 from ckstore.format.settings import EncodingSettings
 from ckstore.errors import CkstoreError, IntegrityError, ObjectMissingError
 from ckstore.format.ids import ObjectId, chunk_id, commit_id, is_object_id, object_key
+from ckstore.repository.reader import (  # noqa: F401  (the limits are part of the store's face)
+    MAX_CHAIN_DEPTH,
+    MAX_CHUNK_SIZE,
+    MAX_COMMIT_SIZE,
+    VerifiedReader,
+    delta_closure,
+    manifest_size_ok,
+    verified_commit,
+)
 
-MAX_CHUNK_SIZE = 1 << 28
-MAX_COMMIT_SIZE = 1 << 30
-# Hard limit on the delta chain a reader follows (docs/format.md): far above the largest
-# configurable max_delta_depth (16), so an interrupted repack (whose chains can briefly reach
-# 2 * depth + 1) still reads, while a cycle in a damaged repository stops quickly.
-MAX_CHAIN_DEPTH = 64
 _PREFIX = BASES_PREFIX_SIZE
-
-
-class _BaseError(IntegrityError):
-    """A delta base failed to decode; its message already names the base and the chain."""
 
 
 @dataclass(frozen=True)
 class PutResult:
     id: ObjectId
     stored: int  # bytes this put added to the store (0 when the object existed)
-
-
-def verified_commit(oid: str, data: bytes) -> bytes:
-    """The manifest bytes of a stored commit object, proven to hash to ``oid``; IntegrityError
-    (saying what is wrong, not which object: callers name it) otherwise."""
-    raw = decode(data, Kind.COMMIT, MAX_COMMIT_SIZE)
-    if commit_id(raw) != oid:
-        raise IntegrityError("its bytes do not hash to its name")
-    return raw
 
 
 class ObjectStore:
@@ -83,6 +74,9 @@ class ObjectStore:
         if self.has(oid):
             return PutResult(oid, 0)
         data = encode(raw, kind, self.settings.zstd_level)
+        if kind == Kind.COMMIT and not manifest_size_ok(len(data), len(raw)):
+            # Compresses better than readers believe a manifest can: stored raw, readable by all.
+            data = HEADER.pack(MAGIC, OBJECT_VERSION, Kind.COMMIT, Encoding.RAW, 0, len(raw)) + bytes(raw)
         return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
 
     def put_chunk(
@@ -131,18 +125,33 @@ class ObjectStore:
         except CkstoreError:
             return None
 
-    def chain_depth(self, oid: str, _known: dict[str, int] | None = None, _level: int = 0) -> int:
+    def chain_depth(self, oid: str) -> int:
         """Delta links between an object and whole ones: 0 when whole, else 1 + the deepest of
-        its bases (read from headers)."""
-        known = {} if _known is None else _known
-        if oid in known:
-            return known[oid]
-        if _level > MAX_CHAIN_DEPTH:
-            raise IntegrityError(f"delta chain through object {oid} is longer than {MAX_CHAIN_DEPTH}")
-        bases = self.bases_of(oid)
-        depth = 1 + max(self.chain_depth(b, known, _level + 1) for b in bases) if bases else 0
-        known[oid] = depth
-        return depth
+        its bases (read from headers). A cycle or a chain longer than MAX_CHAIN_DEPTH is an
+        IntegrityError (an explicit walk: no recursion limit, no assert)."""
+        known: dict[str, int] = {}
+        stack: list[tuple[str, tuple[ObjectId, ...]]] = []
+        on_path: set[str] = set()
+        current: str | None = oid
+        while True:
+            if current is not None:
+                if current in on_path:
+                    raise IntegrityError(f"object {current} is corrupt: its delta chain is a cycle")
+                if len(stack) > MAX_CHAIN_DEPTH:
+                    raise IntegrityError(f"delta chain through object {oid} is longer than {MAX_CHAIN_DEPTH}")
+                stack.append((current, self.bases_of(current)))
+                on_path.add(current)
+                current = None
+            top, bases = stack[-1]
+            pending = next((b for b in bases if b not in known), None)
+            if pending is not None:
+                current = pending
+                continue
+            known[top] = 1 + max(known[b] for b in bases) if bases else 0
+            stack.pop()
+            on_path.discard(top)
+            if not stack:
+                return known[oid]
 
     def bases_of(self, oid: str) -> tuple[ObjectId, ...]:
         """The bases a stored object is a delta of (empty when it is whole); reads only its header."""
@@ -155,23 +164,7 @@ class ObjectStore:
 
     def with_delta_bases(self, chunks: Iterable[str]) -> set[str]:
         """``chunks`` plus every delta base they need, transitively (reads object headers only)."""
-        live = set(chunks)
-        todo = list(live)
-        while todo:
-            oid = todo.pop()
-            try:
-                bases = self.bases_of(oid)
-            except ObjectMissingError:
-                continue  # nothing to follow; fsck reports the missing object
-            except IntegrityError as exc:
-                # Without its header we cannot know what it needs, so deleting anything could
-                # lose data: stop rather than guess.
-                raise IntegrityError(f"{exc}; gc stopped, run 'ckstore fsck'") from None
-            for base in bases:
-                if base not in live:
-                    live.add(base)
-                    todo.append(base)
-        return live
+        return delta_closure(chunks, self.bases_of)
 
     @contextmanager
     def batch(self, expected_bytes: int = 0) -> Iterator[ObjectStore]:
@@ -213,22 +206,24 @@ class ObjectStore:
                     continue
             raise ObjectMissingError(f"object {oid} is missing{context}{self.missing_hint}") from None
 
-    def get_chunk(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes:
+    def reader(self) -> VerifiedReader:
+        """The verified reader over this store's objects (and its base repositories')."""
+        return VerifiedReader(self._read)
+
+    def get_chunk(self, oid: str, size: int, context: str = "") -> bytes:
         """Decoded, verified bytes of a chunk; ``context`` names its file and tensor in errors."""
-        raw = self.chunk_view(oid, size, context, _depth)
+        raw = self.chunk_view(oid, size, context)
         return raw if isinstance(raw, bytes) else raw.tobytes()
 
-    def chunk_view(self, oid: str, size: int, context: str = "", _depth: int = 0) -> bytes | memoryview:
+    def chunk_view(self, oid: str, size: int, context: str = "") -> bytes | memoryview:
         """``get_chunk`` without its last copy: a byte-grouped or delta chunk comes back as a view
         of the array it was decoded into, for readers that write or copy it on anyway (checkout,
         load_state), where copying it into bytes first cost as much as interleaving its planes."""
-        if _depth > MAX_CHAIN_DEPTH:
-            raise IntegrityError(f"object {oid}{context} is corrupt: delta chain longer than {MAX_CHAIN_DEPTH}")
-        return self._decode_chunk(oid, self._read(oid, context), size, context, _depth)
+        return self.reader().chunk(oid, size, context, self._read(oid, context))
 
     def check_encoded(self, oid: str, data: bytes, size: int) -> None:
         """Raise IntegrityError unless ``data`` decodes to the bytes named ``oid`` (repack)."""
-        self._decode_chunk(oid, data, size, " (re-encoded)", 0)
+        self.reader().chunk(oid, size, " (re-encoded)", data)
 
     def read_local(self, oid: str) -> bytes | None:
         """The stored bytes of an object of this repository (not a base's), None when absent."""
@@ -248,26 +243,6 @@ class ObjectStore:
         """Swap a chunk object for another encoding of the same bytes; in a batch, applied when it
         ends (compaction)."""
         self.backend.replace_object(object_key(oid), data)
-
-    def _decode_chunk(self, oid: str, data: bytes, size: int, context: str, _depth: int) -> bytes | memoryview:
-        def fetch_base(base_id: str, length: int) -> bytes | memoryview:
-            where = f" (delta base of {oid}{context})"
-            try:
-                return self.chunk_view(base_id, length, where, _depth + 1)
-            except _BaseError:
-                raise
-            except IntegrityError as exc:
-                raise _BaseError(str(exc)) from None  # already names the base and this object
-
-        try:
-            raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
-        except _BaseError as exc:
-            raise IntegrityError(str(exc)) from None
-        except IntegrityError as exc:
-            raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
-        if chunk_id(raw) != oid:
-            raise IntegrityError(f"object {oid}{context} is corrupt: its bytes do not hash to its name")
-        return raw
 
     def get_commit(self, oid: str) -> bytes:
         data = self._read(oid, " (a commit)")

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 from ckstore.format.codec import (
     Encoding,
     Kind,
-    decode,
     delta_bases,
     encode_chunk,
     encode_delta,
@@ -48,14 +47,15 @@ from ckstore.format.codec import (
 )
 from ckstore.format.settings import PREDICTED_VERSION
 from ckstore.repository.context import RepoContext
-from ckstore.errors import CkstoreError, IntegrityError
-from ckstore.format.ids import ObjectId, chunk_id
+from ckstore.errors import CkstoreError
+from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.optstate import FIRST, SECOND, WEIGHT, float32_members
 from ckstore.write.pipeline import ordered_map
 from ckstore.format.positions import HEADER, ChunkIndex, Position, Slot, chunk_at, slots
 from ckstore.repository.refs import HEADS
-from ckstore.repository.store import MAX_CHUNK_SIZE, ObjectStore
+from ckstore.repository.reader import check_encoding
+from ckstore.repository.store import ObjectStore
 
 # predict.py needs numpy: imported where used, so commands that compact nothing start without it.
 if TYPE_CHECKING:
@@ -318,7 +318,7 @@ def _reverse_delta(
     if header.kind != Kind.CHUNK or header.encoding in (Encoding.DELTA, Encoding.PREDICTED) or header.raw_len != job.slot.size:
         return "", 0
     settings = store.settings
-    raw = decode(current, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=job.slot.size)  # whole: no base
+    raw = bytes(store.reader().chunk(oid, job.slot.size, "", current))  # whole: no base read
     provisional = store.is_provisional(header.encoding, job.slot.width)
     best = encode_chunk(raw, settings.zstd_level, job.slot.width, allowed=settings.allowed) if provisional else current
     height = _height(store, oid, job, depth) if depth and Encoding.DELTA in settings.allowed else depth
@@ -402,11 +402,4 @@ def _recompress(store: ObjectStore, oid: ObjectId, raw: bytes, width: int, even_
 def _check_delta(oid: str, data: bytes, size: int, bases: dict[str, bytes]) -> None:
     """Decode a new delta with its bases from memory and re-hash it (the bases' bytes were
     verified against their names when read)."""
-    def fetch_base(wanted: str, length: int) -> bytes:
-        if wanted not in bases or length != len(bases[wanted]):
-            raise IntegrityError(f"re-encoded object {oid} names an unexpected base {wanted}")
-        return bases[wanted]
-
-    raw = decode(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
-    if chunk_id(raw) != oid:
-        raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")
+    check_encoding(oid, data, size, bases)

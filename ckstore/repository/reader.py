@@ -1,0 +1,299 @@
+"""The one verified object reader: stored bytes in, bytes proven to hash to their name out.
+
+Every path that turns an object's stored bytes into its content goes through ``VerifiedReader``:
+local reads (store.py), push (each object before it is sent), fetch (each object before it is
+staged), lazy remote reads (before an object is cached) and compaction (each re-encoding before it
+replaces the old one). Where the stored bytes come from is the caller's business (a ``Source``);
+what is checked is decided here, once (docs/format.md, "Verification"):
+
+- the header's declared length is checked against what the caller expects, and against the
+  limits, before anything is allocated;
+- a delta's bases are read through the same reader, on an explicit path: a base already on the
+  path is a cycle, a path longer than ``MAX_CHAIN_DEPTH`` an overlong chain, both IntegrityError
+  (explicit checks, not recursion limits or asserts, so they hold under ``python -O``);
+- the decoded bytes the read holds at once (the object and the bases it is decoding against)
+  are counted against ``budget`` before each allocation;
+- the result is re-hashed against the name.
+
+A commit's manifest is bounded by what a real one can be: its chunk references are random
+names, which do not compress, so a manifest larger than ``MANIFEST_FREE`` decoding to more than
+``MANIFEST_RATIO`` times its stored size is refused from its header (a 90 KB object declaring a
+1 GiB manifest is refused without decoding it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
+from ckstore.format.codec import Kind, decode_view, parse_header
+from ckstore.format.ids import chunk_id, commit_id
+
+MAX_CHUNK_SIZE = 1 << 28
+MAX_COMMIT_SIZE = 1 << 30
+# Hard limit on the delta chain a reader follows (docs/format.md): far above the largest
+# configurable max_delta_depth (16), so an interrupted repack (whose chains can briefly reach
+# 2 * depth + 1) still reads, while a cycle in a damaged repository stops quickly.
+MAX_CHAIN_DEPTH = 64
+# Decoded bytes one read may hold at once (an object and the bases it decodes against): a chain
+# of max_delta_depth links of the largest chunks fits; a 64-link chain of them does not.
+DECODE_BUDGET = 1 << 33
+# A manifest up to this size is read whatever its compression; above it, it may decode to at
+# most MANIFEST_RATIO times its stored size (a real one, mostly random chunk names, compresses
+# about 2:1; one naming a single chunk 200,000 times still fits under the free size). Writers
+# store a manifest that compresses better than this raw (store.py).
+MANIFEST_FREE = 16 << 20
+MANIFEST_RATIO = 16
+
+# The stored bytes of an object by name (and what it is, for errors); raises ObjectMissingError
+# (or KeyError) when there are none.
+Source = Callable[[str, str], "bytes | memoryview"]
+# Told of each object of a chain once it is verified, with its stored bytes (lazy reads cache it).
+Verified = Callable[[str, "bytes | memoryview"], None]
+
+
+class _Refused(ObjectCorruptError):
+    """A failure deeper in a chain whose message already names the object and the chain."""
+
+    def __init__(self, oid: str, context: str, reason: str) -> None:
+        super().__init__(f"object {oid}{context} is {'refused' if 'memory' in reason else 'corrupt'}: {reason}",
+                         oid, reason)
+
+
+def _public(exc: _Refused) -> ObjectCorruptError:
+    return ObjectCorruptError(str(exc), exc.oid, exc.reason)
+
+
+@dataclass
+class _Read:
+    """The state of one top-level read: the chain being followed and the bytes it holds."""
+
+    budget: int
+    path: list[str] = field(default_factory=list)  # the object being decoded and its deltas above
+    below: list[int] = field(default_factory=list)  # for each on the path: links down to whole ones
+    held: int = 0
+
+    def reserve(self, oid: str, n: int, context: str) -> None:
+        if self.held + n > self.budget:
+            raise _Refused(oid, context, f"decoding it needs more than {self.budget} bytes of memory "
+                                         "(its delta chain is too long or too wide)")
+        self.held += n
+
+
+def manifest_size_ok(stored_len: int, raw_len: int) -> bool:
+    """Whether a manifest of ``raw_len`` bytes may be stored in ``stored_len`` (writers store a
+    manifest that compresses better than this raw)."""
+    return raw_len <= MANIFEST_FREE or raw_len <= MANIFEST_RATIO * stored_len
+
+
+def check_manifest_size(stored_len: int, raw_len: int) -> None:
+    """Refuse a manifest that declares more bytes than a real one of its stored size can hold."""
+    if raw_len > MAX_COMMIT_SIZE:
+        raise IntegrityError(f"object declares {raw_len} bytes, more than the limit {MAX_COMMIT_SIZE}")
+    if not manifest_size_ok(stored_len, raw_len):
+        raise IntegrityError(f"manifest declares {raw_len} bytes from {stored_len} stored ones, "
+                             f"more than a real manifest can compress ({MANIFEST_RATIO}:1)")
+
+
+def verified_commit(oid: str, data: bytes | memoryview) -> bytes:
+    """The manifest bytes of a stored commit object, proven to hash to ``oid``; IntegrityError
+    (saying what is wrong, not which object: callers name it) otherwise."""
+    check_manifest_size(len(data), parse_header(data).raw_len)
+    raw = decode_view(data, Kind.COMMIT, MAX_COMMIT_SIZE)
+    raw = raw if isinstance(raw, bytes) else raw.tobytes()
+    if commit_id(raw) != oid:
+        raise IntegrityError("its bytes do not hash to its name")
+    return raw
+
+
+class VerifiedReader:
+    """Decodes and verifies objects whose stored bytes come from ``source``.
+
+    ``base_cache`` bytes of verified decoded bases are kept (least recently used first out), so a
+    run of deltas on one base decodes it once; a base larger than the cache is never kept.
+    Thread-safe: each read has its own path and budget; only the cache is shared.
+    """
+
+    def __init__(self, source: Source, budget: int = DECODE_BUDGET, base_cache: int = 0,
+                 on_verified: Verified | None = None) -> None:
+        self.source = source
+        self.on_verified = on_verified
+        self.budget = budget
+        self.cache_limit = base_cache
+        self._cache: OrderedDict[str, tuple[bytes | memoryview, int]] = OrderedDict()  # raw, chain depth
+        self._cached = 0
+        self._lock = threading.Lock()
+
+    def chunk(self, oid: str, size: int | None, context: str = "",
+              data: bytes | memoryview | None = None) -> bytes | memoryview:
+        """The verified bytes of chunk ``oid`` (``size`` long when given); ``data`` is its stored
+        form when the caller has it already. ``context`` names it in errors."""
+        read = _Read(self.budget)
+        stored = self._stored(oid, context) if data is None else data
+        try:
+            return self._decode(oid, stored, size, context, read)[0]
+        except _Refused as exc:
+            raise _public(exc) from None
+
+    def commit(self, oid: str, data: bytes | memoryview) -> bytes:
+        """The verified manifest bytes of commit ``oid`` from its stored bytes ``data``."""
+        try:
+            return verified_commit(oid, data)
+        except IntegrityError as exc:
+            raise IntegrityError(f"commit {oid} is corrupt: {exc}") from None
+
+    def verify(self, oid: str, data: bytes | memoryview, context: str = "") -> Kind:
+        """Decode and verify any object (a chunk or a commit) from its stored bytes; its kind."""
+        try:
+            header = parse_header(data)
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
+        if header.kind == Kind.COMMIT:
+            try:
+                verified_commit(oid, data)
+            except IntegrityError as exc:
+                raise IntegrityError(f"commit {oid}{context} is corrupt: {exc}") from None
+        else:
+            self.chunk(oid, header.raw_len, context, data)
+        return header.kind
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _stored(self, oid: str, context: str) -> bytes | memoryview:
+        try:
+            return self.source(oid, context)
+        except KeyError:
+            raise ObjectMissingError(f"object {oid} is missing{context}") from None
+
+    def remember(self, oid: str, raw: bytes | memoryview, depth: int) -> None:
+        """Keep the verified bytes of ``oid`` (``depth`` delta links above whole objects) for
+        deltas that will decode against it, within the cache's bound."""
+        if not self.cache_limit or len(raw) > self.cache_limit:
+            return
+        with self._lock:
+            if oid not in self._cache:
+                self._cache[oid] = (raw, depth)
+                self._cached += len(raw)
+            while self._cached > self.cache_limit:
+                self._cached -= len(self._cache.popitem(last=False)[1][0])
+
+    def chunk_depth(self, oid: str, size: int | None, context: str,
+                    data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+        """``chunk`` and the verified chunk's delta chain depth (0 when whole)."""
+        try:
+            return self._decode(oid, data, size, context, _Read(self.budget))
+        except _Refused as exc:
+            raise _public(exc) from None
+
+    def _decode(self, oid: str, data: bytes | memoryview, size: int | None, context: str,
+                read: _Read) -> tuple[bytes | memoryview, int]:
+        if oid in read.path:
+            raise _Refused(oid, context, "its delta chain is a cycle")
+        if len(read.path) > MAX_CHAIN_DEPTH:
+            raise _Refused(oid, context, f"delta chain longer than {MAX_CHAIN_DEPTH}")
+        try:
+            header = parse_header(data)
+        except IntegrityError as exc:
+            raise _Refused(oid, context, str(exc)) from None
+        if size is not None and header.raw_len != size:
+            raise _Refused(oid, context, f"object holds {header.raw_len} bytes, the manifest says {size}")
+        if header.raw_len <= MAX_CHUNK_SIZE:  # else decode_view refuses it, allocating nothing
+            read.reserve(oid, header.raw_len, context)
+        read.path.append(oid)
+        read.below.append(0)
+        held_before = read.held
+        try:
+            raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size,
+                              fetch_base=lambda base, length: self._base(base, length, oid, context, read))
+        except _Refused:
+            raise
+        except IntegrityError as exc:
+            raise _Refused(oid, context, str(exc)) from None
+        finally:
+            read.path.pop()
+            depth = read.below.pop()
+            read.held = held_before  # the bases' bytes are freed once this object is decoded
+        if chunk_id(raw) != oid:
+            raise _Refused(oid, context, "its bytes do not hash to its name")
+        if self.on_verified is not None:
+            self.on_verified(oid, data)
+        return raw, depth
+
+    def _base(self, base: str, length: int, of: str, context: str, read: _Read) -> bytes | memoryview:
+        with self._lock:
+            cached = self._cache.get(base)
+            if cached is not None:
+                self._cache.move_to_end(base)
+        if cached is not None:
+            raw, depth = cached  # decode_view checks its length
+            if len(read.path) + depth > MAX_CHAIN_DEPTH:
+                raise _Refused(of, context, f"delta chain longer than {MAX_CHAIN_DEPTH}")
+        else:
+            where = f" (delta base of {of}{context})"
+            raw, depth = self._decode(base, self._stored(base, where), length, where, read)  # stays reserved
+            self.remember(base, raw, depth)
+        read.below[-1] = max(read.below[-1], depth + 1)
+        return raw
+
+
+def check_encoding(oid: str, data: bytes | memoryview, size: int, bases: dict[str, bytes | memoryview]) -> None:
+    """Raise IntegrityError unless a new encoding ``data`` decodes to chunk ``oid``, its bases
+    taken only from ``bases`` (verified bytes the caller holds): compaction and repack."""
+    def fetch_base(wanted: str, length: int) -> bytes | memoryview:
+        if wanted not in bases or length != len(bases[wanted]):
+            raise IntegrityError(f"it names an unexpected base {wanted}")
+        return bases[wanted]
+
+    try:
+        raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
+    except IntegrityError as exc:
+        raise IntegrityError(f"object {oid} (re-encoded) is corrupt: {exc}") from None
+    if chunk_id(raw) != oid:
+        raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")
+
+
+# Each object's delta bases, for a batch of objects (read from their headers, empty when whole).
+BasesOfMany = Callable[[list[str]], Iterable[tuple[str, Iterable[str]]]]
+
+
+def delta_closure(objects: Iterable[str], bases_of: Callable[[str], Iterable[str]],
+                  follow: Callable[[str], bool] = lambda oid: True) -> set[str]:
+    """``objects`` plus every delta base they need, transitively (the one closure over delta
+    bases; ``delta_closure_many`` reads headers a batch at a time). ``bases_of`` reads an
+    object's bases from its header; a missing object has none to follow (fsck reports it)."""
+    def each(oids: list[str]) -> Iterator[tuple[str, Iterable[str]]]:
+        for oid in oids:
+            try:
+                yield oid, bases_of(oid)
+            except ObjectMissingError:
+                yield oid, ()
+    return delta_closure_many(objects, each, follow)
+
+
+def delta_closure_many(objects: Iterable[str], bases_of_many: BasesOfMany,
+                       follow: Callable[[str], bool] = lambda oid: True) -> set[str]:
+    """``delta_closure``, one round of header reads per level of the chains. An object for which
+    ``follow`` is False is included but not read (it is not where the headers are read). A
+    header that cannot be read (IntegrityError) stops the walk with one error text: without it
+    nobody can know what the object needs, so deleting or sending anything on a guess could lose
+    data."""
+    live = set(objects)
+    todo = [o for o in live if follow(o)]
+    while todo:
+        found: list[str] = []
+        try:
+            for _, bases in bases_of_many(todo):
+                for base in bases:
+                    if base not in live:
+                        live.add(base)
+                        if follow(base):
+                            found.append(base)
+        except ObjectCorruptError as exc:
+            raise ObjectCorruptError(f"{exc}; stopped, as what it needs cannot be known", exc.oid, exc.reason) from None
+        except IntegrityError as exc:
+            raise IntegrityError(f"{exc}; stopped, as what it needs cannot be known") from None
+        todo = found
+    return live
