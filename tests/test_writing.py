@@ -77,3 +77,25 @@ def test_overlay_commit_pins_its_base_commit_against_base_gc(tmp_path: Path, mon
     overlay.checkout(oid, tmp_path / "out")
     assert tree_digest(tmp_path / "out") == tree_digest(tuned)
     assert outcomes == ["locked"]  # base gc had to wait for the overlay commit
+
+
+def test_commits_after_use_remote_store_everything_they_name(tmp_path: Path) -> None:
+    """F7: the README's resume path; the new commit must not lean on the remote's objects."""
+    g = torch.Generator().manual_seed(3)
+    colleague = Repo.init(tmp_path / "colleague" / ".ckstore")
+    state = {"model": {"w": torch.randn(4096, generator=g), "head": torch.randn(256, generator=g)}, "step": 100}
+    colleague.commit_state(state, message="epoch 1")
+    colleague.add_remote("origin", str(tmp_path / "remote"))
+    colleague.push()
+    me = Repo.init(tmp_path / "me" / ".ckstore")
+    me.add_remote("origin", str(tmp_path / "remote"))
+    me.use_remote("origin")
+    resumed = me.load_state("origin/main")
+    resumed["model"]["head"] = resumed["model"]["head"] + 1  # train the head; "w" stays frozen
+    resumed["step"] = 200
+    oid = me.commit_state(resumed, message="head tuned")
+    again = Repo(tmp_path / "me")  # no remote attached: only what this repository holds
+    assert again.fsck(read_data=True) == []
+    loaded = again.load_state(oid)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+    assert torch.equal(loaded["model"]["head"], state["model"]["head"] + 1)
