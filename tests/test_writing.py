@@ -99,3 +99,33 @@ def test_commits_after_use_remote_store_everything_they_name(tmp_path: Path) -> 
     loaded = again.load_state(oid)
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     assert torch.equal(loaded["model"]["head"], state["model"]["head"] + 1)
+
+
+def test_gc_cannot_run_between_a_fetch_landing_objects_and_moving_its_refs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F2: gc run right after fetch landed its objects must not delete them."""
+    import ckstore.remote.fetch
+
+    colleague = Repo.init(tmp_path / "colleague" / ".ckstore")
+    theirs = colleague.commit([folder(tmp_path / "c1", 1)], message="theirs")
+    colleague.add_remote("origin", str(tmp_path / "remote"))
+    colleague.push()
+    me = Repo.init(tmp_path / "me" / ".ckstore")
+    me.commit([folder(tmp_path / "m1", 2)], message="mine")
+    me.add_remote("origin", str(tmp_path / "remote"))
+    outcomes: list[str] = []
+    real_land_all = ckstore.remote.fetch._Batches.land_all
+
+    def land_then_gc(self: Any) -> None:
+        real_land_all(self)
+        outcomes.append(attempt(lambda: Repo(tmp_path / "me").gc()))
+
+    monkeypatch.setattr(ckstore.remote.fetch._Batches, "land_all", land_then_gc)
+    me.fetch()
+    monkeypatch.undo()
+    again = Repo(tmp_path / "me")
+    assert again.resolve("origin/main") == theirs
+    assert again.fsck(read_data=True) == []
+    again.checkout("origin/main", tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "c1")
+    assert outcomes == ["locked"]
