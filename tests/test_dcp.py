@@ -319,3 +319,52 @@ def test_consolidated_checkout_reassembles_any_grid_of_pieces(grid: Any, whole_r
     layout = parse_header(written[: 8 + int.from_bytes(written[:8], "little")], len(written))
     assert [(t.name, t.dtype, tuple(t.shape)) for t in layout.tensors] == [("t", DTYPES[dtype][1], shape)]
     assert written[layout.data_offset:] == full.tobytes()
+
+
+def test_a_failed_save_releases_the_repository_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F13: after a save whose write fails (ENOSPC), gc runs at once, not when the job next saves."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import ckstore.backend.base
+    import ckstore.dcp.storage
+    from ckstore.dcp import Writer
+
+    repo = ckstore.Repo.init(tmp_path / "repo")
+    first = _single_save(repo, "main", 1.0)
+
+    def no_space(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckstore.dcp.storage, "store_pieces", no_space)
+    writer = Writer(repo, message="fails")  # the job keeps it, and trains on
+    with pytest.warns(UserWarning, match="single process"), pytest.raises(CheckpointException):
+        dcp.save({"w": torch.ones(3, 4)}, storage_writer=writer)
+    monkeypatch.undo()
+    monkeypatch.setattr(ckstore.backend.base, "REPO_LOCK_TIMEOUT", 0.5)
+    assert ckstore.Repo(repo.path).gc().pruned_commits == []  # LockedError while the lock is held
+    assert repo.branches()["main"] == first and writer.commit_id is None
+
+
+def test_the_coordinator_lock_is_released_after_lock_hold_when_another_rank_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F13, the other ranks' case: DCP never tells the coordinator, so its hold is bounded."""
+    import time
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    import ckstore.backend.base
+    from ckstore.dcp import Writer
+    from ckstore.errors import LockedError
+
+    repo = ckstore.Repo.init(tmp_path / "repo")
+    writer = Writer(repo, lock_hold=1.0)
+    writer.set_up_storage_writer(True)
+    writer.prepare_global_plan([SavePlan([]), SavePlan([])])  # rank 1 then fails: no finish
+    monkeypatch.setattr(ckstore.backend.base, "REPO_LOCK_TIMEOUT", 0.1)
+    with pytest.raises(LockedError):
+        ckstore.Repo(repo.path).gc()  # held while ranks may be writing
+    time.sleep(1.5)
+    assert ckstore.Repo(repo.path).gc().deleted_objects == 0  # released: no wait
