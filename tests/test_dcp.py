@@ -368,3 +368,43 @@ def test_the_coordinator_lock_is_released_after_lock_hold_when_another_rank_fail
         ckstore.Repo(repo.path).gc()  # held while ranks may be writing
     time.sleep(1.5)
     assert ckstore.Repo(repo.path).gc().deleted_objects == 0  # released: no wait
+
+
+def _record_doc(shape: list[int], pieces: list[tuple[list[int], list[int]]]) -> tuple[dict[str, Any], dict[Any, Any]]:
+    docs, stored = [], {}
+    for rank, (offsets, sizes) in enumerate(pieces):
+        path = f"dcp/rank-{rank:05d}.safetensors"
+        stored[(path, "t@" + str(rank))] = ("F32", tuple(sizes))
+        docs.append({"offsets": offsets, "sizes": sizes, "rank": rank, "file": path, "tensor": "t@" + str(rank)})
+    tensor = {"fqn": "x", "dtype": "float32", "shape": shape, "requires_grad": False, "layout": "strided",
+              "memory_format": "contiguous_format", "pieces": docs}
+    return {"world_size": len(pieces), "tensors": [tensor], "objects": [], "extra": {}}, stored
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    ([4], [([0], [2]), ([1], [2])]),  # the review's: sizes sum to 4, element 3 saved by no rank
+    ([2, 4], [([0, 0], [2, 2]), ([0, 1], [2, 2]), ([1, 3], [1, 1]), ([0, 3], [1, 1])]),
+    ([2, 2], [([0, 0], [2, 2]), ([0, 0], [1, 1])]),  # more than the tensor: one element twice
+])
+def test_pieces_that_overlap_or_leave_a_hole_are_refused(shape: list[int], pieces: Any) -> None:
+    """F14: coverage is checked exactly (disjoint pieces whose volumes sum to the tensor's)."""
+    from ckstore.errors import IntegrityError
+    from ckstore.format.dcp_record import parse_record
+
+    doc, stored = _record_doc(shape, pieces)
+    with pytest.raises(IntegrityError, match="pieces"):
+        parse_record(doc, stored)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_grids())
+def test_any_grid_of_pieces_is_an_exact_cover(grid: Any) -> None:
+    import itertools
+
+    from ckstore.format.dcp_record import parse_record
+
+    shape, cuts, _ = grid
+    bounds = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, shape)]
+    pieces = [([b[0] for b in block], [b[1] - b[0] for b in block]) for block in itertools.product(*bounds)]
+    doc, stored = _record_doc(list(shape), pieces)
+    assert len(parse_record(doc, stored).tensors[0].pieces) == len(pieces)
