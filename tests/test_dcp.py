@@ -319,3 +319,92 @@ def test_consolidated_checkout_reassembles_any_grid_of_pieces(grid: Any, whole_r
     layout = parse_header(written[: 8 + int.from_bytes(written[:8], "little")], len(written))
     assert [(t.name, t.dtype, tuple(t.shape)) for t in layout.tensors] == [("t", DTYPES[dtype][1], shape)]
     assert written[layout.data_offset:] == full.tobytes()
+
+
+def test_a_failed_save_releases_the_repository_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F13: after a save whose write fails (ENOSPC), gc runs at once, not when the job next saves."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import ckstore.backend.base
+    import ckstore.dcp.storage
+    from ckstore.dcp import Writer
+
+    repo = ckstore.Repo.init(tmp_path / "repo")
+    first = _single_save(repo, "main", 1.0)
+
+    def no_space(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckstore.dcp.storage, "store_pieces", no_space)
+    writer = Writer(repo, message="fails")  # the job keeps it, and trains on
+    with pytest.warns(UserWarning, match="single process"), pytest.raises(CheckpointException):
+        dcp.save({"w": torch.ones(3, 4)}, storage_writer=writer)
+    monkeypatch.undo()
+    monkeypatch.setattr(ckstore.backend.base, "REPO_LOCK_TIMEOUT", 0.5)
+    assert ckstore.Repo(repo.path).gc().pruned_commits == []  # LockedError while the lock is held
+    assert repo.branches()["main"] == first and writer.commit_id is None
+
+
+def test_the_coordinator_lock_is_released_after_lock_hold_when_another_rank_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F13, the other ranks' case: DCP never tells the coordinator, so its hold is bounded."""
+    import time
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    import ckstore.backend.base
+    from ckstore.dcp import Writer
+    from ckstore.errors import LockedError
+
+    repo = ckstore.Repo.init(tmp_path / "repo")
+    writer = Writer(repo, lock_hold=1.0)
+    writer.set_up_storage_writer(True)
+    writer.prepare_global_plan([SavePlan([]), SavePlan([])])  # rank 1 then fails: no finish
+    monkeypatch.setattr(ckstore.backend.base, "REPO_LOCK_TIMEOUT", 0.1)
+    with pytest.raises(LockedError):
+        ckstore.Repo(repo.path).gc()  # held while ranks may be writing
+    time.sleep(1.5)
+    assert ckstore.Repo(repo.path).gc().deleted_objects == 0  # released: no wait
+
+
+def _record_doc(shape: list[int], pieces: list[tuple[list[int], list[int]]]) -> tuple[dict[str, Any], dict[Any, Any]]:
+    docs, stored = [], {}
+    for rank, (offsets, sizes) in enumerate(pieces):
+        path = f"dcp/rank-{rank:05d}.safetensors"
+        stored[(path, "t@" + str(rank))] = ("F32", tuple(sizes))
+        docs.append({"offsets": offsets, "sizes": sizes, "rank": rank, "file": path, "tensor": "t@" + str(rank)})
+    tensor = {"fqn": "x", "dtype": "float32", "shape": shape, "requires_grad": False, "layout": "strided",
+              "memory_format": "contiguous_format", "pieces": docs}
+    return {"world_size": len(pieces), "tensors": [tensor], "objects": [], "extra": {}}, stored
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    ([4], [([0], [2]), ([1], [2])]),  # the review's: sizes sum to 4, element 3 saved by no rank
+    ([2, 4], [([0, 0], [2, 2]), ([0, 1], [2, 2]), ([1, 3], [1, 1]), ([0, 3], [1, 1])]),
+    ([2, 2], [([0, 0], [2, 2]), ([0, 0], [1, 1])]),  # more than the tensor: one element twice
+])
+def test_pieces_that_overlap_or_leave_a_hole_are_refused(shape: list[int], pieces: Any) -> None:
+    """F14: coverage is checked exactly (disjoint pieces whose volumes sum to the tensor's)."""
+    from ckstore.errors import IntegrityError
+    from ckstore.format.dcp_record import parse_record
+
+    doc, stored = _record_doc(shape, pieces)
+    with pytest.raises(IntegrityError, match="pieces"):
+        parse_record(doc, stored)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_grids())
+def test_any_grid_of_pieces_is_an_exact_cover(grid: Any) -> None:
+    import itertools
+
+    from ckstore.format.dcp_record import parse_record
+
+    shape, cuts, _ = grid
+    bounds = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, shape)]
+    pieces = [([b[0] for b in block], [b[1] - b[0] for b in block]) for block in itertools.product(*bounds)]
+    doc, stored = _record_doc(list(shape), pieces)
+    assert len(parse_record(doc, stored).tensors[0].pieces) == len(pieces)

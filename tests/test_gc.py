@@ -13,7 +13,7 @@ import pytest
 from ckstore.errors import InvalidInputError, RefNotFoundError
 from ckstore.repo import Repo
 
-from helpers import checkpoint, object_count, sha256, tree_digest
+from helpers import checkpoint, object_count, object_file, sha256, tree_digest
 
 
 def rolling(repo: Repo, tmp_path: Path, n: int = 3) -> list[tuple[str, Path]]:
@@ -146,3 +146,30 @@ def test_concurrent_gc_and_commit(repo: Repo, tmp_path: Path) -> None:
         out = tmp_path / "out" / oid[:12]
         repo.checkout(oid, out)
         assert tree_digest(out) == {Path(path).name: sha256(Path(path))}
+
+
+def test_remote_tracking_refs_are_gc_and_fsck_roots(tmp_path: Path) -> None:
+    """F6: a colleague's commit that only refs/remotes/origin/main names survives gc (reflog
+    expiry standing in for 90 days passing), and fsck walks it."""
+    from dataclasses import replace
+
+    colleague = Repo.init(tmp_path / "colleague" / ".ckstore")
+    colleague.commit(checkpoint(tmp_path / "c" / "ckpt.safetensors", seed=5), message="theirs")
+    colleague.add_remote("origin", str(tmp_path / "remote"))
+    colleague.push()
+    me = Repo.init(tmp_path / "me" / ".ckstore")
+    (mine, _), = rolling(me, tmp_path, 1)
+    me.set_config(replace(me.config, reflog_expire_days=0, reflog_expire_unreachable_days=0))
+    me.add_remote("origin", str(tmp_path / "remote"))
+    me.fetch()
+    theirs = me.resolve("origin/main")
+    for policy in ({}, {"keep_last": 1}):
+        report = me.gc(**policy)
+        assert report.deleted_objects == 0 and report.pruned_commits == []
+        assert [e.id for e in me.log("origin/main")] == [theirs]
+    me.checkout("origin/main", tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "c")
+    chunk = list(me.read_commit(theirs).all_chunks())[-1].id
+    object_file(me, chunk).unlink()
+    problems = me.fsck()
+    assert any(chunk in p for p in problems), problems

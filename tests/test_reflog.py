@@ -416,8 +416,8 @@ def test_retention_policy_does_not_thin_what_only_the_reflog_holds(repo: Repo, t
     report = repo.gc(keep_last=1)
     assert report.pruned_commits == [c1]  # the policy thins the branch...
     assert all(repo.store.has(c) for c in (c2, c3, c4))  # ...not what only the reflog holds
-    # Entries naming the pruned commit went with it; the others still resolve.
-    assert all(c1 not in e.ids for _, e in repo.reflog("main"))
+    # The entry whose value was the pruned commit went with it; the others still resolve.
+    assert all(c1 != e.new for _, e in repo.reflog("main"))
     assert repo.resolve("main@{1}") == c4
     assert repo.fsck() == []
     repo.reset("main@{1}")  # undo the reset: c4's history reads through the pruned record
@@ -462,3 +462,17 @@ def test_refs_api_refuses_to_create_over_an_existing_branch(repo: Repo, tmp_path
     commits(repo, tmp_path, 1)
     with pytest.raises(RefExistsError, match="use -f"):
         repo.create_branch("main")
+
+
+def test_gc_keep_last_keeps_the_surviving_tips_reflog(repo: Repo, tmp_path: Path) -> None:
+    """Newcomer item 13: the README's flow (3 epochs, gc --keep-last 1); as in git, an entry
+    stays while its new value exists, though its old one was pruned."""
+    c1, c2, c3 = commits(repo, tmp_path, 3)
+    report = repo.gc(keep_last=1)
+    assert sorted(report.pruned_commits) == sorted([c1, c2])
+    [(name, entry)] = repo.reflog("main")
+    assert (name, entry.old, entry.new) == ("main@{0}", c2, c3)
+    assert repo.resolve("main@{0}") == c3 and repo.fsck() == []
+    assert [e.new for _, e in repo.reflog()] == [c3]  # HEAD's too
+    again = repo.gc(keep_last=1)  # the old value being gone does not expire it later
+    assert again.expired_entries == 0 and len(repo.reflog("main")) == 1

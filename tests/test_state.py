@@ -429,3 +429,20 @@ def test_cli_show_displays_the_state(repo: Repo) -> None:
     assert "epoch: 7" in result.output and "model.w" in result.output and "loss" in result.output
     result = CliRunner().invoke(main, ["--repo", str(repo.path), "show", "--json", "HEAD"])
     assert json.loads(result.output)["state"]["epoch"] == 7
+
+
+def test_load_state_refuses_a_tensor_name_in_two_files(tmp_path: Path) -> None:
+    """Newcomer item 2: model + EMA weights side by side; one flat mapping must not drop one."""
+    from safetensors.torch import save_file
+
+    from ckstore.errors import InvalidInputError
+
+    (tmp_path / "e").mkdir()
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "e" / "model.safetensors"))
+    save_file({"w": torch.ones(5, dtype=torch.float16), "decay": torch.ones(1)}, str(tmp_path / "e" / "ema.safetensors"))
+    repo = Repo.init(tmp_path / "r" / ".ckstore")
+    cid = repo.commit([tmp_path / "e"], message="model+ema")
+    with pytest.raises(InvalidInputError, match="'w' is in both .*ema.safetensors.* and .*model.safetensors"):
+        repo.load_state(cid)
+    with repo.open(cid, path="ema.safetensors") as ema:
+        assert torch.equal(ema["w"], torch.ones(5, dtype=torch.float16))

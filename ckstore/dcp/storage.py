@@ -10,9 +10,14 @@ and moves the branch by compare-and-swap (commit.record_commit). A rank that fai
 means DCP never calls ``finish``: no manifest, the ref unchanged, and the stored chunks are
 unreferenced objects that gc removes.
 
-The coordinator holds the repository lock shared from before any rank writes (its global plan
-goes out only after it is taken) until the ref has moved, so gc cannot delete a rank's objects
-between their write and the manifest that names them. Each rank also holds it while it writes.
+The coordinator holds the writers' locks (writing.py) from before any rank writes (its global
+plan goes out only after it is taken) until the ref has moved, so gc cannot delete a rank's
+objects between their write and the manifest that names them. Each rank also holds them while it
+writes. DCP has no abort callback, so a failed save never reaches ``finish``: the coordinator
+releases the lock when its own ``write_data`` fails, and in any case ``lock_hold`` seconds after
+planning (another rank's failure or death), so maintenance waits a bounded time (F13). ``finish``
+takes the locks again and checks, under them, that every object the ranks reported is here:
+a save that outlived the bound and lost objects to gc is refused, never recorded incomplete.
 
 Pieces are named by fully qualified name and global offsets (``dcp_manifest.piece_name``), not
 by rank, so the next save finds each piece's predecessor wherever it was written: unchanged
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
 from collections.abc import Mapping
 from contextlib import ExitStack
 from typing import Any
@@ -51,6 +57,7 @@ from ckstore.write.ingest import MemoryFile
 from ckstore.format.manifest import FileEntry, canonical_json
 from ckstore.training.partial import LazyTensors
 from ckstore.repository.refs import check_ref_name
+from ckstore.repository.writing import writing
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
@@ -58,6 +65,9 @@ from ckstore.dcp.compaction import compact_later, store_pieces
 from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 
 FILE_METADATA = {"format": "ckstore-dcp"}
+# How long the coordinator holds the lock past planning without reaching ``finish`` (a rank
+# failed or died): maintenance waits at most this, well within REPO_LOCK_TIMEOUT.
+DEFAULT_LOCK_HOLD = 300.0
 COMMIT_KEY = "ckstore_commit"  # in the Metadata dcp.save returns: the commit id, on every rank
 OBJECT_SUFFIX = "@bytes"  # piece names end in "@" and digits, so an item's name never equals one
 
@@ -91,8 +101,9 @@ class Writer(StorageWriter):
     """
 
     def __init__(self, repo: Any, branch: str | None = None, message: str = "",
-                 metadata: Mapping[str, Any] | None = None) -> None:
+                 metadata: Mapping[str, Any] | None = None, lock_hold: float = DEFAULT_LOCK_HOLD) -> None:
         super().__init__()
+        self.lock_hold = lock_hold
         self.location = _location(repo)
         self.branch = None if branch is None else check_ref_name(branch, "branch name")
         self.message = message
@@ -100,23 +111,45 @@ class Writer(StorageWriter):
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
         self._lock: ExitStack | None = None
+        self._lock_guard = threading.Lock()  # _release runs on the timer's thread too
+        self._lock_timer: threading.Timer | None = None
         self._world = 1
         self._plan_branch: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # async_save in a separate process pickles the writer
         state = dict(self.__dict__)
-        state["_ctx"], state["_lock"] = None, None
+        state["_ctx"], state["_lock"], state["_lock_timer"] = None, None, None
+        del state["_lock_guard"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock_guard = threading.Lock()
 
     def _context(self) -> RepoContext:
         if self._ctx is None:
             self._ctx = open_context(self.location)
         return self._ctx
 
+    def _hold(self, ctx: RepoContext) -> None:
+        """Take the writers' locks until ``finish``, a failed write here, or ``lock_hold`` seconds."""
+        self._release()
+        held = ExitStack()
+        held.enter_context(writing(ctx))
+        timer = threading.Timer(self.lock_hold, self._release)
+        timer.daemon = True
+        with self._lock_guard:
+            self._lock, self._lock_timer = held, timer
+        timer.start()
+
     def _release(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        with self._lock_guard:
+            held, timer = self._lock, self._lock_timer
+            self._lock, self._lock_timer = None, None
+        if timer is not None:
+            timer.cancel()
+        if held is not None:
+            held.close()
 
     # ---- the StorageWriter protocol ------------------------------------------------------------
 
@@ -137,13 +170,18 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ctx = self._context()
         branch = self.branch or ctx.refs.head_branch()
-        self._release()
-        self._lock = ExitStack()
-        self._lock.enter_context(ctx.backend.shared_lock())  # before any rank writes: see module doc
+        self._hold(ctx)  # before any rank writes: see the module doc
         self._world, self._plan_branch = len(plans), branch
         return [dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_data(plan, planner)
+        except BaseException:
+            self._release()  # on the coordinator: DCP will not call finish (F13)
+            raise
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data
         if not isinstance(info, _PlanInfo):
             raise InvalidInputError("the save plan did not come from ckstore's Writer (prepare_global_plan)")
@@ -177,7 +215,7 @@ class Writer(StorageWriter):
             header, _ = emit_header(specs, FILE_METADATA)
             size = len(header) + sum(len(b) for b in buffers)
             source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
-            with ctx.backend.shared_lock(), ctx.store.batch(size) as staged:  # durable before we report
+            with writing(ctx), ctx.store.batch(size) as staged:  # durable before we report
                 entry, added = store_pieces(staged, source, ctx.config.chunk_size)
             entries = {t.name: t for t in entry.tensors}
             for i, (item, (name, _, _), encoding) in enumerate(zip(plan.items, specs, encodings)):
@@ -193,14 +231,15 @@ class Writer(StorageWriter):
         try:
             items = [r.storage_data for rank in results for r in rank]
             files = _rank_files(items)
-            missing = [c.id for f in files for c in f.all_chunks() if not ctx.store.has(c.id)]
-            if missing:
-                raise IntegrityError(f"{len(missing)} object(s) the ranks reported are missing (first: {missing[0]}); "
-                                     "nothing was committed")
-            record = build_record(metadata, results, max(self._world, len(results)))
-            branch = self._plan_branch or self.branch or ctx.refs.head_branch()  # the one the ranks used
-            added = sum(i.added for i in items)
-            self.commit_id = record_commit(ctx, files, added, self.message, branch, self._meta, dcp=record)
+            with writing(ctx):  # still held, unless lock_hold ran out: then checked under it again
+                missing = [c.id for f in files for c in f.all_chunks() if not ctx.store.has_durable(c.id)]
+                if missing:
+                    raise IntegrityError(f"{len(missing)} object(s) the ranks reported are missing (first: "
+                                         f"{missing[0]}); nothing was committed")
+                record = build_record(metadata, results, max(self._world, len(results)))
+                branch = self._plan_branch or self.branch or ctx.refs.head_branch()  # the one the ranks used
+                added = sum(i.added for i in items)
+                self.commit_id = record_commit(ctx, files, added, self.message, branch, self._meta, dcp=record)
             compact_later(ctx, self.location, branch)
             # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
             # so this is how the other ranks learn the commit.

@@ -183,9 +183,29 @@ def _parse_tensor(doc: Any, world: int, stored: StoredTensors) -> DcpTensor:
     shell = DcpTensor(fqn, _str(d["dtype"], where, tuple(DTYPES)), _dims(d["shape"], where), d["requires_grad"],
                       _str(d["layout"], where, LAYOUTS), _str(d["memory_format"], where, MEMORY_FORMATS), ())
     pieces = tuple(_parse_piece(p, shell, world, stored) for p in d["pieces"])
-    if sum(p.numel for p in pieces) < math.prod(shell.shape):
-        raise IntegrityError(f"manifest: {where}: its pieces do not cover the tensor")
+    # Pieces lie inside the shape (_parse_piece): disjoint ones whose volumes sum to the tensor's
+    # cover every element exactly once. A sum alone let a hole pass (read back as zeros).
+    if sum(p.numel for p in pieces) != math.prod(shell.shape) or _overlap(pieces):
+        raise IntegrityError(f"manifest: {where}: its pieces do not cover the tensor exactly once")
     return DcpTensor(shell.fqn, shell.dtype, shell.shape, shell.requires_grad, shell.layout, shell.memory_format, pieces)
+
+
+def _overlap(pieces: Sequence[DcpPiece]) -> bool:
+    """Whether two non-empty pieces share an element: a sweep along the dimension with the most
+    distinct offsets (the one the tensor is sharded along), comparing only pieces whose extents
+    there intersect, so a row- or column-sharded tensor costs about one comparison per piece."""
+    boxes = [(p.offsets, tuple(o + s for o, s in zip(p.offsets, p.sizes))) for p in pieces if p.numel]
+    if len(boxes) < 2:
+        return False
+    ndim = len(boxes[0][0])
+    axis = max(range(ndim), key=lambda i: len({lo[i] for lo, _ in boxes})) if ndim else 0
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for lo, hi in sorted(boxes, key=lambda b: b[0][axis] if ndim else 0):
+        active = [b for b in active if not ndim or b[1][axis] > lo[axis]]
+        if any(all(a_lo < h and l < a_hi for l, h, a_lo, a_hi in zip(lo, hi, b_lo, b_hi)) for b_lo, b_hi in active):
+            return True
+        active.append((lo, hi))
+    return False
 
 
 def _parse_object(doc: Any, world: int, stored: StoredTensors) -> DcpObject:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError
-from ckstore.repository.graph import kept_parents
+from ckstore.repository.graph import ROOT_PREFIXES, kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.repository.overlay import link_problems
 from ckstore.write.pipeline import ProgressFactory, ordered_map
-from ckstore.repository.refs import HEADS, TAGS
 from ckstore.repository.store import MAX_CHAIN_DEPTH, ObjectStore
 
 
@@ -74,7 +73,7 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
     problems.extend(reflog_problems)
 
     tips: list[tuple[str, ObjectId]] = []
-    for prefix in (HEADS, TAGS):
+    for prefix in ROOT_PREFIXES:
         for key, ref in ctx.refs.entries(prefix):
             try:
                 if ref is None:

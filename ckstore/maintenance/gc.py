@@ -62,14 +62,17 @@ def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = Fa
     reachable = graph.reachable_from(graph.tips())
     logs = ctx.refs.logs.read_all()
     alive = _surviving_reflogs(ctx, logs, prune_now)
-    logged = graph.reachable_from({i for entries in alive.values() for e in entries for i in e.ids})
+    # An entry keeps both its values while they exist; its old one may be gone (pruned earlier).
+    named = {i for entries in alive.values() for e in entries for i in e.ids}
+    logged = graph.reachable_from({i for i in named if i not in graph.pruned() and store.has(i)})
     chosen = select_kept(graph, policy) if policy.active else set(reachable)
     needed_commits, needed_objects = external_needs(ctx)
     pinned = {c for c in needed_commits if store.has_local(c)}
     # A retention policy thins branches, not what only the reflog holds.
     commits = graph.with_overlay_bases(chosen | (logged - reachable) | pinned)
-    # Entries naming a commit this run deletes (a policy pruned it) go with it.
-    alive = {ref: [e for e in entries if set(e.ids) <= commits] for ref, entries in alive.items()}
+    # An entry whose value this run deletes (a policy pruned it) goes with it; one whose old
+    # value alone goes stays, as in git (the surviving tip keeps its reflog).
+    alive = {ref: [e for e in entries if e.value in commits] for ref, entries in alive.items()}
     return Kept(reachable, chosen, pinned, logged, commits, {c for c in needed_objects if store.has_local(c)},
                 logs, alive)
 

@@ -1,7 +1,7 @@
 """Which commits to keep, and which is best: decisions made from history and metadata only.
 
-A policy keeps the union of what each of its rules selects, per branch, plus every tagged commit
-and the newest commit of every branch (a branch name must keep resolving: resuming uses it):
+A policy keeps the union of what each of its rules selects, per branch, plus every tagged commit,
+every commit a remote-tracking ref names, and the newest commit of every branch (a branch name must keep resolving: resuming uses it):
 ``keep_last`` (the N newest), ``keep_best`` (the N with the best ``metric``), ``keep_every`` (each
 commit whose ``step`` — else ``epoch`` — metadata is a multiple of K, or, without those, every K-th
 commit counted from the oldest). A policy with no rule keeps everything reachable.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckstore.errors import InvalidInputError, NotFoundError
-from ckstore.repository.graph import CommitGraph
+from ckstore.repository.graph import REMOTES, CommitGraph
 from ckstore.history.log import LogEntry, log, ranked
 from ckstore.format.ids import ObjectId
 from ckstore.repository.refs import HEADS, TAGS
@@ -70,7 +70,8 @@ def _every(history: list[LogEntry], k: int) -> list[LogEntry]:
 
 
 def select_kept(graph: CommitGraph, policy: RetentionPolicy) -> set[ObjectId]:
-    keep = set(graph.refs.list(TAGS).values())
+    # Tags and remote-tracking refs are kept as they are, with none of their history.
+    keep = {*graph.refs.list(TAGS).values(), *graph.refs.list(REMOTES).values()}
     for name, tip in graph.refs.list(HEADS).items():
         keep.add(tip)
         history = log(graph, HEADS + name)

@@ -33,6 +33,7 @@ from ckstore.errors import CkstoreError, ConflictError, IntegrityError, RefNotFo
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit, decode_commit
 from ckstore.repository.refs import HEADS, TAGS
+from ckstore.repository.writing import writing
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader, delta_closure, verified_commit
@@ -448,6 +449,13 @@ def _cost(data: bytes) -> int:
 
 
 def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
+    # The writers' locks from the first landed object to the last tracking ref (writing.py):
+    # a gc in between would delete what landed before any ref names it (F2).
+    with writing(ctx):
+        return _fetch_locked(ctx, remote_name)
+
+
+def _fetch_locked(ctx: RepoContext, remote_name: str | None) -> FetchReport:
     remote = open_remote(ctx, remote_name)
     report = FetchReport(remote.name)
     remote.require_format()
@@ -473,6 +481,11 @@ def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
 
 def pull(ctx: RepoContext, remote_name: str | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
     """Fetch, then fast-forward the current branch to its remote-tracking ref; (report, old, new)."""
+    with writing(ctx):
+        return _pull_locked(ctx, remote_name)
+
+
+def _pull_locked(ctx: RepoContext, remote_name: str | None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
     report = fetch(ctx, remote_name)
     branch = ctx.refs.head_branch()
     theirs = ctx.refs.read(f"{TRACKING}{report.remote}/{branch}")
@@ -500,10 +513,11 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
     open_spec(RemoteSpec("origin", url, endpoint_url)).require_format()
     ctx = init_context(path, config or RepoConfig())
     add(ctx, "origin", url, endpoint_url)
-    report = fetch(ctx, "origin")
-    branches = ctx.refs.list(f"{TRACKING}origin/")
-    for branch, oid in branches.items():
-        ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
+    with writing(ctx):
+        report = fetch(ctx, "origin")
+        branches = ctx.refs.list(f"{TRACKING}origin/")
+        for branch, oid in branches.items():
+            ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
     if branches:
         ctx.refs.set_head_branch("main" if "main" in branches else min(branches))
     return ctx, report

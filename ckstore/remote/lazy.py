@@ -40,6 +40,9 @@ class RemoteObjects(ObjectStore):
     def has(self, oid: str) -> bool:
         return self.has_local(oid) or oid in self.where()
 
+    def has_durable(self, oid: str) -> bool:
+        return False  # a cached copy is not this repository's: writes never deduplicate against it
+
     def _read_any(self, oid: str, n: int | None, context: str) -> bytes:
         key = object_key(oid)
         try:

@@ -32,6 +32,7 @@ from ckstore.repository.store import ObjectStore
 
 PRUNED_KEY = "pruned"
 REMOTES = "refs/remotes/"  # remote-tracking refs (fetch.py)
+ROOT_PREFIXES = (HEADS, TAGS, REMOTES)  # the refs whose commits gc keeps and fsck walks
 _SUFFIX = re.compile(r"~(\d*)$|\^$")
 _REFLOG_SUFFIX = re.compile(r"(.*)@\{(\d+)\}")
 
@@ -225,10 +226,12 @@ class CommitGraph:
     # ---- reachability ----------------------------------------------------------------------
 
     def tips(self) -> list[ObjectId]:
-        return [*self.refs.list(HEADS).values(), *self.refs.list(TAGS).values()]
+        """What gc and fsck start from: branches, tags and, as in git, remote-tracking refs (the
+        local copy of a fetched commit is kept until the remote branch is gone or moved on)."""
+        return [oid for prefix in ROOT_PREFIXES for oid in self.refs.list(prefix).values()]
 
     def reachable_commits(self) -> list[ObjectId]:
-        """Every commit reachable from a branch or tag, walking through pruned commits' parents."""
+        """Every commit reachable from a ref (``tips``), walking through pruned commits' parents."""
         return sorted(self.reachable_from(self.tips()))
 
     def reflog_commits(self) -> set[ObjectId]:

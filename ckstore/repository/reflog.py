@@ -83,6 +83,13 @@ class Entry:
     def ids(self) -> tuple[ObjectId, ...]:
         return tuple(i for i in (self.old, self.new) if i is not None)
 
+    @property
+    def value(self) -> ObjectId | None:
+        """What the entry records: the new value, or for a deletion the value deleted (None
+        only in a line recording neither). An entry lives as long as this commit does, as in
+        git (its old value may be pruned first)."""
+        return self.new or self.old
+
     def line(self) -> bytes:
         return (f"{self.old or NONE_ID} {self.new or NONE_ID} {self.time:.6f} {self.who}\t{self.what}\n"
                 .encode())
@@ -166,12 +173,13 @@ class RefLog:
         return entries, problems
 
     def check(self) -> tuple[list[tuple[str, ObjectId]], list[str]]:
-        """fsck: (ref, commit) for every commit an entry names, and one problem per corrupt line."""
+        """fsck: (ref, commit) for every entry's value (an old value may be pruned, as in git),
+        and one problem per corrupt line."""
         named, problems = [], []
         for ref in self.refs():
             entries, bad = self._parse(ref)
             problems.extend(bad)
-            named.extend(dict.fromkeys((ref, i) for e in entries for i in e.ids))
+            named.extend(dict.fromkeys((ref, e.value) for e in entries if e.value is not None))
         return named, problems
 
     def rewrite(self, ref: str, entries: list[Entry]) -> None:
@@ -233,11 +241,11 @@ class Expiry:
 def surviving(entries: Iterable[Entry], from_tip: Callable[[ObjectId], bool],
               exists: Callable[[ObjectId], bool], expiry: Expiry) -> list[Entry]:
     """The entries of one ref that survive expiry. ``from_tip``: whether a commit is reachable
-    from the ref's current value; an entry naming a commit that is gone is dropped too."""
+    from the ref's current value; an entry whose value (``Entry.value``) is gone is dropped too."""
     out = []
     for entry in entries:
         age = expiry.at - entry.time
-        if not all(exists(i) for i in entry.ids) or age > expiry.reachable:
+        if entry.value is None or not exists(entry.value) or age > expiry.reachable:
             continue
         if age > expiry.unreachable and not all(from_tip(i) for i in entry.ids):
             continue

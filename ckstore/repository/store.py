@@ -66,12 +66,18 @@ class ObjectStore:
     def has(self, oid: str) -> bool:
         return self.has_local(oid) or any(alt.has(oid) for alt in self.alternates)
 
+    def has_durable(self, oid: str) -> bool:
+        """Held here or in a base repository, whose gc the writers' locks hold off (writing.py):
+        the only objects a write may deduplicate against or delta-encode on. A remote's lazily
+        read objects (lazy.py) are not: the remote may delete them, and they are not ours."""
+        return self.has_local(oid) or any(alt.has_durable(oid) for alt in self.alternates)
+
     def stored_size(self, oid: str) -> int | None:
         return self.backend.size(object_key(oid))
 
     def _put(self, oid: ObjectId, raw: bytes | memoryview, kind: Kind) -> PutResult:
         key = object_key(oid)
-        if self.has(oid):
+        if self.has_durable(oid):
             return PutResult(oid, 0)
         data = encode(raw, kind, self.settings.zstd_level)
         if kind == Kind.COMMIT and not manifest_size_ok(len(data), len(raw)):
@@ -90,7 +96,7 @@ class ObjectStore:
         """
         oid = chunk_id(raw)
         key = object_key(oid)
-        if self.has(oid):
+        if self.has_durable(oid):
             return PutResult(oid, 0)
         if fast and width > 1:
             data = encode(raw, Kind.CHUNK, self.settings.fast_level)
@@ -115,8 +121,11 @@ class ObjectStore:
     def _delta_base(self, base_id: str, size: int) -> bytes | None:
         """The base's raw bytes when a delta against it stays within max_delta_depth, else None.
 
-        A base that is missing or damaged only costs compression: the chunk is stored whole.
+        A base that is missing or damaged only costs compression: the chunk is stored whole;
+        so does one that only a remote holds (``has_durable``).
         """
+        if not self.has_durable(base_id):
+            return None
         try:
             depth = self.chain_depth(base_id)
             if depth + 1 > self.settings.max_delta_depth:

@@ -346,6 +346,21 @@ def _skeleton(store: ObjectStore, commit: Commit) -> object:
     return decode_value(doc["value"], leaf=_leaf_decoder)
 
 
+def _plain_skeleton(files: Sequence[FileEntry]) -> dict[str, _TensorRef]:
+    """{tensor name: tensor} of a commit of plain files. A name in two files (model and EMA
+    weights side by side) is refused, as ``open`` does: one flat mapping cannot hold both, and
+    silently keeping one would hand back the wrong weights."""
+    where: dict[str, str] = {}
+    for f in files:
+        for t in f.tensors:
+            if t.name in where:
+                raise InvalidInputError(
+                    f"tensor {t.name!r} is in both {where[t.name]} and {f.path}: load_state cannot return both "
+                    f"under one name; read one file with open(ref, path={f.path!r}), or check it out")
+            where[t.name] = f.path
+    return {name: _TensorRef(name, False, None, None) for name in where}
+
+
 def load_state(
     graph: CommitGraph, ref: str = "HEAD", *, only: str | Sequence[str] | None = None,
     device: str | torch.device = "cpu", lazy: bool = False,
@@ -355,7 +370,7 @@ def load_state(
     skeleton = _skeleton(graph.store, commit)
     files = [f for f in commit.files if f.kind == "safetensors"]
     if skeleton is None:
-        skeleton = {t.name: _TensorRef(t.name, False, None, None) for f in files for t in f.tensors}
+        skeleton = _plain_skeleton(files)
     else:
         files = [f for f in files if f.path == commit.state.tensors]  # type: ignore[union-attr]
     if only is not None:

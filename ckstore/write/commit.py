@@ -1,6 +1,7 @@
 """Recording a commit: files or in-memory state → chunks → manifest → branch ref.
 
-Write order, under the shared repository lock: chunks (one durability batch), then the manifest,
+Write order, under the writers' locks (writing.py: this repository's shared lock and its base
+repositories'): chunks (one durability batch), then the manifest,
 then the branch ref by compare-and-swap. A crash at any point leaves the refs as they were plus,
 at worst, unreferenced objects, which gc removes under the exclusive lock. When the ref moved
 meanwhile (another trainer committed to the branch), the manifest is re-parented onto the new tip
@@ -16,12 +17,13 @@ from typing import Any
 from ckstore.write import provenance
 from ckstore.repository.context import RepoContext
 from ckstore.format.dcp_record import DcpRecord
-from ckstore.errors import InvalidInputError, RefChangedError, RefExistsError
+from ckstore.errors import InvalidInputError, ObjectMissingError, RefChangedError, RefExistsError
 from ckstore.write.ingest import MemoryFile, SourceFile, ingest
 from ckstore.format.manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit
 from ckstore.repository.overlay import merge_files
 from ckstore.write.pipeline import ProgressFactory
 from ckstore.repository.refs import HEADS
+from ckstore.repository.writing import writing
 from ckstore.format.values import encode_value
 
 MAX_CAS_ATTEMPTS = 20
@@ -44,8 +46,9 @@ def commit_sources(
     progress: ProgressFactory | None = None, state: StateFiles | None = None, base: BaseRef | None = None,
 ) -> str:
     """Store ``sources`` and record them as one commit on ``branch``; return its id."""
-    base_commit = ctx.graph.read_commit(base.commit) if base is not None else None
-    with ctx.backend.shared_lock():
+    with writing(ctx):
+        # Read under the base's lock: a base gc that ran before it has deleted it or kept it.
+        base_commit = _base_commit(ctx, base) if base is not None else None
         bar = progress(sum(s.size for s in sources), "commit") if progress else None
         # An overlay's tensors are forward deltas against its base's (the base may live in
         # another repository and must not change); a branch's new chunks are stored fast, and
@@ -66,6 +69,12 @@ def commit_sources(
         if base_commit is not None:
             files = merge_files(base_commit, files)
         return record_commit(ctx, files, added, message, branch, meta, state, base)
+
+
+def _base_commit(ctx: RepoContext, base: BaseRef) -> Commit:
+    if not ctx.store.has_durable(base.commit):
+        raise ObjectMissingError(f"base commit {base.commit} is gone (deleted by gc in its repository)")
+    return ctx.graph.read_commit(base.commit)
 
 
 def _reflog_reason(parent: str | None, message: str) -> str:
