@@ -26,7 +26,7 @@ from .helpers import count
 from .system import Report, Settings, run_system
 
 SEED = int(os.environ.get("CKSTORE_SYSTEM_SEED", "21"))
-SHORT = Settings(seed=SEED, max_operations=60, max_seconds=40.0)
+SHORT = Settings(seed=SEED, max_operations=60, max_seconds=40.0, kill_probability=0.3)  # few operations: kill more
 
 # finding -> what its broken promise looks like in the report (losses and failures)
 KNOWN: dict[str, re.Pattern[str]] = {
