@@ -40,7 +40,7 @@ def main() -> int:
     for name in [n for n in os.environ if n.startswith("AWS_") or n.startswith("CKSTORE_")]:
         del os.environ[name]  # nothing of the developer's leaks in; the server's credentials are passed down
     settings = Settings(seed=seed, max_operations=args.operations, max_seconds=args.minutes * 60,
-                        kill_probability=args.kill_probability)
+                        kill_probability=args.kill_probability, progress_every=100)
     with tempfile.TemporaryDirectory(prefix="ckstore-soak-") as tmp:
         work = args.keep if args.keep else Path(tmp) / "work"
         work.mkdir(parents=True)

@@ -78,6 +78,7 @@ class Settings:
     kill_probability: float = 0.15
     tensor_size: int = 512
     remote_grace: float = 15.0
+    progress_every: int = 0  # print a line every N operations (0: quiet)
 
 
 @dataclass
@@ -183,7 +184,11 @@ class System:
             if self.report.total >= self.settings.max_operations or time.monotonic() >= self.deadline:
                 raise Stop
             self.report.operations[kind] += 1
-            return self.report.total
+            total = self.report.total
+            if self.settings.progress_every and total % self.settings.progress_every == 0:
+                print(f"{self.now():7.0f} s: {total} operations, {sum(self.report.kills.values())} kills, "
+                      f"{sum(self.report.acknowledged.values())} acknowledged", flush=True)
+            return total
 
     def kill_delay(self, rng: random.Random, kind: str) -> float | None:
         """None (let it run), or a moment within the operation's usual duration to SIGKILL it."""
