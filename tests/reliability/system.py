@@ -1,0 +1,657 @@
+"""A randomized whole-system test in the spirit of Jepsen (issue 21, item 5).
+
+Several processes work on three repositories and two remotes at once, for a bounded number of
+operations and seconds, and are SIGKILLed at random moments:
+
+* lane ``cli`` (the ``ckstore`` CLI, repository ``base``, branch ``a``): commits of folders (some
+  forced into a local pack), pushes of ``a`` to the S3 and the folder remote, and tags of an
+  older acknowledged commit pushed to a remote (the F4 path);
+* lane ``py`` (one long-lived ``system_driver.py`` process on ``base``, branch ``b``):
+  ``commit_state`` in the foreground and in the background, folder commits, compaction, pushes;
+* lane ``overlay`` (CLI, repository ``ovl``): overlay commits on a recent acknowledged commit of
+  ``base`` (the F3 path), and gc of ``ovl`` with retention;
+* lane ``mirror`` (CLI, repository ``mirror``, a clone of the S3 remote): fetch and pull from both
+  remotes (the F2 path), its own commits on branch ``m``, and plain gc;
+* lane ``maint`` (CLI): gc of ``base`` (plain, ``--keep-last``, ``--keep-best``, ``--prune-now``,
+  ``--repack``), ``repack``, and ``gc --remote`` of both remotes with a short grace period.
+
+The model records what was acknowledged: a commit whose process answered its id (exit 0 and the
+id printed, or the driver's answer read in full), a ref pushed by an exit-0 push, a tag created
+by an exit-0 ``tag``. A commit is excused only when a gc with a retention policy that ran after
+it started could have dropped it: keep-last N when N commits of its branch were attempted after
+it (acknowledged or not), keep-best N when N attempted commits of its branch had a better loss.
+At the end every stale ref lock is removed (the documented recovery), then:
+
+* ``fsck --read-data`` is clean on every repository and on a fresh clone of every remote;
+* every ref of every repository and of every clone resolves and checks out;
+* every acknowledged commit that no retention policy excuses checks out bit-exact (files
+  against the source bytes' SHA-256, states against the arrays committed);
+* every acknowledged push (branch or tag) reads back bit-exact from a fresh clone of its remote.
+
+Each broken promise is one entry in ``losses`` (data the user was told is safe, gone or wrong)
+or ``failures`` (a repository that fails fsck or a ref that does not resolve; a traceback; an
+integrity error during normal work). Everything random comes from the seed, printed first; the
+interleaving of processes depends on timing, so a replay with the seed runs the same operations
+and kills in the same order per lane, and the report lists the operations behind every finding.
+Bounded: loopback addresses only, every loop ends by count or by time, every process has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckstore.remote.testserver import S3Server, seaweedfs
+from ckstore.repo import Repo
+
+from .helpers import CLI, checkpoint_bytes, cli_env, tree_digest
+from .system_driver import same_state, state_for
+
+DRIVER = Path(__file__).with_name("system_driver.py")
+ROOT = Path(__file__).resolve().parents[2]
+OID = re.compile(r"^[0-9a-f]{64}$", re.M)
+STALE_LOCK = re.compile(r"stale lock (\S+) left by process (\d+)")
+OP_TIMEOUT = 600.0
+REMOTES = ("s3", "dir")
+
+
+@dataclass(frozen=True)
+class Settings:
+    seed: int
+    max_operations: int = 150
+    max_seconds: float = 90.0
+    kill_probability: float = 0.15
+    tensor_size: int = 512
+    remote_grace: float = 15.0
+    progress_every: int = 0  # print a line every N operations (0: quiet)
+
+
+@dataclass
+class Attempt:
+    """A commit started on ``repo``/``branch`` (acknowledged or not): what retention may have seen."""
+    repo: str
+    branch: str
+    started: float
+    loss: float
+
+
+@dataclass
+class Acked:
+    oid: str
+    repo: str
+    branch: str
+    kind: str
+    started: float
+    loss: float
+    content: dict[str, str] | int  # tree digest of the files, or the seed of a state
+    op: int
+
+
+@dataclass
+class Retention:
+    repo: str
+    started: float
+    ended: float
+    keep_last: int | None = None
+    keep_best: int | None = None
+
+
+@dataclass
+class Report:
+    seed: int
+    operations: Counter[str] = field(default_factory=Counter)
+    kills: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    acknowledged: Counter[str] = field(default_factory=Counter)
+    excused: int = 0
+    verified: int = 0
+    stale_locks: int = 0
+    losses: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(self.operations.values())
+
+    def summary(self) -> str:
+        lines = [f"seed {self.seed}: {self.total} operations in {self.seconds:.0f} s, "
+                 f"{sum(self.kills.values())} SIGKILLs, {len(self.losses)} losses, {len(self.failures)} failures"]
+        lines.append("operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.operations.items())))
+        lines.append("killed:     " + ", ".join(f"{k} {v}" for k, v in sorted(self.kills.items())))
+        lines.append("acknowledged: " + ", ".join(f"{k} {v}" for k, v in sorted(self.acknowledged.items()))
+                     + f"; verified bit-exact {self.verified}, excused by retention {self.excused}, "
+                     f"stale ref locks removed {self.stale_locks}")
+        if self.errors:
+            lines.append("clean errors (exit code, first words): "
+                         + "; ".join(f"{k} ×{v}" for k, v in self.errors.most_common(12)))
+        lines += [f"LOSS: {x}" for x in self.losses] + [f"FAILURE: {x}" for x in self.failures]
+        return "\n".join(lines)
+
+
+class Stop(Exception):
+    """The operation or time budget is spent."""
+
+
+class System:
+    """The repositories, the remotes, the model, and the lanes that drive them."""
+
+    def __init__(self, settings: Settings, work: Path, server: S3Server) -> None:
+        self.settings = settings
+        self.work = work
+        self.server = server
+        self.rng = random.Random(settings.seed)
+        self.report = Report(settings.seed)
+        self.lock = threading.Lock()
+        self.deadline = time.monotonic() + settings.max_seconds
+        self.started = time.monotonic()
+        self.repos = {name: work / name for name in ("base", "ovl", "mirror")}
+        self.urls = {"s3": f"s3://{server.bucket}/soak/{settings.seed}-{uuid.uuid4().hex[:8]}",
+                     "dir": str(work / "remote-dir")}
+        scrubbed = {k: v for k, v in cli_env().items() if not k.startswith("AWS_")}  # none of the developer's
+        self.env = {**scrubbed, **server.env,
+                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.attempts: list[Attempt] = []
+        self.acked: list[Acked] = []
+        self.retention: list[Retention] = []
+        self.pushed: list[tuple[str, str, str, int]] = []  # remote, ref, oid, op
+        self.contents: dict[str, dict[str, str] | int] = {}
+        self.durations: dict[str, float] = {}
+        self.log: list[str] = []
+
+    # ---- running operations ------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def next_op(self, kind: str) -> int:
+        with self.lock:
+            if self.report.total >= self.settings.max_operations or time.monotonic() >= self.deadline:
+                raise Stop
+            self.report.operations[kind] += 1
+            total = self.report.total
+            if self.settings.progress_every and total % self.settings.progress_every == 0:
+                print(f"{self.now():7.0f} s: {total} operations, {sum(self.report.kills.values())} kills, "
+                      f"{sum(self.report.acknowledged.values())} acknowledged", flush=True)
+            return total
+
+    def kill_delay(self, rng: random.Random, kind: str) -> float | None:
+        """None (let it run), or a moment within the operation's usual duration to SIGKILL it."""
+        if rng.random() >= self.settings.kill_probability:
+            return None
+        return rng.uniform(0.0, 1.2 * self.durations.get(kind, 1.5))
+
+    def learn(self, kind: str, seconds: float) -> None:
+        with self.lock:
+            old = self.durations.get(kind, seconds)
+            self.durations[kind] = 0.8 * old + 0.2 * seconds
+
+    def cli(self, rng: random.Random, kind: str, repo: str | None, *args: str, env: dict[str, str] | None = None,
+            killable: bool = True) -> tuple[int, subprocess.CompletedProcess[str] | None]:
+        """Run one CLI operation, maybe SIGKILLed; (op number, the result or None when killed)."""
+        op = self.next_op(kind)
+        delay = self.kill_delay(rng, kind) if killable else None
+        argv = [*CLI, *(["--repo", str(self.repos[repo])] if repo else []), *args]
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=delay if delay is not None else OP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            if delay is None:
+                self.fail(f"op {op} {kind} ({' '.join(args)}) did not end in {OP_TIMEOUT:.0f} s")
+            else:
+                self.killed(op, kind, args)
+            return op, None
+        self.learn(kind, time.monotonic() - start)
+        result = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        self.outcome(op, kind, args, result.returncode, err)
+        return op, result
+
+    def killed(self, op: int, kind: str, what: object) -> None:
+        with self.lock:
+            self.report.kills[kind] += 1
+            self.log.append(f"{self.now():7.2f} op {op} {kind} {what} KILLED")
+
+    def outcome(self, op: int, kind: str, what: object, code: int, err: str) -> None:
+        first = err.strip().splitlines()[0] if err.strip() else ""
+        with self.lock:
+            self.log.append(f"{self.now():7.2f} op {op} {kind} {what} -> {code} {first[:160]}")
+            if code == 0:
+                return
+            if "Traceback" in err:
+                self.report.failures.append(f"op {op} {kind} {what}: traceback: {err.strip().splitlines()[-1]}")
+            elif code == 4:
+                self.report.failures.append(f"op {op} {kind} {what}: integrity error during normal work: {first}")
+            self.report.errors[f"{kind} exit {code}: {' '.join(first.split()[1:5])}"] += 1
+        self.recover_stale_lock(err)
+
+    def recover_stale_lock(self, err: str) -> None:
+        """The documented recovery: a ref lock whose process is gone is deleted."""
+        match = STALE_LOCK.search(err)
+        if match is None:
+            return
+        path, pid = Path(match.group(1)), int(match.group(2))
+        try:
+            os.kill(pid, 0)
+            return  # alive: not stale after all
+        except ProcessLookupError:
+            pass
+        path.unlink(missing_ok=True)
+        with self.lock:
+            self.report.stale_locks += 1
+
+    def fail(self, message: str) -> None:
+        with self.lock:
+            self.report.failures.append(message)
+
+    # ---- the model ---------------------------------------------------------------------------
+
+    def source(self, seed: int, files: str = "both") -> Path:
+        """A checkpoint folder for ``seed``: model.safetensors, and config.json unless ``files``
+        is "model"."""
+        folder = self.work / "src" / str(seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(checkpoint_bytes(seed, self.settings.tensor_size))
+        if files == "both":
+            (folder / "config.json").write_text(f'{{"seed": {seed}}}\n')
+        return folder
+
+    def attempt(self, repo: str, branch: str, loss: float) -> float:
+        started = self.now()
+        with self.lock:
+            self.attempts.append(Attempt(repo, branch, started, loss))
+        return started
+
+    def acknowledge(self, kind: str, oid: str, repo: str, branch: str, started: float, loss: float,
+                    content: dict[str, str] | int, op: int) -> None:
+        with self.lock:
+            self.acked.append(Acked(oid, repo, branch, kind, started, loss, content, op))
+            self.contents[oid] = content
+            self.report.acknowledged[kind] += 1
+
+    def recent_acked(self, rng: random.Random, repo: str, branch: str, newest: int = 4) -> Acked | None:
+        with self.lock:
+            mine = [c for c in self.acked if c.repo == repo and c.branch == branch]
+        return rng.choice(mine[-newest:]) if mine else None
+
+    def excused(self, c: Acked) -> bool:
+        """Could a retention policy that ran after ``c`` started have dropped it?"""
+        for g in self.retention:
+            if g.repo != c.repo or g.ended < c.started:
+                continue
+            same = [a for a in self.attempts if a.repo == c.repo and a.branch == c.branch and a.started < g.ended]
+            if g.keep_last is not None and sum(a.started > c.started for a in same) >= g.keep_last:
+                return True
+            if g.keep_best is not None and sum(a.loss < c.loss for a in same) >= g.keep_best:
+                return True
+        return False
+
+    @staticmethod
+    def new_seed(rng: random.Random) -> int:
+        return rng.getrandbits(40)
+
+    def loss_value(self, rng: random.Random) -> float:
+        return round(rng.uniform(0.1, 5.0), 9)
+
+    # ---- lanes -------------------------------------------------------------------------------
+
+    def lane_cli(self, rng: random.Random) -> None:
+        while True:
+            roll = rng.random()
+            if roll < 0.6:
+                self.cli_commit(rng)
+            elif roll < 0.9:
+                remote = rng.choice(REMOTES)
+                value = (self.repos["base"] / "refs/heads/a").read_text().strip()
+                op, result = self.cli(rng, f"push {remote}", "base", "push", remote, "a")
+                if result is not None and result.returncode == 0:
+                    with self.lock:
+                        self.pushed.append((remote, "refs/heads/a", value, op))
+            else:
+                self.cli_tag_and_push(rng)
+
+    def cli_commit(self, rng: random.Random) -> None:
+        seed, loss = self.new_seed(rng), self.loss_value(rng)
+        folder = self.source(seed)
+        content = tree_digest(folder)
+        packed = rng.random() < 0.25
+        env = {**self.env, "CKSTORE_TEST_PACK_MIN_BYTES": "1"} if packed else None
+        kind = "commit (pack)" if packed else "commit"
+        started = self.attempt("base", "a", loss)
+        op, result = self.cli(rng, kind, "base", "commit", str(folder), "--branch", "a", "--meta", f"loss={loss}",
+                              "-m", f"s{seed}", env=env)
+        if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
+            self.acknowledge("commit", m.group(0), "base", "a", started, loss, content, op)
+        shutil.rmtree(folder)
+
+    def cli_tag_and_push(self, rng: random.Random) -> None:
+        with self.lock:
+            older = [c for c in self.acked if c.repo == "base" and c.branch == "a"][:-1]
+        if not older:
+            return
+        target = rng.choice(older)
+        name = f"t{self.new_seed(rng)}"
+        op, result = self.cli(rng, "tag", "base", "tag", name, target.oid)
+        if result is None or result.returncode != 0:
+            return
+        with self.lock:
+            # a tag is kept by every gc: the commit it names is acknowledged again, with no excuse
+            self.acked.append(Acked(target.oid, "base", f"tag {name}", "tag", 0.0, -1.0, target.content, op))
+            self.report.acknowledged["tag"] += 1
+        remote = rng.choice(REMOTES)
+        op, result = self.cli(rng, f"push tag {remote}", "base", "push", remote, name)
+        if result is not None and result.returncode == 0:
+            with self.lock:
+                self.pushed.append((remote, f"refs/tags/{name}", target.oid, op))
+
+    def lane_py(self, rng: random.Random) -> None:
+        driver: subprocess.Popen[str] | None = None
+        try:
+            while True:
+                if driver is None or driver.poll() is not None:
+                    driver = subprocess.Popen([sys.executable, str(DRIVER), str(self.repos["base"])], env=self.env,
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                              text=True)
+                roll = rng.random()
+                seed, loss = self.new_seed(rng), self.loss_value(rng)
+                if roll < 0.55:
+                    background = rng.random() < 0.5
+                    kind = "commit_state (background)" if background else "commit_state"
+                    request = {"op": "state", "seed": seed, "n": self.settings.tensor_size, "branch": "b",
+                               "background": background, "loss": loss}
+                    content: dict[str, str] | int | None = seed
+                elif roll < 0.75:
+                    folder = self.source(seed, rng.choice(("both", "model")))
+                    kind, content = "commit (driver)", tree_digest(folder)
+                    request = {"op": "commit", "dir": str(folder), "seed": seed, "branch": "b", "loss": loss}
+                elif roll < 0.85:
+                    kind, content, request = "compact", None, {"op": "compact", "branch": "b"}
+                else:
+                    remote = rng.choice(REMOTES)
+                    kind, content, request = f"push {remote}", None, {"op": "push", "remote": remote, "ref": "b"}
+                started = self.attempt("base", "b", loss) if request["op"] in ("state", "commit") else 0.0
+                op = self.next_op(kind)
+                answer = self.ask(driver, rng, op, kind, request)
+                if answer is not None and answer["ok"] and request["op"] in ("state", "commit"):
+                    self.acknowledge(kind.split(" ")[0], answer["oid"], "base", "b", started, loss, content, op)  # type: ignore[arg-type]
+                elif answer is not None and answer["ok"] and request["op"] == "push":
+                    with self.lock:
+                        self.pushed.append((request["remote"], "refs/heads/b", answer["oid"], op))
+                shutil.rmtree(self.work / "src" / str(seed), ignore_errors=True)
+        finally:
+            if driver is not None and driver.poll() is None:
+                driver.stdin.close()  # type: ignore[union-attr]
+                driver.wait(timeout=OP_TIMEOUT)
+
+    def ask(self, driver: subprocess.Popen[str], rng: random.Random, op: int, kind: str,
+            request: dict[str, Any]) -> dict[str, Any] | None:
+        """Send one request; SIGKILL the driver at a random moment; the answer, or None."""
+        delay = self.kill_delay(rng, kind)
+        timer = threading.Timer(delay, driver.send_signal, (signal.SIGKILL,)) if delay is not None else None
+        start = time.monotonic()
+        try:
+            driver.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+            driver.stdin.flush()  # type: ignore[union-attr]
+            if timer is not None:
+                timer.start()
+            line = driver.stdout.readline()  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError):
+            line = ""
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if not line:
+            driver.wait(timeout=OP_TIMEOUT)
+            if delay is None:
+                self.fail(f"op {op} {kind}: the driver died without being killed (exit {driver.returncode})")
+            else:
+                self.killed(op, kind, request)
+            return None
+        self.learn(kind, time.monotonic() - start)
+        answer: dict[str, Any] = json.loads(line)
+        self.outcome(op, kind, request, 0 if answer["ok"] else answer["code"],
+                     "" if answer["ok"] else f"ckstore: {answer['error']}")
+        return answer
+
+    def lane_overlay(self, rng: random.Random) -> None:
+        while True:
+            if rng.random() < 0.8:
+                base = self.recent_acked(rng, "base", "a")
+                if base is None:
+                    time.sleep(0.2)
+                    continue
+                seed, loss = self.new_seed(rng), self.loss_value(rng)
+                folder = self.source(seed, "model")
+                content = {**base.content, **tree_digest(folder)}  # type: ignore[dict-item]
+                started = self.attempt("ovl", "o", loss)
+                op, result = self.cli(rng, "overlay commit", "ovl", "commit", str(folder), "--base", base.oid,
+                                      "--base-repo", str(self.repos["base"]), "--branch", "o", "--meta", f"loss={loss}")
+                if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
+                    self.acknowledge("overlay commit", m.group(0), "ovl", "o", started, loss, content, op)
+                shutil.rmtree(folder)
+            else:
+                keep = rng.randint(2, 5)
+                started = self.now()
+                op, result = self.cli(rng, "gc overlay --keep-last", "ovl", "gc", "--keep-last", str(keep), "--prune-now")
+                with self.lock:
+                    self.retention.append(Retention("ovl", started, self.now(), keep_last=keep))
+
+    def lane_mirror(self, rng: random.Random) -> None:
+        while True:
+            roll = rng.random()
+            remote = rng.choice(("origin", "dir"))
+            if roll < 0.35:
+                self.cli(rng, f"fetch {remote}", "mirror", "fetch", remote)
+            elif roll < 0.6:
+                self.cli(rng, f"pull {remote}", "mirror", "pull", remote)
+            elif roll < 0.85:
+                seed, loss = self.new_seed(rng), self.loss_value(rng)
+                folder = self.source(seed)
+                content = tree_digest(folder)
+                started = self.attempt("mirror", "m", loss)
+                op, result = self.cli(rng, "commit mirror", "mirror", "commit", str(folder), "--branch", "m")
+                if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
+                    self.acknowledge("commit", m.group(0), "mirror", "m", started, loss, content, op)
+                shutil.rmtree(folder)
+            else:
+                self.cli(rng, "gc mirror", "mirror", "gc")
+
+    def lane_maint(self, rng: random.Random) -> None:
+        while True:
+            roll = rng.random()
+            started = self.now()
+            if roll < 0.25:
+                self.cli(rng, "gc", "base", "gc")
+            elif roll < 0.37:
+                keep = rng.randint(4, 12)
+                self.cli(rng, "gc --keep-last", "base", "gc", "--keep-last", str(keep), "--prune-now")
+                with self.lock:
+                    self.retention.append(Retention("base", started, self.now(), keep_last=keep))
+            elif roll < 0.45:
+                keep = rng.randint(4, 12)
+                self.cli(rng, "gc --keep-best", "base", "gc", "--keep-best", str(keep), "--metric", "loss", "--prune-now")
+                with self.lock:
+                    self.retention.append(Retention("base", started, self.now(), keep_best=keep))
+            elif roll < 0.55:
+                self.cli(rng, "gc --repack", "base", "gc", "--repack")
+            elif roll < 0.65:
+                self.cli(rng, "repack", "base", "repack")
+            else:
+                remote = rng.choice(REMOTES)
+                self.cli(rng, f"gc --remote {remote}", "base", "gc", "--remote", remote,
+                         "--grace", str(self.settings.remote_grace))
+            time.sleep(rng.uniform(0.0, 1.0))  # gc takes the lock exclusively: let writers through
+
+    # ---- set-up, run, check ------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Repositories with history on both branches, remotes holding it, a mirror cloned from S3."""
+        rng = random.Random(self.settings.seed - 1)
+
+        def must(*args: str, repo: str | None = None) -> str:
+            result = subprocess.run([*CLI, *(["--repo", str(self.repos[repo])] if repo else []), *args],
+                                    env=self.env, capture_output=True, text=True, timeout=OP_TIMEOUT, check=False)
+            assert result.returncode == 0, (args, result.stderr)
+            return result.stdout
+
+        base = Repo.init(self.repos["base"])  # in-process: the set-up is not under test
+        Repo.init(self.repos["ovl"])
+        for branch in ("a", "b"):
+            seed, loss = self.new_seed(rng), self.loss_value(rng)
+            folder = self.source(seed)
+            started = self.attempt("base", branch, loss)
+            oid = base.commit(folder, f"s{seed}", branch=branch, metadata={"loss": loss})
+            self.acknowledge("commit", oid, "base", branch, started, loss, tree_digest(folder), 0)
+        base.wait()
+        base.switch("a")
+        must("remote", "add", "s3", self.urls["s3"], "--endpoint-url", self.server.endpoint, repo="base")
+        must("remote", "add", "dir", self.urls["dir"], repo="base")
+        for remote in REMOTES:
+            must("push", remote, "a", "b", repo="base")
+        must("clone", self.urls["s3"], str(self.repos["mirror"]), "--endpoint-url", self.server.endpoint)
+        must("remote", "add", "dir", self.urls["dir"], repo="mirror")
+        must("switch", "a", repo="mirror")
+
+    def run(self) -> Report:
+        self.setup()
+        self.deadline = time.monotonic() + self.settings.max_seconds  # the budget is for the lanes
+        lanes: dict[str, Callable[[random.Random], None]] = {
+            "cli": self.lane_cli, "py": self.lane_py, "overlay": self.lane_overlay,
+            "mirror": self.lane_mirror, "maint": self.lane_maint,
+        }
+        threads = []
+        for name, lane in lanes.items():
+            rng = random.Random(f"{self.settings.seed}/{name}")
+            threads.append(threading.Thread(target=self.guard, args=(name, lane, rng), name=name, daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.report.seconds = time.monotonic() - self.started
+        self.check()
+        return self.report
+
+    def guard(self, name: str, lane: Callable[[random.Random], None], rng: random.Random) -> None:
+        try:
+            lane(rng)
+        except Stop:
+            pass
+        except Exception as exc:  # a bug of the harness must show, not hang the run
+            self.fail(f"lane {name} crashed: {exc!r}")
+
+    def check(self) -> None:
+        for repo in self.repos.values():
+            self.remove_stale_locks(repo)
+        for name, path in self.repos.items():
+            self.check_repo(name, path)
+        for commit in self.acked:
+            if commit.kind != "tag" and self.excused(commit):
+                self.report.excused += 1
+                continue
+            problem = self.read_back(Repo(self.repos[commit.repo]), commit.oid, commit.content)
+            if problem:
+                self.report.losses.append(f"{commit.kind} {commit.oid[:12]} on {commit.repo}/{commit.branch} "
+                                          f"(op {commit.op}): {problem}")
+            else:
+                self.report.verified += 1
+        for remote, url in self.urls.items():
+            self.check_remote(remote, url)
+
+    def remove_stale_locks(self, repo: Path) -> None:
+        for lock in [*(repo / "refs").rglob("*.lock"), repo / "HEAD.lock"]:
+            if lock.exists():
+                lock.unlink()  # every process has ended: the documented recovery
+                self.report.stale_locks += 1
+
+    def check_repo(self, name: str, path: Path) -> None:
+        repo = Repo(path)
+        try:
+            problems = repo.fsck(read_data=True)
+        except Exception as exc:  # noqa: BLE001  (an fsck that cannot finish is the finding)
+            problems = [f"fsck raised {type(exc).__name__}: {exc}"]
+        if problems:
+            self.report.failures.append(f"fsck --read-data on {name}: {len(problems)} problems: "
+                                        + " | ".join(problems[:6]))
+        refs = {f"refs/heads/{k}": v for k, v in repo.branches().items()}
+        refs.update({f"refs/tags/{k}": v for k, v in repo.tags().items()})
+        remotes = path / "refs" / "remotes"
+        for p in sorted(remotes.rglob("*")) if remotes.is_dir() else []:
+            if p.is_file() and not p.name.endswith(".lock"):
+                refs[p.relative_to(path).as_posix()] = p.read_text().strip()
+        for ref, oid in refs.items():
+            problem = self.read_back(repo, oid, self.contents.get(oid))
+            if problem:
+                self.report.failures.append(f"{name} {ref} -> {oid[:12]}: {problem}")
+
+    def read_back(self, repo: Repo, oid: str, content: dict[str, str] | int | None) -> str | None:
+        """None when ``oid`` checks out (bit-exact against ``content`` when known), else why not."""
+        out = self.work / "readback"
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            if isinstance(content, int):
+                state = repo.load_state(oid)
+                return None if same_state(state, state_for(content, self.settings.tensor_size)) else "state differs"
+            repo.checkout(oid, out)
+            if content is not None and tree_digest(out) != content:
+                return f"files differ: {sorted(tree_digest(out).items())} != {sorted(content.items())}"
+            return None
+        except Exception as exc:  # noqa: BLE001  (every failure to read back is the finding)
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def check_remote(self, remote: str, url: str) -> None:
+        clone = self.work / f"clone-{remote}"
+        args = [*CLI, "clone", url, str(clone)] + (["--endpoint-url", self.server.endpoint] if remote == "s3" else [])
+        result = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=OP_TIMEOUT, check=False)
+        if result.returncode != 0:
+            self.report.failures.append(f"clone of remote {remote}: exit {result.returncode}: {result.stderr.strip()}")
+            for r, ref, oid, op in self.pushed:
+                if r == remote:
+                    self.report.losses.append(f"push of {ref} {oid[:12]} to {remote} (op {op}): remote cannot be cloned")
+            return
+        self.check_repo(f"clone of {remote}", clone)
+        repo = Repo(clone)
+        for r, ref, oid, op in self.pushed:
+            if r != remote:
+                continue
+            problem = self.read_back(repo, oid, self.contents.get(oid))
+            if problem is None and ref.startswith("refs/tags/") and repo.tags().get(ref[10:]) != oid:
+                problem = f"the remote's tag holds {repo.tags().get(ref[10:])}"
+            if problem:
+                self.report.losses.append(f"push of {ref} {oid[:12]} to {remote} (op {op}): {problem}")
+            else:
+                self.report.verified += 1
+
+
+@contextmanager
+def s3_environment(folder: Path) -> Iterator[S3Server]:
+    """A SeaweedFS server on loopback (the one tests/remote uses), for the soak script."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with seaweedfs(folder) as server:
+        yield server
+
+
+def run_system(settings: Settings, work: Path, server: S3Server) -> tuple[Report, list[str]]:
+    """Run one randomized system test in ``work`` (empty) against ``server``; the report and the
+    operation log (one line per operation: time, number, kind, outcome)."""
+    system = System(settings, work, server)
+    report = system.run()
+    return report, system.log
