@@ -8,24 +8,38 @@ transport guarantees): ``s3://bucket[/prefix]`` is S3-compatible storage (s3.py)
 from __future__ import annotations
 
 import os
+import re
 from urllib.parse import unquote, urlsplit
 
 from ckstore.errors import InvalidInputError
+from ckstore.remote.awsconfig import CREDENTIALS_HINT, redact
 from ckstore.remote.transport import NotFound, ObjectInfo, RemoteOptions, Transport, check_remote_key
 
 __all__ = ["NotFound", "ObjectInfo", "RemoteOptions", "Transport", "open_transport", "parse_url"]
 
 
+# S3's bucket naming rules (3-63 characters; lowercase letters, digits, '.' and '-'; a letter
+# or digit at each end; no '..'): anything else is a typing mistake or something else in that place.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
 def parse_url(url: str) -> tuple[str, str, str]:
-    """``("s3", bucket, prefix)`` or ``("dir", absolute path, "")``; InvalidInputError otherwise."""
+    """``("s3", bucket, prefix)`` or ``("dir", absolute path, "")``; InvalidInputError otherwise.
+    A URL holding credentials is refused, and no message shows them."""
     if not url or "\0" in url:
         raise InvalidInputError(f"invalid remote URL {url!r}")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
+    shown = redact(url)
+    if scheme in ("s3", "file") and "@" in parts.netloc:
+        raise InvalidInputError(f"remote URL {shown!r} holds credentials; {CREDENTIALS_HINT}")
     if scheme == "s3":
         bucket, prefix = parts.netloc, parts.path.strip("/")
         if not bucket:
             raise InvalidInputError(f"remote URL {url!r} names no bucket (s3://bucket/prefix)")
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise InvalidInputError(f"remote URL {url!r}: {bucket!r} is no valid S3 bucket name (3-63 characters: "
+                                    "lowercase letters, digits, '.' and '-')")
         if parts.query or parts.fragment:
             raise InvalidInputError(f"remote URL {url!r} has a query or fragment")
         if prefix:
@@ -36,7 +50,7 @@ def parse_url(url: str) -> tuple[str, str, str]:
         return "s3", bucket, prefix
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise InvalidInputError(f"remote URL {url!r} names another host; mount the share and give its path")
+            raise InvalidInputError(f"remote URL {shown!r} names another host; mount the share and give its path")
         return "dir", os.path.abspath(unquote(parts.path)), ""
     # One letter is a Windows drive, not a scheme.
     if scheme and len(scheme) > 1:

@@ -34,6 +34,7 @@ from ckstore.errors import (
     CkstoreError,
     ConflictError,
     IntegrityError,
+    InvalidInputError,
     InvalidRefNameError,
     RefExistsError,
     RefNotFoundError,
@@ -41,6 +42,7 @@ from ckstore.errors import (
 from ckstore.format.ids import ObjectId, chunk_id
 from ckstore.format.manifest import Commit, decode_commit
 from ckstore.repository.refs import HEADS, TAGS, check_ref_name
+from ckstore.remote.awsconfig import endpoint_problem
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
 from ckstore.repository.store import (
@@ -580,7 +582,10 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
     and HEAD on "main" (or the first branch)."""
     from ckstore.remote.names import RemoteSpec, open_spec
 
-    # Refuse an empty or foreign remote before creating anything.
+    # Refuse bad input, then an empty or foreign remote, before creating anything.
+    problem = endpoint_problem(endpoint_url) if endpoint_url is not None else None
+    if problem:
+        raise InvalidInputError(problem)
     open_spec(RemoteSpec("origin", url, endpoint_url)).require_format()
     target = Path(path)
     existed = target.exists()

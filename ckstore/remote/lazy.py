@@ -15,12 +15,11 @@ from __future__ import annotations
 from ckstore.format.codec import Kind, parse_header
 from ckstore.repository.context import RepoContext
 from ckstore.errors import IntegrityError, ObjectMissingError, RefNotFoundError
-from ckstore.remote.fetch import verify_commit
 from ckstore.format.ids import ObjectId
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import cache_backend, default_name, open_remote
-from ckstore.repository.store import ObjectStore, object_key
+from ckstore.repository.store import ObjectStore, object_key, verified_commit
 
 
 class RemoteObjects(ObjectStore):
@@ -66,7 +65,11 @@ class RemoteObjects(ObjectStore):
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid}{context} is corrupt: {exc}") from None
         if header.kind == Kind.COMMIT:
-            verify_commit(oid, data, context.strip(" ()"))
+            try:
+                verified_commit(oid, data)
+            except IntegrityError as exc:  # "commit <id> (read from <pack>) is corrupt: …"
+                context = context.replace(" (a commit)", "")  # the store's note: "commit" says it
+                raise IntegrityError(f"commit {oid}{context} is corrupt: {exc}") from None
         else:
             self._decode_chunk(oid, data, header.raw_len, context, 0)
 
