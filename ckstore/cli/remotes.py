@@ -22,9 +22,12 @@ def remote(ctx: click.Context, verbose: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
     repo = Repo.find(ctx.find_root().params.get("repo_path"))
+    from ckstore.remote.awsconfig import redact  # a remotes file from before URLs with passwords were refused
+
     for name, spec in sorted(repo.remotes().items()):
         if verbose:
-            click.echo(f"{name}\t{spec.url}" + (f"\t(endpoint {spec.endpoint_url})" if spec.endpoint_url else ""))
+            endpoint = f"\t(endpoint {redact(spec.endpoint_url)})" if spec.endpoint_url else ""
+            click.echo(f"{name}\t{redact(spec.url)}{endpoint}")
         else:
             click.echo(name)
 

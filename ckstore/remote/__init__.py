@@ -37,9 +37,6 @@ def parse_url(url: str) -> tuple[str, str, str]:
         bucket, prefix = parts.netloc, parts.path.strip("/")
         if not bucket:
             raise InvalidInputError(f"remote URL {url!r} names no bucket (s3://bucket/prefix)")
-        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-            raise InvalidInputError(f"remote URL {url!r}: {bucket!r} is no valid S3 bucket name (3-63 characters: "
-                                    "lowercase letters, digits, '.' and '-')")
         if parts.query or parts.fragment:
             raise InvalidInputError(f"remote URL {url!r} has a query or fragment")
         if prefix:
@@ -47,6 +44,9 @@ def parse_url(url: str) -> tuple[str, str, str]:
                 check_remote_key(prefix)
             except InvalidInputError:
                 raise InvalidInputError(f"remote URL {url!r} has an invalid prefix {prefix!r}") from None
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise InvalidInputError(f"remote URL {url!r}: {bucket!r} is no valid S3 bucket name (3-63 characters: "
+                                    "lowercase letters, digits, '.' and '-')")
         return "s3", bucket, prefix
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
