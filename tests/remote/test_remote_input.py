@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from click.testing import CliRunner, Result
 
 import ckstore
 from ckstore.cli import main
 from ckstore.errors import IntegrityError, InvalidInputError, StorageError
-from ckstore.remote import RemoteOptions, open_transport
-from ckstore.remote.awsconfig import resolve
+from ckstore.remote import RemoteOptions, open_transport, parse_url
+from ckstore.remote.awsconfig import endpoint_problem, redact, resolve
 from ckstore.remote.layout import PACKS
 from ckstore.repo import Repo
 
@@ -155,3 +157,25 @@ def test_import_of_an_invalid_safetensors_file_is_a_one_line_error(tmp_path: Pat
     bad.write_bytes(b"garbage not safetensors")
     result = _cli("--repo", str(tmp_path / "a"), "import", str(bad), code=5)
     assert "is not a valid safetensors file" in result.stderr
+
+
+_PASSWORD = "pw7Zq"  # not a substring of any message ckstore writes
+
+
+_AUTHORITY = st.text(st.characters(blacklist_characters="/?#@\\"), max_size=30)  # stays before the path
+
+
+@given(_AUTHORITY, _AUTHORITY, st.sampled_from(["http://", "https://", "s3://", "file://", "ftp://"]))
+def test_url_checks_never_raise_unexpectedly_and_never_show_a_password(before: str, after: str, scheme: str) -> None:
+    """Any text as an endpoint or remote URL: a verdict (never a crash), and a password written
+    into it is never part of the message."""
+    url = f"{scheme}{before}:{_PASSWORD}@{after}"
+    problem = endpoint_problem(url)
+    assert problem is not None and _PASSWORD not in problem
+    assert _PASSWORD not in redact(url)
+    try:
+        parse_url(url)
+    except InvalidInputError as exc:
+        assert _PASSWORD not in str(exc)
+    else:
+        raise AssertionError(f"{url!r} was accepted")
