@@ -425,7 +425,8 @@ class Repo:
         return push(self._ctx, remote, refs, force, **options)
 
     def fetch(self, remote: str | None = None) -> Any:
-        """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py."""
+        """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py.
+        Refs it could not take are in the report's ``skipped`` (``report.check()`` raises for damaged ones)."""
         from ckstore.remote.fetch import fetch
 
         return fetch(self._ctx, remote)
@@ -438,10 +439,12 @@ class Repo:
 
     @classmethod
     def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None) -> Repo:
-        """A new repository at ``path`` with every branch of the remote at ``url`` ("origin")."""
+        """A new repository at ``path`` with every branch of the remote at ``url`` ("origin").
+        A ref the remote is damaged at raises IntegrityError naming it, after the others landed."""
         from ckstore.remote.fetch import clone
 
-        ctx, _ = clone(url, path, endpoint_url)
+        ctx, report = clone(url, path, endpoint_url)
+        report.check()
         return cls(_context=ctx)
 
     def gc_remote(self, remote: str | None = None, **options: Any) -> Any:

@@ -22,9 +22,12 @@ def remote(ctx: click.Context, verbose: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
     repo = Repo.find(ctx.find_root().params.get("repo_path"))
+    from ckstore.remote.awsconfig import redact  # a remotes file from before URLs with passwords were refused
+
     for name, spec in sorted(repo.remotes().items()):
         if verbose:
-            click.echo(f"{name}\t{spec.url}" + (f"\t(endpoint {spec.endpoint_url})" if spec.endpoint_url else ""))
+            endpoint = f"\t(endpoint {redact(spec.endpoint_url)})" if spec.endpoint_url else ""
+            click.echo(f"{name}\t{redact(spec.url)}{endpoint}")
         else:
             click.echo(name)
 
@@ -73,6 +76,9 @@ def _fetched(r: FetchReport) -> None:
     for ref, old, new in r.updated:
         click.echo(f"{ref}: {short(old) if old else '(new)'} -> {short(new)}")
     click.echo(f"fetched {r.commits} commit(s), {r.objects} object(s), {human(r.bytes)} from {r.remote}")
+    for s in r.skipped:
+        if not s.damaged:  # damaged ones are the error below
+            click.echo(f"ckstore: warning: skipped {s.ref}: {s.reason}", err=True)
 
 
 @main.command()
@@ -80,7 +86,9 @@ def _fetched(r: FetchReport) -> None:
 @pass_repo
 def fetch(repo: Repo, remote_name: str | None) -> None:
     """Fetch REMOTE's branches (as REMOTE/BRANCH) and tags with every object they need."""
-    _fetched(repo.fetch(remote_name))
+    r = repo.fetch(remote_name)
+    _fetched(r)
+    r.check()
 
 
 @main.command()
@@ -94,6 +102,7 @@ def pull(repo: Repo, remote_name: str | None) -> None:
         click.echo(f"{repo.head_branch}: already up to date")
     else:
         click.echo(f"{repo.head_branch}: fast-forward {short(old) if old else '(new)'} -> {short(new or '')}")
+    r.check()
 
 
 @main.command()
@@ -107,6 +116,7 @@ def clone(url: str, path: str, endpoint_url: str | None) -> None:
     ctx, r = do_clone(url, path, endpoint_url)
     click.echo(f"cloned {url} into {ctx.path}: {len(ctx.refs.list('refs/heads/'))} branch(es)")
     _fetched(r)
+    r.check()
 
 
 def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ckstore.errors import MissingDependencyError, StorageError
 
@@ -98,6 +99,43 @@ def read_profile(name: str, env: Mapping[str, str]) -> dict[str, str] | None:
     return merged
 
 
+CREDENTIALS_HINT = ("ckstore never stores credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                    "use a profile in ~/.aws/credentials (AWS_PROFILE)")
+
+
+def redact(url: str) -> str:
+    """``url`` with any user name and password before its host replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://***@{netloc.rpartition('@')[2]}{slash}{path}" if "@" in netloc else url
+
+
+def endpoint_problem(url: str) -> str | None:
+    """Why ``url`` is no usable S3 endpoint (http or https, a host, a port in range, nothing
+    else in front of the path), or None. The message never shows a password written into it."""
+    shown = redact(url)
+    if not url or url != url.strip() or any(c.isspace() or ord(c) < 32 for c in url):
+        return f"invalid S3 endpoint URL {shown!r}: it has spaces or control characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises for a port out of range or not a number
+    except ValueError as exc:
+        return f"invalid S3 endpoint URL {shown!r}: {exc}"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"invalid S3 endpoint URL {shown!r}: use http://HOST[:PORT] or https://HOST[:PORT]"
+    if "@" in parts.netloc:
+        return f"S3 endpoint URL {shown!r} holds credentials; {CREDENTIALS_HINT}"
+    if not parts.hostname:
+        return f"invalid S3 endpoint URL {shown!r}: it names no host"
+    if port == 0:
+        return f"invalid S3 endpoint URL {shown!r}: port 0"
+    if parts.query or parts.fragment:
+        return f"invalid S3 endpoint URL {shown!r}: it has a query or fragment"
+    return None
+
+
 def resolve(
     endpoint_url: str | None = None, region: str | None = None, profile: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -114,6 +152,10 @@ def resolve(
     region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or prof.get("region") or None
     endpoint = (endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
                 or prof.get("s3.endpoint_url") or prof.get("endpoint_url") or None)
+    # The S3 client panics on some malformed endpoints (F15): refuse them in one line first.
+    problem = endpoint_problem(endpoint) if endpoint is not None else None
+    if problem:
+        raise StorageError(problem)
 
     def from_profile() -> S3Settings | None:
         if prof.get("aws_access_key_id") and prof.get("aws_secret_access_key"):

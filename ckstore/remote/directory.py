@@ -66,7 +66,28 @@ class DirectoryTransport(Transport):
     # ---- helpers -------------------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
-        return self.root / check_remote_key(key)
+        path = self.root / check_remote_key(key)
+        self._refuse_links(path)
+        return path
+
+    def _refuse_links(self, path: Path) -> None:
+        """Refuse a path below the root that is, or lies in, a symbolic link (F18): a link to
+        another user's folder would make a push write, and a gc delete, files outside the
+        remote. The root itself may be a link (the user named it). Opens add O_NOFOLLOW."""
+        current = self.root
+        for part in path.relative_to(self.root).parts:
+            current = current / part
+            try:
+                st = os.lstat(current)
+            except OSError:
+                return  # not there (yet), or unreadable: the operation itself reports it
+            if stat.S_ISLNK(st.st_mode):
+                raise self._link_error(current)
+
+    def _link_error(self, path: Path) -> StorageError:
+        rel = path.relative_to(self.root).as_posix()
+        return StorageError(f"remote {self.url}: {self.describe(rel)} is a symbolic link; a folder remote never "
+                            "follows links (they can lead outside it): replace it by the folder or file itself")
 
     def _error(self, exc: OSError, doing: str, key: str = "") -> StorageError:
         if not self.root.is_dir():
@@ -91,6 +112,7 @@ class DirectoryTransport(Transport):
 
     def _write_temp(self, parts: Iterable[bytes | memoryview]) -> Path:
         tmp_dir = self.root / TMP_DIR
+        self._refuse_links(tmp_dir)
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / uuid.uuid4().hex
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -108,14 +130,17 @@ class DirectoryTransport(Transport):
         return tmp
 
     def _read(self, key: str, limit: int | None = None) -> bytes:
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb") as f:
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 return f.read() if limit is None else f.read(limit + 1)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             if not self.root.is_dir():
                 raise self._error(FileNotFoundError(), "reading", key) from None
             raise NotFound(key) from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # made a link since _path looked
+                raise self._link_error(path) from None
             raise self._error(exc, "reading", key) from None
 
     # ---- reads ---------------------------------------------------------------------------------
@@ -131,12 +156,14 @@ class DirectoryTransport(Transport):
             check_range(start, length)
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except (FileNotFoundError, NotADirectoryError):
             if not self.root.is_dir():
                 raise self._error(FileNotFoundError(), "reading", key) from None
             raise NotFound(key) from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._link_error(path) from None
             raise self._error(exc, "reading", key) from None
         try:
             out: list[bytes | memoryview] = []
@@ -164,7 +191,7 @@ class DirectoryTransport(Transport):
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
-            st = os.stat(self._path(key))
+            st = os.lstat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             if not self.root.is_dir():
                 raise self._error(FileNotFoundError(), "reading", key) from None
@@ -178,6 +205,7 @@ class DirectoryTransport(Transport):
         if not self.root.is_dir():
             raise self._error(FileNotFoundError(), "listing")
         top = self.root / folder if folder else self.root
+        self._refuse_links(top)  # os.walk would follow a linked top folder (it never enters linked ones below)
 
         def fail(exc: OSError) -> None:
             if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):  # gone, or no folder: no keys
@@ -191,12 +219,13 @@ class DirectoryTransport(Transport):
                 if not is_remote_key(key):
                     continue
                 try:
-                    st = os.stat(os.path.join(dirpath, name))
+                    st = os.lstat(os.path.join(dirpath, name))
                 except FileNotFoundError:
                     continue  # deleted while we listed
                 except OSError as exc:
                     raise self._error(exc, "listing", key) from None
-                yield _info(key, st)
+                if stat.S_ISREG(st.st_mode):  # a link is no key
+                    yield _info(key, st)
 
     def create_location(self) -> None:
         # Only the last level: a typing mistake in a parent folder's name should fail loudly.

@@ -20,20 +20,31 @@ remote branch as last seen; remote tags become local tags unless a local tag of 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ckstore.format.codec import Encoding, delta_bases, parse_header
 from ckstore.format.settings import PREDICTED_VERSION, RepoConfig
 from ckstore.repository.context import RepoContext, init_context
-from ckstore.errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
+from ckstore.errors import (
+    CkstoreError,
+    ConflictError,
+    IntegrityError,
+    InvalidInputError,
+    InvalidRefNameError,
+    RefExistsError,
+    RefNotFoundError,
+)
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit, decode_commit
-from ckstore.repository.refs import HEADS, TAGS
+from ckstore.repository.refs import HEADS, TAGS, check_ref_name
 from ckstore.repository.writing import writing
+from ckstore.remote.awsconfig import endpoint_problem
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader, delta_closure, verified_commit
@@ -51,6 +62,16 @@ MAX_IN_FLIGHT = 64 << 20
 BASE_CACHE = 64 << 20
 
 
+@dataclass(frozen=True)
+class SkippedRef:
+    """A remote ref that fetch left alone, and why: ``damaged`` when the remote is broken there
+    (the command fails, naming it), else a name this repository cannot hold (a warning)."""
+
+    ref: str
+    reason: str
+    damaged: bool
+
+
 @dataclass
 class FetchReport:
     remote: str
@@ -58,6 +79,15 @@ class FetchReport:
     commits: int = 0
     objects: int = 0
     bytes: int = 0  # object bytes transferred
+    skipped: list[SkippedRef] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise IntegrityError naming every ref skipped because the remote is damaged there
+        (called once the refs that could move have moved, and the report was shown)."""
+        damaged = [s for s in self.skipped if s.damaged]
+        if damaged:
+            raise IntegrityError(f"remote {self.remote}: {len(damaged)} ref(s) not fetched (the others were): "
+                                 + "; ".join(f"{s.ref}: {s.reason}" for s in damaged))
 
 
 def read_objects(remote: RemoteRepo, where: dict[str, Located], oids: Iterable[str]) -> Iterator[tuple[str, str, bytes]]:
@@ -92,21 +122,26 @@ def verify_commit(oid: str, data: bytes, where: str) -> Commit:
         raise IntegrityError(f"commit {oid} from {where} is corrupt: {exc}") from None
 
 
-def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId], report: FetchReport) -> None:
-    """Fetch every commit reachable from ``tips`` that is not here, with its objects."""
+def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId], report: FetchReport) -> set[ObjectId]:
+    """Fetch every commit reachable from ``tips`` that is not here, with its objects; returns
+    the tips no pack on the remote holds (nothing of their history is fetched).
+
+    A tip is never "pruned": a ref value is fetched even when the remote's pruned record lists
+    it (a push of an old epoch after a remote gc put it back), and is missing when no pack
+    holds it (docs/format.md 15.6)."""
     store, graph = ctx.store, ctx.graph
     where = remote.holdings()
     theirs = remote.read_pruned()
     commits: dict[ObjectId, Commit] = {}
     stored: dict[ObjectId, bytes] = {}  # each commit's stored bytes, verified
     boundary: set[ObjectId] = set()  # parents the remote no longer has (its gc pruned them)
-    frontier: list[ObjectId] = [t for t in dict.fromkeys(tips) if not store.has(t)]
-    for tip in frontier:
-        if tip not in where:
-            raise IntegrityError(f"remote {remote.name}: a ref names commit {tip}, which no pack there holds")
+    wanted = [t for t in dict.fromkeys(tips) if not store.has(t)]
+    missing = {t for t in wanted if t not in where}
+    frontier = [t for t in wanted if t not in missing]
+    named = set(frontier)
     while frontier:
         # A pruned commit may still lie in a pack that holds live objects too: not fetched.
-        present = [oid for oid in frontier if oid in where and oid not in theirs]
+        present = [oid for oid in frontier if oid in where and (oid not in theirs or oid in named)]
         boundary.update(oid for oid in frontier if oid not in present)
         for oid, pack_id, data in read_objects(remote, where, present):
             commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
@@ -114,7 +149,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
             stored[ObjectId(oid)] = bytes(data)
             report.bytes += len(data)
         nxt = []
-        for oid in frontier:  # a commit the remote gc pruned: history goes on with its parents
+        for oid in boundary.intersection(frontier):  # the remote gc pruned it: history goes on with its parents
             for p in theirs.get(oid, ()):
                 if p not in commits and p not in nxt and not store.has(p):
                     nxt.append(ObjectId(p))
@@ -150,6 +185,10 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         graph.remember(oid, commits[oid])
         report.commits += 1
         report.objects += 1
+    pruned = graph.pruned()
+    if named & pruned.keys():  # fetched as a ref's value (an earlier fetch recorded it pruned): here now
+        graph.write_pruned({o: p for o, p in pruned.items() if o not in named})
+    return missing
 
 
 def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
@@ -449,6 +488,8 @@ def _cost(data: bytes) -> int:
 
 
 def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
+    """Fetch every ref of the remote that can be fetched; the report names those skipped (a
+    damaged one: ``FetchReport.check`` raises for it once the caller has shown the report)."""
     # The writers' locks from the first landed object to the last tracking ref (writing.py):
     # a gc in between would delete what landed before any ref names it (F2).
     with writing(ctx):
@@ -459,9 +500,19 @@ def _fetch_locked(ctx: RepoContext, remote_name: str | None) -> FetchReport:
     remote = open_remote(ctx, remote_name)
     report = FetchReport(remote.name)
     remote.require_format()
-    refs = remote.list_refs()
-    fetch_history(ctx, remote, list(refs.values()), report)
+    problems: dict[str, str] = {}
+    refs = remote.list_refs(problems)
+    report.skipped += [SkippedRef(ref, why, damaged=True) for ref, why in sorted(problems.items())]
+    for ref in list(refs):
+        problem = _local_name_problem(ref)
+        if problem:
+            report.skipped.append(SkippedRef(ref, problem, damaged=False))
+            del refs[ref]
+    missing = fetch_history(ctx, remote, list(refs.values()), report)
     for ref, oid in sorted(refs.items()):
+        if oid in missing:
+            report.skipped.append(SkippedRef(ref, f"it names commit {oid[:12]}, which no pack there holds", damaged=True))
+            continue
         local = tracking_ref(remote.name, ref)
         if local is None:
             if not ref.startswith(TAGS) or ctx.refs.read(ref) is not None:
@@ -469,14 +520,32 @@ def _fetch_locked(ctx: RepoContext, remote_name: str | None) -> FetchReport:
             local = ref
         old = ctx.refs.read(local)
         if old != oid:
-            ctx.refs.update(local, oid, reason=f"fetch {remote.name}")
+            try:
+                ctx.refs.update(local, oid, reason=f"fetch {remote.name}")
+            except RefExistsError as exc:  # "exp" here and "exp/x" there, which S3 allows
+                report.skipped.append(SkippedRef(ref, str(exc), damaged=False))
+                continue
             report.updated.append((local, old, oid))
     # Branches deleted on the remote: their tracking refs go (the reflog keeps what they held).
+    # A branch skipped above is still there: its tracking ref stays as last seen.
     prefix = f"{TRACKING}{remote.name}/"
+    skipped = {s.ref for s in report.skipped}
     for branch in ctx.refs.list(prefix):
-        if HEADS + branch not in refs:
+        if HEADS + branch not in refs and HEADS + branch not in skipped:
             ctx.refs.delete(prefix + branch, reason=f"fetch {remote.name}: gone from the remote")
     return report
+
+
+def _local_name_problem(ref: str) -> str | None:
+    """Why a remote branch or tag cannot become a ref here (``HEAD``, ``-x``: names the local
+    rules forbid, which the CLI could then neither name nor delete), or None."""
+    for prefix in (HEADS, TAGS):
+        if ref.startswith(prefix):
+            try:
+                check_ref_name(ref[len(prefix):], "branch" if prefix == HEADS else "tag")
+            except InvalidRefNameError as exc:
+                return str(exc)
+    return None
 
 
 def pull(ctx: RepoContext, remote_name: str | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
@@ -490,6 +559,7 @@ def _pull_locked(ctx: RepoContext, remote_name: str | None) -> tuple[FetchReport
     branch = ctx.refs.head_branch()
     theirs = ctx.refs.read(f"{TRACKING}{report.remote}/{branch}")
     if theirs is None:
+        report.check()  # the branch may be there, damaged: say so rather than "no branch"
         raise RefNotFoundError(f"remote {report.remote} has no branch {branch!r}")
     ours = ctx.refs.read(HEADS + branch)
     if ours == theirs or (ours is not None and theirs in ctx.graph.reachable_from([ours])):
@@ -509,15 +579,37 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
     and HEAD on "main" (or the first branch)."""
     from ckstore.remote.names import RemoteSpec, open_spec
 
-    # Refuse an empty or foreign remote before creating anything.
+    # Refuse bad input, then an empty or foreign remote, before creating anything.
+    problem = endpoint_problem(endpoint_url) if endpoint_url is not None else None
+    if problem:
+        raise InvalidInputError(problem)
     open_spec(RemoteSpec("origin", url, endpoint_url)).require_format()
-    ctx = init_context(path, config or RepoConfig())
-    add(ctx, "origin", url, endpoint_url)
-    with writing(ctx):
-        report = fetch(ctx, "origin")
-        branches = ctx.refs.list(f"{TRACKING}origin/")
-        for branch, oid in branches.items():
-            ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
-    if branches:
-        ctx.refs.set_head_branch("main" if "main" in branches else min(branches))
+    target = Path(path)
+    existed = target.exists()
+    ctx = init_context(path, config or RepoConfig())  # refuses a folder with anything in it: the rest is ours
+    try:
+        add(ctx, "origin", url, endpoint_url)
+        with writing(ctx):
+            report = fetch(ctx, "origin")
+            branches = ctx.refs.list(f"{TRACKING}origin/")
+            for branch, oid in branches.items():
+                ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
+        if branches:
+            ctx.refs.set_head_branch("main" if "main" in branches else min(branches))
+    except BaseException:
+        _remove_failed_clone(target, existed)
+        raise
     return ctx, report
+
+
+def _remove_failed_clone(target: Path, existed: bool) -> None:
+    """What a failed clone made goes, as git does, so that running it again works: the folder,
+    or only its contents when it existed before (empty: init refuses any other)."""
+    if not existed:
+        shutil.rmtree(target, ignore_errors=True)
+        return
+    for child in target.iterdir() if target.is_dir() else ():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)

@@ -195,22 +195,30 @@ class RemoteRepo:
 
     # ---- refs ------------------------------------------------------------------------------
 
-    def list_refs(self) -> dict[str, ObjectId]:
-        """Full ref name -> commit id for every branch and tag on the remote."""
+    def list_refs(self, problems: dict[str, str] | None = None) -> dict[str, ObjectId]:
+        """Full ref name -> commit id for every branch and tag on the remote. A ref file that
+        holds no commit id raises, unless ``problems`` is given: then it is recorded there
+        (ref or key -> why), as is a key that encodes no valid ref name, and the rest is read."""
         keys = [info.key for info in self.transport.list(REFS)]
 
-        def read(key: str) -> tuple[str, ObjectId | None]:
+        def read(key: str) -> tuple[str, ObjectId | None, str | None]:
             ref = self.decode_ref(key)
             if ref is None:
-                return key, None
+                return key, None, "its file name is no valid ref name"
             try:
-                return ref, self._parse_ref(ref, self.transport.get(key, REF_SIZE))
+                return ref, self._parse_ref(ref, self.transport.get(key, REF_SIZE)), None
             except NotFound:
-                return ref, None
+                return ref, None, None
+            except IntegrityError:  # from _parse_ref
+                if problems is None:
+                    raise
+                return ref, None, "its file does not hold a commit id"
 
         with ThreadPoolExecutor(_INDEX_WORKERS) as pool:
-            pairs = list(pool.map(read, keys))
-        return {ref: oid for ref, oid in pairs if oid is not None}
+            triples = list(pool.map(read, keys))
+        if problems is not None:
+            problems.update({ref: why for ref, _, why in triples if why is not None})
+        return {ref: oid for ref, oid, _ in triples if oid is not None}
 
     def _parse_ref(self, ref: str, data: bytes) -> ObjectId:
         text = data.decode("ascii", "replace").strip()

@@ -106,7 +106,8 @@ def attach(ctx: RepoContext, name: str | None = None) -> RemoteObjects:
     remote.require_format()
     lazy = RemoteObjects(remote, ObjectStore(cache_backend(ctx, name), ctx.store.settings))
     ctx.store.alternates.append(lazy)
-    ctx.graph.bases.append(RemoteNames(name, remote.list_refs()))  # type: ignore[arg-type]
+    # A damaged remote ref is left out (fetch names it); the others still resolve.
+    ctx.graph.bases.append(RemoteNames(name, remote.list_refs(problems={})))  # type: ignore[arg-type]
     return lazy
 
 

@@ -22,6 +22,7 @@ from ckstore.repository.context import RepoContext
 from ckstore.errors import IntegrityError, InvalidInputError, NotFoundError, RefExistsError
 from ckstore.repository.refs import decode_ref, encode_ref
 from ckstore.remote import RemoteOptions, open_transport, parse_url
+from ckstore.remote.awsconfig import endpoint_problem
 from ckstore.remote.layout import IndexCache, RemoteRepo
 
 REMOTES_KEY = "remotes"
@@ -74,6 +75,9 @@ def add(ctx: RepoContext, name: str, url: str, endpoint_url: str | None = None) 
     kind, where, _ = parse_url(url)  # refuses a malformed URL before anything is stored
     if endpoint_url is not None and kind != "s3":
         raise InvalidInputError("--endpoint-url applies to s3:// remotes only")
+    problem = endpoint_problem(endpoint_url) if endpoint_url is not None else None
+    if problem:
+        raise InvalidInputError(problem)
     with ctx.backend.exclusive_lock():
         remotes = read_remotes(ctx.backend)
         if name in remotes:

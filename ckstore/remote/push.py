@@ -39,14 +39,15 @@ from ckstore.errors import (
     ObjectCorruptError,
     RefChangedError,
     RefNotFoundError,
+    StorageError,
 )
 from ckstore.repository.graph import kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.repository.refs import HEADS, TAGS
-from ckstore.remote.layout import DEFAULT_GRACE, RemoteRepo
+from ckstore.remote.layout import DEFAULT_GRACE, REFS, RemoteRepo
 from ckstore.remote.uploads import PackUploads
-from ckstore.remote.names import open_remote, tracking_ref
+from ckstore.remote.names import TRACKING, open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.store import ObjectStore
 
@@ -83,12 +84,14 @@ def full_ref(ctx: RepoContext, name: str) -> str:
 def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Mapping[str, Sequence[str]] = {}) -> list[str]:
     """Every object the history of ``tips`` needs, in a reader-friendly order: for each commit
     (oldest first) its chunks in file order, then the commit; then any delta base not listed.
-    Commits pruned here or by a remote gc (``remote_pruned``) are skipped."""
+    Commits pruned here or by a remote gc (``remote_pruned``) are skipped, except the tips
+    themselves: a ref's value is never pruned (pushing a tag on an epoch a remote gc dropped
+    sends that epoch again)."""
     graph, store = ctx.graph, ctx.store
     pruned = {**{ObjectId(k): tuple(ObjectId(p) for p in v) for k, v in remote_pruned.items()}, **graph.pruned()}
     order: list[ObjectId] = []
     seen: set[ObjectId] = set()
-    todo = list(kept_parents(tips, pruned))
+    todo = list(dict.fromkeys(tips))
     while todo:
         oid = todo.pop()
         if oid in seen:
@@ -116,8 +119,17 @@ def push(
     remote = open_remote(ctx, remote_name)
     report = PushReport(remote.name)
     refs = [full_ref(ctx, n) for n in (names or [ctx.refs.head_branch()])]
-    remote.check_format(create=True)
+    try:
+        found = remote.check_format()
+    except StorageError as exc:  # a folder remote whose folder is missing, for one
+        found, why = False, str(exc)
+    else:
+        why = ""
+    if not found:
+        _refuse_vanished_remote(ctx, remote, why)
+        remote.check_format(create=True)  # a first push: the remote starts here
     plan: list[tuple[str, ObjectId, ObjectId | None, str | None]] = []
+    existing: list[str] | None = None
     for ref in dict.fromkeys(refs):
         new = ctx.refs.read(ref)
         assert new is not None  # full_ref found it
@@ -125,7 +137,10 @@ def push(
         if old == new:
             report.up_to_date.append(ref)
             continue
-        if old is not None and not force:
+        if old is None:
+            existing = _remote_ref_names(remote) if existing is None else existing
+            _refuse_conflict(remote, ref, existing)
+        elif not force:
             _refuse_non_fast_forward(ctx, remote, ref, old, new)
         plan.append((ref, new, old, token))
     if not plan:
@@ -163,6 +178,37 @@ def push(
         if tracking is not None:
             ctx.refs.update(tracking, new, reason=f"push {remote.name}")
     return report
+
+
+def _refuse_vanished_remote(ctx: RepoContext, remote: RemoteRepo, why: str) -> None:
+    """The remote holds no repository, yet a tracking ref records that it had one: an unmounted
+    share, an empty mount point, a moved folder. A push there would start a new, empty remote
+    and report success while the real one never gets the commits."""
+    seen = ctx.refs.list(f"{TRACKING}{remote.name}/")
+    if seen:
+        branch, oid = min(seen.items())
+        raise StorageError(
+            f"remote {remote.name}: {remote.describe()} holds no ckstore repository, but {remote.name}/{branch} was at "
+            f"{oid[:12]} there (is it unmounted or moved?{' ' + why if why else ''}); to start a new remote there, "
+            f"first run 'ckstore remote remove {remote.name}' and add it again"
+        )
+
+
+def _remote_ref_names(remote: RemoteRepo) -> list[str]:
+    """Every ref name on the remote (including refs whose files are damaged)."""
+    return [ref for info in remote.transport.list(REFS) if (ref := remote.decode_ref(info.key)) is not None]
+
+
+def _refuse_conflict(remote: RemoteRepo, ref: str, existing: Sequence[str]) -> None:
+    """Refuse a new remote ref that shares a name with a folder of refs there, or the reverse
+    ("exp" and "exp/x"): S3 would store both, and no repository could fetch both."""
+    for other in existing:
+        if ref.startswith(other + "/"):
+            raise ConflictError(f"remote {remote.name}: cannot create {_short(ref)}: {_short(other)} exists there "
+                                "(a ref cannot also be a folder of refs); choose another name")
+        if other.startswith(ref + "/"):
+            raise ConflictError(f"remote {remote.name}: cannot create {_short(ref)}: refs exist below it there "
+                                f"({_short(other)}); choose another name")
 
 
 def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old: ObjectId, new: ObjectId) -> None:
@@ -249,4 +295,6 @@ class _Verifier:
 
 
 def _short(ref: str) -> str:
+    if ref.startswith(TAGS):
+        return f"tag {ref[len(TAGS):]!r}"
     return f"branch {ref[len(HEADS):]!r}" if ref.startswith(HEADS) else ref

@@ -154,6 +154,13 @@ class S3Transport(Transport):
             raise self._not_found(exc, doing, key) from None
         except self._obs.exceptions.BaseError as exc:
             raise self._error(exc, doing, key) from None
+        except BaseException as exc:
+            # pyo3's PanicException (a BaseException, not importable by name): the Rust client
+            # panicked, on input awsconfig.endpoint_problem did not foresee. One line, exit 7.
+            if type(exc).__name__ != "PanicException":
+                raise
+            first = (str(exc).splitlines() or ["panic"])[0]
+            raise StorageError(f"remote {self.url}: the S3 client failed while {doing} {key}: {first}") from None
 
     # ---- reads ---------------------------------------------------------------------------------
 

@@ -244,9 +244,13 @@ class CommitGraph:
         return self.reachable_from([*self.tips(), *self.reflog_commits()])
 
     def reachable_from(self, starts: Iterable[ObjectId]) -> set[ObjectId]:
-        """``starts`` and their history, walking through pruned commits' parents."""
+        """``starts`` and their history, walking through pruned commits' parents. A start that
+        is here is never "pruned" (a ref's value: a remote's pruned record may list a commit that
+        a push named again after that remote's gc pruned it, docs/format.md 15.6)."""
         pruned = self.pruned()
-        todo = list(kept_parents(starts, pruned))
+        starts = list(starts)
+        todo = [s for s in starts if s not in pruned or self.store.has(s)]
+        todo += kept_parents([s for s in starts if s in pruned and not self.store.has(s)], pruned)
         seen: set[ObjectId] = set()
         while todo:
             oid = todo.pop()

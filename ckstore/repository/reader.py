@@ -154,7 +154,8 @@ class VerifiedReader:
         if header.kind == Kind.COMMIT:
             try:
                 verified_commit(oid, data)
-            except IntegrityError as exc:
+            except IntegrityError as exc:  # "commit ID (read from PACK) is corrupt: ..."
+                context = context.replace(" (a commit)", "")  # the store's note: "commit" says it
                 raise IntegrityError(f"commit {oid}{context} is corrupt: {exc}") from None
         else:
             self.chunk(oid, header.raw_len, context, data)

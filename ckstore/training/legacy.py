@@ -31,7 +31,13 @@ from typing import IO, Any
 
 import numpy as np
 
-from ckstore.errors import IntegrityError, InvalidInputError, MissingDependencyError, UnsafeCheckpointError
+from ckstore.errors import (
+    IntegrityError,
+    InvalidInputError,
+    MissingDependencyError,
+    SafetensorsFormatError,
+    UnsafeCheckpointError,
+)
 
 SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 MIN_TORCH = (2, 6)
@@ -297,6 +303,8 @@ def load_checkpoint(path: Path) -> Any:
     import pickle
     import warnings
 
+    from safetensors import SafetensorError
+
     try:
         with warnings.catch_warnings():
             # torch warns about pickle protocols and the like on stderr; the CLI's contract is
@@ -307,6 +315,8 @@ def load_checkpoint(path: Path) -> Any:
             return torch.load(path, weights_only=True, mmap=is_zip, map_location="cpu")
     except pickle.UnpicklingError as exc:
         raise _refusal(torch, path, is_zip, str(exc)) from None
+    except SafetensorError as exc:  # torch hands a .safetensors file to safetensors
+        raise SafetensorsFormatError(f"{path} is not a valid safetensors file: {exc}") from None
     except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError, TypeError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise InvalidInputError(f"{path} is not a readable PyTorch checkpoint: {first}") from None

@@ -77,11 +77,15 @@ def test_clone_refuses_an_object_whose_bytes_are_not_its_name(tmp_path: Path) ->
     planted = chunk_id(zeros)
     _rewrite(remote, replace={planted: encode(b"\xff" * MIB, Kind.CHUNK, 3)})
     with pytest.raises(IntegrityError, match=f"object {planted} is corrupt: .*do not hash to its name") as err:
-        Repo.clone(str(remote), tmp_path / "b")
+        Repo.clone(str(remote), tmp_path / "clone")
     assert err.value.exit_code == 4
+    assert not (tmp_path / "clone").exists()  # a failed clone removes what it made
+    b = Repo.init(tmp_path / "b")  # the same through a fetch, whose repository stays
+    b.add_remote("origin", str(remote))
+    with pytest.raises(IntegrityError, match=f"object {planted} is corrupt: .*do not hash to its name"):
+        b.fetch()
     # Nothing unverified stays behind to be a dedup target: the victim's own later commit of a
     # zero megabyte stores it and reads back.
-    b = Repo(tmp_path / "b")
     assert not b.store.has(planted)
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -145,11 +145,12 @@ def test_damaged_remote_pack_is_detected_and_named(tmp_path: Path, remote_url: t
         return data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1:]
 
     pack_id = _damage(url, server, tmp_path, flip if damage == "flip" else lambda d: d[: len(d) // 2])
+    b = Repo.init(tmp_path / "b")  # a fetch (a failed clone removes its repository)
+    b.add_remote("origin", url, endpoint)
     with pytest.raises(IntegrityError, match=pack_id[:16]) as err:
-        Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+        b.fetch()
     assert err.value.exit_code == 4
-    b = Repo(tmp_path / "b")
-    assert b.branches() == {} and b.fsck() == []  # nothing half-fetched is named by a ref
+    assert b.refs.list("refs/remotes/") == {} and b.fsck() == []  # nothing half-fetched is named by a ref
 
 
 def test_remote_commands(tmp_path: Path, remote_url: tuple[str, str | None], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,8 +234,9 @@ def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, g
         if entry is not None:  # flip a byte in the base's body, past its header
             at = entry.offset + entry.length - 1
             t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])
+    c = Repo.init(tmp_path / "c")  # a fetch (a failed clone removes its repository)
+    c.add_remote("origin", url)
     with pytest.raises(IntegrityError, match=base) as err:
-        Repo.clone(url, tmp_path / "c")
+        c.fetch()
     assert err.value.exit_code == 4
-    c = Repo(tmp_path / "c")
-    assert c.branches() == {} and c.fsck() == []
+    assert c.refs.list("refs/remotes/") == {} and c.fsck() == []

@@ -97,11 +97,12 @@ def test_version_1_remote_is_read_with_full_verification(tmp_path: Path, remote_
                   and any(parse_index(t.get(i.key)).version == 1 and parse_index(t.get(i.key)).find(o)
                           for i in t.list(INDEXES)))
     _flip_in_packs(t, victim)
+    c = Repo.init(tmp_path / "c")  # a fetch (a failed clone removes its repository)
+    c.add_remote("origin", url, endpoint)
     with pytest.raises(IntegrityError, match=f"object {victim} is corrupt") as err:
-        Repo.clone(url, tmp_path / "c", endpoint_url=endpoint)
+        c.fetch()
     assert err.value.exit_code == 4
-    c = Repo(tmp_path / "c")
-    assert c.branches() == {} and c.fsck() == []
+    assert c.refs.list("refs/remotes/") == {} and c.fsck() == []
 
 
 def test_a_damaged_object_is_caught_by_its_digest_and_named(tmp_path: Path, remote_url: tuple[str, str | None],
@@ -117,11 +118,12 @@ def test_a_damaged_object_is_caught_by_its_digest_and_named(tmp_path: Path, remo
     _flip_in_packs(t, victim)
     holder = next(i.key for i in t.list(INDEXES) if parse_index(t.get(i.key)).find(victim))
     pack_id = holder[len(INDEXES):-len(".idx")]
+    b = Repo.init(tmp_path / "b")  # a fetch (a failed clone removes its repository)
+    b.add_remote("origin", url, endpoint)
     with pytest.raises(IntegrityError, match=f"object {victim} is corrupt: .*pack {pack_id}.*digest") as err:
-        Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+        b.fetch()
     assert err.value.exit_code == 4
-    b = Repo(tmp_path / "b")
-    assert b.branches() == {} and b.fsck() == [] and not b.store.has(victim)
+    assert b.refs.list("refs/remotes/") == {} and b.fsck() == [] and not b.store.has(victim)
 
 
 @pytest.mark.parametrize("which", ["whole", "delta base"])
