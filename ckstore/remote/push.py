@@ -45,6 +45,7 @@ from ckstore.format.ids import ObjectId, chunk_id
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import DEFAULT_GRACE, RemoteRepo
+from ckstore.remote.repack import preferred_copies, superseded
 from ckstore.remote.uploads import PackUploads
 from ckstore.remote.names import open_remote, tracking_ref
 from ckstore.repository.store import MAX_CHAIN_DEPTH, MAX_CHUNK_SIZE, ObjectStore, verified_commit
@@ -181,11 +182,17 @@ def _send_missing(
     """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
     in afterwards (those a push relies on)."""
     remote.catalogue()
-    claimed = remote.read_condemned().claimed() | set(forget)
-    where = remote.locate(exclude=claimed)
+    condemned = remote.read_condemned()
+    claimed = condemned.claimed() | set(forget)
+    where = preferred_copies(remote, avoid=condemned.packs, exclude=claimed)
     missing = [oid for oid in wanted if oid not in where]
-    relied = {where[oid].pack_id for oid in wanted if oid in where}
     store = ctx.store
+    # Objects local compaction has since stored smaller, with the rest of their packs: sent again
+    # so that remote gc can drop those packs (repack.py); relied on in their new packs only.
+    again = [oid for oid in superseded(remote, store.stored_size, skip=set(condemned.packs) | claimed) if oid in where]
+    missing += again
+    resent = set(again)
+    relied = {where[oid].pack_id for oid in wanted if oid in where and oid not in resent}
 
     verifier = _Verifier(store)
 
@@ -201,7 +208,7 @@ def _send_missing(
                         ahead.append(pool.submit(verifier.stored, queue.popleft()))
                     oid, data, digest, bases = ahead.popleft().result()
                     for base in bases:
-                        if base in where:
+                        if base in where and base not in resent:
                             relied.add(where[base].pack_id)
                         elif base not in listed:
                             listed.add(base)
@@ -211,7 +218,13 @@ def _send_missing(
                 pool.shutdown(cancel_futures=True)
 
     with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
+        first_again = again[0] if again else None
         for oid, data, digest in objects():
+            if oid == first_again:
+                # Sent again as re-encoded, these are final; the new tip's whole chunks will be
+                # superseded by the next epoch's compaction: separate packs, so that the next
+                # push re-sends only the latter.
+                uploads.cut()
             uploads.add(oid, data, digest)
     for index in uploads.sent:
         relied.add(index.pack_id)
