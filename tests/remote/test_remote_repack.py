@@ -66,3 +66,32 @@ def test_remote_stays_within_a_tenth_of_the_local_store_over_many_epochs(
     for i, (commit, folder) in enumerate(zip(ids, folders)):
         clone.checkout(commit, tmp_path / f"out{i}")
         assert digests(tmp_path / f"out{i}") == digests(folder)
+
+
+def test_a_push_between_condemnation_and_sweep_does_not_rescue_a_superseded_pack(
+        tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    repo = Repo.init(tmp_path / "a", chunk_size=CHUNK)
+    repo.add_remote("origin", url, endpoint)
+    remote = open_remote(repo._ctx)
+    folders = [fine_tune_epoch(tmp_path / "work" / f"e{e}", e) for e in range(1, 4)]
+    repo.commit(folders[0])
+    repo.wait()
+    repo.push()
+    first = remote.pack_ids()
+    repo.commit(folders[1])
+    repo.wait()
+    repo.push()  # epoch 1's pack is superseded: its objects went again as deltas
+    time.sleep(GRACE + MTIME_RESOLUTION + 0.1)
+    assert set(repo.gc_remote(grace=GRACE).condemned) == first
+    repo.commit(folders[2])
+    repo.wait()
+    repo.push()  # relies on the new copies, not on the condemned pack
+    time.sleep(GRACE + 0.1)
+    assert set(repo.gc_remote(grace=GRACE).deleted) == first
+    assert not remote.pack_ids() & first
+    clone = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert clone.fsck(read_data=True) == []
+    for i, folder in enumerate(folders):
+        clone.checkout(f"main~{2 - i}", tmp_path / f"out{i}")
+        assert digests(tmp_path / f"out{i}") == digests(folder)
