@@ -52,7 +52,18 @@ from ckstore.backend.fsio import fsync_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("model.safetensors", "optimizer.safetensors")
-CKSTORE = [sys.executable, "-m", "ckstore.cli"]
+# The CLI, reporting its own peak RSS on stderr as it exits: wait4's ru_maxrss would include the
+# benchmark's memory (Linux carries the high-water mark across fork and exec).
+_PEAK = ("import atexit, sys\n"
+         "def peak():\n"
+         "    for line in open('/proc/self/status'):\n"
+         "        if line.startswith('VmHWM:'):\n"
+         "            sys.stderr.write('\\nPEAK ' + line.split()[1] + '\\n')\n"
+         "atexit.register(peak)\n"
+         "from ckstore.cli import main\n"
+         "sys.argv[0] = 'ckstore'\n"
+         "main()\n")
+CKSTORE = [sys.executable, "-c", _PEAK]
 
 
 def load() -> str:
@@ -62,14 +73,13 @@ def load() -> str:
 def run_cli(args: list[str], cwd: Path | None = None) -> tuple[float, float]:
     """Run ``ckstore ARGS``; (wall seconds, peak RSS MiB of that process)."""
     started = time.perf_counter()
-    proc = subprocess.Popen([*CKSTORE, *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run([*CKSTORE, *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wall = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode() if proc.stderr else ""
+    err = proc.stderr.decode()
     if proc.returncode != 0:
         raise SystemExit(f"ckstore {' '.join(args)} failed ({proc.returncode}): {err.strip()}")
-    return wall, usage.ru_maxrss / 1024
+    peaks = [int(line.split()[1]) for line in err.splitlines() if line.startswith("PEAK ")]
+    return wall, (peaks[-1] / 1024 if peaks else float("nan"))
 
 
 def wait_background(repo: Path) -> float:
