@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
@@ -14,6 +18,7 @@ from safetensors.torch import save_file
 from ckstore import Repo
 from ckstore.cli import main
 from ckstore.format.codec import Encoding, parse_header
+from ckstore.repository.store import ObjectStore
 from ckstore.write.compact import _Roles
 
 CHUNK = 4096
@@ -82,6 +87,27 @@ def test_a_compaction_that_never_ran_is_done_by_the_next_commits(tmp_path: Path)
     assert repo.fsck(read_data=True) == []
 
 
+def test_an_already_compacted_pair_is_a_no_op_that_reads_only_headers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same state saved again on a second branch: every chunk is stored and compacted
+    already, so its compaction must not decode or re-read any object body."""
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    first = repo.commit_state(_state(0))
+    repo.commit_state(_state(1))
+    repo.wait()
+    repo.create_branch("again", first)
+    repo.compact_after_commit = False
+    repo.commit_state(_state(1), branch="again")
+    reads: list[str] = []
+    for name in ("get_chunk", "read_local", "read_raw"):
+        original = getattr(ObjectStore, name)
+        monkeypatch.setattr(ObjectStore, name, lambda self, oid, *a, _f=original, _n=name, **k: (reads.append(_n), _f(self, oid, *a, **k))[1])
+    report = repo.compact("again")
+    assert (report.deltas, report.recompressed, report.saved) == (0, 0, 0)
+    assert reads == []
+    monkeypatch.undo()
+    assert all(torch.equal(repo.load_state("again")[k], v) for k, v in _state(1).items())
+
+
 def test_cli_commit_compacts_before_it_exits(tmp_path: Path) -> None:
     """Epoch-named files, committed by the CLI: the command ends once the parent is compacted."""
     Repo.init(tmp_path / "repo", chunk_size=CHUNK)
@@ -127,3 +153,28 @@ def test_any_history_of_permuted_and_reverted_tensors_stays_readable(steps: list
             assert np.array_equal(loaded[name].numpy(), pool[v])
         assert max(repo.store.chain_depth(o) for o in _tensor_chunks(repo, oid)) <= 2
     assert repo.fsck(read_data=True) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_compaction_runs_on_bounded_threads_at_lower_priority(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckstore.write.compact as compact
+
+    seen: list[tuple[int, int]] = []
+    original = compact._compact_chunk
+
+    def spy(*args: object, **kwargs: object) -> tuple[int, int, int, int]:
+        tid = threading.get_native_id()
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compact, "_compact_chunk", spy)
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    repo.compact_after_commit = False
+    repo.commit_state(_state(0))
+    repo.commit_state(_state(1))
+    assert repo.compact().deltas > 0
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and all(prio == min(19, mine + compact.COMPACTION_NICENESS) for _, prio in seen)
+    assert len({tid for tid, _ in seen}) <= compact.COMPACTION_WORKERS
+    assert threading.get_native_id() not in {tid for tid, _ in seen}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's thread untouched

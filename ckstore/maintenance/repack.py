@@ -3,16 +3,18 @@
 Commits write forward deltas (a chunk against the same chunk in its parent), which is cheap at
 commit time but makes the newest commit the deepest in its chain. Repack reverses that, as git
 packs do: the chunks of each branch tip and tag are stored whole, and each older commit's chunk
-becomes a delta against the same chunk one commit newer, at most ``max_delta_depth`` steps from
-a whole object. The encoder still picks the smallest encoding, so a "delta" that does not pay is
-stored whole.
+becomes a delta against the same chunk one commit newer (paired as compaction pairs them, by
+position else by tensor name: per-epoch file names still pair), at most ``max_delta_depth`` steps
+from a whole object. The encoder still picks the smallest encoding, so a "delta" that does not pay
+is stored whole, and an object keeps its current encoding (a predicted delta, a delta compaction
+made) when that is no larger and safe to keep: repack never grows the store.
 
 Safety: the plan assigns every object its base before any object is written, and bases always
 come from commits processed earlier (newer), so the planned graph is acyclic with bounded depth.
 Objects are rewritten in order of planned depth (whole ones first), each one atomically replaced
-by an encoding that was decoded and hash-checked before the swap; so at every instant each
-object decodes to its name's bytes, a chain reaches only objects already in final form (no
-cycle), and an interrupted repack leaves chains at most ``2 * depth + 1`` long (store.py allows
+by an encoding that was decoded and hash-checked before the swap, or kept only when every base
+it names is already final; so at every instant each object decodes to its name's bytes, a chain
+from a final object reaches only final objects (no cycle), and an interrupted repack leaves chains at most ``2 * depth + 1`` long (store.py allows
 far more). Runs under the exclusive repository lock, like gc.
 """
 
@@ -22,7 +24,7 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ckstore.format.codec import encode_chunk
+from ckstore.format.codec import delta_bases, encode_chunk
 from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError
@@ -30,7 +32,8 @@ from ckstore.repository.graph import CommitGraph
 from ckstore.history.log import stored_bytes
 from ckstore.format.ids import ObjectId
 from ckstore.write.pipeline import ProgressFactory, ordered_map
-from ckstore.format.positions import slots
+from ckstore.format.manifest import FileEntry
+from ckstore.format.positions import ChunkIndex, chunk_at, slots
 
 
 @dataclass
@@ -69,22 +72,28 @@ def plan(graph: CommitGraph, commits: Iterable[ObjectId], max_depth: int) -> dic
             continue
         done.add(oid)
         commit = graph.read_commit(oid)
-        newer = slots(graph.read_commit(child[oid]).files) if child[oid] else {}  # type: ignore[arg-type]
+        # Paired as compaction pairs (positions.ChunkIndex): by position, else by tensor name, so
+        # per-epoch file names still pair each tensor with itself one commit newer.
+        newer = ChunkIndex(graph.read_commit(child[oid]).files, _tensor_names(commit.files)) if child[oid] else None
         for where, slot in slots(commit.files).items():
             if slot.id in result:
                 continue
-            base = newer.get(where)
+            base = chunk_at(newer, where[0], where[1], slot.size) if newer is not None else None
             entry = _Plan(slot.size, slot.width, None, 0)
-            if base and base.id != slot.id and base.size == slot.size and base.id in result:
-                depth = result[base.id].depth + 1
+            if base and base != slot.id and base in result:
+                depth = result[base].depth + 1
                 if depth <= max_depth:
-                    entry = _Plan(slot.size, slot.width, base.id, depth)
+                    entry = _Plan(slot.size, slot.width, base, depth)
             result[slot.id] = entry
         for parent in commit.parents:
             if parent in keep and parent not in done:
                 child.setdefault(parent, oid)
                 heapq.heappush(heap, (-graph.read_commit(parent).timestamp, parent))
     return result
+
+
+def _tensor_names(files: Iterable[FileEntry]) -> dict[str, list[str]]:
+    return {f.path: [t.name for t in f.tensors] for f in files if f.kind == "safetensors"}
 
 
 def repack(ctx: RepoContext, progress: ProgressFactory | None = None) -> RepackReport:
@@ -103,38 +112,65 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
     planned = plan(ctx.graph, commits, settings.max_delta_depth)
     store = ctx.store
 
-    def rewrite(item: tuple[ObjectId, _Plan]) -> tuple[int, int, bool, bool]:
+    # Final chain depth of every object already in its final form (whole: 0). An object keeps its
+    # current encoding only when every base it names is final and the chain stays within
+    # ``max_delta_depth``; a new delta's base is always final (planned at a lower depth). So
+    # final objects only ever lead to final objects: no cycle, whatever was kept.
+    final: dict[ObjectId, int] = {}
+
+    def kept_depth(bases: tuple[ObjectId, ...]) -> int | None:
+        if not bases:
+            return 0
+        if any(b not in final for b in bases):
+            return None
+        depth = 1 + max(final[b] for b in bases)
+        return depth if depth <= settings.max_delta_depth else None
+
+    def rewrite(item: tuple[ObjectId, _Plan]) -> tuple[int, int, bool, int]:
+        """(stored bytes before, after, rewritten, final depth) of one object."""
         oid, p = item
         current = store.read_raw(oid)
+        keep = kept_depth(delta_bases(current))
         raw = store.get_chunk(oid, p.size)
         base_raw = None
-        if p.base is not None:
+        if p.base is not None and final.get(p.base, settings.max_delta_depth) < settings.max_delta_depth:
             try:
                 base_raw = store.get_chunk(p.base, p.size)
             except CkstoreError:
                 base_raw = None  # a damaged base: store this one whole instead
         data = encode_chunk(raw, settings.zstd_level, p.width, p.base if base_raw else None, base_raw,
                             allowed=settings.allowed)
-        if data == current:
-            return len(current), len(current), False, bool(store.bases_of(oid))
+        # Never store more than before: the current encoding (a predicted delta, a delta against
+        # another commit's chunk) stays when it is no larger and safe to keep.
+        if keep is not None and len(current) <= len(data):
+            return len(current), len(current), False, keep
+        depth = 1 + final[p.base] if p.base is not None and delta_bases(data) else 0  # type: ignore[index]
         # Prove the new encoding before it replaces a good one: decode it and re-hash.
         store.check_encoded(oid, data, p.size)
         store.replace_chunk(oid, data)
-        return len(current), len(data), True, bool(store.bases_of(oid))
+        return len(current), len(data), True, depth
 
     levels = [sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has(oid))
               for depth in range(settings.max_delta_depth + 1)]
     bar = progress(sum(p.size for level in levels for _, p in level), "repack") if progress else None
     try:
         for level in levels:
-            for (_, p), (before, after, changed, is_delta) in zip(level, ordered_map(rewrite, level)):
-                report.objects += 1
-                report.bytes_before += before
-                report.bytes_after += after
-                report.rewritten += changed
-                report.deltas += is_delta
-                if bar:
-                    bar.update(p.size)
+            # Objects whose current bases are all final are decided first; then the rest, whose
+            # bases may have become final in the first pass (a predicted delta naming the
+            # parent's first moment, which sits at the same planned depth).
+            ready = [item for item in level if kept_depth(store.bases_of(item[0])) is not None]
+            ready_ids = {oid for oid, _ in ready}
+            later = [item for item in level if item[0] not in ready_ids]
+            for batch in (ready, later):
+                for (oid, p), (before, after, changed, depth) in zip(batch, ordered_map(rewrite, batch)):
+                    final[oid] = depth
+                    report.objects += 1
+                    report.bytes_before += before
+                    report.bytes_after += after
+                    report.rewritten += changed
+                    report.deltas += depth > 0
+                    if bar:
+                        bar.update(p.size)
     finally:
         if bar:
             bar.close()

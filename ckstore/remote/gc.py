@@ -19,7 +19,8 @@ Deletion therefore happens at least ``grace`` after condemnation, by a run that 
 A push relies on a pack only after checking the list (and rescuing its entry), and it re-checks
 when its last check is older than grace / 2 before moving a ref: whichever way a push and a gc
 interleave, the sweep's fresh read of the refs sees any ref that names a condemned pack. A pack
-holding both live and dead objects is kept whole (repacking a remote is future work).
+holding both live and dead objects is kept whole; one whose objects a push sent again smaller
+holds nothing live once they arrive (repack.py), and goes the same way.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def collect_remote(
                  if info.key.endswith(".pack")}
         condemned = remote.read_condemned()
         remote.catalogue()
-        # An object in a condemned pack and in another counts in the other: the condemned one may go.
-        where = {**remote.locate(), **remote.locate(exclude=set(condemned.packs))}
+        # An object in a condemned pack and in another counts in the other: the condemned one may
+        # go; so does a pack whose copies push has sent again smaller (repack.py).
+        where = remote.locate(avoid=condemned.packs)
         graph = remote_graph(ctx, remote, refs)
         reachable = graph.reachable_from(graph.tips())
         kept = select_kept(graph, policy) if policy.active else reachable

@@ -288,23 +288,34 @@ class RemoteRepo:
             self.cache.put(pack_id, data)
         return index
 
-    def locate(self, exclude: Iterable[str] = ()) -> dict[str, Located]:
-        """Object id -> where it is, over every indexed pack not in ``exclude``."""
-        skip = set(exclude)
-        out: dict[str, Located] = {}
+    def locate(self, exclude: Iterable[str] = (), avoid: Iterable[str] = ()) -> dict[str, Located]:
+        """Object id -> the copy to count on, over every indexed pack not in ``exclude`` (the
+        catalogue as last read): outside ``avoid`` (condemned packs) when possible, then the
+        smallest, then not in a stale pack (one holding a copy that a smaller one elsewhere
+        supersedes, remote/repack.py), then by pack id. Push's reliance, fetch, lazy reads and
+        remote gc's liveness all choose by this one rule, so a superseded pack is relied on by
+        none of them and remote gc may drop it."""
+        skip, avoided = set(exclude), set(avoid)
+        copies: dict[str, list[Located]] = {}
         for pack_id, index in self.catalogue(refresh=False).items():
             if pack_id in skip:
                 continue
             for e in index.entries:
-                out.setdefault(e.id, Located(pack_id, e))
-        return out
+                copies.setdefault(e.id, []).append(Located(pack_id, e))
+        stale = {loc.pack_id for locs in copies.values() if len(locs) > 1
+                 for loc in locs if loc.entry.length > min(c.entry.length for c in locs)}
+        return {oid: locs[0] if len(locs) == 1 else
+                min(locs, key=lambda c: (c.pack_id in avoided, c.entry.length, c.pack_id in stale, c.pack_id))
+                for oid, locs in copies.items()}
 
-    def holdings(self, forget: Iterable[str] = ()) -> dict[str, Located]:
-        """What the remote holds (the one definition): object id -> where, for every object an
-        index lists, in packs that no remote gc has claimed for deletion, nor in ``forget``
-        (packs found claimed meanwhile). Packs merely condemned still count: a push rescues them."""
+    def holdings(self, forget: Iterable[str] = (), condemned: Condemned | None = None) -> dict[str, Located]:
+        """What the remote holds (the one definition): object id -> the copy to count on
+        (``locate``), for every object an index lists, in packs that no remote gc has claimed for
+        deletion, nor in ``forget`` (packs found claimed meanwhile). Packs merely condemned still
+        count, last: a push rescues them. ``condemned``: the record as the caller just read it."""
         self.catalogue()
-        return self.locate(exclude=self.read_condemned().claimed() | set(forget))
+        condemned = self.read_condemned() if condemned is None else condemned
+        return self.locate(exclude=condemned.claimed() | set(forget), avoid=condemned.packs)
 
     def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes | memoryview]]:
         """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""

@@ -46,6 +46,7 @@ from ckstore.format.ids import ObjectId
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import DEFAULT_GRACE, REFS, RemoteRepo
+from ckstore.remote.repack import superseded
 from ckstore.remote.uploads import PackUploads
 from ckstore.remote.names import TRACKING, open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader
@@ -227,10 +228,17 @@ def _send_missing(
 ) -> set[str]:
     """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
     in afterwards (those a push relies on)."""
-    where = remote.holdings(forget)
+    condemned = remote.read_condemned()
+    where = remote.holdings(forget, condemned)
+    claimed = condemned.claimed() | set(forget)
     missing = [oid for oid in wanted if oid not in where]
-    relied = {where[oid].pack_id for oid in wanted if oid in where}
     store = ctx.store
+    # Objects local compaction has since stored smaller, with the rest of their packs: sent again
+    # so that remote gc can drop those packs (repack.py); relied on in their new packs only.
+    again = [oid for oid in superseded(remote, store.stored_size, skip=set(condemned.packs) | claimed) if oid in where]
+    missing += again
+    resent = set(again)
+    relied = {where[oid].pack_id for oid in wanted if oid in where and oid not in resent}
 
     verifier = _Verifier(store)
 
@@ -246,7 +254,7 @@ def _send_missing(
                         ahead.append(pool.submit(verifier.stored, queue.popleft()))
                     oid, data, digest, bases = ahead.popleft().result()
                     for base in bases:
-                        if base in where:
+                        if base in where and base not in resent:
                             relied.add(where[base].pack_id)
                         elif base not in listed:
                             listed.add(base)
@@ -256,7 +264,13 @@ def _send_missing(
                 pool.shutdown(cancel_futures=True)
 
     with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
+        first_again = again[0] if again else None
         for oid, data, digest in objects():
+            if oid == first_again:
+                # Sent again as re-encoded, these are final; the new tip's whole chunks will be
+                # superseded by the next epoch's compaction: separate packs, so that the next
+                # push re-sends only the latter.
+                uploads.cut()
             uploads.add(oid, data, digest)
     for index in uploads.sent:
         relied.add(index.pack_id)

@@ -110,6 +110,12 @@ class PackUploads:
         pack.builder.add(oid, stored, digest)
         self._send(pack, stored)
 
+    def cut(self) -> None:
+        """End the pack being filled: what is added next goes into a new one (objects that will
+        live for different spans of time belong in different packs, repack.py)."""
+        if self._filling is not None:
+            self._close_filling()
+
     def _start(self) -> None:
         while len(self._open) >= self.workers:
             self._finish_oldest()

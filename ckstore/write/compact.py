@@ -31,8 +31,11 @@ process left undone is picked up by the next commit's compaction.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -64,6 +67,22 @@ if TYPE_CHECKING:
 # How long a compaction waits for another process's to finish before leaving the work to the
 # next one (nothing is lost by skipping: the objects are only less compressed until then).
 COMPACTION_LOCK_TIMEOUT = 60.0
+# Compaction runs beside training, which needs the cores for data loading and its own steps: at
+# most half of them, each thread at this much lower priority (Linux nice values are per thread).
+COMPACTION_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
+COMPACTION_NICENESS = 10
+
+
+def _yield_to_training() -> None:
+    """Pool initializer: lower this thread's priority (Linux only; elsewhere the call would
+    renice the whole process, or fail)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPACTION_NICENESS))
+    except OSError:
+        pass  # a sandbox that forbids it: compaction still runs, only at normal priority
 
 
 @dataclass
@@ -94,6 +113,7 @@ class _Job:
     older: tuple[tuple[ObjectId | None, ...], ...]
     history_ends: bool  # ``older`` reaches the branch's first commit
     prediction: _Prediction | None = None
+    tip: bool = True  # the child is the branch tip (not the pair below it)
 
 
 class _Roles:
@@ -157,11 +177,13 @@ def compact_branch(ctx: RepoContext, branch: str) -> CompactReport:
         # chains as the first one left them. A chunk the tip or the child uses never becomes a
         # delta (the tip reads whole; a chunk can sit at several positions or come back).
         upgrade = _Upgrade(ctx)
-        for i in reversed(range(min(2, len(commits)))):
-            newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
-            with ctx.store.batch() as staged:
-                _compact_pair(staged, commits[i], commits[i + 1:], depth, _Roles(newer), report,
-                              history_ends=len(commits) < window, upgrade=upgrade)
+        pool = ThreadPoolExecutor(COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training)
+        with pool:
+            for i in reversed(range(min(2, len(commits)))):
+                newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
+                with ctx.store.batch() as staged:
+                    _compact_pair(staged, commits[i], commits[i + 1:], depth, _Roles(newer), report,
+                                  history_ends=len(commits) < window, upgrade=upgrade, tip=i == 0, pool=pool)
         # The commit's pack (if it wrote one) is spread into loose objects here, off the
         # training loop's path (backend/local_packs.py).
         ctx.backend.unpack()
@@ -188,7 +210,7 @@ class _Upgrade:
 
 def _compact_pair(
     store: ObjectStore, child: Commit, older: Sequence[Commit], depth: int, roles: _Roles, report: CompactReport,
-    history_ends: bool, upgrade: _Upgrade,
+    history_ends: bool, upgrade: _Upgrade, tip: bool, pool: ThreadPoolExecutor,
 ) -> None:
     # An overlay's chunks are forward deltas against its base's: nothing of it is re-encoded.
     if child.base is not None:
@@ -204,7 +226,7 @@ def _compact_pair(
         parent = found[where][0] if found[where] and where[0][1] != HEADER else None
         group = siblings.get(where, {"": where})
         older_ids = tuple(tuple(found[p][k] for p in group.values()) for k in range(1, len(found[where])))
-        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends)
+        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends, tip=tip)
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
@@ -215,7 +237,7 @@ def _compact_pair(
     def run(job: _Job) -> tuple[int, int, int, int]:
         return _compact_chunk(store, job, depth, roles, upgrade, fits)
 
-    for delta, predicted, recompressed, saved in ordered_map(run, jobs):
+    for delta, predicted, recompressed, saved in ordered_map(run, jobs, workers=COMPACTION_WORKERS, pool=pool):
         report.deltas += delta
         report.predicted += predicted
         report.recompressed += recompressed
@@ -268,12 +290,18 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         child_header = parse_header(child_prefix)
         child_whole = not delta_bases(child_prefix)
         if not child_whole:
-            # A chunk that came back (a tensor reverted to an older value) and had become a
-            # delta: the newer commit reads it whole again, which also cuts the chains through it.
-            if not roles.recompress(slot.id):
+            # A chunk of the tip that came back (a tensor reverted to an older value) and had
+            # become a delta: the tip reads it whole again, which also cuts the chains through it.
+            # Below the tip a delta is what the last run made (against the tip's chunk): undoing
+            # it would only have this run's tip pair redo it.
+            if not job.tip or not roles.recompress(slot.id):
                 return 0, 0, 0, 0
             raw = store.get_chunk(slot.id, slot.size)
             return 0, 0, 1, _recompress(store, slot.id, raw, slot.width, even_if_larger=True)
+        if job.parent is not None and not _whole_here(store, job.parent, slot.size):
+            # Already a delta (an earlier run, another branch, the same state saved again) or
+            # not this repository's: nothing to do for it, decided from its header alone.
+            job = replace(job, parent=None, prediction=None)
         prediction = job.prediction if job.prediction is not None and _claim_prediction(store, job.parent, job.prediction, roles) else None
         parent = job.parent if prediction is not None or (job.parent is not None and roles.pair(job.parent, slot.id)) else None
         provisional = store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
@@ -291,6 +319,15 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         return deltas, predicted, recompressed, saved
     except CkstoreError:
         return 0, 0, 0, 0  # a damaged or missing chunk only costs compression; fsck reports it
+
+
+def _whole_here(store: ObjectStore, oid: ObjectId, size: int) -> bool:
+    """Whether ``oid`` is a whole chunk object of ``size`` bytes in this repository (its header)."""
+    prefix = store.header_local(oid)
+    if prefix is None or delta_bases(prefix):
+        return False
+    header = parse_header(prefix)
+    return header.kind == Kind.CHUNK and header.raw_len == size
 
 
 def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Prediction, roles: _Roles) -> bool:

@@ -10,7 +10,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 class ProgressBar(Protocol):
@@ -69,18 +69,21 @@ def grouped(items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterato
 
 
 def ordered_map(
-    fn: Callable[[T], R], items: Iterable[T], workers: int | None = None, max_inflight: int | None = None
+    fn: Callable[[T], R], items: Iterable[T], workers: int | None = None, max_inflight: int | None = None,
+    pool: Executor | None = None,
 ) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, in input order, computing up to ``workers`` at once.
 
     ``workers`` None uses the process-wide pool; a call made from inside one of its workers runs
-    sequentially, since waiting on the same bounded pool could deadlock.
+    sequentially, since waiting on the same bounded pool could deadlock. ``pool`` (with its size as
+    ``workers``) runs every item on the caller's own pool, even a one-thread one (compaction's,
+    whose threads run at a lower priority).
     """
-    if getattr(_IN_WORKER, "active", False) or workers == 1 or default_workers() == 1:
+    if pool is None and (getattr(_IN_WORKER, "active", False) or workers == 1 or default_workers() == 1):
         yield from map(fn, items)
         return
-    own = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckstore") if workers else None
-    pool = own or _shared_pool()
+    own = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckstore") if workers and pool is None else None
+    pool = pool or own or _shared_pool()
     max_inflight = max_inflight or 2 * (workers or default_workers()) + 1
     pending: deque[Future[R]] = deque()
     try:

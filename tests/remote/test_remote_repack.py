@@ -1,0 +1,97 @@
+"""A remote keeps pace with the local store (issue 22): a push re-sends the objects that local
+compaction re-encoded smaller (with the rest of their pack), and remote gc deletes the packs so
+superseded, two-phase; every epoch still reads back bit-exact from a clone."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ckstore.remote.gc import MTIME_RESOLUTION
+from ckstore.remote.names import open_remote
+from ckstore.repo import Repo
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from .epochs import CHUNK, digests
+
+GRACE = 0.2
+
+
+def fine_tune_epoch(folder: Path, epoch: int, n: int = 192 << 10) -> Path:
+    """A full fine-tune after ``epoch`` epochs: every weight and moment drifts a little, so each
+    epoch is a small delta of the next one (what compaction turns the older epochs into)."""
+    rng = np.random.default_rng(0)
+    w, m = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32) * 1e-3
+    for e in range(1, epoch + 1):
+        step = np.random.default_rng(e)
+        w += 1e-4 * step.standard_normal(n, dtype=np.float32)
+        m += 1e-7 * step.standard_normal(n, dtype=np.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"model.w": w, "optim.m": m}, str(folder / f"epoch-{epoch}.safetensors"))
+    return folder
+
+
+def remote_bytes(repo: Repo) -> int:
+    return sum(info.size for info in open_remote(repo._ctx).transport.list(""))
+
+
+def gc_twice(repo: Repo) -> None:
+    """Condemn what is superseded, then (after the grace period) delete it."""
+    time.sleep(GRACE + MTIME_RESOLUTION + 0.1)
+    repo.gc_remote(grace=GRACE)
+    time.sleep(GRACE + 0.1)
+    repo.gc_remote(grace=GRACE)
+
+
+def test_remote_stays_within_a_tenth_of_the_local_store_over_many_epochs(
+        tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    repo = Repo.init(tmp_path / "a", chunk_size=CHUNK)
+    repo.add_remote("origin", url, endpoint)
+    folders, ids, sent = [], [], []
+    for epoch in range(1, 6):
+        folders.append(fine_tune_epoch(tmp_path / "work" / f"e{epoch}", epoch))
+        ids.append(repo.commit(folders[-1], message=f"epoch {epoch}"))
+        repo.wait()
+        sent.append(repo.push().bytes)
+        gc_twice(repo)
+        local = repo.stats().stored_bytes
+        assert remote_bytes(repo) <= 1.1 * local, (epoch, remote_bytes(repo), local)
+    # Each push sends the new epoch and the previous one's deltas, never the history again.
+    assert max(sent[2:]) <= 1.1 * sent[1], sent
+    clone = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert clone.fsck(read_data=True) == []
+    for i, (commit, folder) in enumerate(zip(ids, folders)):
+        clone.checkout(commit, tmp_path / f"out{i}")
+        assert digests(tmp_path / f"out{i}") == digests(folder)
+
+
+def test_a_push_between_condemnation_and_sweep_does_not_rescue_a_superseded_pack(
+        tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    url, endpoint = remote_url
+    repo = Repo.init(tmp_path / "a", chunk_size=CHUNK)
+    repo.add_remote("origin", url, endpoint)
+    remote = open_remote(repo._ctx)
+    folders = [fine_tune_epoch(tmp_path / "work" / f"e{e}", e) for e in range(1, 4)]
+    repo.commit(folders[0])
+    repo.wait()
+    repo.push()
+    first = remote.pack_ids()
+    repo.commit(folders[1])
+    repo.wait()
+    repo.push()  # epoch 1's pack is superseded: its objects went again as deltas
+    time.sleep(GRACE + MTIME_RESOLUTION + 0.1)
+    assert set(repo.gc_remote(grace=GRACE).condemned) == first
+    repo.commit(folders[2])
+    repo.wait()
+    repo.push()  # relies on the new copies, not on the condemned pack
+    time.sleep(GRACE + 0.1)
+    assert set(repo.gc_remote(grace=GRACE).deleted) == first
+    assert not remote.pack_ids() & first
+    clone = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert clone.fsck(read_data=True) == []
+    for i, folder in enumerate(folders):
+        clone.checkout(f"main~{2 - i}", tmp_path / f"out{i}")
+        assert digests(tmp_path / f"out{i}") == digests(folder)
