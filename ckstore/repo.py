@@ -457,6 +457,13 @@ class Repo:
 
         return attach(self._ctx, remote)
 
+    def status(self) -> Any:
+        """The current branch and HEAD, pending compaction, stored size and what gc would free,
+        overlay bases reachable or not, and each remote's tracking refs ahead/behind (status.py)."""
+        from ckstore.report.status import status
+
+        return status(self._ctx, {name: spec.url for name, spec in self.remotes().items()})
+
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from ckstore.maintenance.fsck import check
 
