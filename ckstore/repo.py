@@ -464,6 +464,14 @@ class Repo:
 
         return status(self._ctx, {name: spec.url for name, spec in self.remotes().items()})
 
+    def report(self, refs: Sequence[str], output: str | os.PathLike[str]) -> int:
+        """Write the self-contained HTML report of the history of ``refs`` (default HEAD) to
+        ``output``: per-module change heatmap, storage, metrics, lineage, health (report/)."""
+        from ckstore.report.build import write_report
+
+        self.wait()
+        return write_report(self._ctx, refs, Path(output))
+
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from ckstore.maintenance.fsck import check
 

@@ -140,3 +140,12 @@ def test_chunked_figures_equal_whole_tensor_figures(values: list[float], cut: in
     assert figures.nonfinite == len(array) - len(finite)
     assert figures.l2 == pytest.approx(math.sqrt(float(np.sum(finite**2))), rel=1e-9)
     assert figures.absmax == (float(np.max(np.abs(finite))) if len(finite) else 0.0)
+
+
+@pytest.mark.parametrize("dtype, code", [(np.uint8, "U8"), (np.int8, "I8"), (np.int64, "I64"), (np.uint16, "U16")])
+def test_integer_absmax_does_not_wrap(dtype: type, code: str) -> None:
+    info = np.iinfo(dtype)
+    array = np.array([info.min, 5, info.max, 7], dtype=dtype)
+    figures = chunk_stats(array.tobytes(), code)
+    assert figures.absmax == float(max(abs(int(info.min)), int(info.max)))
+    assert figures.sum_sq == pytest.approx(sum(float(v) ** 2 for v in array.tolist()))

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import click
 import click.shell_completion
 
+from ckstore.format.units import human  # noqa: F401  (the commands' one way to print sizes)
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ckstore.repo import ProgressBar, Repo
 
@@ -29,14 +30,6 @@ EXIT_PIPE = 141  # 128 + SIGPIPE
 def die(message: str, code: int) -> NoReturn:
     click.echo(f"ckstore: {message}", err=True)
     sys.exit(code)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def parse_meta_value(text: str) -> Any:

@@ -64,3 +64,14 @@ def status(repo: Repo, as_json: bool) -> None:
         click.echo(f"remote {name} ({url}):")
         lines = [_tracking_text(t) for t in s.tracking if t.remote == name]
         click.echo("\n".join(lines) if lines else "  nothing pushed or fetched yet")
+
+
+@main.command()
+@click.argument("refs", nargs=-1, metavar="[REF]...")
+@click.option("-o", "--output", required=True, metavar="FILE", help="The HTML file to write (e.g. report.html).")
+@pass_repo
+def report(repo: Repo, refs: tuple[str, ...], output: str) -> None:
+    """Write one self-contained HTML file about the history of REFs (default HEAD): how much each
+    module changed per commit, storage, metric curves, lineage and health flags."""
+    size = repo.report(list(refs), output)
+    click.echo(f"wrote {output} ({human(size)})")
