@@ -55,7 +55,7 @@ def test_recorded_figures_match_the_tensors(two_commits) -> None:
         for name in ("w", "h", "bf", "frozen", "steps"):
             values = tensors[name].double()
             stats = recorded[name].stats
-            assert stats.l2 == pytest.approx(float(values.norm()), rel=1e-9)
+            assert stats.l2 == pytest.approx(float(values.norm()), rel=1e-6)  # float32 sums (format.md 5.1)
             assert stats.absmax == pytest.approx(float(values.abs().max()), rel=1e-12)
             assert stats.nonfinite == 0
     assert all(t.stats is None or t.stats.change is None for t in _tensors(repo, "HEAD~1").values())
@@ -103,7 +103,7 @@ def test_older_commits_get_the_same_figures_on_demand(two_commits) -> None:
     computed = commit_stats(store, old, parent)
     assert computed.keys() == recorded.keys()
     for key, figures in recorded.items():
-        assert computed[key].l2 == pytest.approx(figures.l2, rel=1e-9)
+        assert computed[key].l2 == pytest.approx(figures.l2, rel=1e-6)
         assert computed[key].absmax == figures.absmax
         assert computed[key].nonfinite == figures.nonfinite
         assert (computed[key].change is None) == (figures.change is None)
@@ -138,7 +138,7 @@ def test_chunked_figures_equal_whole_tensor_figures(values: list[float], cut: in
     figures = total.result()
     finite = array[np.isfinite(array)].astype(np.float64)
     assert figures.nonfinite == len(array) - len(finite)
-    assert figures.l2 == pytest.approx(math.sqrt(float(np.sum(finite**2))), rel=1e-9)
+    assert figures.l2 == pytest.approx(math.sqrt(float(np.sum(finite**2))), rel=1e-6)
     assert figures.absmax == (float(np.max(np.abs(finite))) if len(finite) else 0.0)
 
 
