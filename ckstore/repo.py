@@ -123,6 +123,12 @@ class Repo:
     def tags(self) -> dict[str, ObjectId]:
         return self.refs.list(TAGS)
 
+    def remote_branches(self) -> dict[str, ObjectId]:
+        """Remote-tracking branches, ``REMOTE/BRANCH`` -> commit, as of the last push or fetch."""
+        from ckstore.remote.names import TRACKING
+
+        return self._ctx.refs.list(TRACKING)
+
     def create_branch(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
         """Create branch ``name`` at ``ref``; ``force`` moves it there if it exists."""
         return branches.create(self._ctx, "branch", name, ref, force)[1]
@@ -308,8 +314,9 @@ class Repo:
 
     # ---- history and inspection ----------------------------------------------------------------
 
-    def log(self, ref: str | None = None, limit: int | None = None, best: tuple[str, bool] | None = None) -> list[LogEntry]:
-        """Commits reachable from ``ref`` (default HEAD), newest first, at most ``limit``, with the
+    def log(self, ref: str | Sequence[str] | None = None, limit: int | None = None,
+            best: tuple[str, bool] | None = None) -> list[LogEntry]:
+        """Commits reachable from ``ref`` (default HEAD; a list: from any of them), newest first, at most ``limit``, with the
         names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
         return history.log(self._ctx.graph, ref, limit, best)
 
@@ -481,5 +488,7 @@ class Repo:
 
 def _config(chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None) -> RepoConfig:
     defaults = RepoConfig()
-    return RepoConfig(chunk_size or defaults.chunk_size, zstd_level or defaults.zstd_level,
+    # None means "the default"; 0 is a value like any other, refused by validation (newcomer item 11).
+    return RepoConfig(defaults.chunk_size if chunk_size is None else chunk_size,
+                      defaults.zstd_level if zstd_level is None else zstd_level,
                       defaults.max_delta_depth if max_delta_depth is None else max_delta_depth)

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -112,7 +113,40 @@ def show_warnings(caught: list[warnings.WarningMessage]) -> None:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
+_COUNT = re.compile(r"-[0-9]+")
+_COUNTED = ("log", "reflog")  # the commands that take git's -N for -n N
+
+
+def git_count_args(args: list[str]) -> list[str]:
+    """git's ``log -3``: ``-N`` after log or reflog becomes ``-n N`` (click has no such option)."""
+    command = next((i for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "--repo")),
+                   None)
+    if command is None or args[command] not in _COUNTED:
+        return args
+    out = args[:command + 1]
+    for arg in args[command + 1:]:
+        out += ["-n", arg[1:]] if _COUNT.fullmatch(arg) else [arg]
+    return out
+
+
 class _Group(click.Group):
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
+        """Usage errors as every other error: one line ``ckstore: …`` (README, "Commands"), exit 2."""
+        argv = git_count_args(list(sys.argv[1:] if args is None else args))
+        extra.pop("standalone_mode", None)
+        try:
+            super().main(argv, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "ckstore"
+            die(f"{exc.format_message().rstrip('.')} (see '{where} --help')", exc.exit_code)
+        except click.exceptions.Abort:
+            die("interrupted", EXIT_INTERRUPTED)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            die(exc.format_message(), exc.exit_code)
+        sys.exit(0)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             with warnings.catch_warnings(record=True) as caught:

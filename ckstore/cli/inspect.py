@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from ckstore.errors import InvalidInputError
 from ckstore.format.dcp_record import record_json
 from ckstore.repo import Decorations, Repo
 from ckstore.cli.base import complete_ref, human, main, pass_repo, print_json, short
@@ -54,12 +55,19 @@ def commit_line(oid: str, commit: Any, refs: Decorations | None = None) -> str:
 @click.option("--sizes", is_flag=True, help="Also compute each commit's new and held-alone bytes now (reads object headers).")
 @click.option("--best", "best_metric", metavar="METRIC", help="Mark the listed commit with the best METRIC.")
 @click.option("--max", "maximize", is_flag=True, help="With --best: higher is better (default: lower).")
+@click.option("--all", "all_refs", is_flag=True, help="History of every branch, tag and remote-tracking branch.")
+@click.option("--graph", is_flag=True, help="Draw the lines of history beside the commits (as git log --graph).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bool, best_metric: str | None,
-        maximize: bool, as_json: bool) -> None:
-    """History of REF (default HEAD), newest first, with the branches and tags pointing at each commit."""
-    entries = repo.log(ref, limit=limit, best=(best_metric, maximize) if best_metric else None)
+        maximize: bool, all_refs: bool, graph: bool, as_json: bool) -> None:
+    """History of REF (default HEAD), newest first, with the branches and tags pointing at each commit.
+    -N is -n N (git's log -1)."""
+    if all_refs and ref:
+        raise InvalidInputError("log --all takes no REF")
+    starts = ([*repo.branches().values(), *repo.tags().values(), *repo.remote_branches().values()]
+              if all_refs else ref)
+    entries = repo.log(starts or None, limit=limit, best=(best_metric, maximize) if best_metric else None)
     figures = repo.commit_sizes([e.id for e in entries]) if sizes else {}
     if as_json:
         docs = []
@@ -70,12 +78,21 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
             docs.append(doc)
         print_json(docs)
         return
+    from ckstore.history.lanes import graph_prefixes
+
+    lanes = graph_prefixes([(e.id, e.commit.parents) for e in entries]) if graph else None
     for e in entries:
         c = e.commit
+        prefix, joins = next(lanes) if lanes else ("", [])
         extra = (f"{human(figures[e.id].new_bytes)} new, {_held_text(figures[e.id].held_alone_bytes)}"
                  if sizes else "")
         if oneline:
-            click.echo(commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else ""))
+            click.echo((f"{prefix} " if graph else "") + commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else ""))
+            for line in joins:
+                click.echo(line)
+            continue
+        if graph:
+            _echo_graph_commit(prefix, joins, e, extra)
             continue
         click.echo(f"commit {e.id}{decoration_text(e.refs)}")
         click.echo(f"Date:   {c.time}")
@@ -88,6 +105,23 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
         if c.message:
             click.echo(f"\n    {c.message}")
         click.echo()
+
+
+def _echo_graph_commit(prefix: str, joins: list[str], e: Any, extra: str) -> None:
+    """The long format with the lanes on its left: the commit line, then its details indented."""
+    c = e.commit
+    rest = prefix.replace("*", "|")
+    lines = [f"Date:   {c.time}", f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when "
+             f"committed" + (f"; {extra}" if extra else "")]
+    if c.decoded_metadata():
+        lines.append(f"Meta:   {meta_text(c.decoded_metadata())}")
+    if c.message:
+        lines += ["", f"    {c.message}"]
+    click.echo(f"{prefix} commit {e.id}{decoration_text(e.refs)}")
+    for line in lines:
+        click.echo(f"{rest} {line}".rstrip())
+    for line in joins or [rest]:
+        click.echo(line)
 
 
 def _held_text(n: int | None) -> str:

@@ -1,0 +1,107 @@
+"""What a git user types (issue 23, point 5; newcomer review items 10, 11, 15, 16, 21)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from ckstore.cli import main
+from ckstore.history.lanes import graph_prefixes
+from ckstore.repo import Repo
+from helpers import checkpoint
+
+
+def run(repo: Path, *args: str, code: int = 0) -> Result:
+    result = CliRunner().invoke(main, ["--repo", str(repo), *args], prog_name="ckstore")
+    assert result.exit_code == code, (args, result.output)
+    return result
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> Path:
+    """main: three commits with val_loss; exp: one commit off main~1; a tag; origin/main fetched."""
+    repo = Repo.init(tmp_path / "r")
+    for i in range(3):
+        repo.commit([checkpoint(tmp_path / "m.safetensors", i)], message=f"epoch {i}", metadata={"val_loss": 1 / (i + 1)})
+    repo.create_tag("v1", "HEAD~2")
+    repo.create_tag("v2")
+    repo.create_tag("best-run")
+    repo.add_remote("origin", str(tmp_path / "remote"))
+    repo.push("origin")
+    repo.switch("exp", "HEAD~1")
+    repo.commit([checkpoint(tmp_path / "m.safetensors", 7)], message="on exp", branch="exp")
+    repo.switch("main")
+    return tmp_path / "r"
+
+
+def test_log_minus_n_is_git_s_count(history: Path) -> None:
+    one = run(history, "log", "-1", "--oneline").stdout.splitlines()
+    assert one == run(history, "log", "-n", "1", "--oneline").stdout.splitlines() and len(one) == 1
+    assert len(run(history, "log", "--oneline", "-2").stdout.splitlines()) == 2
+    assert len(run(history, "reflog", "-1").stdout.splitlines()) == 1
+
+
+def test_log_all_and_graph(history: Path) -> None:
+    lines = run(history, "log", "--all", "--graph", "--oneline").stdout.splitlines()
+    assert lines[0].startswith("* ") and "(exp) on exp" in lines[0]
+    assert lines[1].startswith("| * ") and "(HEAD -> main, tag: best-run, tag: v2)" in lines[1]
+    assert lines[2] == "|/" and lines[3].startswith("* ") and "epoch 1" in lines[3]
+    assert len([line for line in lines if "epoch" in line or "on exp" in line]) == 4
+    ids = {e["id"] for e in json.loads(run(history, "log", "--all", "--json").stdout)}
+    assert len(ids) == 4 and len(json.loads(run(history, "log", "--json").stdout)) == 3
+    long = run(history, "log", "--graph", "-1").stdout.splitlines()
+    assert long[0].startswith("* commit ") and long[1].startswith("| Date:")
+
+
+def test_graph_of_a_merge_opens_and_closes_a_lane() -> None:
+    rows = list(graph_prefixes([("m", ["a", "b"]), ("b", ["r"]), ("a", ["r"]), ("r", [])]))
+    assert rows == [("*", ["|\\"]), ("| *", []), ("* |", ["|/"]), ("*", [])]
+
+
+def test_branch_a_and_r_list_remote_tracking_branches(history: Path) -> None:
+    listing = run(history, "branch", "-a").stdout.splitlines()
+    assert [line[:2] + line[2:].split()[0] for line in listing] == ["  exp", "* main", "  remotes/origin/main"]
+    assert run(history, "branch", "-r").stdout.split()[0] == "remotes/origin/main"
+    doc = json.loads(run(history, "branch", "-r", "--json").stdout)
+    assert "branches" not in doc and set(doc["remote_branches"]) == {"origin/main"}
+
+
+def test_tag_l_with_a_pattern(history: Path) -> None:
+    assert [line.split()[0] for line in run(history, "tag", "-l", "v*").stdout.splitlines()] == ["v1", "v2"]
+    assert len(run(history, "tag", "-l").stdout.splitlines()) == 3
+    assert json.loads(run(history, "tag", "-l", "best*", "--json").stdout)["tags"].keys() == {"best-run"}
+    assert "branch" not in run(history, "tag", "--help").stdout  # item 16: the help was branch's
+
+
+@pytest.mark.parametrize("args", [
+    ["commit"], ["checkout", "HEAD"], ["stat"], ["log", "-n", "0"], ["config", "reflog_expire_days", "-1"],
+    ["log", "--no-such-option"],
+])
+def test_usage_errors_are_one_line_with_exit_2(history: Path, args: list[str]) -> None:
+    result = run(history, *args, code=2)
+    assert result.stderr.startswith("ckstore: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "Usage:" not in result.output and "--help" in result.stderr
+
+
+def test_usage_error_from_the_installed_command(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "ckstore.cli", "commit"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("ckstore: ")
+    assert subprocess.run([sys.executable, "-m", "ckstore.cli", "--version"], capture_output=True).returncode == 0
+
+
+def test_log_best_with_a_metric_no_commit_records_is_an_error(history: Path) -> None:  # item 10
+    result = run(history, "log", "--best", "val_lsos", code=3)
+    assert "val_lsos" in result.stderr and result.stderr.count("\n") == 1
+    assert "best val_loss" in run(history, "log", "--best", "val_loss", "--oneline").stdout
+
+
+@pytest.mark.parametrize("option", ["--chunk-size", "--zstd-level"])
+def test_init_refuses_0_like_config_does(tmp_path: Path, option: str) -> None:  # item 11
+    result = CliRunner().invoke(main, ["init", option, "0", str(tmp_path / "r")])
+    assert result.exit_code == 5 and "must be between" in result.stderr
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
