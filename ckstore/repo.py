@@ -358,6 +358,12 @@ class Repo:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
         return history.diff(self._ctx.graph, a, b)
 
+    def diff_folder(self, ref: str, folder: str | os.PathLike[str]) -> Diff:
+        """``diff`` from commit ``ref`` to the files under ``folder`` (hashed, not stored)."""
+        from ckstore.read.folder_diff import diff_folder
+
+        return diff_folder(self._ctx, ref, folder)
+
     def summary(self, ref: str = "HEAD") -> list[Any]:
         """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
         from ckstore.history.summary import summarise

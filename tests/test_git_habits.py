@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,49 @@ def test_init_refuses_0_like_config_does(tmp_path: Path, option: str) -> None:  
     result = CliRunner().invoke(main, ["init", option, "0", str(tmp_path / "r")])
     assert result.exit_code == 5 and "must be between" in result.stderr
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_progress_bars_use_binary_units() -> None:  # item 17: "368M/1.00G, 253MB/s" before
+    from ckstore.cli.base import binary_bar
+
+    bar = binary_bar(3 << 30, "commit")
+    try:
+        bar.update(400 << 20)
+        text = str(bar)
+    finally:
+        bar.close()
+    assert "400.0 MiB / 3.0 GiB" in text and re.search(r"[0-9.]+ [KMGT]iB/s", text)
+    assert "MB/s" not in text and "1.00G" not in text
+
+
+def test_diff_of_a_commit_against_a_folder_equals_the_diff_after_committing_it(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    repo = Repo.init(tmp_path / "r", chunk_size=4096)
+    folder = tmp_path / "ck"
+    checkpoint(folder / "model.safetensors", 1, n=5000)
+    (folder / "config.json").write_text("{}")
+    repo.commit([folder], message="one")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.w"] = tensors["model.w"] * 1.01
+    tensors["model.extra"] = torch.ones(3)
+    del tensors["optim.m"]
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "notes.txt").write_text("new file")
+    on_disk = json.loads(run(tmp_path / "r", "diff", "HEAD", str(folder), "--json").stdout)
+    repo.commit([folder], message="two")
+    committed = json.loads(run(tmp_path / "r", "diff", "HEAD~1", "HEAD", "--json").stdout)
+    assert on_disk["b"] == str(folder)
+    key = lambda c: (c["path"], c["name"] or "")  # noqa: E731
+    assert sorted(((c["path"], c["name"], c["status"]) for c in on_disk["changes"]), key=str) == \
+        sorted(((c["path"], c["name"], c["status"]) for c in committed["changes"]), key=str)
+    disk = {key(c): c["rel_l2"] for c in on_disk["changes"]}
+    for c in committed["changes"]:
+        if c["rel_l2"] is not None:
+            assert disk[key(c)] == pytest.approx(c["rel_l2"], rel=1e-12)
+    assert disk[("model.safetensors", "model.w")] == pytest.approx(0.01, rel=1e-3)
+    text = run(tmp_path / "r", "diff", "HEAD~1", str(folder) + "/").stdout
+    assert "~ model.safetensors:model.w" in text and "to the files in" in text
+    result = run(tmp_path / "r", "diff", "HEAD", str(tmp_path / "missing") + "/", code=5)
+    assert result.stderr.startswith("ckstore: ") and result.stderr.count("\n") == 1

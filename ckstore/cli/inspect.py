@@ -255,21 +255,28 @@ def _state_lines(value: Any) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
-    """Tensors added, removed, changed and unchanged from A to B, with B's new bytes."""
-    d = repo.diff(a, b)
+    """Tensors added, removed, changed and unchanged from A to B, with B's new bytes. B may be a
+    folder on disk (a path with a '/', or an existing directory): the commit against those files."""
+    import os
+
+    folder = b.endswith("/") or os.path.isdir(b)
+    d = repo.diff_folder(a, b) if folder else repo.diff(a, b)
     counts = d.counts()
     if as_json:
-        print_json({"a": d.a, "b": d.b,
+        print_json({"a": d.a, "b": b if folder else d.b,
                     "changes": [{"path": c.path, "name": c.name, "status": c.status, "new_bytes": c.stored_bytes,
                                  "rel_l2": c.rel_l2} for c in d],
                     "totals": {**counts, "new_bytes": d.new_bytes, "header_bytes": d.header_bytes}})
         return
     for c in d:
         if c.status != "unchanged":
-            cost = f"  ({human(c.stored_bytes)} new)" if c.status in ("added", "changed") else ""
+            cost = f"  ({human(c.stored_bytes)} new)" if c.status in ("added", "changed") and not folder else ""
             if c.rel_l2 is not None:
                 cost += f"  relative L2 change {c.rel_l2:.3g}"
             click.echo(f"{_STATUS_MARKS[c.status]} {c.path}{':' + c.name if c.name else ''}{cost}")
+    if folder:
+        click.echo(", ".join(f"{n} {s}" for s, n in counts.items()) + f" from {short(d.a)} to the files in {b}")
+        return
     click.echo(", ".join(f"{n} {s}" for s, n in counts.items())
                + f"; {human(d.new_bytes)} new in {short(d.b)} (stored now, in objects {short(d.a)} does not use)")
     child = repo.read_commit(d.b)

@@ -151,9 +151,13 @@ def new_objects(old: Commit | None, new: Commit) -> dict[str, tuple[str, str | N
 
 def diff(graph: CommitGraph, a: str, b: str) -> Diff:
     """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-    store = graph.store
     a_id, b_id = graph.resolve(a), graph.resolve(b)
-    old, new = graph.read_commit(a_id), graph.read_commit(b_id)
+    return diff_commits(graph.store, a_id, graph.read_commit(a_id), b_id, graph.read_commit(b_id))
+
+
+def diff_commits(store: ObjectStore, a_id: ObjectId, old: Commit, b_id: ObjectId, new: Commit) -> Diff:
+    """``diff`` of two manifests whose chunks ``store`` reads (``b`` may be files on disk, which
+    ``read/folder_diff.py`` describes as a manifest)."""
     old_items, new_items = _items(old), _items(new)
     old_tensors = {(f.path, t.name): t for f in old.files for t in f.tensors}
     new_tensors = {(f.path, t.name): t for f in new.files for t in f.tensors}

@@ -82,7 +82,8 @@ def _storage_table(data: ReportData) -> str:
         cells = "".join(f'<td data-{k}="{"" if v is None else v}">{human(v)}</td>' for k, v in figures.items())
         rows.append(f'<tr data-id="{r.id}"><td>{i}</td><td class=l><code>{r.id[:12]}</code></td>'
                     f"<td class=l>{escape(r.commit.message.splitlines()[0] if r.commit.message else '')}</td>{cells}</tr>")
-    return f'<table id="storage">{head}{"".join(rows)}</table>'
+    return (f"<details><summary>Every commit's figures ({len(rows)} rows)</summary>"
+            f'<table id="storage">{head}{"".join(rows)}</table></details>')
 
 
 def _retention_table(data: ReportData) -> str:
