@@ -437,24 +437,25 @@ class Repo:
         self.wait()
         return push(self._ctx, remote, refs, force, **options)
 
-    def fetch(self, remote: str | None = None) -> Any:
+    def fetch(self, remote: str | None = None, progress: ProgressFactory | None = None) -> Any:
         """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py."""
         from ckstore.remote.fetch import fetch
 
-        return fetch(self._ctx, remote)
+        return fetch(self._ctx, remote, progress)
 
-    def pull(self, remote: str | None = None) -> Any:
+    def pull(self, remote: str | None = None, progress: ProgressFactory | None = None) -> Any:
         """Fetch, then fast-forward the current branch; returns (report, old commit, new commit)."""
         from ckstore.remote.fetch import pull
 
-        return pull(self._ctx, remote)
+        return pull(self._ctx, remote, progress)
 
     @classmethod
-    def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None) -> Repo:
+    def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None,
+              progress: ProgressFactory | None = None) -> Repo:
         """A new repository at ``path`` with every branch of the remote at ``url`` ("origin")."""
         from ckstore.remote.fetch import clone
 
-        ctx, _ = clone(url, path, endpoint_url)
+        ctx, _ = clone(url, path, endpoint_url, progress=progress)
         return cls(_context=ctx)
 
     def gc_remote(self, remote: str | None = None, **options: Any) -> Any:

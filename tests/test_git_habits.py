@@ -152,3 +152,34 @@ def test_diff_of_a_commit_against_a_folder_equals_the_diff_after_committing_it(t
     assert "~ model.safetensors:model.w" in text and "to the files in" in text
     result = run(tmp_path / "r", "diff", "HEAD", str(tmp_path / "missing") + "/", code=5)
     assert result.stderr.startswith("ckstore: ") and result.stderr.count("\n") == 1
+
+
+class _Bar:
+    def __init__(self, total: int, desc: str, log: list) -> None:
+        self.log = log
+        log.append(("open", total, desc))
+
+    def update(self, n: int) -> None:
+        self.log.append(("update", n))
+
+    def close(self) -> None:
+        self.log.append(("close",))
+
+
+def test_push_fetch_and_clone_report_progress(history: Path, tmp_path: Path) -> None:  # item 17
+    repo = Repo(history)
+    log: list = []
+    repo.commit([checkpoint(tmp_path / "m.safetensors", 11)], message="more")
+    report = repo.push("origin", progress=lambda total, desc: _Bar(total, desc, log))
+    sent = sum(e[1] for e in log if e[0] == "update")
+    assert log[0][0] == "open" and log[0][2] == "push origin" and log[-1] == ("close",)
+    assert 0 < sent <= report.bytes and log[0][1] > 0
+    log.clear()
+    clone = Repo.clone(str(tmp_path / "remote"), tmp_path / "c", progress=lambda total, desc: _Bar(total, desc, log))
+    assert log[0] == ("open", 0, "fetch origin") and log[-1] == ("close",)  # 0: total unknown ahead
+    assert sum(e[1] for e in log if e[0] == "update") > 0
+    repo.commit([checkpoint(tmp_path / "m.safetensors", 12)], message="newer")
+    repo.push("origin")
+    log.clear()
+    fetched = clone.fetch("origin", progress=lambda total, desc: _Bar(total, desc, log))
+    assert sum(e[1] for e in log if e[0] == "update") == fetched.bytes > 0

@@ -79,8 +79,10 @@ def binary_bar(total: int, desc: str) -> ProgressBar:
             d.update(done=human(d["n"]), size=human(d["total"] or 0), speed=f"{human(rate)}/s" if rate else "…/s")
             return d
 
-    return BinaryBar(total=total, desc=desc, file=sys.stderr, leave=False, delay=PROGRESS_DELAY,
-                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {done} / {size} [{elapsed}<{remaining}, {speed}]")
+    # total 0: not known in advance (fetch): bytes so far and their rate, without a bar.
+    return BinaryBar(total=total or None, desc=desc, file=sys.stderr, leave=False, delay=PROGRESS_DELAY,
+                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {done} / {size} [{elapsed}<{remaining}, {speed}]"
+                     if total else "{desc}: {done} [{elapsed}, {speed}]")
 
 
 def json_safe(value: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ckstore.repo import Repo
-from ckstore.cli.base import human, main, pass_repo, print_json, short
+from ckstore.cli.base import human, main, pass_repo, print_json, progress_factory, short
 
 if TYPE_CHECKING:
     from ckstore.remote.fetch import FetchReport
@@ -57,7 +57,7 @@ def remote_remove(repo: Repo, name: str) -> None:
 @pass_repo
 def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool, as_json: bool) -> None:
     """Send REFs (default: the current branch) to REMOTE (default: origin), only what it lacks."""
-    r = repo.push(remote_name, list(refs), force=force)
+    r = repo.push(remote_name, list(refs), force=force, progress=progress_factory())
     if as_json:
         print_json({"remote": r.remote, "updated": [{"ref": ref, "old": old, "new": new} for ref, old, new in r.updated],
                     "up_to_date": r.up_to_date, "objects": r.objects, "packs": r.packs, "bytes": r.bytes})
@@ -80,7 +80,7 @@ def _fetched(r: FetchReport) -> None:
 @pass_repo
 def fetch(repo: Repo, remote_name: str | None) -> None:
     """Fetch REMOTE's branches (as REMOTE/BRANCH) and tags with every object they need."""
-    _fetched(repo.fetch(remote_name))
+    _fetched(repo.fetch(remote_name, progress=progress_factory()))
 
 
 @main.command()
@@ -88,7 +88,7 @@ def fetch(repo: Repo, remote_name: str | None) -> None:
 @pass_repo
 def pull(repo: Repo, remote_name: str | None) -> None:
     """Fetch, then fast-forward the current branch to REMOTE/BRANCH."""
-    r, old, new = repo.pull(remote_name)
+    r, old, new = repo.pull(remote_name, progress=progress_factory())
     _fetched(r)
     if old == new:
         click.echo(f"{repo.head_branch}: already up to date")
@@ -104,7 +104,7 @@ def clone(url: str, path: str, endpoint_url: str | None) -> None:
     """Create a repository at PATH (default ./.ckstore) with every branch of the remote at URL."""
     from ckstore.remote.fetch import clone as do_clone
 
-    ctx, r = do_clone(url, path, endpoint_url)
+    ctx, r = do_clone(url, path, endpoint_url, progress=progress_factory())
     click.echo(f"cloned {url} into {ctx.path}: {len(ctx.refs.list('refs/heads/'))} branch(es)")
     _fetched(r)
 

@@ -34,6 +34,7 @@ from ckstore.format.manifest import Commit, decode_commit
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
+from ckstore.write.pipeline import ProgressBar, ProgressFactory
 from ckstore.repository.store import (
     MAX_CHAIN_DEPTH,
     MAX_CHUNK_SIZE,
@@ -58,6 +59,12 @@ class FetchReport:
     commits: int = 0
     objects: int = 0
     bytes: int = 0  # object bytes transferred
+    progress: ProgressBar | None = field(default=None, repr=False, compare=False)  # the CLI's bar
+
+    def received(self, n: int) -> None:
+        self.bytes += n
+        if self.progress is not None:
+            self.progress.update(n)
 
 
 def read_objects(remote: RemoteRepo, where: dict[str, Located], oids: Iterable[str]) -> Iterator[tuple[str, str, bytes]]:
@@ -113,7 +120,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
             commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
             commits[ObjectId(oid)] = commit
             stored[ObjectId(oid)] = bytes(data)
-            report.bytes += len(data)
+            report.received(len(data))
         nxt = []
         for oid in frontier:  # a commit the remote gc pruned: history goes on with its parents
             for p in theirs.get(oid, ()):
@@ -302,7 +309,7 @@ class _Lander:
                     self.origin[o] = self.where[o].pack_id
                 todo = []
                 for o, pack_id, data in read_objects(self.remote, self.where, absent):
-                    self.report.bytes += len(data)
+                    self.report.received(len(data))
                     self.report.objects += 1
                     todo += self._arrive(o, pack_id, data)
             self._drain()
@@ -463,12 +470,18 @@ def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
     return missing
 
 
-def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
+def fetch(ctx: RepoContext, remote_name: str | None = None, progress: ProgressFactory | None = None) -> FetchReport:
     remote = open_remote(ctx, remote_name)
     report = FetchReport(remote.name)
     remote.require_format()
     refs = remote.list_refs()
-    fetch_history(ctx, remote, list(refs.values()), report)
+    # The total is not known before the commits are read: the bar counts bytes and their rate.
+    report.progress = progress(0, f"fetch {remote.name}") if progress else None
+    try:
+        fetch_history(ctx, remote, list(refs.values()), report)
+    finally:
+        if report.progress is not None:
+            report.progress.close()
     for ref, oid in sorted(refs.items()):
         local = tracking_ref(remote.name, ref)
         if local is None:
@@ -487,9 +500,10 @@ def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
     return report
 
 
-def pull(ctx: RepoContext, remote_name: str | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
+def pull(ctx: RepoContext, remote_name: str | None = None,
+         progress: ProgressFactory | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
     """Fetch, then fast-forward the current branch to its remote-tracking ref; (report, old, new)."""
-    report = fetch(ctx, remote_name)
+    report = fetch(ctx, remote_name, progress)
     branch = ctx.refs.head_branch()
     theirs = ctx.refs.read(f"{TRACKING}{report.remote}/{branch}")
     if theirs is None:
@@ -507,7 +521,7 @@ def pull(ctx: RepoContext, remote_name: str | None = None) -> tuple[FetchReport,
 
 
 def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = None,
-          config: RepoConfig | None = None) -> tuple[RepoContext, FetchReport]:
+          config: RepoConfig | None = None, progress: ProgressFactory | None = None) -> tuple[RepoContext, FetchReport]:
     """A new repository at ``path`` with remote "origin", every remote branch as a local branch,
     and HEAD on "main" (or the first branch)."""
     from ckstore.remote.names import RemoteSpec, open_spec
@@ -516,7 +530,7 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
     open_spec(RemoteSpec("origin", url, endpoint_url)).require_format()
     ctx = init_context(path, config or RepoConfig())
     add(ctx, "origin", url, endpoint_url)
-    report = fetch(ctx, "origin")
+    report = fetch(ctx, "origin", progress)
     branches = ctx.refs.list(f"{TRACKING}origin/")
     for branch, oid in branches.items():
         ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
