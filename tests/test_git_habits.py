@@ -183,3 +183,21 @@ def test_push_fetch_and_clone_report_progress(history: Path, tmp_path: Path) -> 
     log.clear()
     fetched = clone.fetch("origin", progress=lambda total, desc: _Bar(total, desc, log))
     assert sum(e[1] for e in log if e[0] == "update") == fetched.bytes > 0
+
+
+def test_show_describes_a_training_state_in_words(tmp_path: Path) -> None:
+    import torch
+
+    repo = Repo.init(tmp_path / "r")
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    repo.commit_state({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+                       "note": (1, b"xy", float("nan"))})
+    text = run(tmp_path / "r", "show").stdout
+    state = text[text.index("State:"):].split("\n\n")[0]
+    assert "$" not in state  # no $odict, $tensor, $tuple, $bytes, $f64
+    assert "model: 2 tensors (F32 ×2, 40 B): weight [2, 4], bias [2]" in state
+    assert "optimizer: {state: 6 tensors (F32 ×6, 88 B), param_groups: " in state
+    assert "epoch: 3" in state and "note: (1, 2 bytes, nan)" in state

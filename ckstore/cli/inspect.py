@@ -6,7 +6,6 @@ Their figures are defined once in ckstore/maintenance/sizes.py (docs/design.md, 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -164,8 +163,11 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
     click.echo(f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when committed")
     click.echo("Provenance: " + " ".join(f"{k}={v}" for k, v in c.provenance.items()))
     if c.state is not None:
+        from ckstore.history.state_words import state_lines
+
         click.echo("State:")
-        for line in _state_lines(repo.state_document(oid)):
+        tensors = {t.name: t for f in c.files if f.path == c.state.tensors for t in f.tensors}
+        for line in state_lines(repo.state_document(oid), tensors):
             click.echo(f"  {line}")
     if c.dcp is not None:
         _show_dcp(c.dcp)
@@ -235,18 +237,6 @@ def _show_dcp(record: Any) -> None:
              for o in record.objects]
     for line in _table(rows):
         click.echo(line)
-
-
-def _state_lines(value: Any) -> list[str]:
-    """One line per top-level entry of a training state's typed JSON, values shortened."""
-    if not isinstance(value, dict):
-        return [json.dumps(value)[:100]]
-    pairs = value["$dict"] if set(value) == {"$dict"} else value.items()
-    lines = []
-    for key, item in pairs:
-        text = json.dumps(item, ensure_ascii=False)
-        lines.append(f"{key}: {text if len(text) <= 100 else text[:97] + '...'}")
-    return lines
 
 
 @main.command()
