@@ -342,6 +342,15 @@ class Repo:
         commit = self.read_commit(self.resolve(ref))
         return set() if commit.base is None else from_base(commit, self.read_commit(commit.base.commit))
 
+    def base_location(self, ref: str) -> str | None:
+        """Where an overlay commit's base commit lives now: the base repository (found through
+        ``alternates``, so after a move or relink) that holds it; None if in this repository or
+        unreachable (fsck names an unreachable base)."""
+        commit = self.read_commit(self.resolve(ref))
+        if commit.base is None or commit.base.repo is None:
+            return None
+        return next((b.location for b in self._ctx.bases if b.store.has(commit.base.commit)), None)
+
     def read_file(self, oid: str, path: str) -> bytes:
         """The bytes of one (small) committed file, verified; for sidecars and configs."""
         for f in self.read_commit(oid).files:

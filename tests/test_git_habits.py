@@ -201,3 +201,16 @@ def test_show_describes_a_training_state_in_words(tmp_path: Path) -> None:
     assert "model: 2 tensors (F32 ×2, 40 B): weight [2, 4], bias [2]" in state
     assert "optimizer: {state: 6 tensors (F32 ×6, 88 B), param_groups: " in state
     assert "epoch: 3" in state and "note: (1, 2 bytes, nan)" in state
+
+
+def test_show_names_the_base_where_it_is_now(tmp_path: Path) -> None:  # item 7
+    import shutil
+
+    base = Repo.init(tmp_path / "a" / "base")
+    base.commit([checkpoint(tmp_path / "p.safetensors", 1)], message="pretrained")
+    overlay = Repo.init(tmp_path / "a" / "ovl")
+    overlay.commit([checkpoint(tmp_path / "f.safetensors", 2)], message="ft", base="HEAD", base_repo=tmp_path / "a" / "base")
+    shutil.move(tmp_path / "a", tmp_path / "b")  # the README's supported move of both
+    moved = str((tmp_path / "b" / "base").resolve())
+    assert f" in {moved}" in run(tmp_path / "b" / "ovl", "show").stdout
+    assert json.loads(run(tmp_path / "b" / "ovl", "show", "--json").stdout)["base"]["repo"] == moved

@@ -145,7 +145,9 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
                           "from_base": (f.path, t.name) in inherited} for t in f.tensors]}
             for f in c.files
         ]
-        doc = {**_entry_json(oid, c, refs=refs), "base": {"commit": c.base.commit, "repo": c.base.repo} if c.base else None,
+        # "repo": where the base is now (newcomer item 7), else as recorded at commit time.
+        base_repo = (repo.base_location(oid) or c.base.repo) if c.base else None
+        doc = {**_entry_json(oid, c, refs=refs), "base": {"commit": c.base.commit, "repo": base_repo} if c.base else None,
                "provenance": dict(c.provenance), "files": files}
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
@@ -155,7 +157,10 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
         return
     click.echo(f"commit {oid}{decoration_text(refs or Decorations())}\nDate:   {c.time}")
     if c.base is not None:
-        click.echo(f"Base:   {c.base.commit}" + (f" in {c.base.repo}" if c.base.repo else ""))
+        now = repo.base_location(oid)
+        where = (f" in {now}" if now else f" in {c.base.repo} (recorded at commit; not reachable now: "
+                 f"'ckstore fsck' says why)" if c.base.repo else "")
+        click.echo(f"Base:   {c.base.commit}{where}")
     if c.message:
         click.echo(f"Message: {c.message}")
     if c.decoded_metadata():
