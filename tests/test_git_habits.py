@@ -214,3 +214,16 @@ def test_show_names_the_base_where_it_is_now(tmp_path: Path) -> None:  # item 7
     moved = str((tmp_path / "b" / "base").resolve())
     assert f" in {moved}" in run(tmp_path / "b" / "ovl", "show").stdout
     assert json.loads(run(tmp_path / "b" / "ovl", "show", "--json").stdout)["base"]["repo"] == moved
+
+
+def test_clone_into_a_folder_with_files_is_output_exists(history: Path, tmp_path: Path) -> None:  # item 18
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    result = CliRunner().invoke(main, ["clone", str(tmp_path / "remote"), str(tmp_path / "full")])
+    assert result.exit_code == 6 and "not an empty directory" in result.stderr
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
+
+
+def test_commit_help_says_a_new_branch_starts_a_new_history() -> None:  # item 14
+    text = CliRunner().invoke(main, ["commit", "--help"]).stdout
+    assert "starts a new history" in " ".join(text.split()) and "switch -c" in text

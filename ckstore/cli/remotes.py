@@ -120,3 +120,6 @@ def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
     click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "
                f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "
                f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")
+    if r.condemned and not r.deleted and not r.dry_run:  # newcomer item 19: say why nothing went
+        click.echo("packs found unneeded are deleted only once they have stayed unneeded for the grace period "
+                   "(default 1 h, --grace SECONDS), by a later 'ckstore gc --remote'")
