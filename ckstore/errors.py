@@ -122,7 +122,8 @@ class RefChangedError(ConflictError):
 
 
 class OutputExistsError(ConflictError):
-    """Checkout would overwrite a different existing file without --force."""
+    """Checkout would overwrite a different existing file without --force; init or clone into a
+    folder that holds something else."""
 
 
 class RefExistsError(ConflictError):

@@ -123,6 +123,12 @@ class Repo:
     def tags(self) -> dict[str, ObjectId]:
         return self.refs.list(TAGS)
 
+    def remote_branches(self) -> dict[str, ObjectId]:
+        """Remote-tracking branches, ``REMOTE/BRANCH`` -> commit, as of the last push or fetch."""
+        from ckstore.remote.names import TRACKING
+
+        return self._ctx.refs.list(TRACKING)
+
     def create_branch(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
         """Create branch ``name`` at ``ref``; ``force`` moves it there if it exists."""
         return branches.create(self._ctx, "branch", name, ref, force)[1]
@@ -308,8 +314,9 @@ class Repo:
 
     # ---- history and inspection ----------------------------------------------------------------
 
-    def log(self, ref: str | None = None, limit: int | None = None, best: tuple[str, bool] | None = None) -> list[LogEntry]:
-        """Commits reachable from ``ref`` (default HEAD), newest first, at most ``limit``, with the
+    def log(self, ref: str | Sequence[str] | None = None, limit: int | None = None,
+            best: tuple[str, bool] | None = None) -> list[LogEntry]:
+        """Commits reachable from ``ref`` (default HEAD; a list: from any of them), newest first, at most ``limit``, with the
         names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
         return history.log(self._ctx.graph, ref, limit, best)
 
@@ -335,6 +342,15 @@ class Repo:
         commit = self.read_commit(self.resolve(ref))
         return set() if commit.base is None else from_base(commit, self.read_commit(commit.base.commit))
 
+    def base_location(self, ref: str) -> str | None:
+        """Where an overlay commit's base commit lives now: the base repository (found through
+        ``alternates``, so after a move or relink) that holds it; None if in this repository or
+        unreachable (fsck names an unreachable base)."""
+        commit = self.read_commit(self.resolve(ref))
+        if commit.base is None or commit.base.repo is None:
+            return None
+        return next((b.location for b in self._ctx.bases if b.store.has(commit.base.commit)), None)
+
     def read_file(self, oid: str, path: str) -> bytes:
         """The bytes of one (small) committed file, verified; for sidecars and configs."""
         for f in self.read_commit(oid).files:
@@ -350,6 +366,12 @@ class Repo:
     def diff(self, a: str, b: str) -> Diff:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
         return history.diff(self._ctx.graph, a, b)
+
+    def diff_folder(self, ref: str, folder: str | os.PathLike[str]) -> Diff:
+        """``diff`` from commit ``ref`` to the files under ``folder`` (hashed, not stored)."""
+        from ckstore.read.folder_diff import diff_folder
+
+        return diff_folder(self._ctx, ref, folder)
 
     def summary(self, ref: str = "HEAD") -> list[Any]:
         """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
@@ -424,26 +446,27 @@ class Repo:
         self.wait()
         return push(self._ctx, remote, refs, force, **options)
 
-    def fetch(self, remote: str | None = None) -> Any:
+    def fetch(self, remote: str | None = None, progress: ProgressFactory | None = None) -> Any:
         """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py.
         Refs it could not take are in the report's ``skipped`` (``report.check()`` raises for damaged ones)."""
         from ckstore.remote.fetch import fetch
 
-        return fetch(self._ctx, remote)
+        return fetch(self._ctx, remote, progress)
 
-    def pull(self, remote: str | None = None) -> Any:
+    def pull(self, remote: str | None = None, progress: ProgressFactory | None = None) -> Any:
         """Fetch, then fast-forward the current branch; returns (report, old commit, new commit)."""
         from ckstore.remote.fetch import pull
 
-        return pull(self._ctx, remote)
+        return pull(self._ctx, remote, progress)
 
     @classmethod
-    def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None) -> Repo:
+    def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None,
+              progress: ProgressFactory | None = None) -> Repo:
         """A new repository at ``path`` with every branch of the remote at ``url`` ("origin").
         A ref the remote is damaged at raises IntegrityError naming it, after the others landed."""
         from ckstore.remote.fetch import clone
 
-        ctx, report = clone(url, path, endpoint_url)
+        ctx, report = clone(url, path, endpoint_url, progress=progress)
         report.check()
         return cls(_context=ctx)
 
@@ -460,6 +483,21 @@ class Repo:
 
         return attach(self._ctx, remote)
 
+    def status(self) -> Any:
+        """The current branch and HEAD, pending compaction, stored size and what gc would free,
+        overlay bases reachable or not, and each remote's tracking refs ahead/behind (status.py)."""
+        from ckstore.report.status import status
+
+        return status(self._ctx, {name: spec.url for name, spec in self.remotes().items()})
+
+    def report(self, refs: Sequence[str], output: str | os.PathLike[str]) -> int:
+        """Write the self-contained HTML report of the history of ``refs`` (default HEAD) to
+        ``output``: per-module change heatmap, storage, metrics, lineage, health (report/)."""
+        from ckstore.report.build import write_report
+
+        self.wait()
+        return write_report(self._ctx, refs, Path(output))
+
     def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
         from ckstore.maintenance.fsck import check
 
@@ -469,5 +507,7 @@ class Repo:
 
 def _config(chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None) -> RepoConfig:
     defaults = RepoConfig()
-    return RepoConfig(chunk_size or defaults.chunk_size, zstd_level or defaults.zstd_level,
+    # None means "the default"; 0 is a value like any other, refused by validation (newcomer item 11).
+    return RepoConfig(defaults.chunk_size if chunk_size is None else chunk_size,
+                      defaults.zstd_level if zstd_level is None else zstd_level,
                       defaults.max_delta_depth if max_delta_depth is None else max_delta_depth)

@@ -185,6 +185,9 @@ def test_every_json_output_is_strict_and_documented(cli: Cli, tmp_path: Path) ->
     check("repack")
     cli("remote", "add", "origin", str(tmp_path / "remote"))
     assert check("push")["updated"][0]["ref"] == "refs/heads/main"
+    status = check("status")
+    assert status["remotes"][0]["branches"][0]["ahead"] == 0 and status["head"] == status["remotes"][0]["branches"][0]["local"]
+    assert set(check("branch", "-a")["remote_branches"]) == {"origin/main"}
     check("gc", "--remote", "origin", "--dry-run")
     legacy = tmp_path / "legacy.pt"
     import torch

@@ -232,12 +232,12 @@ def test_a_commit_that_is_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_manifest_versions(tmp_path: Path) -> None:
     repo = ckstore.Repo.init(tmp_path / "repo")
     plain = repo.read_commit(repo.commit_state({"w": torch.ones(2)}))
-    assert encode_commit(plain).startswith(b'{"ckstore":1,')  # unchanged for commits without a record
+    assert encode_commit(plain).startswith(b'{"ckstore":3,')  # tensor stats (format.md 5.1), no dcp record
     commit = repo.read_commit(_single_save(repo, "main", 1.0))
     raw = encode_commit(commit)
     assert raw.startswith(b'{"ckstore":2,') and decode_commit(raw) == commit
     with pytest.raises(UnsupportedFormatError):
-        decode_commit(raw.replace(b'{"ckstore":2,', b'{"ckstore":3,', 1))
+        decode_commit(raw.replace(b'{"ckstore":2,', b'{"ckstore":4,', 1))
     # Old readers refuse version 2 as newer; this reader refuses a record that lies.
     bad = raw.replace(b'"world_size":1', b'"world_size":0', 1)
     with pytest.raises(IntegrityError, match="world_size"):

@@ -183,5 +183,5 @@ def test_init_exist_ok_opens_the_existing_repository(tmp_path: Path) -> None:
     assert fresh.branches() == {}
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("not a repository")
-    with pytest.raises(InvalidInputError, match="not an empty directory"):
+    with pytest.raises(OutputExistsError, match="not an empty directory"):  # exit 6, as init over a repository
         Repo.init(tmp_path / "full", exist_ok=True)

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from ckstore.errors import IntegrityError, InvalidInputError, LockedError, RefExistsError, StorageError
+from ckstore.errors import IntegrityError, InvalidInputError, LockedError, OutputExistsError, RefExistsError, StorageError
 from ckstore.backend.fsio import fsync_path, mutating_step, start_writeback
 from ckstore.format.ids import key_object_id, object_key
 from ckstore.format.pack import check_read
@@ -73,7 +73,8 @@ def prepare_new_repository(path: str | os.PathLike[str], marker: str) -> Path:
     if (root / marker).exists():
         raise RefExistsError(f"a repository already exists at {root}")
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise InvalidInputError(f"{root} exists and is not an empty directory")
+        # Exit 6, "output exists", as for init over a repository (newcomer item 18), not 5.
+        raise OutputExistsError(f"{root} exists and is not an empty directory")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -1,6 +1,6 @@
 """The ``ckstore`` command: parse arguments, call ``Repo``, print. No storage work happens here.
 
-Commands live in one module per group (files, inspect, refs, maintenance, overlays, remotes); importing them
+Commands live in one module per group (files, inspect, refs, maintenance, overlays, overview, remotes); importing them
 registers them on ``main``.
 """
 
@@ -10,6 +10,7 @@ from ckstore.cli import files
 from ckstore.cli import inspect
 from ckstore.cli import maintenance
 from ckstore.cli import overlays
+from ckstore.cli import overview
 from ckstore.cli import refs
 from ckstore.cli import remotes  # noqa: F401  (registers the commands)
 from ckstore.cli.base import main, run

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any, NoReturn
 import click
 import click.shell_completion
 
+from ckstore.format.units import human  # noqa: F401  (the commands' one way to print sizes)
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ckstore.repo import ProgressBar, Repo
 
@@ -29,14 +31,6 @@ EXIT_PIPE = 141  # 128 + SIGPIPE
 def die(message: str, code: int) -> NoReturn:
     click.echo(f"ckstore: {message}", err=True)
     sys.exit(code)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def parse_meta_value(text: str) -> Any:
@@ -69,13 +63,26 @@ PROGRESS_DELAY = 0.5
 def progress_factory() -> Callable[[int, str], ProgressBar] | None:
     if not sys.stderr.isatty():
         return None
+    return binary_bar
+
+
+def binary_bar(total: int, desc: str) -> ProgressBar:
+    """A tqdm bar in the units the rest of the CLI prints (KiB, MiB, GiB and MiB/s): tqdm's own
+    scaling labels binary numbers "M"/"G" and its rate in decimal "MB/s" (newcomer item 17)."""
     from tqdm import tqdm
 
-    def make(total: int, desc: str) -> ProgressBar:
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False,
-                    delay=PROGRESS_DELAY)
+    class BinaryBar(tqdm):  # type: ignore[misc,type-arg]
+        @property
+        def format_dict(self) -> dict[str, Any]:
+            d = super().format_dict
+            rate = d["rate"] or (d["n"] / d["elapsed"] if d["elapsed"] else None)
+            d.update(done=human(d["n"]), size=human(d["total"] or 0), speed=f"{human(rate)}/s" if rate else "…/s")
+            return d
 
-    return make
+    # total 0: not known in advance (fetch): bytes so far and their rate, without a bar.
+    return BinaryBar(total=total or None, desc=desc, file=sys.stderr, leave=False, delay=PROGRESS_DELAY,
+                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {done} / {size} [{elapsed}<{remaining}, {speed}]"
+                     if total else "{desc}: {done} [{elapsed}, {speed}]")
 
 
 def json_safe(value: Any) -> Any:
@@ -119,7 +126,40 @@ def show_warnings(caught: list[warnings.WarningMessage]) -> None:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
+_COUNT = re.compile(r"-[0-9]+")
+_COUNTED = ("log", "reflog")  # the commands that take git's -N for -n N
+
+
+def git_count_args(args: list[str]) -> list[str]:
+    """git's ``log -3``: ``-N`` after log or reflog becomes ``-n N`` (click has no such option)."""
+    command = next((i for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "--repo")),
+                   None)
+    if command is None or args[command] not in _COUNTED:
+        return args
+    out = args[:command + 1]
+    for arg in args[command + 1:]:
+        out += ["-n", arg[1:]] if _COUNT.fullmatch(arg) else [arg]
+    return out
+
+
 class _Group(click.Group):
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
+        """Usage errors as every other error: one line ``ckstore: …`` (README, "Commands"), exit 2."""
+        argv = git_count_args(list(sys.argv[1:] if args is None else args))
+        extra.pop("standalone_mode", None)
+        try:
+            super().main(argv, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "ckstore"
+            die(f"{exc.format_message().rstrip('.')} (see '{where} --help')", exc.exit_code)
+        except click.exceptions.Abort:
+            die("interrupted", EXIT_INTERRUPTED)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            die(exc.format_message(), exc.exit_code)
+        sys.exit(0)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             with warnings.catch_warnings(record=True) as caught:

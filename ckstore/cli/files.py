@@ -31,7 +31,8 @@ def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_de
 @main.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option("-m", "--message", default="", help="Commit message.")
-@click.option("--branch", help="Branch to commit to (default: the current branch).")
+@click.option("--branch", help="Branch to commit to (default: the current branch); a branch that does not exist yet "
+              "starts a new history with no parent: 'ckstore switch -c NAME' first branches from HEAD.")
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Typed metadata (repeatable).")
 @click.option("--base", metavar="REF", help="Record the commit as an overlay on this base commit.")
 @click.option("--base-repo", metavar="PATH", help="Repository holding --base (referenced, not copied).")
@@ -123,7 +124,8 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
 @click.argument("path")
 @click.option("--recursive", is_flag=True, help="Import every .pth/.pt/.bin/.ckpt file under the folder PATH.")
 @click.option("-m", "--message", default=None, help="Commit message (default: the file's name).")
-@click.option("--branch", help="Branch to commit to (default: the current branch).")
+@click.option("--branch", help="Branch to commit to (default: the current branch); a branch that does not exist yet "
+              "starts a new history with no parent: 'ckstore switch -c NAME' first branches from HEAD.")
 @click.option("--delete-source", is_flag=True, help="Delete each file once its commit is verified.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo

@@ -6,11 +6,11 @@ Their figures are defined once in ckstore/maintenance/sizes.py (docs/design.md, 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from ckstore.errors import InvalidInputError
 from ckstore.format.dcp_record import record_json
 from ckstore.repo import Decorations, Repo
 from ckstore.cli.base import complete_ref, human, main, pass_repo, print_json, short
@@ -54,12 +54,19 @@ def commit_line(oid: str, commit: Any, refs: Decorations | None = None) -> str:
 @click.option("--sizes", is_flag=True, help="Also compute each commit's new and held-alone bytes now (reads object headers).")
 @click.option("--best", "best_metric", metavar="METRIC", help="Mark the listed commit with the best METRIC.")
 @click.option("--max", "maximize", is_flag=True, help="With --best: higher is better (default: lower).")
+@click.option("--all", "all_refs", is_flag=True, help="History of every branch, tag and remote-tracking branch.")
+@click.option("--graph", is_flag=True, help="Draw the lines of history beside the commits (as git log --graph).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bool, best_metric: str | None,
-        maximize: bool, as_json: bool) -> None:
-    """History of REF (default HEAD), newest first, with the branches and tags pointing at each commit."""
-    entries = repo.log(ref, limit=limit, best=(best_metric, maximize) if best_metric else None)
+        maximize: bool, all_refs: bool, graph: bool, as_json: bool) -> None:
+    """History of REF (default HEAD), newest first, with the branches and tags pointing at each commit.
+    -N is -n N (git's log -1)."""
+    if all_refs and ref:
+        raise InvalidInputError("log --all takes no REF")
+    starts = ([*repo.branches().values(), *repo.tags().values(), *repo.remote_branches().values()]
+              if all_refs else ref)
+    entries = repo.log(starts or None, limit=limit, best=(best_metric, maximize) if best_metric else None)
     figures = repo.commit_sizes([e.id for e in entries]) if sizes else {}
     if as_json:
         docs = []
@@ -70,12 +77,21 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
             docs.append(doc)
         print_json(docs)
         return
+    from ckstore.history.lanes import graph_prefixes
+
+    lanes = graph_prefixes([(e.id, e.commit.parents) for e in entries]) if graph else None
     for e in entries:
         c = e.commit
+        prefix, joins = next(lanes) if lanes else ("", [])
         extra = (f"{human(figures[e.id].new_bytes)} new, {_held_text(figures[e.id].held_alone_bytes)}"
                  if sizes else "")
         if oneline:
-            click.echo(commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else ""))
+            click.echo((f"{prefix} " if graph else "") + commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else ""))
+            for line in joins:
+                click.echo(line)
+            continue
+        if graph:
+            _echo_graph_commit(prefix, joins, e, extra)
             continue
         click.echo(f"commit {e.id}{decoration_text(e.refs)}")
         click.echo(f"Date:   {c.time}")
@@ -88,6 +104,23 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
         if c.message:
             click.echo(f"\n    {c.message}")
         click.echo()
+
+
+def _echo_graph_commit(prefix: str, joins: list[str], e: Any, extra: str) -> None:
+    """The long format with the lanes on its left: the commit line, then its details indented."""
+    c = e.commit
+    rest = prefix.replace("*", "|")
+    lines = [f"Date:   {c.time}", f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when "
+             f"committed" + (f"; {extra}" if extra else "")]
+    if c.decoded_metadata():
+        lines.append(f"Meta:   {meta_text(c.decoded_metadata())}")
+    if c.message:
+        lines += ["", f"    {c.message}"]
+    click.echo(f"{prefix} commit {e.id}{decoration_text(e.refs)}")
+    for line in lines:
+        click.echo(f"{rest} {line}".rstrip())
+    for line in joins or [rest]:
+        click.echo(line)
 
 
 def _held_text(n: int | None) -> str:
@@ -112,7 +145,9 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
                           "from_base": (f.path, t.name) in inherited} for t in f.tensors]}
             for f in c.files
         ]
-        doc = {**_entry_json(oid, c, refs=refs), "base": {"commit": c.base.commit, "repo": c.base.repo} if c.base else None,
+        # "repo": where the base is now (newcomer item 7), else as recorded at commit time.
+        base_repo = (repo.base_location(oid) or c.base.repo) if c.base else None
+        doc = {**_entry_json(oid, c, refs=refs), "base": {"commit": c.base.commit, "repo": base_repo} if c.base else None,
                "provenance": dict(c.provenance), "files": files}
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
@@ -122,7 +157,10 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
         return
     click.echo(f"commit {oid}{decoration_text(refs or Decorations())}\nDate:   {c.time}")
     if c.base is not None:
-        click.echo(f"Base:   {c.base.commit}" + (f" in {c.base.repo}" if c.base.repo else ""))
+        now = repo.base_location(oid)
+        where = (f" in {now}" if now else f" in {c.base.repo} (recorded at commit; not reachable now: "
+                 f"'ckstore fsck' says why)" if c.base.repo else "")
+        click.echo(f"Base:   {c.base.commit}{where}")
     if c.message:
         click.echo(f"Message: {c.message}")
     if c.decoded_metadata():
@@ -130,8 +168,11 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
     click.echo(f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when committed")
     click.echo("Provenance: " + " ".join(f"{k}={v}" for k, v in c.provenance.items()))
     if c.state is not None:
+        from ckstore.history.state_words import state_lines
+
         click.echo("State:")
-        for line in _state_lines(repo.state_document(oid)):
+        tensors = {t.name: t for f in c.files if f.path == c.state.tensors for t in f.tensors}
+        for line in state_lines(repo.state_document(oid), tensors):
             click.echo(f"  {line}")
     if c.dcp is not None:
         _show_dcp(c.dcp)
@@ -203,39 +244,34 @@ def _show_dcp(record: Any) -> None:
         click.echo(line)
 
 
-def _state_lines(value: Any) -> list[str]:
-    """One line per top-level entry of a training state's typed JSON, values shortened."""
-    if not isinstance(value, dict):
-        return [json.dumps(value)[:100]]
-    pairs = value["$dict"] if set(value) == {"$dict"} else value.items()
-    lines = []
-    for key, item in pairs:
-        text = json.dumps(item, ensure_ascii=False)
-        lines.append(f"{key}: {text if len(text) <= 100 else text[:97] + '...'}")
-    return lines
-
-
 @main.command()
 @click.argument("a", shell_complete=complete_ref)
 @click.argument("b", shell_complete=complete_ref)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
-    """Tensors added, removed, changed and unchanged from A to B, with B's new bytes."""
-    d = repo.diff(a, b)
+    """Tensors added, removed, changed and unchanged from A to B, with B's new bytes. B may be a
+    folder on disk (a path with a '/', or an existing directory): the commit against those files."""
+    import os
+
+    folder = b.endswith("/") or os.path.isdir(b)
+    d = repo.diff_folder(a, b) if folder else repo.diff(a, b)
     counts = d.counts()
     if as_json:
-        print_json({"a": d.a, "b": d.b,
+        print_json({"a": d.a, "b": b if folder else d.b,
                     "changes": [{"path": c.path, "name": c.name, "status": c.status, "new_bytes": c.stored_bytes,
                                  "rel_l2": c.rel_l2} for c in d],
                     "totals": {**counts, "new_bytes": d.new_bytes, "header_bytes": d.header_bytes}})
         return
     for c in d:
         if c.status != "unchanged":
-            cost = f"  ({human(c.stored_bytes)} new)" if c.status in ("added", "changed") else ""
+            cost = f"  ({human(c.stored_bytes)} new)" if c.status in ("added", "changed") and not folder else ""
             if c.rel_l2 is not None:
                 cost += f"  relative L2 change {c.rel_l2:.3g}"
             click.echo(f"{_STATUS_MARKS[c.status]} {c.path}{':' + c.name if c.name else ''}{cost}")
+    if folder:
+        click.echo(", ".join(f"{n} {s}" for s, n in counts.items()) + f" from {short(d.a)} to the files in {b}")
+        return
     click.echo(", ".join(f"{n} {s}" for s, n in counts.items())
                + f"; {human(d.new_bytes)} new in {short(d.b)} (stored now, in objects {short(d.a)} does not use)")
     child = repo.read_commit(d.b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import shlex
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -13,17 +14,65 @@ from ckstore.repo import ReflogEntry, Repo
 from ckstore.cli.base import complete_ref, main, pass_repo, print_json
 
 
-def _refs_command(kind: str) -> Callable[..., None]:
+def _listing_options(kind: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """git's listing switches: ``branch -a``/``-r`` (remote-tracking branches), ``tag -l [PATTERN]``."""
+    if kind == "branch":
+        options = [click.option("-a", "--all", "listing", flag_value="all",
+                                help="List local and remote-tracking branches (REMOTE/BRANCH)."),
+                   click.option("-r", "--remotes", "listing", flag_value="remotes",
+                                help="List remote-tracking branches only.")]
+    else:
+        options = [click.option("-l", "--list", "listing", flag_value="pattern",
+                                help="List tags; a NAME given is a glob pattern they must match (as git tag -l).")]
+
+    def apply(f: Callable[..., None]) -> Callable[..., None]:
+        for option in options:
+            f = option(f)
+        return f
+
+    return apply
+
+
+def _list_refs(repo: Repo, kind: str, listing: str | None, pattern: str | None, as_json: bool) -> None:
     plural = "branches" if kind == "branch" else "tags"
+    local = {} if listing == "remotes" else repo.branches() if kind == "branch" else repo.tags()
+    if pattern is not None:
+        local = {k: v for k, v in local.items() if fnmatch.fnmatchcase(k, pattern)}
+    remote = repo.remote_branches() if listing in ("all", "remotes") else {}
+    if as_json:
+        doc: dict[str, object] = {"current": repo.head_branch} if kind == "branch" else {}
+        if listing != "remotes":
+            doc[plural] = dict(sorted(local.items()))
+        if listing in ("all", "remotes"):
+            doc["remote_branches"] = dict(sorted(remote.items()))
+        print_json(doc)
+        return
+    current = repo.head_branch if kind == "branch" else None
+    rows = [(f"{'*' if key == current else ' '} {key}", oid) for key, oid in sorted(local.items())]
+    rows += [(f"  remotes/{key}", oid) for key, oid in sorted(remote.items())]
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, oid in rows:
+        click.echo(f"{label:<{width}}  {oid[:12]}")
+
+
+def _refs_command(kind: str) -> Callable[..., None]:
+    force_help = f"Move an existing {kind} to REF" + ("; with -d, delete even the current or only branch."
+                                                       if kind == "branch" else ".")
 
     @click.argument("name", required=False)
     @click.argument("ref", required=False, shell_complete=complete_ref)
     @click.option("-d", "--delete", is_flag=True, help=f"Delete the {kind}.")
-    @click.option("-f", "--force", is_flag=True,
-                  help=f"Move an existing {kind} to REF; with -d, delete even the current or only branch.")
+    @click.option("-f", "--force", is_flag=True, help=force_help)
+    @_listing_options(kind)
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
     @pass_repo
-    def command(repo: Repo, name: str | None, ref: str | None, delete: bool, force: bool, as_json: bool) -> None:
+    def command(repo: Repo, name: str | None, ref: str | None, delete: bool, force: bool, listing: str | None,
+                as_json: bool) -> None:
+        if listing is not None:
+            if delete or force or ref is not None or (name is not None and kind == "branch"):
+                raise InvalidInputError(f"{kind} {'-l takes at most a PATTERN' if kind == 'tag' else '-a/-r only list'}")
+            _list_refs(repo, kind, listing, name, as_json)
+            return
         if delete:
             if name is None:
                 raise InvalidInputError(f"{kind} -d needs a name")
@@ -42,16 +91,9 @@ def _refs_command(kind: str) -> Callable[..., None]:
             else:
                 click.echo(f"{kind} {name} -> {oid}")
         else:
-            listing = repo.branches() if kind == "branch" else repo.tags()
-            if as_json:
-                doc: dict[str, object] = {"current": repo.head_branch} if kind == "branch" else {}
-                print_json({**doc, plural: dict(sorted(listing.items()))})
-                return
-            current = repo.head_branch if kind == "branch" else None
-            width = max(map(len, listing), default=0)
-            for key, oid in sorted(listing.items()):
-                click.echo(f"{'*' if key == current else ' '} {key:<{width}}  {oid[:12]}")
+            _list_refs(repo, kind, None, None, as_json)
 
+    plural = "branches" if kind == "branch" else "tags"
     command.__doc__ = (f"List {plural}, create {kind} NAME at REF (default HEAD; -f moves an existing one),"
                        f" or delete one with -d.")
     return command

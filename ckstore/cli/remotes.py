@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ckstore.repo import Repo
-from ckstore.cli.base import human, main, pass_repo, print_json, short
+from ckstore.cli.base import human, main, pass_repo, print_json, progress_factory, short
 
 if TYPE_CHECKING:
     from ckstore.remote.fetch import FetchReport
@@ -60,7 +60,7 @@ def remote_remove(repo: Repo, name: str) -> None:
 @pass_repo
 def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool, as_json: bool) -> None:
     """Send REFs (default: the current branch) to REMOTE (default: origin), only what it lacks."""
-    r = repo.push(remote_name, list(refs), force=force)
+    r = repo.push(remote_name, list(refs), force=force, progress=progress_factory())
     if as_json:
         print_json({"remote": r.remote, "updated": [{"ref": ref, "old": old, "new": new} for ref, old, new in r.updated],
                     "up_to_date": r.up_to_date, "objects": r.objects, "packs": r.packs, "bytes": r.bytes})
@@ -86,7 +86,7 @@ def _fetched(r: FetchReport) -> None:
 @pass_repo
 def fetch(repo: Repo, remote_name: str | None) -> None:
     """Fetch REMOTE's branches (as REMOTE/BRANCH) and tags with every object they need."""
-    r = repo.fetch(remote_name)
+    r = repo.fetch(remote_name, progress=progress_factory())
     _fetched(r)
     r.check()
 
@@ -96,7 +96,7 @@ def fetch(repo: Repo, remote_name: str | None) -> None:
 @pass_repo
 def pull(repo: Repo, remote_name: str | None) -> None:
     """Fetch, then fast-forward the current branch to REMOTE/BRANCH."""
-    r, old, new = repo.pull(remote_name)
+    r, old, new = repo.pull(remote_name, progress=progress_factory())
     _fetched(r)
     if old == new:
         click.echo(f"{repo.head_branch}: already up to date")
@@ -113,7 +113,7 @@ def clone(url: str, path: str, endpoint_url: str | None) -> None:
     """Create a repository at PATH (default ./.ckstore) with every branch of the remote at URL."""
     from ckstore.remote.fetch import clone as do_clone
 
-    ctx, r = do_clone(url, path, endpoint_url)
+    ctx, r = do_clone(url, path, endpoint_url, progress=progress_factory())
     click.echo(f"cloned {url} into {ctx.path}: {len(ctx.refs.list('refs/heads/'))} branch(es)")
     _fetched(r)
     r.check()
@@ -130,3 +130,6 @@ def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
     click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "
                f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "
                f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")
+    if r.condemned and not r.deleted and not r.dry_run:  # newcomer item 19: say why nothing went
+        click.echo("packs found unneeded are deleted only once they have stayed unneeded for the grace period "
+                   "(default 1 h, --grace SECONDS), by a later 'ckstore gc --remote'")

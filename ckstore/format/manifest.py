@@ -20,12 +20,15 @@ from ckstore.format.dcp_record import DcpRecord, parse_record, record_json
 from ckstore.errors import IntegrityError, InvalidInputError, InvalidPathError, UnsupportedFormatError
 from ckstore.format.ids import ObjectId, is_object_id
 from ckstore.format.safetensors import DTYPE_BITS
+from ckstore.format.tensor_stats import TensorStats, stats_json
 from ckstore.format.values import JSONValue, decode_value
 
 # Version 2 adds the ``dcp`` field (distributed checkpoints, format.md section 16). Writers emit
 # version 1, byte for byte as before, for every commit without a dcp record, so only DCP commits
-# are refused by readers that know version 1 alone.
-MANIFEST_VERSION = 2
+# are refused by readers that know version 1 alone. Version 3 adds per-tensor ``stats`` (section
+# 5.1) to a commit without a dcp record; writers emit it only when some tensor carries them.
+MANIFEST_VERSION = 3
+STATS_VERSION = 3
 MAX_MANIFEST_BYTES = 1 << 30
 # Beyond MAX_DENSE_CONTAINERS, a manifest holds at most one JSON list or object per
 # MIN_CONTAINER_BYTES bytes of text (a real one: one per 20 bytes or more; docs/format.md 10).
@@ -48,6 +51,9 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[ChunkRef, ...]
+    # Recorded at commit (manifest version 3); None in older manifests. Not part of equality:
+    # the same bytes are the same tensor whether or not a writer recorded figures about them.
+    stats: TensorStats | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -136,18 +142,30 @@ def _file_json(f: FileEntry) -> dict[str, Any]:
     out: dict[str, Any] = {"path": f.path, "kind": f.kind, "size": f.size}
     if f.kind == "safetensors":
         out["header"] = _chunks_json(f.header)
-        out["tensors"] = [
-            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": _chunks_json(t.chunks)}
-            for t in f.tensors
-        ]
+        out["tensors"] = [_tensor_json(t) for t in f.tensors]
     else:
         out["chunks"] = _chunks_json(f.chunks)
     return out
 
 
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": _chunks_json(t.chunks)}
+    if t.stats is not None:
+        out["stats"] = stats_json(t.stats)
+    return out
+
+
+def _version(commit: Commit) -> int:
+    if commit.dcp is not None:
+        return 2
+    return STATS_VERSION if any(t.stats is not None for f in commit.files for t in f.tensors) else 1
+
+
 def encode_commit(commit: Commit) -> bytes:
+    if commit.dcp is not None and any(t.stats is not None for f in commit.files for t in f.tensors):
+        raise ValueError("a distributed checkpoint's manifest (version 2) cannot carry tensor stats")
     doc = {
-        "ckstore": 1 if commit.dcp is None else 2,
+        "ckstore": _version(commit),
         "parents": list(commit.parents),
         "time": commit.time,
         "branch": commit.branch,
@@ -243,8 +261,31 @@ def _parse_chunks(value: Any, where: str) -> tuple[ChunkRef, ...]:
     return tuple(out)
 
 
-def _parse_tensor(doc: Any, where: str) -> TensorEntry:
-    if not isinstance(doc, dict) or set(doc) != {"name", "dtype", "shape", "chunks"}:
+_TENSOR_FIELDS = {"name", "dtype", "shape", "chunks"}
+_STATS_FIELDS = ("l2", "absmax", "nonfinite", "change")
+
+
+def _optional_number(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise IntegrityError(f"{where}: malformed stats")
+    return float(value)
+
+
+def _parse_stats(doc: Any, where: str) -> TensorStats:
+    if not isinstance(doc, dict) or set(doc) != set(_STATS_FIELDS):
+        raise IntegrityError(f"{where}: malformed stats")
+    nonfinite = doc["nonfinite"]
+    if isinstance(nonfinite, bool) or not isinstance(nonfinite, int) or nonfinite < 0:
+        raise IntegrityError(f"{where}: malformed stats")
+    return TensorStats(_optional_number(doc["l2"], where), _optional_number(doc["absmax"], where), nonfinite,
+                       _optional_number(doc["change"], where))
+
+
+def _parse_tensor(doc: Any, where: str, version: int) -> TensorEntry:
+    allowed = (_TENSOR_FIELDS, {*_TENSOR_FIELDS, "stats"}) if version >= STATS_VERSION else (_TENSOR_FIELDS,)
+    if not isinstance(doc, dict) or set(doc) not in allowed:
         raise IntegrityError(f"{where}: malformed tensor entry")
     name = _expect(doc, "name", str, where)
     where = f"{where}, tensor {name!r}"
@@ -258,10 +299,11 @@ def _parse_tensor(doc: Any, where: str) -> TensorEntry:
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits != 8 * sum(c.size for c in chunks):
         raise IntegrityError(f"{where}: chunk sizes do not match dtype and shape")
-    return TensorEntry(name, dtype, tuple(shape), chunks)
+    stats = _parse_stats(doc["stats"], where) if "stats" in doc else None
+    return TensorEntry(name, dtype, tuple(shape), chunks, stats)
 
 
-def _parse_file(doc: Any, index: int) -> FileEntry:
+def _parse_file(doc: Any, index: int, version: int) -> FileEntry:
     where = f"file #{index}"
     if not isinstance(doc, dict):
         raise IntegrityError(f"{where}: not an object")
@@ -277,7 +319,7 @@ def _parse_file(doc: Any, index: int) -> FileEntry:
             raise IntegrityError(f"{where}: unexpected fields")
         header = _parse_chunks(doc["header"], where)
         tensors_doc = _expect(doc, "tensors", list, where)
-        tensors = tuple(_parse_tensor(t, where) for t in tensors_doc)
+        tensors = tuple(_parse_tensor(t, where, version) for t in tensors_doc)
         if len({t.name for t in tensors}) != len(tensors):
             raise IntegrityError(f"{where}: duplicate tensor names")
         entry = FileEntry(path, kind, size, header=header, tensors=tensors)
@@ -337,7 +379,7 @@ def decode_commit(data: bytes) -> Commit:
     version = _expect(doc, "ckstore", int, "manifest")
     if version > MANIFEST_VERSION:
         raise UnsupportedFormatError(f"manifest version {version} is newer than this ckstore reads")
-    if tuple(doc) != (_COMMIT_FIELDS if version < 2 else _COMMIT_FIELDS_V2):
+    if tuple(doc) != (_COMMIT_FIELDS_V2 if version == 2 else _COMMIT_FIELDS):
         raise IntegrityError("manifest fields are missing, unexpected or out of order")
     parents = _expect(doc, "parents", list, "manifest")
     if not all(isinstance(p, str) and is_object_id(p) for p in parents):
@@ -345,7 +387,7 @@ def decode_commit(data: bytes) -> Commit:
     provenance = _expect(doc, "provenance", dict, "manifest")
     if not all(isinstance(v, str) for v in provenance.values()):
         raise IntegrityError("manifest: provenance values must be strings")
-    files = tuple(_parse_file(f, i) for i, f in enumerate(_expect(doc, "files", list, "manifest")))
+    files = tuple(_parse_file(f, i, version) for i, f in enumerate(_expect(doc, "files", list, "manifest")))
     paths = {f.path for f in files}
     if len(paths) != len(files):
         raise IntegrityError("manifest: duplicate file paths")
@@ -369,7 +411,7 @@ def decode_commit(data: bytes) -> Commit:
         added_bytes=_size(doc["added_bytes"], "manifest"),
         state=_parse_state(doc["state"], {f.path: f.kind for f in files}),
         base=_parse_base(doc["base"]),
-        dcp=None if version < 2 else _parse_dcp(doc["dcp"], files),
+        dcp=None if version != 2 else _parse_dcp(doc["dcp"], files),
     )
     commit.decoded_metadata()  # validates the typed encoding now, not at first display
     return commit

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckstore.errors import NotFoundError
 from ckstore.repository.graph import CommitGraph, kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
@@ -98,15 +99,17 @@ def decorations(graph: CommitGraph) -> dict[ObjectId, Decorations]:
             for oid, (branches, tags) in names.items()}
 
 
-def log(graph: CommitGraph, ref: str | None = None, limit: int | None = None,
+def log(graph: CommitGraph, ref: str | Sequence[str] | None = None, limit: int | None = None,
         best: tuple[str, bool] | None = None) -> list[LogEntry]:
-    """Commits reachable from ``ref`` (default HEAD), newest first, at most ``limit``, each
-    with the names pointing at it; ``best`` = (metric, maximize) also marks the listed commit
-    with the best value of that metric (ties: the newer)."""
-    start = graph.resolve(ref or "HEAD")
+    """Commits reachable from ``ref`` (default HEAD; several refs: from any of them, as
+    ``log --all``), newest first, at most ``limit``, each with the names pointing at it;
+    ``best`` = (metric, maximize) also marks the listed commit with the best value of that
+    metric (ties: the newer)."""
+    starts = {graph.resolve(r) for r in ([ref or "HEAD"] if ref is None or isinstance(ref, str) else ref)}
     pruned = graph.pruned()
-    seen = {start}
-    heap = [(-graph.read_commit(start).timestamp, start)]
+    seen = set(starts)
+    heap = [(-graph.read_commit(start).timestamp, start) for start in starts]
+    heapq.heapify(heap)
     out: list[LogEntry] = []
     while heap and (limit is None or len(out) < limit):
         _, oid = heapq.heappop(heap)
@@ -119,6 +122,8 @@ def log(graph: CommitGraph, ref: str | None = None, limit: int | None = None,
         out.append(LogEntry(oid, commit, tuple(gone)))
     names = decorations(graph)
     top = ranked(out, *best)[:1] if best else []
+    if best and out and not top:  # a typo'd metric must not pass silently (newcomer item 10)
+        raise NotFoundError(f"no listed commit records a numeric metric {best[0]!r}")
     marked = {top[0].id: (best[0],)} if best and top else {}
     return [replace(e, refs=replace(names.get(e.id, Decorations()), best=marked.get(e.id, ()))) for e in out]
 
@@ -146,9 +151,13 @@ def new_objects(old: Commit | None, new: Commit) -> dict[str, tuple[str, str | N
 
 def diff(graph: CommitGraph, a: str, b: str) -> Diff:
     """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-    store = graph.store
     a_id, b_id = graph.resolve(a), graph.resolve(b)
-    old, new = graph.read_commit(a_id), graph.read_commit(b_id)
+    return diff_commits(graph.store, a_id, graph.read_commit(a_id), b_id, graph.read_commit(b_id))
+
+
+def diff_commits(store: ObjectStore, a_id: ObjectId, old: Commit, b_id: ObjectId, new: Commit) -> Diff:
+    """``diff`` of two manifests whose chunks ``store`` reads (``b`` may be files on disk, which
+    ``read/folder_diff.py`` describes as a manifest)."""
     old_items, new_items = _items(old), _items(new)
     old_tensors = {(f.path, t.name): t for f in old.files for t in f.tensors}
     new_tensors = {(f.path, t.name): t for f in new.files for t in f.tensors}

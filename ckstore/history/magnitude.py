@@ -1,4 +1,5 @@
-"""How much a tensor changed: relative L2 distance, computed chunk by chunk (diff, show)."""
+"""How much a tensor changed: relative L2 distance, computed chunk by chunk (diff, show), and a
+commit's per-tensor statistics: as recorded in its manifest, else computed from its chunks."""
 
 from __future__ import annotations
 
@@ -7,19 +8,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ckstore.format.manifest import TensorEntry
+from ckstore.format.manifest import Commit, TensorEntry
+from ckstore.format.tensor_stats import (
+    NUMERIC_DTYPES, StatsAccumulator, TensorStats, as_float64, chunk_stats, item_size,
+)
 from ckstore.repository.store import ObjectStore
-
-_FLOAT_VIEWS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
-_INT_VIEWS = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-              "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8}
-
-
-def _as_float64(data: bytes, dtype: str) -> np.ndarray:
-    if dtype == "BF16":
-        return (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    view = _FLOAT_VIEWS.get(dtype) or _INT_VIEWS[dtype]
-    return np.frombuffer(data, dtype=view).astype(np.float64)
 
 
 def _aligned_pairs(store: ObjectStore, a: TensorEntry, b: TensorEntry, item: int) -> Iterator[tuple[bytes, bytes]]:
@@ -46,15 +39,66 @@ def _aligned_pairs(store: ObjectStore, a: TensorEntry, b: TensorEntry, item: int
 
 def relative_l2(store: ObjectStore, a: TensorEntry, b: TensorEntry) -> float | None:
     """||b − a|| / ||a|| computed chunk by chunk; None where it is not defined for the dtype."""
-    if a.dtype != b.dtype or a.shape != b.shape or (a.dtype not in _FLOAT_VIEWS and a.dtype not in _INT_VIEWS
-                                                    and a.dtype != "BF16"):
+    if a.dtype != b.dtype or a.shape != b.shape or a.dtype not in NUMERIC_DTYPES:
         return None
-    item = 2 if a.dtype == "BF16" else np.dtype(_FLOAT_VIEWS.get(a.dtype) or _INT_VIEWS[a.dtype]).itemsize
+    item = item_size(a.dtype)
     diff_sq = base_sq = 0.0
     for block_a, block_b in _aligned_pairs(store, a, b, item):
-        va, vb = _as_float64(block_a, a.dtype), _as_float64(block_b, b.dtype)
+        va, vb = as_float64(block_a, a.dtype), as_float64(block_b, b.dtype)
         diff_sq += float(np.sum((vb - va) ** 2))
         base_sq += float(np.sum(va**2))
     if base_sq == 0.0:
         return 0.0 if diff_sq == 0.0 else math.inf
     return math.sqrt(diff_sq / base_sq)
+
+
+def _elements(store: ObjectStore, t: TensorEntry, item: int) -> Iterator[bytes]:
+    """A tensor's bytes in element-aligned blocks, one chunk at a time."""
+    rest = b""
+    for c in t.chunks:
+        data = rest + store.get_chunk(c.id, c.size)
+        cut = len(data) - len(data) % item
+        rest = data[cut:]
+        if cut:
+            yield data[:cut]
+
+
+def computed_stats(store: ObjectStore, t: TensorEntry, previous: TensorEntry | None) -> TensorStats | None:
+    """What a commit would have recorded about ``t`` (None for a non-numeric dtype), read from its
+    chunks: for commits made before statistics were recorded."""
+    if t.dtype not in NUMERIC_DTYPES:
+        return None
+    total = StatsAccumulator()
+    for block in _elements(store, t, item_size(t.dtype)):
+        total.add(chunk_stats(block, t.dtype))
+    figures = total.result()
+    return TensorStats(figures.l2, figures.absmax, figures.nonfinite, change_against(store, t, previous))
+
+
+def change_against(store: ObjectStore, t: TensorEntry, previous: TensorEntry | None) -> float | None:
+    """||t − previous|| / ||previous||, None where undefined (format.md 5.1)."""
+    if previous is None or previous.dtype != t.dtype or previous.shape != t.shape:
+        return None
+    if [c.id for c in previous.chunks] == [c.id for c in t.chunks]:
+        return 0.0
+    change = relative_l2(store, previous, t)
+    return change if change is not None and math.isfinite(change) else None
+
+
+def commit_stats(store: ObjectStore, commit: Commit, parent: Commit | None) -> dict[tuple[str, str], TensorStats]:
+    """Every numeric tensor's statistics by (path, name): the recorded ones, computing what a
+    manifest lacks (no stats, or a change it did not record although there is a parent)."""
+    previous = {(f.path, t.name): t for f in parent.files for t in f.tensors} if parent else {}
+    out: dict[tuple[str, str], TensorStats] = {}
+    for f in commit.files:
+        for t in f.tensors:
+            key = (f.path, t.name)
+            before = previous.get(key)
+            figures = t.stats
+            if figures is None:
+                figures = computed_stats(store, t, before)
+            elif figures.change is None and before is not None:
+                figures = TensorStats(figures.l2, figures.absmax, figures.nonfinite, change_against(store, t, before))
+            if figures is not None:
+                out[key] = figures
+    return out

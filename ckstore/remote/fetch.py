@@ -49,6 +49,7 @@ from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader, delta_closure, verified_commit
 from ckstore.repository.store import ObjectStore, object_key
+from ckstore.write.pipeline import ProgressBar, ProgressFactory
 
 READ_WORKERS = 4
 # Objects land in batches of about this many bytes, each on a background thread while later
@@ -88,6 +89,12 @@ class FetchReport:
         if damaged:
             raise IntegrityError(f"remote {self.remote}: {len(damaged)} ref(s) not fetched (the others were): "
                                  + "; ".join(f"{s.ref}: {s.reason}" for s in damaged))
+    progress: ProgressBar | None = field(default=None, repr=False, compare=False)  # the CLI's bar
+
+    def received(self, n: int) -> None:
+        self.bytes += n
+        if self.progress is not None:
+            self.progress.update(n)
 
 
 def read_objects(remote: RemoteRepo, where: dict[str, Located], oids: Iterable[str]) -> Iterator[tuple[str, str, bytes]]:
@@ -147,7 +154,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
             commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
             commits[ObjectId(oid)] = commit
             stored[ObjectId(oid)] = bytes(data)
-            report.bytes += len(data)
+            report.received(len(data))
         nxt = []
         for oid in boundary.intersection(frontier):  # the remote gc pruned it: history goes on with its parents
             for p in theirs.get(oid, ()):
@@ -342,7 +349,7 @@ class _Lander:
                     self.origin[o] = self.where[o].pack_id
                 todo = []
                 for o, pack_id, data in read_objects(self.remote, self.where, absent):
-                    self.report.bytes += len(data)
+                    self.report.received(len(data))
                     self.report.objects += 1
                     todo += self._arrive(o, pack_id, data)
             self._drain()
@@ -487,16 +494,16 @@ def _cost(data: bytes) -> int:
         return len(data)
 
 
-def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
+def fetch(ctx: RepoContext, remote_name: str | None = None, progress: ProgressFactory | None = None) -> FetchReport:
     """Fetch every ref of the remote that can be fetched; the report names those skipped (a
     damaged one: ``FetchReport.check`` raises for it once the caller has shown the report)."""
     # The writers' locks from the first landed object to the last tracking ref (writing.py):
     # a gc in between would delete what landed before any ref names it (F2).
     with writing(ctx):
-        return _fetch_locked(ctx, remote_name)
+        return _fetch_locked(ctx, remote_name, progress)
 
 
-def _fetch_locked(ctx: RepoContext, remote_name: str | None) -> FetchReport:
+def _fetch_locked(ctx: RepoContext, remote_name: str | None, progress: ProgressFactory | None) -> FetchReport:
     remote = open_remote(ctx, remote_name)
     report = FetchReport(remote.name)
     remote.require_format()
@@ -508,7 +515,13 @@ def _fetch_locked(ctx: RepoContext, remote_name: str | None) -> FetchReport:
         if problem:
             report.skipped.append(SkippedRef(ref, problem, damaged=False))
             del refs[ref]
-    missing = fetch_history(ctx, remote, list(refs.values()), report)
+    # The total is not known before the commits are read: the bar counts bytes and their rate.
+    report.progress = progress(0, f"fetch {remote.name}") if progress else None
+    try:
+        missing = fetch_history(ctx, remote, list(refs.values()), report)
+    finally:
+        if report.progress is not None:
+            report.progress.close()
     for ref, oid in sorted(refs.items()):
         if oid in missing:
             report.skipped.append(SkippedRef(ref, f"it names commit {oid[:12]}, which no pack there holds", damaged=True))
@@ -548,14 +561,16 @@ def _local_name_problem(ref: str) -> str | None:
     return None
 
 
-def pull(ctx: RepoContext, remote_name: str | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
+def pull(ctx: RepoContext, remote_name: str | None = None,
+         progress: ProgressFactory | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
     """Fetch, then fast-forward the current branch to its remote-tracking ref; (report, old, new)."""
     with writing(ctx):
-        return _pull_locked(ctx, remote_name)
+        return _pull_locked(ctx, remote_name, progress)
 
 
-def _pull_locked(ctx: RepoContext, remote_name: str | None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
-    report = fetch(ctx, remote_name)
+def _pull_locked(ctx: RepoContext, remote_name: str | None,
+                 progress: ProgressFactory | None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
+    report = fetch(ctx, remote_name, progress)
     branch = ctx.refs.head_branch()
     theirs = ctx.refs.read(f"{TRACKING}{report.remote}/{branch}")
     if theirs is None:
@@ -574,7 +589,7 @@ def _pull_locked(ctx: RepoContext, remote_name: str | None) -> tuple[FetchReport
 
 
 def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = None,
-          config: RepoConfig | None = None) -> tuple[RepoContext, FetchReport]:
+          config: RepoConfig | None = None, progress: ProgressFactory | None = None) -> tuple[RepoContext, FetchReport]:
     """A new repository at ``path`` with remote "origin", every remote branch as a local branch,
     and HEAD on "main" (or the first branch)."""
     from ckstore.remote.names import RemoteSpec, open_spec
@@ -590,7 +605,7 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
     try:
         add(ctx, "origin", url, endpoint_url)
         with writing(ctx):
-            report = fetch(ctx, "origin")
+            report = fetch(ctx, "origin", progress)
             branches = ctx.refs.list(f"{TRACKING}origin/")
             for branch, oid in branches.items():
                 ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")

@@ -51,6 +51,7 @@ from ckstore.remote.uploads import PackUploads
 from ckstore.remote.names import TRACKING, open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.store import ObjectStore
+from ckstore.write.pipeline import ProgressFactory
 
 UPLOAD_WORKERS = 4
 # Objects read and verified ahead of the pack being built (memory: this many stored objects).
@@ -115,7 +116,7 @@ def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Ma
 
 def push(
     ctx: RepoContext, remote_name: str | None = None, names: Sequence[str] = (), force: bool = False,
-    target_size: int = DEFAULT_TARGET_SIZE, grace: float = DEFAULT_GRACE,
+    target_size: int = DEFAULT_TARGET_SIZE, grace: float = DEFAULT_GRACE, progress: ProgressFactory | None = None,
 ) -> PushReport:
     remote = open_remote(ctx, remote_name)
     report = PushReport(remote.name)
@@ -152,7 +153,7 @@ def push(
     # pruned too, or its readers would look for them.
     here = ctx.graph.pruned_after(ctx.graph.reachable_from(tips), set())
     checked = time.monotonic()
-    relied = _send_missing(ctx, remote, wanted, target_size, report)
+    relied = _send_missing(ctx, remote, wanted, target_size, report, progress=progress)
     while True:
         lost = remote.rescue(relied)
         if lost:  # a remote gc is deleting packs we counted on: send those objects again
@@ -224,7 +225,7 @@ def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old
 
 def _send_missing(
     ctx: RepoContext, remote: RemoteRepo, wanted: list[str], target_size: int, report: PushReport,
-    forget: frozenset[str] | set[str] = frozenset(),
+    forget: frozenset[str] | set[str] = frozenset(), progress: ProgressFactory | None = None,
 ) -> set[str]:
     """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
     in afterwards (those a push relies on)."""
@@ -263,15 +264,24 @@ def _send_missing(
             finally:
                 pool.shutdown(cancel_futures=True)
 
-    with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
-        first_again = again[0] if again else None
-        for oid, data, digest in objects():
-            if oid == first_again:
-                # Sent again as re-encoded, these are final; the new tip's whole chunks will be
-                # superseded by the next epoch's compaction: separate packs, so that the next
-                # push re-sends only the latter.
-                uploads.cut()
-            uploads.add(oid, data, digest)
+    # The bar's total is what the missing objects take here; delta bases found on the way add to it.
+    bar = progress(sum(store.stored_size(oid) or 0 for oid in missing), f"push {remote.name}") \
+        if progress and missing else None
+    try:
+        with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
+            first_again = again[0] if again else None
+            for oid, data, digest in objects():
+                if oid == first_again:
+                    # Sent again as re-encoded, these are final; the new tip's whole chunks will be
+                    # superseded by the next epoch's compaction: separate packs, so that the next
+                    # push re-sends only the latter.
+                    uploads.cut()
+                uploads.add(oid, data, digest)
+                if bar:
+                    bar.update(len(data))
+    finally:
+        if bar:
+            bar.close()
     for index in uploads.sent:
         relied.add(index.pack_id)
         report.packs += 1

@@ -11,6 +11,7 @@ and the swap retried: the objects are already stored.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -49,6 +50,11 @@ def commit_sources(
     with writing(ctx):
         # Read under the base's lock: a base gc that ran before it has deleted it or kept it.
         base_commit = _base_commit(ctx, base) if base is not None else None
+        # The relative change recorded for unchanged tensors is against the branch's tip now;
+        # record_commit drops it if another writer moves the tip before this commit lands.
+        tip = ctx.refs.read(HEADS + branch)
+        previous = ctx.graph.read_commit(tip).files if tip else ()
+        stats = {(f.path, t.name): t for f in previous for t in f.tensors}
         bar = progress(sum(s.size for s in sources), "commit") if progress else None
         # An overlay's tensors are forward deltas against its base's (the base may live in
         # another repository and must not change); a branch's new chunks are stored fast, and
@@ -61,14 +67,20 @@ def commit_sources(
             with ctx.store.batch(sum(s.size for s in sources)) as staged:
                 files, added = ingest(
                     staged, sources, ctx.config.chunk_size, bar.update if bar else None, parent=hints,
-                    fast=base_commit is None,
+                    fast=base_commit is None, stats=stats,
                 )
         finally:
             if bar:
                 bar.close()
         if base_commit is not None:
             files = merge_files(base_commit, files)
-        return record_commit(ctx, files, added, message, branch, meta, state, base)
+        return record_commit(ctx, files, added, message, branch, meta, state, base, stats_parent=tip)
+
+
+def without_change(files: Sequence[FileEntry]) -> list[FileEntry]:
+    """The files with each tensor's recorded relative change cleared (it named another parent)."""
+    return [replace(f, tensors=tuple(replace(t, stats=replace(t.stats, change=None)) if t.stats else t
+                                     for t in f.tensors)) for f in files]
 
 
 def _base_commit(ctx: RepoContext, base: BaseRef) -> Commit:
@@ -86,12 +98,18 @@ def _reflog_reason(parent: str | None, message: str) -> str:
 def record_commit(
     ctx: RepoContext, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
     state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
+    stats_parent: str | None = None,
 ) -> str:
-    """Write the manifest and move ``branch`` to it (objects must be stored already)."""
+    """Write the manifest and move ``branch`` to it (objects must be stored already).
+
+    ``stats_parent``: the commit the tensors' recorded relative change was measured against.
+    """
     ref = HEADS + branch
     origin = provenance.collect()  # runs git: once, not on every retry
     for _ in range(MAX_CAS_ATTEMPTS):
         parent = ctx.refs.read(ref)
+        if parent != stats_parent:
+            files = without_change(files)
         commit = Commit(
             parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
             files=tuple(files), metadata=metadata, provenance=origin,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -24,6 +24,7 @@ from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry, check_rela
 from ckstore.write.pipeline import grouped, ordered_map
 from ckstore.format.positions import HEADER, ChunkIndex, Position, chunk_at, element_width
 from ckstore.format.safetensors import SafetensorsLayout, header_length, parse_header
+from ckstore.format.tensor_stats import NUMERIC_DTYPES, ChunkStats, StatsAccumulator, chunk_stats, item_size
 from ckstore.repository.store import ObjectStore, PutResult
 
 Progress = Callable[[int], None]
@@ -188,6 +189,7 @@ class _Plan:
     source: SourceFile | MemoryFile
     layout: SafetensorsLayout | None
     segments: list[list[ChunkRef]]
+    stats: list[StatsAccumulator | None] = field(default_factory=list)  # per segment; None: not recorded
 
 
 def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, int, bytes | memoryview]]:
@@ -224,11 +226,25 @@ def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
     return element_width(tensor.dtype), (plan.source.path, tensor.name)
 
 
+def _tensor_stats(piece: bytes | memoryview, dtype: str, previous: TensorEntry | None, c_index: int,
+                  chunk_id: str) -> ChunkStats | None:
+    """One chunk's statistics, computed where its bytes already are (a pipeline worker)."""
+    if len(piece) % item_size(dtype):
+        return None  # a chunk size that splits elements: left to the on-demand path
+    same = previous is not None and c_index < len(previous.chunks) and previous.chunks[c_index].id == chunk_id
+    return chunk_stats(piece, dtype, same_as_parent=same)
+
+
 def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
     parent: Sequence[FileEntry] | None = None, fast: bool = False,
+    stats: Mapping[tuple[str, str], TensorEntry] | None = None,
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
+
+    ``stats`` given (the first parent's tensors by path and name), every numeric tensor's entry
+    carries its statistics (format.md 5.1); its relative change is recorded when it is free (0.0
+    for a tensor whose chunks are all its previous version's).
 
     ``parent`` (an overlay's base commit's files) offers the previous version of each chunk (the
     chunk at the same index of the same tensor, found by ``positions.ChunkIndex``: by position,
@@ -252,28 +268,48 @@ def ingest(
             segments = [[] for _ in range(1 + len(layout.tensors))] if layout else [[]]
         else:
             segments = [[]]
-        plans.append(_Plan(source, layout, segments))
+        plan = _Plan(source, layout, segments, [None] * len(segments))
+        if stats is not None and layout is not None:
+            plan.stats[1:] = [StatsAccumulator() if t.dtype in NUMERIC_DTYPES else None for t in layout.tensors]
+        plans.append(plan)
     new_files = {p.source.path: [t.name for t in p.layout.tensors] for p in plans if p.layout is not None}
     base_index = ChunkIndex(parent, new_files) if parent is not None else None
 
-    def put(job: tuple[int, int, int, bytes | memoryview]) -> tuple[int, int, int, PutResult]:
+    Result = tuple[int, int, int, PutResult, ChunkStats | None]
+
+    def put(job: tuple[int, int, int, bytes | memoryview]) -> Result:
         p_index, s_index, c_index, piece = job
-        width, position = _chunk_kind(plans[p_index], s_index)
+        plan = plans[p_index]
+        width, position = _chunk_kind(plan, s_index)
         if position[1] == HEADER:
             # Headers are not delta candidates at commit: unchanged ones dedup, changed ones are
             # small (repack may still pair them).
-            return p_index, s_index, len(piece), store.put_chunk(piece, width)
+            return p_index, s_index, len(piece), store.put_chunk(piece, width), None
         if base_index is not None:
-            return p_index, s_index, len(piece), store.put_chunk(
-                piece, width, chunk_at(base_index, position, c_index, len(piece)))
-        return p_index, s_index, len(piece), store.put_chunk(piece, width, fast=fast)
+            result = store.put_chunk(piece, width, chunk_at(base_index, position, c_index, len(piece)))
+        else:
+            result = store.put_chunk(piece, width, fast=fast)
+        figures = None
+        if stats is not None and plan.stats[s_index] is not None and plan.layout is not None:
+            tensor = plan.layout.tensors[s_index - 1]
+            previous = stats.get((plan.source.path, tensor.name))
+            if previous is not None and (previous.dtype != tensor.dtype or previous.shape != tuple(tensor.shape)):
+                previous = None
+            figures = _tensor_stats(piece, tensor.dtype, previous, c_index, result.id)
+        return p_index, s_index, len(piece), result, figures
 
     added = 0
     # Small pieces travel to the workers together (pipeline.grouped), up to half a chunk's bytes.
     groups = grouped(_jobs(plans, chunk_size), lambda job: len(job[3]), chunk_size // 2)
     for results in ordered_map(lambda group: [put(job) for job in group], groups):
-        for p_index, s_index, length, result in results:
+        for p_index, s_index, length, result, figures in results:
             plans[p_index].segments[s_index].append(ChunkRef(result.id, length))
+            accumulator = plans[p_index].stats[s_index]
+            if accumulator is not None:
+                if figures is None:
+                    plans[p_index].stats[s_index] = None
+                else:
+                    accumulator.add(figures)
             added += result.stored
             if progress:
                 progress(length)
@@ -284,7 +320,7 @@ def _entry(plan: _Plan) -> FileEntry:
     if plan.layout is None:
         return FileEntry(plan.source.path, "blob", plan.source.size, chunks=tuple(plan.segments[0]))
     tensors = tuple(
-        TensorEntry(t.name, t.dtype, tuple(t.shape), tuple(chunks))
-        for t, chunks in zip(plan.layout.tensors, plan.segments[1:])
+        TensorEntry(t.name, t.dtype, tuple(t.shape), tuple(chunks), figures.result() if figures else None)
+        for t, chunks, figures in zip(plan.layout.tensors, plan.segments[1:], plan.stats[1:])
     )
     return FileEntry(plan.source.path, "safetensors", plan.source.size, header=tuple(plan.segments[0]), tensors=tensors)

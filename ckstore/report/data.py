@@ -1,0 +1,212 @@
+"""What ``ckstore report`` shows, gathered from manifests, object headers and refs (no rendering).
+
+Per-tensor figures come from each manifest's recorded statistics (format.md 5.1); what a manifest
+lacks (older commits, the relative change of a changed tensor) is computed from the chunks, as
+``diff`` computes it, so the report's numbers are ``diff``'s and ``log --sizes``' numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ckstore.format.ids import ObjectId
+from ckstore.format.manifest import Commit
+from ckstore.format.tensor_stats import TensorStats
+from ckstore.history.log import LogEntry, log, metric_value, stored_bytes
+from ckstore.history.magnitude import commit_stats
+from ckstore.maintenance.gc import collect_garbage
+from ckstore.maintenance.retention import RetentionPolicy
+from ckstore.maintenance.sizes import CommitSizes, commit_sizes
+from ckstore.remote.names import TRACKING
+from ckstore.repository.context import RepoContext
+
+TensorKey = tuple[str, str]  # (file path, tensor name)
+# Metrics whose name says higher is better; every other metric is taken as lower-is-better (a loss).
+_HIGHER_IS_BETTER = re.compile(r"acc|f1|bleu|rouge|auc|score|precision|recall|reward|iou|map\b", re.I)
+EXPLODING = 10.0  # a norm this many times the tensor's first recorded norm
+VANISHING = 1e-3  # a norm below this fraction of the tensor's largest earlier norm
+FROZEN_RUN = 3  # this many commits without change make a tensor "frozen"
+
+
+@dataclass(frozen=True)
+class CommitRow:
+    id: ObjectId
+    commit: Commit
+    parent: ObjectId | None  # the first parent the figures compare with (None: a root)
+    sizes: CommitSizes
+    stored_bytes: int  # on-disk size of every object this commit's files name
+    torch_save_bytes: int  # estimate: what torch.save of its tensors would write
+    stats: dict[TensorKey, TensorStats]
+
+
+@dataclass(frozen=True)
+class Flag:
+    kind: str  # "non-finite", "exploding", "vanishing", "frozen changed"
+    commit: ObjectId
+    tensor: TensorKey
+    detail: str
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    maximize: bool
+    values: list[float | None]  # per commit, in report order
+    best: ObjectId
+
+
+@dataclass
+class ReportData:
+    commits: list[CommitRow]  # oldest first
+    groups: dict[str, list[TensorKey]]  # module prefix -> its tensors, in first-seen order
+    metrics: list[Metric]
+    flags: list[Flag]
+    retention: list[tuple[str, int, int, int]]  # (policy, commits it deletes, bytes freed now, with --prune-now)
+    branches: dict[str, ObjectId] = field(default_factory=dict)
+    tags: dict[str, ObjectId] = field(default_factory=dict)
+    tracking: dict[str, ObjectId] = field(default_factory=dict)  # REMOTE/BRANCH -> commit
+    head: str = ""
+
+
+def module_of(name: str) -> str:
+    """A tensor's module: its name without the last component (``layers.0.attn.q.weight`` ->
+    ``layers.0.attn.q``); a name without dots is its own module."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def torch_save_estimate(commit: Commit) -> int:
+    """Bytes ``torch.save`` of the commit's tensors (and its other files as they are) would take:
+    each storage as a zip member aligned to 64 bytes (PyTorch's alignment) with its local and
+    central headers, plus a pickle of the names. An estimate, to set the stored figure beside."""
+    total = 0
+    for f in commit.files:
+        if f.kind != "safetensors":
+            total += f.size
+            continue
+        for i, t in enumerate(f.tensors):
+            member = len(f"archive/data/{i}")
+            total += -(-t.nbytes // 64) * 64 + 30 + 46 + 2 * member + 64  # data, headers, extra field
+            total += len(t.name) + 64  # its entry in data.pkl
+    return total + 512  # data.pkl framing, version, byteorder, end of central directory
+
+
+def _history(ctx: RepoContext, refs: Sequence[str]) -> list[LogEntry]:
+    seen: dict[ObjectId, LogEntry] = {}
+    for ref in refs:
+        for entry in log(ctx.graph, ref):
+            seen.setdefault(entry.id, entry)
+    return sorted(seen.values(), key=lambda e: (e.commit.timestamp, e.id))
+
+
+def _flags(rows: list[CommitRow]) -> list[Flag]:
+    flags: list[Flag] = []
+    first: dict[TensorKey, float] = {}
+    peak: dict[TensorKey, float] = {}
+    still: dict[TensorKey, int] = {}  # commits in a row without change
+    for row in rows:
+        for key, s in row.stats.items():
+            if s.nonfinite:
+                flags.append(Flag("non-finite", row.id, key, f"{s.nonfinite} NaN/inf value(s)"))
+            if s.l2 is not None:
+                start = first.setdefault(key, s.l2)
+                if start > 0 and s.l2 > EXPLODING * start:
+                    flags.append(Flag("exploding", row.id, key, f"norm {s.l2:.4g}, {s.l2 / start:.3g}x its first {start:.4g}"))
+                top = peak.get(key, 0.0)
+                if top > 0 and s.l2 < VANISHING * top:
+                    flags.append(Flag("vanishing", row.id, key, f"norm {s.l2:.4g}, below {VANISHING:g} of its peak {top:.4g}"))
+                peak[key] = max(top, s.l2)
+            if s.change == 0.0:
+                still[key] = still.get(key, 0) + 1
+            elif s.change is not None:
+                if still.get(key, 0) >= FROZEN_RUN:
+                    flags.append(Flag("frozen changed", row.id, key,
+                                      f"changed by {s.change:.3g} after {still[key]} commits without change"))
+                still[key] = 0
+    return flags
+
+
+def _metrics(entries: list[LogEntry]) -> list[Metric]:
+    names: dict[str, int] = {}
+    for e in entries:
+        for key in e.commit.decoded_metadata():
+            if metric_value(e, key) is not None:
+                names[key] = names.get(key, 0) + 1
+    out = []
+    for name, count in names.items():
+        if count < 2 or name in ("epoch", "step", "global_step"):
+            continue  # a counter, or a single point: no curve
+        maximize = bool(_HIGHER_IS_BETTER.search(name))
+        values = [metric_value(e, name) for e in entries]
+        scored = [(v, i) for i, v in enumerate(values) if v is not None]
+        # Ties go to the newer commit, as ``ckstore best`` decides them.
+        best_index = max(scored, key=lambda p: (p[0] if maximize else -p[0], p[1]))[1]
+        out.append(Metric(name, maximize, values, entries[best_index].id))
+    return out
+
+
+def _retention(ctx: RepoContext, count: int, metrics: list[Metric]) -> list[tuple[str, int, int, int]]:
+    policies: list[tuple[str, RetentionPolicy]] = [
+        (f"--keep-last {n}", RetentionPolicy(keep_last=n)) for n in (1, 3, 10) if n < count]
+    if metrics:
+        m = metrics[0]
+        policies += [(f"--keep-best {n} --metric {m.name}{' --max' if m.maximize else ''}",
+                      RetentionPolicy(keep_best=n, metric=m.name, maximize=m.maximize)) for n in (1, 3) if n < count]
+    out = []
+    for label, policy in policies:
+        now = collect_garbage(ctx, policy, dry_run=True, force=True)
+        expired = collect_garbage(ctx, policy, dry_run=True, force=True, prune_now=True)
+        out.append((label, len(now.pruned_commits), now.freed_bytes, expired.freed_bytes))
+    return out
+
+
+def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
+    """Everything the report shows about the commits reachable from ``refs`` (default HEAD)."""
+    entries = _history(ctx, refs or ["HEAD"])
+    sizes = commit_sizes(ctx, [e.id for e in entries])
+    rows: list[CommitRow] = []
+    for e in entries:
+        parent = e.commit.parents[0] if e.commit.parents and ctx.store.has(e.commit.parents[0]) else None
+        parent_commit = ctx.graph.read_commit(parent) if parent else None
+        rows.append(CommitRow(
+            e.id, e.commit, parent, sizes[e.id], stored_bytes(ctx.store, {c.id for c in e.commit.all_chunks()}),
+            torch_save_estimate(e.commit), commit_stats(ctx.store, e.commit, parent_commit)))
+    groups: dict[str, list[TensorKey]] = {}
+    for row in rows:
+        for key in row.stats:
+            members = groups.setdefault(module_of(key[1]), [])
+            if key not in members:
+                members.append(key)
+    metrics = _metrics(entries)
+    return ReportData(
+        rows, groups, metrics, _flags(rows), _retention(ctx, len(rows), metrics),
+        branches=ctx.refs.list("refs/heads/"), tags=ctx.refs.list("refs/tags/"),
+        tracking=ctx.refs.list(TRACKING), head=ctx.refs.head_branch(),
+    )
+
+
+def group_change(rows: list[CommitRow], index: int, members: Sequence[TensorKey]) -> float | None:
+    """A module's relative change at commit ``index``: ||Δ|| / ||parent|| over all its tensors
+    together (each tensor's ||Δ||² is its change² × its parent's norm²); None if any is unknown."""
+    row = rows[index]
+    parent = next((r for r in rows if r.id == row.parent), None)
+    if parent is None:
+        return None
+    diff_sq = base_sq = 0.0
+    present = False
+    for key in members:
+        s, p = row.stats.get(key), parent.stats.get(key)
+        if s is None or p is None:
+            continue
+        if s.change is None or p.l2 is None:
+            return None
+        present = True
+        diff_sq += (s.change * p.l2) ** 2
+        base_sq += p.l2**2
+    if not present:
+        return None
+    if base_sq == 0.0:
+        return 0.0 if diff_sq == 0.0 else None
+    return math.sqrt(diff_sq / base_sq)
