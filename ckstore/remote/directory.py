@@ -234,6 +234,9 @@ class DirectoryTransport(Transport):
         except OSError as exc:
             raise self._error(exc, "creating", "") from None
 
+    def location_exists(self) -> bool:
+        return self.root.is_dir()
+
     def check(self) -> None:
         if not self.root.is_dir():
             raise StorageError(f"remote {self.url}: the folder does not exist (or is not a folder)")

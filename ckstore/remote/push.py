@@ -121,14 +121,8 @@ def push(
     remote = open_remote(ctx, remote_name)
     report = PushReport(remote.name)
     refs = [full_ref(ctx, n) for n in (names or [ctx.refs.head_branch()])]
-    try:
-        found = remote.check_format()
-    except StorageError as exc:  # a folder remote whose folder is missing, for one
-        found, why = False, str(exc)
-    else:
-        why = ""
-    if not found:
-        _refuse_vanished_remote(ctx, remote, why)
+    if not (remote.transport.location_exists() and remote.check_format()):
+        _refuse_vanished_remote(ctx, remote)
         remote.check_format(create=True)  # a first push: the remote starts here
     plan: list[tuple[str, ObjectId, ObjectId | None, str | None]] = []
     existing: list[str] | None = None
@@ -182,7 +176,7 @@ def push(
     return report
 
 
-def _refuse_vanished_remote(ctx: RepoContext, remote: RemoteRepo, why: str) -> None:
+def _refuse_vanished_remote(ctx: RepoContext, remote: RemoteRepo) -> None:
     """The remote holds no repository, yet a tracking ref records that it had one: an unmounted
     share, an empty mount point, a moved folder. A push there would start a new, empty remote
     and report success while the real one never gets the commits."""
@@ -191,7 +185,7 @@ def _refuse_vanished_remote(ctx: RepoContext, remote: RemoteRepo, why: str) -> N
         branch, oid = min(seen.items())
         raise StorageError(
             f"remote {remote.name}: {remote.describe()} holds no ckstore repository, but {remote.name}/{branch} was at "
-            f"{oid[:12]} there (is it unmounted or moved?{' ' + why if why else ''}); to start a new remote there, "
+            f"{oid[:12]} there (is it unmounted or moved?); to start a new remote there, "
             f"first run 'ckstore remote remove {remote.name}' and add it again"
         )
 

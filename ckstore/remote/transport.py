@@ -176,6 +176,11 @@ class Transport(ABC):
         """Make the location exist if the transport can (a folder whose parent exists); S3
         buckets are the user's to create, so the default does nothing."""
 
+    def location_exists(self) -> bool:
+        """False when the location itself is missing (a folder remote's folder); a transport
+        that cannot tell says True and lets its reads fail."""
+        return True
+
     def honours_conditional_writes(self, key: str) -> bool:
         """Whether put_if_absent and put_if_match really are conditional here.
 
