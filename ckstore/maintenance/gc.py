@@ -64,8 +64,8 @@ def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = Fa
     logs = ctx.refs.logs.read_all()
     alive = _surviving_reflogs(ctx, logs, prune_now)
     # An entry keeps both its values while they exist; its old one may be gone (pruned earlier).
-    named = {i for entries in alive.values() for e in entries for i in e.ids}
-    logged = graph.reachable_from({i for i in named if i not in graph.pruned() and store.has(i)})
+    named, pruned = {i for entries in alive.values() for e in entries for i in e.ids}, graph.pruned()
+    logged = graph.reachable_from({i for i in named if i not in pruned and store.has(i)})
     chosen = select_kept(graph, policy) if policy.active else set(reachable)
     needed_commits, needed_objects = external_needs(ctx)
     pinned = {c for c in needed_commits if store.has_local(c)}
