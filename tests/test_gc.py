@@ -13,7 +13,7 @@ import pytest
 from ckstore.errors import InvalidInputError, RefNotFoundError
 from ckstore.repo import Repo
 
-from helpers import checkpoint, object_count, object_file, sha256, tree_digest
+from helpers import checkpoint, leftover_temp_files, object_count, object_file, sha256, tree_digest
 
 
 def rolling(repo: Repo, tmp_path: Path, n: int = 3) -> list[tuple[str, Path]]:
@@ -173,3 +173,47 @@ def test_remote_tracking_refs_are_gc_and_fsck_roots(tmp_path: Path) -> None:
     object_file(me, chunk).unlink()
     problems = me.fsck()
     assert any(chunk in p for p in problems), problems
+
+
+def test_a_killed_commits_temporary_pack_is_counted_by_stats_and_gc(tmp_path: Path) -> None:
+    """Newcomer item 6: the leftover of a commit killed while writing its pack shows in stats
+    and gc --dry-run, and gc reports the bytes it frees by deleting it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ckstore.cli import main
+
+    repo = Repo.init(tmp_path / "repo")  # default chunks: the pack grows by 1 MiB per step
+    rolling(repo, tmp_path, 1)
+    big = checkpoint(tmp_path / "big" / "ckpt.safetensors", seed=9, n=1 << 18)
+    fault_cli = Path(__file__).resolve().parent / "fault_cli.py"
+    assert repo.path is not None
+    packs = repo.path / "objects" / "pack"
+    for step in range(1, 40):  # until the kill leaves a pack with data in it
+        env = {**os.environ, "CKSTORE_TEST_PACK_MIN_BYTES": "1", "CKSTORE_FAULT": f"kill@{step}"}
+        killed = subprocess.run([sys.executable, str(fault_cli), "--repo", str(repo.path), "commit", str(big)], env=env)
+        assert killed.returncode != 0
+        if sum(p.stat().st_size for p in packs.glob(".*.tmp")) > 1 << 19:
+            break
+    else:
+        pytest.fail("no step left a half-written pack")
+    leftovers = leftover_temp_files(repo.path)  # what du sees beyond the repository's objects
+    size = sum(p.stat().st_size for p in leftovers)
+
+    def run(*args: str) -> dict:
+        result = CliRunner().invoke(main, ["--repo", str(repo.path), *args, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    stats = run("stats")
+    n = len(leftovers)
+    assert (stats["temporary_files"], stats["temporary_bytes"]) == (n, size)
+    dry = run("gc", "--dry-run")
+    assert (dry["temporary_files"], dry["temporary_bytes"], dry["freed_bytes"]) == (n, size, size)
+    text = CliRunner().invoke(main, ["--repo", str(repo.path), "gc", "--dry-run"]).output
+    assert f"would delete 0 commit(s), 0 object(s) and {n} temporary file(s)" in text
+    assert all(p.exists() for p in leftovers)
+    done = run("gc")
+    assert (done["temporary_files"], done["temporary_bytes"], done["freed_bytes"]) == (n, size, size)
+    assert not any(p.exists() for p in leftovers) and run("stats")["temporary_bytes"] == 0

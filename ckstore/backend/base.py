@@ -121,6 +121,12 @@ class Backend(ABC):
     def clean_temporary(self) -> int:
         """Remove temporary files left by interrupted writers; only safe under the exclusive lock."""
 
+    def temporary_sizes(self) -> list[int]:
+        """The sizes of the temporary files ``clean_temporary`` would remove now (a killed
+        commit's half-written pack can be large: stats and gc count it). Under the exclusive
+        lock they are all leftovers; otherwise some may belong to a write in progress."""
+        return []
+
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 

@@ -419,22 +419,34 @@ class LocalBackend(StagingBackend):
 
     def clean_temporary(self) -> int:
         removed = 0
-        # Batches stage objects in their own fan-out folders (local_batch.py); everything else
-        # writes its temporaries in tmp/.
+        for entry in self._temporaries():
+            try:
+                entry.unlink()
+                removed += 1
+            except OSError:
+                pass
+        return removed
+
+    def temporary_sizes(self) -> list[int]:
+        sizes = []
+        for entry in self._temporaries():
+            try:
+                sizes.append(entry.stat().st_size)
+            except OSError:
+                continue  # removed meanwhile
+        return sizes
+
+    def _temporaries(self) -> Iterator[Path]:
+        # Batches stage objects in their own fan-out folders (local_batch.py) and packs in the
+        # pack folder; everything else writes its temporaries in tmp/.
         folders = [self.root / TMP_DIR, *sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]")),
                    self.root / PACK_FOLDER]
         for folder in folders:
             if not folder.is_dir():
                 continue
             for entry in folder.iterdir():
-                if folder.name != TMP_DIR and not _is_temporary(entry.name):
-                    continue
-                try:
-                    entry.unlink()
-                    removed += 1
-                except OSError:
-                    pass
-        return removed
+                if folder.name == TMP_DIR or _is_temporary(entry.name):
+                    yield entry
 
 
 def _is_temporary(name: str) -> bool:

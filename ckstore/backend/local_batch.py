@@ -236,6 +236,9 @@ class LocalBatch(Backend):
     def clean_temporary(self) -> int:
         return self.inner.clean_temporary()
 
+    def temporary_sizes(self) -> list[int]:
+        return self.inner.temporary_sizes()
+
     def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
         return self.inner.compaction_lock(timeout)
 

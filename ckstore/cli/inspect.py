@@ -307,7 +307,8 @@ def stats(repo: Repo, as_json: bool) -> None:
     if as_json:
         print_json({"logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes, "ratio": round(s.ratio, 4),
                     "commits": s.commits, "objects": s.objects, "unreferenced_bytes": s.unreferenced_bytes,
-                    "unreferenced_objects": s.unreferenced_objects})
+                    "unreferenced_objects": s.unreferenced_objects, "temporary_files": s.temporary_files,
+                    "temporary_bytes": s.temporary_bytes})
         return
     click.echo(f"commits:  {s.commits}\nobjects:  {s.objects}\nlogical:  {human(s.logical_bytes)}")
     click.echo(f"stored:   {human(s.stored_bytes)}\nratio:    {s.ratio:.3f} (stored / logical)")
@@ -316,3 +317,6 @@ def stats(repo: Repo, as_json: bool) -> None:
     else:
         click.echo(f"unreferenced: {human(s.unreferenced_bytes)} in {s.unreferenced_objects} object(s) "
                    "(plain gc frees this)")
+    if s.temporary_files:
+        click.echo(f"temporary: {human(s.temporary_bytes)} in {s.temporary_files} file(s) (left by an interrupted "
+                   "write, or one running now; gc frees this)")

@@ -62,7 +62,8 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
              "metadata": c.decoded_metadata() if c else None} for oid, c in known],
             "expired_reflog_entries": report.expired_entries, "reflog_only_commits": report.reflog_commits,
             "deletes_every_commit": report.deletes_every_commit,
-            "deleted_objects": report.deleted_objects, "freed_bytes": report.freed_bytes})
+            "deleted_objects": report.deleted_objects, "temporary_files": report.temp_files,
+            "temporary_bytes": report.temp_bytes, "freed_bytes": report.freed_bytes})
         return
     verb = "would delete" if dry_run else "deleted"
     for oid, c in known:
@@ -76,10 +77,10 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
     if report.deletes_every_commit:
         click.echo("this gc would delete every commit of the repository (it needs --force)" if dry_run
                    else "deleted every commit of the repository")
-    click.echo(
-        f"{verb} {len(deleted)} commit(s) and {report.deleted_objects} object(s), "
-        f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
-    )
+    temporary = f" and {report.temp_files} temporary file(s)" if report.temp_files else ""
+    objects = f", {report.deleted_objects} object(s)" if temporary else f" and {report.deleted_objects} object(s)"
+    click.echo(f"{verb} {len(deleted)} commit(s){objects}{temporary}, "
+               f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}")
 
 
 @main.command()

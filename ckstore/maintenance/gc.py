@@ -39,8 +39,9 @@ class GcReport:
     expired_entries: int = 0  # reflog entries dropped
     deletes_every_commit: bool = False  # no commit is left (refused without force)
     deleted_objects: int = 0
-    freed_bytes: int = 0  # "stored" bytes of the deleted objects (docs/design.md, "Size figures")
-    temp_files: int = 0
+    freed_bytes: int = 0  # "stored" bytes of the deleted objects (docs/design.md, "Size figures") + temp_bytes
+    temp_files: int = 0  # temporary files left by interrupted writes (a killed commit's pack), deleted
+    temp_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = Fa
     logs = ctx.refs.logs.read_all()
     alive = _surviving_reflogs(ctx, logs, prune_now)
     # An entry keeps both its values while they exist; its old one may be gone (pruned earlier).
-    named = {i for entries in alive.values() for e in entries for i in e.ids}
-    logged = graph.reachable_from({i for i in named if i not in graph.pruned() and store.has(i)})
+    named, pruned = {i for entries in alive.values() for e in entries for i in e.ids}, graph.pruned()
+    logged = graph.reachable_from({i for i in named if i not in pruned and store.has(i)})
     chosen = select_kept(graph, policy) if policy.active else set(reachable)
     needed_commits, needed_objects = external_needs(ctx)
     pinned = {c for c in needed_commits if store.has_local(c)}
@@ -118,14 +119,16 @@ def collect_garbage(
         report.unreachable_commits = sorted(v for v in victims if v not in by_policy and _is_commit(ctx, v))
         report.deletes_every_commit = not kept.commits and bool(report.pruned_commits or report.unreachable_commits)
         report.deleted_objects = len(victims)
-        report.freed_bytes = sum(victims.values())
+        temporaries = ctx.backend.temporary_sizes()  # all leftovers: no writer holds the lock now
+        report.temp_files, report.temp_bytes = len(temporaries), sum(temporaries)
+        report.freed_bytes = sum(victims.values()) + report.temp_bytes
         if dry_run:
             return report
         graph.write_pruned(pruned)
         for ref, entries in kept.alive.items():
             if len(entries) != len(kept.logs[ref]):
                 ctx.refs.logs.rewrite(ref, entries)
-        bar = progress(report.freed_bytes, "gc") if progress and victims else None
+        bar = progress(report.freed_bytes - report.temp_bytes, "gc") if progress and victims else None
         try:
             for oid, size in victims.items():
                 store.delete(oid)
@@ -134,7 +137,7 @@ def collect_garbage(
         finally:
             if bar:
                 bar.close()
-        report.temp_files = ctx.backend.clean_temporary()
+        ctx.backend.clean_temporary()
     return report
 
 

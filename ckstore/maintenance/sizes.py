@@ -14,7 +14,9 @@
   objects (its manifest, its chunks, their delta bases) that no other commit gc keeps needs.
   Computed from gc's own ``kept_commits`` and ``live_objects``, so ``gc`` that drops exactly this
   commit frees exactly this (tests/test_cli_output.py checks it for every commit).
-- **unreferenced** (now): stored bytes that no kept commit needs; plain ``gc`` frees exactly this.
+- **unreferenced** (now): stored bytes that no kept commit needs; plain ``gc`` frees exactly this,
+  plus the **temporary** files interrupted writes left (a killed commit's half-written pack),
+  which are not objects and count in neither stored nor unreferenced.
 
 Held alone and unreferenced depend on what overlay repositories of this one need; while one of
 them cannot be opened (it may have moved) gc refuses to run, and these two figures are None
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckstore.repository.context import RepoContext
 from ckstore.errors import DependentNotFoundError
@@ -49,6 +51,8 @@ class Stats:
     objects: int
     unreferenced_bytes: int | None = 0  # what plain gc would free now (None: unknown, see above)
     unreferenced_objects: int | None = 0
+    temporary_files: int = 0  # left by interrupted writes (or a write running now): gc removes them
+    temporary_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -69,11 +73,14 @@ def stats(ctx: RepoContext) -> Stats:
     reachable = ctx.graph.reachable_commits()
     logical = sum(ctx.graph.read_commit(c).logical_bytes for c in reachable)
     kept = _kept(ctx)
+    temporaries = ctx.backend.temporary_sizes()
+    figures = Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), None, None,
+                    len(temporaries), sum(temporaries))
     if kept is None:
-        return Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), None, None)
+        return figures
     live = live_objects(ctx, kept)
     garbage = [oid for oid in ids if oid not in live]
-    return Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), stored_bytes(store, garbage), len(garbage))
+    return replace(figures, unreferenced_bytes=stored_bytes(store, garbage), unreferenced_objects=len(garbage))
 
 
 def commit_sizes(ctx: RepoContext, oids: Iterable[ObjectId]) -> dict[ObjectId, CommitSizes]:

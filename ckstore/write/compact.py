@@ -59,6 +59,7 @@ from ckstore.format.positions import HEADER, ChunkIndex, Position, Slot, chunk_a
 from ckstore.repository.refs import HEADS
 from ckstore.repository.reader import check_encoding
 from ckstore.repository.store import ObjectStore
+from ckstore.repository.writing import writing
 
 # predict.py needs numpy: imported where used, so commands that compact nothing start without it.
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ def compact_branch(ctx: RepoContext, branch: str) -> CompactReport:
     """Compact the tip of ``branch`` against its parent, and the parent against its parent."""
     report = CompactReport()
     depth = ctx.config.encoding.max_delta_depth
-    with ctx.backend.compaction_lock(COMPACTION_LOCK_TIMEOUT), ctx.backend.shared_lock():
+    with ctx.backend.compaction_lock(COMPACTION_LOCK_TIMEOUT), writing(ctx):
         tip = ctx.refs.read(HEADS + branch)
         window = depth + 3
         commits = ctx.graph.first_parents(tip, window)
