@@ -199,10 +199,8 @@ class VerifiedReader:
             header = parse_header(data)
         except IntegrityError as exc:
             raise _Refused(oid, context, str(exc)) from None
-        if size is not None and header.raw_len != size:
-            raise _Refused(oid, context, f"object holds {header.raw_len} bytes, the manifest says {size}")
-        if header.raw_len <= MAX_CHUNK_SIZE:  # else decode_view refuses it, allocating nothing
-            read.reserve(oid, header.raw_len, context)
+        if header.kind == Kind.CHUNK and header.raw_len == (size or header.raw_len) <= MAX_CHUNK_SIZE:
+            read.reserve(oid, header.raw_len, context)  # else decode_view refuses it, allocating nothing
         read.path.append(oid)
         read.below.append(0)
         held_before = read.held
