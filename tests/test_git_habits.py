@@ -227,3 +227,15 @@ def test_clone_into_a_folder_with_files_is_output_exists(history: Path, tmp_path
 def test_commit_help_says_a_new_branch_starts_a_new_history() -> None:  # item 14
     text = CliRunner().invoke(main, ["commit", "--help"]).stdout
     assert "starts a new history" in " ".join(text.split()) and "switch -c" in text
+
+
+def test_gc_in_a_base_says_which_commits_overlays_keep(tmp_path: Path) -> None:  # item 12
+    base = Repo.init(tmp_path / "base")
+    pretrained = base.commit([checkpoint(tmp_path / "p.safetensors", 1)], message="pretrained")
+    overlay = Repo.init(tmp_path / "ovl")
+    overlay.commit([checkpoint(tmp_path / "f.safetensors", 2)], message="ft", base="HEAD", base_repo=tmp_path / "base")
+    base.commit([checkpoint(tmp_path / "p.safetensors", 3)], message="v2 base")
+    text = run(tmp_path / "base", "gc", "--keep-last", "1").stdout
+    assert "kept 1 commit(s) outside the policy that overlay repositories use as their base" in text
+    doc = json.loads(run(tmp_path / "base", "gc", "--keep-last", "1", "--dry-run", "--json").stdout)
+    assert doc["overlay_base_commits"] == [pretrained]

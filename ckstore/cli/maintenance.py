@@ -61,6 +61,7 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
             {"id": oid, "time": c.time if c else None, "message": c.message if c else None,
              "metadata": c.decoded_metadata() if c else None} for oid, c in known],
             "expired_reflog_entries": report.expired_entries, "reflog_only_commits": report.reflog_commits,
+            "overlay_base_commits": report.overlay_commits,
             "deletes_every_commit": report.deletes_every_commit,
             "deleted_objects": report.deleted_objects, "temporary_files": report.temp_files,
             "temporary_bytes": report.temp_bytes, "freed_bytes": report.freed_bytes})
@@ -74,6 +75,9 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
     if report.reflog_commits:
         click.echo(f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
                    " 'ckstore gc --prune-now' deletes them")
+    if report.overlay_commits:  # newcomer item 12: kept without a word before
+        click.echo(f"kept {len(report.overlay_commits)} commit(s) outside the policy that overlay repositories use "
+                   "as their base ('ckstore fsck' lists the dependents)")
     if report.deletes_every_commit:
         click.echo("this gc would delete every commit of the repository (it needs --force)" if dry_run
                    else "deleted every commit of the repository")

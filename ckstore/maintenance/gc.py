@@ -36,6 +36,7 @@ class GcReport:
     pruned_commits: list[ObjectId] = field(default_factory=list)  # deleted by the retention policy
     unreachable_commits: list[ObjectId] = field(default_factory=list)  # deleted: nothing names them any more
     reflog_commits: list[ObjectId] = field(default_factory=list)  # kept only because the reflog names them
+    overlay_commits: list[ObjectId] = field(default_factory=list)  # outside the policy, kept: overlays' bases
     expired_entries: int = 0  # reflog entries dropped
     deletes_every_commit: bool = False  # no commit is left (refused without force)
     deleted_objects: int = 0
@@ -107,6 +108,7 @@ def collect_garbage(
         kept = kept_commits(ctx, policy, prune_now)
         report.pruned_commits = sorted(kept.reachable - kept.commits)
         report.reflog_commits = sorted(kept.logged - kept.reachable)
+        report.overlay_commits = sorted((kept.pinned & kept.reachable) - kept.chosen)
         if not kept.commits and not force and not dry_run:
             _refuse_deleting_every_commit(ctx, prune_now)
         report.expired_entries = sum(len(kept.logs[ref]) - len(kept.alive[ref]) for ref in kept.logs)
