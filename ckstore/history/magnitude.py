@@ -7,19 +7,18 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ckstore.format.dtypes import NUMPY_TYPES
 from ckstore.format.manifest import TensorEntry
 from ckstore.repository.store import ObjectStore
 
-_FLOAT_VIEWS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
-_INT_VIEWS = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-              "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8}
+# Numeric types numpy can widen to float64 (floats and integers; BF16 is widened by hand).
+_VIEWS = {code: np.dtype(t) for code, t in NUMPY_TYPES.items() if np.dtype(t).kind in "fiu"}
 
 
 def _as_float64(data: bytes, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    view = _FLOAT_VIEWS.get(dtype) or _INT_VIEWS[dtype]
-    return np.frombuffer(data, dtype=view).astype(np.float64)
+    return np.frombuffer(data, dtype=_VIEWS[dtype]).astype(np.float64)
 
 
 def _aligned_pairs(store: ObjectStore, a: TensorEntry, b: TensorEntry, item: int) -> Iterator[tuple[bytes, bytes]]:
@@ -46,10 +45,9 @@ def _aligned_pairs(store: ObjectStore, a: TensorEntry, b: TensorEntry, item: int
 
 def relative_l2(store: ObjectStore, a: TensorEntry, b: TensorEntry) -> float | None:
     """||b − a|| / ||a|| computed chunk by chunk; None where it is not defined for the dtype."""
-    if a.dtype != b.dtype or a.shape != b.shape or (a.dtype not in _FLOAT_VIEWS and a.dtype not in _INT_VIEWS
-                                                    and a.dtype != "BF16"):
+    if a.dtype != b.dtype or a.shape != b.shape or (a.dtype not in _VIEWS and a.dtype != "BF16"):
         return None
-    item = 2 if a.dtype == "BF16" else np.dtype(_FLOAT_VIEWS.get(a.dtype) or _INT_VIEWS[a.dtype]).itemsize
+    item = 2 if a.dtype == "BF16" else _VIEWS[a.dtype].itemsize
     diff_sq = base_sq = 0.0
     for block_a, block_b in _aligned_pairs(store, a, b, item):
         va, vb = _as_float64(block_a, a.dtype), _as_float64(block_b, b.dtype)

@@ -31,9 +31,9 @@ from ckstore.repository.context import RepoContext, init_context
 from ckstore.errors import CkstoreError, ConflictError, IntegrityError, RefNotFoundError
 from ckstore.format.ids import ObjectId, chunk_id
 from ckstore.format.manifest import Commit, decode_commit
-from ckstore.repository.refs import HEADS, TAGS
+from ckstore.repository.refs import DEFAULT_BRANCH, HEADS, REMOTES, TAGS
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
-from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
+from ckstore.remote.names import add, open_remote, tracking_ref
 from ckstore.repository.store import (
     MAX_CHAIN_DEPTH,
     MAX_CHUNK_SIZE,
@@ -480,7 +480,7 @@ def fetch(ctx: RepoContext, remote_name: str | None = None) -> FetchReport:
             ctx.refs.update(local, oid, reason=f"fetch {remote.name}")
             report.updated.append((local, old, oid))
     # Branches deleted on the remote: their tracking refs go (the reflog keeps what they held).
-    prefix = f"{TRACKING}{remote.name}/"
+    prefix = f"{REMOTES}{remote.name}/"
     for branch in ctx.refs.list(prefix):
         if HEADS + branch not in refs:
             ctx.refs.delete(prefix + branch, reason=f"fetch {remote.name}: gone from the remote")
@@ -491,7 +491,7 @@ def pull(ctx: RepoContext, remote_name: str | None = None) -> tuple[FetchReport,
     """Fetch, then fast-forward the current branch to its remote-tracking ref; (report, old, new)."""
     report = fetch(ctx, remote_name)
     branch = ctx.refs.head_branch()
-    theirs = ctx.refs.read(f"{TRACKING}{report.remote}/{branch}")
+    theirs = ctx.refs.read(f"{REMOTES}{report.remote}/{branch}")
     if theirs is None:
         raise RefNotFoundError(f"remote {report.remote} has no branch {branch!r}")
     ours = ctx.refs.read(HEADS + branch)
@@ -517,9 +517,9 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
     ctx = init_context(path, config or RepoConfig())
     add(ctx, "origin", url, endpoint_url)
     report = fetch(ctx, "origin")
-    branches = ctx.refs.list(f"{TRACKING}origin/")
+    branches = ctx.refs.list(f"{REMOTES}origin/")
     for branch, oid in branches.items():
         ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
     if branches:
-        ctx.refs.set_head_branch("main" if "main" in branches else min(branches))
+        ctx.refs.set_head_branch(DEFAULT_BRANCH if DEFAULT_BRANCH in branches else min(branches))
     return ctx, report
