@@ -12,46 +12,57 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
-from ckstore.repository import branches
-from ckstore.history import log as history
 from ckstore.backend.base import Backend
-from ckstore.write.background import BackgroundStatus, CommitHandle, work_for
-from ckstore.read.checkout import CheckoutResult, write_with_progress
-from ckstore.write.commit import commit_sources, prepare_commit
-from ckstore.write.compact import CompactReport, compact_branch
+from ckstore.errors import RefNotFoundError
+from ckstore.format.ids import ObjectId
+from ckstore.format.manifest import Commit
 from ckstore.format.settings import RepoConfig
+from ckstore.format.values import JSONValue
+from ckstore.repository import branches
 from ckstore.repository.context import (
     DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
 )
-from ckstore.errors import RefNotFoundError
-from ckstore.read.export import plan_checkout, plan_export
-from ckstore.repository.filedata import read_file_bytes, state_values
-from ckstore.maintenance.gc import GcReport, collect_garbage
-from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
-from ckstore.format.ids import ObjectId
-from ckstore.write.ingest import MemoryFile, collect_sources
-from ckstore.format.manifest import Commit, StateFiles
-from ckstore.repository.overlay import RelinkReport, relink, resolve_base
-from ckstore.write.pipeline import ProgressBar, ProgressFactory
-from ckstore.repository.reflog import Entry as ReflogEntry
-from ckstore.repository.refs import HEADS, TAGS, check_ref_name
-from ckstore.maintenance.retention import RetentionPolicy, best
-from ckstore.maintenance.sizes import CommitSizes, Stats
-from ckstore.repository.refs import RefStore
+from ckstore.repository.refs import HEADS, TAGS, RefStore, check_ref_name
 from ckstore.repository.store import ObjectStore
-from ckstore.format.values import JSONValue
+from ckstore.write.background import BackgroundStatus, CommitHandle, work_for
+from ckstore.write.pipeline import ProgressBar, ProgressFactory
 
-if TYPE_CHECKING:  # the modules behind these load lazily: ``import ckstore`` stays torch-free
+# Operations are imported where they are called, so a command loads only what it runs (start-up:
+# scripts/bench_startup.py); the names re-exported below load on first use (``__getattr__``).
+if TYPE_CHECKING:
+    from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
     from ckstore.history.summary import FileSummary
+    from ckstore.maintenance.gc import GcReport
     from ckstore.maintenance.repack import RepackReport
+    from ckstore.maintenance.sizes import CommitSizes, Stats
+    from ckstore.read.checkout import CheckoutResult
     from ckstore.remote.fetch import FetchReport
     from ckstore.remote.gc import RemoteGcReport
     from ckstore.remote.lazy import RemoteObjects
     from ckstore.remote.names import RemoteSpec
     from ckstore.remote.push import PushReport
+    from ckstore.repository.overlay import RelinkReport
+    from ckstore.repository.reflog import Entry as ReflogEntry
     from ckstore.training.legacy import ImportResult
     from ckstore.training.partial import LazyTensors
     from ckstore.training.state import Device
+    from ckstore.write.compact import CompactReport
+    from ckstore.write.ingest import MemoryFile
+
+_LAZY_EXPORTS = {
+    "CheckoutResult": "ckstore.read.checkout", "CommitSizes": "ckstore.maintenance.sizes",
+    "Stats": "ckstore.maintenance.sizes", "Decorations": "ckstore.history.log", "Diff": "ckstore.history.log",
+    "TensorChange": "ckstore.history.log", "ReflogEntry": "ckstore.repository.reflog",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY_EXPORTS[name]), "Entry" if name == "ReflogEntry" else name)
+
 
 __all__ = ["DEFAULT_DIR", "BackgroundStatus", "CheckoutResult", "CommitHandle", "CommitSizes", "Decorations", "Diff",
            "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo", "Stats", "TensorChange"]
@@ -234,6 +245,10 @@ class Repo:
         base's cost nothing. A pickle checkpoint given as a path is refused unless ``raw``
         (``import_checkpoint`` stores its tensors); see ``ingest.collect_sources``.
         """
+        from ckstore.repository.overlay import resolve_base
+        from ckstore.write.commit import commit_sources, prepare_commit
+        from ckstore.write.ingest import collect_sources
+
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         work = work_for(self._ctx)
@@ -267,7 +282,10 @@ class Repo:
         With ``background`` the tensors are copied and a ``CommitHandle`` is returned at once;
         hashing, encoding and writing go on in the background (see write/background.py).
         """
+        from ckstore.format.manifest import StateFiles
+        from ckstore.repository.overlay import resolve_base
         from ckstore.training.state import STATE_TENSORS, STATE_VALUES, state_files
+        from ckstore.write.commit import commit_sources, prepare_commit
 
         request = prepare_commit(message, branch, metadata).on_branch(self._ctx)
         based = resolve_base(self._ctx, base, base_repo)
@@ -290,6 +308,8 @@ class Repo:
 
     def compact(self, branch: str | None = None) -> CompactReport:
         """Re-encode the tip of ``branch`` and its parent now (what runs after every commit)."""
+        from ckstore.write.compact import compact_branch
+
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         return compact_branch(self._ctx, branch)
 
@@ -312,6 +332,9 @@ class Repo:
         ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead;
         ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
+        from ckstore.read.checkout import write_with_progress
+        from ckstore.read.export import plan_checkout
+
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
         return write_with_progress(self.store, outputs, Path(out_dir), force, progress)
 
@@ -327,6 +350,9 @@ class Repo:
         (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
         whose config, tokenizer and other files are copied instead of ``ref``'s own.
         """
+        from ckstore.read.checkout import write_with_progress
+        from ckstore.read.export import plan_export
+
         source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
         outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
                               files_from=source, shard_size=shard_size)
@@ -362,11 +388,15 @@ class Repo:
     def log(self, ref: str | None = None, limit: int | None = None, best: tuple[str, bool] | None = None) -> list[LogEntry]:
         """Commits reachable from ``ref`` (default HEAD), newest first, at most ``limit``, with the
         names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
-        return history.log(self._ctx.graph, ref, limit, best)
+        from ckstore.history.log import log
+
+        return log(self._ctx.graph, ref, limit, best)
 
     def decorations(self) -> dict[ObjectId, Decorations]:
         """Branches and tags by the commit they point at (HEAD marks its branch's)."""
-        return history.decorations(self._ctx.graph)
+        from ckstore.history.log import decorations
+
+        return decorations(self._ctx.graph)
 
     def commit_sizes(self, oids: Sequence[str]) -> dict[ObjectId, CommitSizes]:
         """Each commit's size figures: logical, added when committed, new, held alone (sizes.py)."""
@@ -388,6 +418,8 @@ class Repo:
 
     def read_file(self, oid: str, path: str) -> bytes:
         """The bytes of one (small) committed file, verified; for sidecars and configs."""
+        from ckstore.repository.filedata import read_file_bytes
+
         for f in self.read_commit(oid).files:
             if f.path == path:
                 return read_file_bytes(self.store, f)
@@ -395,12 +427,16 @@ class Repo:
 
     def state_document(self, ref: str) -> JSONValue:
         """The typed-JSON non-tensor part of a training-state commit (tensors appear as $tensor)."""
+        from ckstore.repository.filedata import state_values
+
         oid = self.resolve(ref)
         return state_values(self.store, oid, self.read_commit(oid))
 
     def diff(self, a: str, b: str) -> Diff:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-        return history.diff(self._ctx.graph, a, b)
+        from ckstore.history.log import diff
+
+        return diff(self._ctx.graph, a, b)
 
     def summary(self, ref: str = "HEAD") -> list[FileSummary]:
         """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
@@ -418,6 +454,8 @@ class Repo:
 
     def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
         """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
+        from ckstore.maintenance.retention import best
+
         return best(self._ctx.graph, metric, mode, branch)
 
     # ---- maintenance ---------------------------------------------------------------------------
@@ -433,6 +471,9 @@ class Repo:
         the refs no longer reach first). With ``repack``, kept objects are re-encoded first
         (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
         """
+        from ckstore.maintenance.gc import collect_garbage
+        from ckstore.maintenance.retention import RetentionPolicy
+
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
         self.wait()
         return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
@@ -448,6 +489,8 @@ class Repo:
                prune: bool = False) -> RelinkReport:
         """Repair overlay links after a move: ``bases`` are base repositories' new locations,
         ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
+        from ckstore.repository.overlay import relink
+
         return relink(self._ctx, bases, dependents, prune)
 
     # ---- remotes (remote/: names.py, push.py, fetch.py, gc.py, lazy.py) ------------------------

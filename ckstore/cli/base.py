@@ -2,6 +2,13 @@
 
 Errors are the contract: every ``CkstoreError`` becomes ``ckstore: <one line>`` on stderr and its
 class's exit code (see errors.py); no traceback reaches the user.
+
+A command returns once its commit is durable: the compaction after a commit runs in a detached
+process (``Repo.detach_compaction``, write/detached.py) that ``ckstore wait`` waits for. Ctrl-C
+before a commit is durable cancels it (exit 130; the ref is unchanged, no temporary file is
+left, and chunks already stored are unreferenced until gc); once a command has printed its
+commit, Ctrl-C only says that the commit stands (exit 0). After the first Ctrl-C, further ones
+are ignored while the command cleans up, so none prints a traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import io
 import json
 import math
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -132,6 +140,7 @@ class _Group(click.Group):
         except CkstoreError as exc:
             die(str(exc), exc.exit_code)
         except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while we report: no traceback
             die("interrupted", EXIT_INTERRUPTED)
         except OSError as exc:
             die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
@@ -150,16 +159,48 @@ def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) ->
     return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 
+def _first_interrupt(signum: int, frame: object) -> None:
+    """Ctrl-C: stop the command, and ignore further ones while it unwinds and reports."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _interrupted_after(recorded: tuple[str, ...]) -> NoReturn:
+    """Ctrl-C after a commit became durable but before the command printed it (or finished)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    landed = f"commit {recorded[0]}" if len(recorded) == 1 else f"{len(recorded)} commits (last {recorded[-1]})"
+    die(f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
+        "('ckstore wait' waits for it)", EXIT_INTERRUPTED)
+
+
+def _commit_stands(signum: int, frame: object) -> None:
+    """Ctrl-C once the command has printed its commit: nothing to cancel."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo("ckstore: the commit stands; its compaction continues in the background ('ckstore wait' waits "
+               "for it)", err=True)
+
+
 def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
     """Find the repository when the command runs (so `ckstore CMD --help` works anywhere)."""
 
     @click.pass_context
     def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
         repo = Repo.find(ctx.find_root().params.get("repo_path"))
-        result = ctx.invoke(f, repo, *args, **kwargs)
-        # A commit's compaction (compact.py) runs after its result is printed, within the command,
-        # so its output ends when the repository is compact and quiet.
-        repo.wait()
+        # The command ends when its commit is durable; compaction goes on without it.
+        repo.detach_compaction = True
+        own = _OWN_PROCESS and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if own:
+            signal.signal(signal.SIGINT, _first_interrupt)
+        try:
+            result = ctx.invoke(f, repo, *args, **kwargs)
+        except KeyboardInterrupt:
+            recorded = repo.background_work().recorded
+            if recorded:
+                _interrupted_after(recorded)
+            raise
+        if own:
+            signal.signal(signal.SIGINT, _commit_stands if repo.background_work().recorded else signal.default_int_handler)
+        repo.wait()  # background work of this process (none from a command: a safeguard)
         return result
 
     return update_wrapper(wrapper, f)
@@ -173,7 +214,21 @@ def main(ctx: click.Context, repo_path: str | None) -> None:
     """ckstore: a content-addressed, deduplicating store for training checkpoints."""
 
 
+@main.command(name="wait")
+@pass_repo
+def wait_command(repo: Repo) -> None:
+    """Wait until the compaction after recent commits has finished (it runs detached)."""
+    repo.wait_background()
+
+
+# Set by ``run`` (the ckstore command): the process is ours, so SIGINT may be handled as the
+# module docstring says. Called in-process (tests, click's runner), Python's handler stays.
+_OWN_PROCESS = False
+
+
 def run() -> None:
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     try:
         main(prog_name="ckstore", standalone_mode=True)
     finally:

@@ -26,9 +26,10 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from ckstore.errors import CkstoreError
+from ckstore.errors import CkstoreError, CkstoreWarning
 
 COMPACTION_LOG = "compact.log"  # in the repository: what detached compactions did
 NICENESS = 10  # added to the child's priority: training's data loading comes first
@@ -56,15 +57,25 @@ def start(path: Path, branch: str) -> bool:
     fd = LocalBackend(path).compaction_place(place_key(branch))
     if fd is None:
         return False
+    path = Path(path).resolve()
     log = path / COMPACTION_LOG
+    # The child imports this very ckstore (a source tree on PYTHONPATH, an editable install), and
+    # runs in the repository folder, where no stray package can shadow it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     try:
         mode = "ab" if not log.exists() or log.stat().st_size < LOG_LIMIT else "wb"
         with open(log, mode) as out:
             subprocess.Popen(
                 [sys.executable, "-m", "ckstore.write.detached", str(path), branch, str(fd)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(fd,), start_new_session=True,
-                close_fds=True,
+                close_fds=True, cwd=path, env=env,
             )
+    except OSError as exc:  # the commit stands: only its compaction is left to the next one
+        warnings.warn(CkstoreWarning(f"could not start the compaction after the commit ({exc}); the commit is"
+                                     " intact, its chunks are stored less compactly until the next commit"),
+                      stacklevel=1)
+        return False
     finally:
         os.close(fd)  # the child's copy holds the place now
     return True
@@ -85,7 +96,11 @@ def run(path: str, branch: str, place: int) -> int:
     started = time.monotonic()
     try:
         ctx = open_context(path)
-        report = compact_branch(ctx, branch, lock_timeout=LOCK_WAIT, on_locked=lambda: os.close(place))
+        def locked() -> None:
+            os.close(place)  # the next commit may queue behind this run now
+            _say(f"compacting {branch!r}")
+
+        report = compact_branch(ctx, branch, lock_timeout=LOCK_WAIT, on_locked=locked)
     except CkstoreError as exc:
         _say(f"compacting {branch!r} failed ({exc}); every commit is intact, its chunks are only stored less"
              " compactly until the next commit's compaction or 'ckstore repack'")
