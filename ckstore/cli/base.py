@@ -159,25 +159,37 @@ def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) ->
     return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 
-def _first_interrupt(signum: int, frame: object) -> None:
-    """Ctrl-C: stop the command, and ignore further ones while it unwinds and reports."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
+class _Interrupts:
+    """Ctrl-C in the ``ckstore`` process, while a command runs.
 
+    Before the command has recorded a commit, the first Ctrl-C stops it (KeyboardInterrupt: exit
+    130) and later ones are ignored while it unwinds. Once ``commit`` has recorded its commit, all
+    that is left is printing it, so a Ctrl-C is held until the command ends: the id is printed
+    and the exit code is 0. A command that records several commits (``import``) is stopped: the
+    ones recorded stand, and the message names them (exit 130)."""
 
-def _interrupted_after(recorded: tuple[str, ...]) -> NoReturn:
-    """Ctrl-C after a commit became durable but before the command printed it (or finished)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    landed = f"commit {recorded[0]}" if len(recorded) == 1 else f"{len(recorded)} commits (last {recorded[-1]})"
-    die(f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
-        "('ckstore wait' waits for it)", EXIT_INTERRUPTED)
+    SINGLE_COMMIT = ("commit",)
+
+    def __init__(self, repo: Repo, command: str) -> None:
+        self.repo = repo
+        self.hold = command in self.SINGLE_COMMIT
+        self.held = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.hold and self.repo.background_work().recorded:
+            self.held = True
+            return
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
 
 
 def _commit_stands(signum: int, frame: object) -> None:
     """Ctrl-C once the command has printed its commit: nothing to cancel."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    click.echo("ckstore: the commit stands; its compaction continues in the background ('ckstore wait' waits "
-               "for it)", err=True)
+    click.echo(COMMIT_STANDS, err=True)
+
+
+COMMIT_STANDS = "ckstore: the commit stands; its compaction continues in the background ('ckstore wait' waits for it)"
 
 
 def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,18 +200,25 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
         repo = Repo.find(ctx.find_root().params.get("repo_path"))
         # The command ends when its commit is durable; compaction goes on without it.
         repo.detach_compaction = True
+        interrupts = _Interrupts(repo, ctx.info_name or "")
         own = _OWN_PROCESS and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         if own:
-            signal.signal(signal.SIGINT, _first_interrupt)
+            signal.signal(signal.SIGINT, interrupts)
         try:
             result = ctx.invoke(f, repo, *args, **kwargs)
         except KeyboardInterrupt:
             recorded = repo.background_work().recorded
-            if recorded:
-                _interrupted_after(recorded)
-            raise
+            if not recorded:
+                raise
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            landed = f"commit {recorded[0]}" if len(recorded) == 1 else f"{len(recorded)} commits (last {recorded[-1]})"
+            die(f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
+                "('ckstore wait' waits for it)", EXIT_INTERRUPTED)
         if own:
-            signal.signal(signal.SIGINT, _commit_stands if repo.background_work().recorded else signal.default_int_handler)
+            recorded = bool(repo.background_work().recorded)
+            signal.signal(signal.SIGINT, _commit_stands if recorded else signal.default_int_handler)
+            if interrupts.held:
+                _commit_stands(signal.SIGINT, None)
         repo.wait()  # background work of this process (none from a command: a safeguard)
         return result
 
