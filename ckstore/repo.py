@@ -10,36 +10,81 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
-from ckstore.repository import branches
-from ckstore.history import log as history
 from ckstore.backend.base import Backend
-from ckstore.write.background import BackgroundCommits, Compactions
-from ckstore.read.checkout import CheckoutResult, write_with_progress
-from ckstore.write.commit import commit_sources, encode_metadata
-from ckstore.write.compact import CompactReport, compact_branch
+from ckstore.errors import RefNotFoundError
+from ckstore.format.ids import ObjectId
+from ckstore.format.manifest import Commit
 from ckstore.format.settings import RepoConfig
+from ckstore.format.values import JSONValue
+from ckstore.repository import branches
 from ckstore.repository.context import (
     DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
 )
-from ckstore.errors import RefNotFoundError
-from ckstore.read.export import plan_checkout, plan_export
-from ckstore.repository.filedata import read_file_bytes, state_values
-from ckstore.maintenance.gc import GcReport, collect_garbage
-from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
-from ckstore.format.ids import ObjectId
-from ckstore.write.ingest import collect_sources
-from ckstore.format.manifest import Commit, StateFiles
-from ckstore.repository.overlay import RelinkReport, relink, resolve_base
+from ckstore.repository.refs import HEADS, REMOTES, TAGS, RefStore, check_ref_name
+from ckstore.repository.store import ObjectStore
+from ckstore.write.background import BackgroundStatus, CommitHandle, work_for
 from ckstore.write.pipeline import ProgressBar, ProgressFactory
-from ckstore.repository.reflog import Entry as ReflogEntry
-from ckstore.repository.refs import HEADS, TAGS, check_ref_name
-from ckstore.maintenance.retention import RetentionPolicy, best
-from ckstore.maintenance.sizes import CommitSizes, Stats
 
-__all__ = ["DEFAULT_DIR", "CheckoutResult", "CommitSizes", "Decorations", "Diff", "ProgressBar", "ProgressFactory",
-           "ReflogEntry", "Repo", "Stats", "TensorChange"]
+# Operations are imported where they are called, so a command loads only what it runs (start-up:
+# scripts/bench_startup.py); the names re-exported below load on first use (``__getattr__``).
+if TYPE_CHECKING:
+    from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
+    from ckstore.history.summary import FileSummary
+    from ckstore.maintenance.gc import GcReport
+    from ckstore.maintenance.repack import RepackReport
+    from ckstore.maintenance.sizes import CommitSizes, Stats
+    from ckstore.read.checkout import CheckoutResult
+    from ckstore.remote.fetch import FetchReport
+    from ckstore.remote.gc import RemoteGcReport
+    from ckstore.remote.lazy import RemoteObjects
+    from ckstore.remote.names import RemoteSpec
+    from ckstore.remote.push import PushReport
+    from ckstore.repository.overlay import RelinkReport
+    from ckstore.repository.reflog import Entry as ReflogEntry
+    from ckstore.training.legacy import ImportResult
+    from ckstore.training.partial import LazyTensors
+    from ckstore.training.state import Device
+    from ckstore.write.compact import CompactReport
+    from ckstore.write.ingest import MemoryFile
+
+_LAZY_EXPORTS = {
+    "CheckoutResult": "ckstore.read.checkout", "CommitSizes": "ckstore.maintenance.sizes",
+    "Stats": "ckstore.maintenance.sizes", "Decorations": "ckstore.history.log", "Diff": "ckstore.history.log",
+    "TensorChange": "ckstore.history.log", "ReflogEntry": "ckstore.repository.reflog",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY_EXPORTS[name]), "Entry" if name == "ReflogEntry" else name)
+
+
+__all__ = ["DEFAULT_DIR", "BackgroundStatus", "CheckoutResult", "CommitHandle", "CommitSizes", "Decorations", "Diff",
+           "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo", "Stats", "TensorChange"]
+
+
+_V = TypeVar("_V")
+
+
+class _WorkSetting(Generic[_V]):
+    """A ``Repo`` attribute stored in its repository's ``BackgroundWork`` (write/background.py)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, repo: Repo | None, owner: type | None = None) -> _V:
+        if repo is None:  # looked up on the class (help(), documentation tools)
+            return self  # type: ignore[return-value]
+        value: _V = getattr(work_for(repo._ctx), self.name)
+        return value
+
+    def __set__(self, repo: Repo, value: _V) -> None:
+        setattr(work_for(repo._ctx), self.name, value)
 
 
 class Repo:
@@ -48,12 +93,6 @@ class Repo:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
                  _context: RepoContext | None = None) -> None:
         self._ctx = _context or open_context(path, backend=backend)
-        self._background: BackgroundCommits | None = None
-        self.commits_in_flight = 1  # background commits: snapshots held at once (host memory)
-        self._compactions: Compactions | None = None
-        # Re-encode each commit's parent as deltas on a background thread once the commit is
-        # durable (compact.py); False leaves it to the next commit that compacts, or repack.
-        self.compact_after_commit = True
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -92,20 +131,43 @@ class Repo:
         return self._ctx.backend
 
     @property
-    def store(self) -> Any:
+    def store(self) -> ObjectStore:
         return self._ctx.store
 
     @property
-    def refs(self) -> Any:
+    def refs(self) -> RefStore:
         return self._ctx.refs
 
     @property
     def config(self) -> RepoConfig:
         return self._ctx.config
 
-    @property
-    def _commits(self) -> dict[str, Commit]:
-        return self._ctx.graph.cache
+    # ---- background work (write/background.py) -----------------------------------------------
+
+    # Settings of the repository's background work, kept there (the façade holds no state):
+    # snapshots a background commit may hold at once (host memory; set before the first one);
+    # whether each commit's parent is re-encoded as deltas once the commit is durable (False
+    # leaves it to the next commit that compacts, or to repack); and whether that compaction runs
+    # in a detached process that outlives this one (the CLI: write/detached.py) instead of on this
+    # process's thread (a repository in memory always uses the thread).
+    commits_in_flight: _WorkSetting[int] = _WorkSetting()
+    compact_after_commit: _WorkSetting[bool] = _WorkSetting()
+    detach_compaction: _WorkSetting[bool] = _WorkSetting()
+
+    def background_work(self) -> BackgroundStatus:
+        """What still runs after the calls that started it: background commits of this process,
+        and whether a compaction runs or waits (this process's, or a detached one's, whichever
+        process started it), with the log detached compactions write to."""
+        return work_for(self._ctx).status(self._ctx)
+
+    def wait_background(self, poll: float = 0.1) -> None:
+        """``wait``, then wait until no compaction of this repository runs or waits, detached
+        ones included (``ckstore wait``)."""
+        import time
+
+        self.wait()
+        while self.background_work().compaction_pending:
+            time.sleep(poll)
 
     def set_config(self, config: RepoConfig) -> None:
         """Replace the repository settings (they apply to objects written from now on)."""
@@ -125,9 +187,7 @@ class Repo:
 
     def remote_branches(self) -> dict[str, ObjectId]:
         """Remote-tracking branches, ``REMOTE/BRANCH`` -> commit, as of the last push or fetch."""
-        from ckstore.remote.names import TRACKING
-
-        return self._ctx.refs.list(TRACKING)
+        return self._ctx.refs.list(REMOTES)
 
     def create_branch(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
         """Create branch ``name`` at ``ref``; ``force`` moves it there if it exists."""
@@ -178,10 +238,10 @@ class Repo:
 
     def commit(
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
-        branch: str | None = None, metadata: Mapping[str, Any] | None = None,
+        branch: str | None = None, metadata: Mapping[str, object] | None = None,
         progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
         raw: bool = False,
-    ) -> str:
+    ) -> ObjectId:
         """Record files and directories as one commit on ``branch``; return the commit id.
 
         With ``base`` (and optionally ``base_repo``) the commit is an overlay: every file of the
@@ -189,73 +249,78 @@ class Repo:
         base's cost nothing. A pickle checkpoint given as a path is refused unless ``raw``
         (``import_checkpoint`` stores its tensors); see ``ingest.collect_sources``.
         """
+        from ckstore.repository.overlay import resolve_base
+        from ckstore.write.commit import commit_sources, prepare_commit
+        from ckstore.write.ingest import collect_sources
+
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        self._wait_commits()
-        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
-        meta = encode_metadata(metadata)
+        work = work_for(self._ctx)
+        work.wait_commits()
+        request = prepare_commit(message, branch, metadata).on_branch(self._ctx)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
         based = resolve_base(self._ctx, base, base_repo)
-        oid = commit_sources(self._ctx, sources, message, branch, meta, progress, base=based)
-        self._compact_later(branch, based)
-        return oid
+        return commit_sources(self._ctx, sources, request, progress, base=based)
+
+    @overload
+    def commit_state(
+        self, state: object, message: str = "", branch: str | None = None,
+        metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
+        base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: Literal[False] = False,
+    ) -> ObjectId: ...
+
+    @overload
+    def commit_state(
+        self, state: object, message: str = "", branch: str | None = None,
+        metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
+        base: str | None = None, base_repo: str | os.PathLike[str] | None = None, *, background: Literal[True],
+    ) -> CommitHandle: ...
 
     def commit_state(
         self, state: object, message: str = "", branch: str | None = None,
-        metadata: Mapping[str, Any] | None = None, progress: ProgressFactory | None = None,
+        metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
         base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: bool = False,
-    ) -> Any:
+    ) -> ObjectId | CommitHandle:
         """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id.
 
         With ``background`` the tensors are copied and a ``CommitHandle`` is returned at once;
-        hashing, encoding and writing go on in the background (see background.py).
+        hashing, encoding and writing go on in the background (see write/background.py).
         """
+        from ckstore.format.manifest import StateFiles
+        from ckstore.repository.overlay import resolve_base
         from ckstore.training.state import STATE_TENSORS, STATE_VALUES, state_files
+        from ckstore.write.commit import commit_sources, prepare_commit
 
-        branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
-        meta = encode_metadata(metadata)
+        request = prepare_commit(message, branch, metadata).on_branch(self._ctx)
         based = resolve_base(self._ctx, base, base_repo)
 
-        def write(sources: Sequence[Any]) -> str:
-            oid = commit_sources(self._ctx, sources, message, branch, meta, progress,
-                                 state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
-            self._compact_later(branch, based)
-            return oid
+        def write(sources: Sequence[MemoryFile]) -> ObjectId:
+            return commit_sources(self._ctx, sources, request, progress,
+                                  state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
 
+        work = work_for(self._ctx)
         if background:
-            if self._background is None:
-                self._background = BackgroundCommits(self.commits_in_flight)
-            return self._background.submit(lambda: state_files(state, snapshot=True), write)
-        self._wait_commits()
+            return work.submit_commit(lambda: state_files(state, snapshot=True), write)
+        work.wait_commits()
         return write(state_files(state))  # refuses unencodable values before anything is stored
 
     def wait(self) -> None:
-        """Wait for background commits and the compaction after them; raise the error of a
-        background commit that failed unobserved."""
-        self._wait_commits()
-        if self._compactions is not None:
-            self._compactions.wait()
-
-    def _wait_commits(self) -> None:
-        if self._background is not None:
-            self._background.wait()
-            self._background.raise_unobserved()
+        """Wait for background commits and this process's compaction after them; raise the error
+        of a background commit that failed unobserved. (A detached compaction is not waited
+        for: ``wait_background`` does.)"""
+        work_for(self._ctx).wait()
 
     def compact(self, branch: str | None = None) -> CompactReport:
         """Re-encode the tip of ``branch`` and its parent now (what runs after every commit)."""
+        from ckstore.write.compact import compact_branch
+
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         return compact_branch(self._ctx, branch)
 
-    def _compact_later(self, branch: str, base: object) -> None:
-        if base is not None or not self.compact_after_commit:
-            return  # an overlay's chunks are forward deltas already
-        if self._compactions is None:
-            self._compactions = Compactions()
-        self._compactions.request(lambda: compact_branch(self._ctx, branch))
-
     def load_state(
-        self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Any = "cpu", lazy: bool = False
-    ) -> Any:
+        self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Device = "cpu",
+        lazy: bool = False,
+    ) -> object:
         """The state committed at ``ref``, bit-exact; ``only`` filters by key prefix or glob."""
         from ckstore.training.state import load_state
 
@@ -271,6 +336,9 @@ class Repo:
         ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead;
         ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
         """
+        from ckstore.read.checkout import write_with_progress
+        from ckstore.read.export import plan_checkout
+
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
         return write_with_progress(self.store, outputs, Path(out_dir), force, progress)
 
@@ -286,19 +354,26 @@ class Repo:
         (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
         whose config, tokenizer and other files are copied instead of ``ref``'s own.
         """
+        from ckstore.read.checkout import write_with_progress
+        from ckstore.read.export import plan_export
+
         source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
         outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
                               files_from=source, shard_size=shard_size)
         return write_with_progress(self.store, outputs, Path(out_dir), force, progress, "export")
 
-    def import_checkpoint(self, path: str | os.PathLike[str], **options: Any) -> list[Any]:
+    def import_checkpoint(
+        self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
+        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, object] | None = None,
+    ) -> list[ImportResult]:
         """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""
-        return list(self.iter_import(path, **options))
+        return list(self.iter_import(path, recursive=recursive, message=message, branch=branch,
+                                     delete_source=delete_source, metadata=metadata))
 
     def iter_import(
         self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
-        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
-    ) -> Iterator[Any]:
+        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, object] | None = None,
+    ) -> Iterator[ImportResult]:
         """Like ``import_checkpoint``, yielding each file's result as its commit lands."""
         from ckstore.training.legacy import import_checkpoints
 
@@ -306,7 +381,7 @@ class Repo:
                                       recursive=recursive, message=message, branch=branch,
                                       delete_source=delete_source, metadata=metadata)
 
-    def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> Any:
+    def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> LazyTensors:
         """A lazy read-only mapping of the commit's tensors with safe_open-style slices; see partial.py."""
         from ckstore.training.partial import LazyTensors
 
@@ -318,11 +393,15 @@ class Repo:
             best: tuple[str, bool] | None = None) -> list[LogEntry]:
         """Commits reachable from ``ref`` (default HEAD; a list: from any of them), newest first, at most ``limit``, with the
         names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
-        return history.log(self._ctx.graph, ref, limit, best)
+        from ckstore.history.log import log
+
+        return log(self._ctx.graph, ref, limit, best)
 
     def decorations(self) -> dict[ObjectId, Decorations]:
         """Branches and tags by the commit they point at (HEAD marks its branch's)."""
-        return history.decorations(self._ctx.graph)
+        from ckstore.history.log import decorations
+
+        return decorations(self._ctx.graph)
 
     def commit_sizes(self, oids: Sequence[str]) -> dict[ObjectId, CommitSizes]:
         """Each commit's size figures: logical, added when committed, new, held alone (sizes.py)."""
@@ -353,19 +432,25 @@ class Repo:
 
     def read_file(self, oid: str, path: str) -> bytes:
         """The bytes of one (small) committed file, verified; for sidecars and configs."""
+        from ckstore.repository.filedata import read_file_bytes
+
         for f in self.read_commit(oid).files:
             if f.path == path:
                 return read_file_bytes(self.store, f)
         raise RefNotFoundError(f"commit {oid[:12]} has no file {path!r}")
 
-    def state_document(self, ref: str) -> Any:
+    def state_document(self, ref: str) -> JSONValue:
         """The typed-JSON non-tensor part of a training-state commit (tensors appear as $tensor)."""
+        from ckstore.repository.filedata import state_values
+
         oid = self.resolve(ref)
         return state_values(self.store, oid, self.read_commit(oid))
 
     def diff(self, a: str, b: str) -> Diff:
         """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-        return history.diff(self._ctx.graph, a, b)
+        from ckstore.history.log import diff
+
+        return diff(self._ctx.graph, a, b)
 
     def diff_folder(self, ref: str, folder: str | os.PathLike[str]) -> Diff:
         """``diff`` from commit ``ref`` to the files under ``folder`` (hashed, not stored)."""
@@ -373,7 +458,7 @@ class Repo:
 
         return diff_folder(self._ctx, ref, folder)
 
-    def summary(self, ref: str = "HEAD") -> list[Any]:
+    def summary(self, ref: str = "HEAD") -> list[FileSummary]:
         """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
         from ckstore.history.summary import summarise
 
@@ -389,6 +474,8 @@ class Repo:
 
     def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
         """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
+        from ckstore.maintenance.retention import best
+
         return best(self._ctx.graph, metric, mode, branch)
 
     # ---- maintenance ---------------------------------------------------------------------------
@@ -404,12 +491,15 @@ class Repo:
         the refs no longer reach first). With ``repack``, kept objects are re-encoded first
         (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
         """
+        from ckstore.maintenance.gc import collect_garbage
+        from ckstore.maintenance.retention import RetentionPolicy
+
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
         self.wait()
         return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
                                progress=progress)
 
-    def repack(self, progress: ProgressFactory | None = None) -> Any:
+    def repack(self, progress: ProgressFactory | None = None) -> RepackReport:
         from ckstore.maintenance.repack import repack
 
         self.wait()
@@ -419,64 +509,87 @@ class Repo:
                prune: bool = False) -> RelinkReport:
         """Repair overlay links after a move: ``bases`` are base repositories' new locations,
         ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
+        from ckstore.repository.overlay import relink
+
         return relink(self._ctx, bases, dependents, prune)
 
-    # ---- remotes (remotes.py, push.py, fetch.py) -----------------------------------------------
+    # ---- remotes (remote/: names.py, push.py, fetch.py, gc.py, lazy.py) ------------------------
 
-    def remotes(self) -> dict[str, Any]:
+    def remotes(self) -> dict[str, RemoteSpec]:
         """Name -> RemoteSpec (url, endpoint_url) of every remote."""
         from ckstore.remote.names import read_remotes
 
         return read_remotes(self._ctx.backend)
 
-    def add_remote(self, name: str, url: str, endpoint_url: str | None = None) -> Any:
+    def add_remote(self, name: str, url: str, endpoint_url: str | None = None) -> RemoteSpec:
         from ckstore.remote import names as remotes
 
         return remotes.add(self._ctx, name, url, endpoint_url)
 
-    def remove_remote(self, name: str) -> Any:
+    def remove_remote(self, name: str) -> RemoteSpec:
         from ckstore.remote import names as remotes
 
         return remotes.remove(self._ctx, name)
 
-    def push(self, remote: str | None = None, refs: Sequence[str] = (), force: bool = False, **options: Any) -> Any:
-        """Send ``refs`` (default: the current branch) and what they need to ``remote``; see push.py."""
+    def push(
+        self, remote: str | None = None, refs: Sequence[str] = (), force: bool = False, *,
+        target_size: int | None = None, grace: float | None = None, progress: ProgressFactory | None = None,
+    ) -> PushReport:
+        """Send ``refs`` (default: the current branch) and what they need to ``remote``; see push.py
+        (``target_size``: bytes per pack; ``grace``: seconds a condemned pack stays reachable)."""
+        from ckstore.format.pack import DEFAULT_TARGET_SIZE
+        from ckstore.remote.layout import DEFAULT_GRACE
         from ckstore.remote.push import push
 
         self.wait()
-        return push(self._ctx, remote, refs, force, **options)
+        return push(self._ctx, remote, refs, force, DEFAULT_TARGET_SIZE if target_size is None else target_size,
+                    DEFAULT_GRACE if grace is None else grace, progress)
 
-    def fetch(self, remote: str | None = None, progress: ProgressFactory | None = None) -> Any:
+    def fetch(self, remote: str | None = None, progress: ProgressFactory | None = None) -> FetchReport:
         """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py.
         Refs it could not take are in the report's ``skipped`` (``report.check()`` raises for damaged ones)."""
         from ckstore.remote.fetch import fetch
 
         return fetch(self._ctx, remote, progress)
 
-    def pull(self, remote: str | None = None, progress: ProgressFactory | None = None) -> Any:
+    def pull(self, remote: str | None = None,
+             progress: ProgressFactory | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
         """Fetch, then fast-forward the current branch; returns (report, old commit, new commit)."""
         from ckstore.remote.fetch import pull
 
         return pull(self._ctx, remote, progress)
 
     @classmethod
-    def clone(cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None,
-              progress: ProgressFactory | None = None) -> Repo:
-        """A new repository at ``path`` with every branch of the remote at ``url`` ("origin").
-        A ref the remote is damaged at raises IntegrityError naming it, after the others landed."""
+    def clone(
+        cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None,
+        progress: ProgressFactory | None = None, check: bool = True,
+    ) -> tuple[Repo, FetchReport]:
+        """A new repository at ``path`` with every branch of the remote at ``url`` ("origin"), and
+        the report of the fetch that filled it. A ref the remote is damaged at raises
+        IntegrityError naming it, after the others landed (with ``check=False``, it is only in the
+        report's ``skipped``: ``report.check()`` raises then)."""
         from ckstore.remote.fetch import clone
 
         ctx, report = clone(url, path, endpoint_url, progress=progress)
-        report.check()
-        return cls(_context=ctx)
+        if check:
+            report.check()
+        return cls(_context=ctx), report
 
-    def gc_remote(self, remote: str | None = None, **options: Any) -> Any:
-        """Garbage-collect a remote (two-phase, see remote_gc.py)."""
+    def gc_remote(
+        self, remote: str | None = None, *, keep_last: int | None = None, keep_best: int | None = None,
+        metric: str | None = None, maximize: bool = False, keep_every: int | None = None, grace: float | None = None,
+        dry_run: bool = False,
+    ) -> RemoteGcReport:
+        """Garbage-collect a remote (two-phase, see remote/gc.py): the retention policy as ``gc``'s,
+        ``grace`` seconds before a condemned pack is deleted."""
         from ckstore.remote.gc import collect_remote
+        from ckstore.remote.layout import DEFAULT_GRACE
 
-        return collect_remote(self._ctx, remote, **options)
+        return collect_remote(self._ctx, remote, keep_last=keep_last, keep_best=keep_best, metric=metric,
+                              maximize=maximize, keep_every=keep_every,
+                              grace=DEFAULT_GRACE if grace is None else grace, dry_run=dry_run)
 
-    def use_remote(self, remote: str | None = None) -> Any:
+    def use_remote(self, remote: str | None = None) -> RemoteObjects:
         """Read objects missing here from ``remote`` on demand (ranged reads, cached locally):
         ``checkout``, ``open`` and ``load_state`` then work on commits only the remote holds."""
         from ckstore.remote.lazy import attach

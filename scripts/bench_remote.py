@@ -164,7 +164,7 @@ def run(work: Path, mib: int, epochs: int, repeat: int, real: list[Path] | None 
             def timed_clone() -> Repo:
                 settle()
                 start = time.perf_counter()
-                clone = Repo.clone(url, work / f"b{i}", endpoint_url=server.endpoint)
+                clone, _ = Repo.clone(url, work / f"b{i}", endpoint_url=server.endpoint)
                 clones.append(time.perf_counter() - start)
                 return clone
 

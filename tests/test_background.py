@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -67,15 +71,15 @@ def test_training_resumes_bit_exact_from_a_background_commit(tmp_path: Path) -> 
 def test_at_most_one_snapshot_in_flight_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repo = Repo.init(tmp_path / "repo")
     release = threading.Event()
-    import ckstore.repo as repo_module
+    import ckstore.write.commit as commit_module
 
-    real = repo_module.commit_sources
+    real = commit_module.commit_sources
 
     def slow(*args: object, **kwargs: object) -> str:
         release.wait(30)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(repo_module, "commit_sources", slow)
+    monkeypatch.setattr(commit_module, "commit_sources", slow)
     first = repo.commit_state(_state(1), background=True)
     second: list[CommitHandle] = []
     waiter = threading.Thread(target=lambda: second.append(repo.commit_state(_state(2), background=True)))
@@ -97,9 +101,9 @@ def test_a_failed_background_commit_raises_on_result_and_on_the_next_commit(
     def full(*args: object, **kwargs: object) -> str:
         raise StorageError("No space left on device while writing objects")
 
-    import ckstore.repo as repo_module
+    import ckstore.write.commit as commit_module
 
-    monkeypatch.setattr(repo_module, "commit_sources", full)
+    monkeypatch.setattr(commit_module, "commit_sources", full)
     handle = repo.commit_state(_state(1), background=True)
     with pytest.raises(StorageError, match="No space"):
         handle.result(30)
@@ -131,13 +135,13 @@ def test_interpreter_exit_waits_for_pending_commits(tmp_path: Path) -> None:
 def test_unobserved_failure_is_reported_at_exit(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import torch
-        import ckstore.repo
+        import ckstore.write.commit
         from ckstore import Repo
         from ckstore.errors import StorageError
         repo = Repo.init({str(tmp_path / "repo")!r})
         def full(*a, **k):
             raise StorageError("No space left on device")
-        ckstore.repo.commit_sources = full
+        ckstore.write.commit.commit_sources = full
         repo.commit_state({{"w": torch.zeros(4)}}, background=True)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -200,3 +204,96 @@ def test_disk_full_in_the_background_worker_fails_the_handle_and_keeps_the_repos
     assert [e.commit.message for e in repo.log()] == ["before"]
     assert repo.fsck(read_data=True) == []
     assert repo.commit_state({"w": torch.ones(1 << 18)}, message="after") == repo.resolve("HEAD")
+
+
+# ---- the CLI: compaction in a detached process (write/detached.py) ------------------------------
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_DONE = re.compile(r"pid (\d+): compacted 'main' in [\d.]+ s: (\d+) delta")
+
+
+def _ckstore(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real command, as a training script runs it (a process of its own)."""
+    return subprocess.run([sys.executable, "-m", "ckstore.cli", "--repo", str(repo), *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def _epochs(root: Path, n: int, numel: int) -> list[Path]:
+    """Folders of one safetensors file each: a weight that drifts a little per epoch (deltas pay)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(numel, generator=g)
+    folders = []
+    for e in range(n):
+        folder = root / f"ep{e}"
+        folder.mkdir()
+        save_file({"w": w + e * 1e-3 * torch.randn(numel, generator=g)}, str(folder / "model.safetensors"))
+        folders.append(folder)
+    return folders
+
+
+def _log(repo: Path) -> str:
+    log = repo / "compact.log"
+    return log.read_text() if log.exists() else ""
+
+
+def test_cli_commit_returns_before_its_detached_compaction_and_wait_waits_for_it(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    repo = Repo.init(path, chunk_size=1 << 16)
+    ep0, ep1 = _epochs(tmp_path, 2, 1 << 18)
+    assert _ckstore(path, "commit", str(ep0)).returncode == 0
+    assert _ckstore(path, "wait").returncode == 0
+    with repo.backend.compaction_lock(10):  # the detached compaction cannot start its work
+        done = _ckstore(path, "commit", str(ep1), "-m", "epoch 1")
+        assert done.returncode == 0 and HEX64.match(done.stdout.strip()), done.stderr
+        assert Repo(path).log()[0].id == done.stdout.strip()  # durable, and the command has returned
+        assert Repo(path).background_work().compaction_pending
+        waiter = subprocess.Popen([sys.executable, "-m", "ckstore.cli", "--repo", str(path), "wait"])
+        time.sleep(1.0)
+        assert waiter.poll() is None  # 'ckstore wait' waits for the pending compaction
+        stored_before = Repo(path).stats().stored_bytes
+    assert waiter.wait(600) == 0
+    assert not Repo(path).background_work().compaction_pending
+    runs = _DONE.findall(_log(path))
+    assert len(runs) == 2 and int(runs[1][1]) > 0, _log(path)  # the parent's chunks became deltas
+    assert Repo(path).stats().stored_bytes < stored_before
+    assert Repo(path).fsck() == []
+
+
+def test_a_killed_detached_compaction_leaves_a_valid_repository_and_the_next_finishes_its_work(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    repo = Repo.init(path, chunk_size=1 << 16)
+    epochs = _epochs(tmp_path, 3, 1 << 22)  # 16 MiB each: the compaction runs long enough to be killed
+    assert _ckstore(path, "commit", str(epochs[0])).returncode == 0
+    assert _ckstore(path, "wait").returncode == 0
+    assert _ckstore(path, "commit", str(epochs[1])).returncode == 0
+    deadline = time.monotonic() + 300
+    while (started := re.findall(r"pid (\d+): compacting 'main'", _log(path))[1:]) == []:
+        assert time.monotonic() < deadline, _log(path)
+        time.sleep(0.01)
+    pid = int(started[0])
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    assert not any(p == str(pid) for p, _ in _DONE.findall(_log(path))), "the compaction ended before the kill"
+
+    def check(commits: int) -> None:
+        again = Repo(path)
+        assert again.fsck(read_data=True) == []
+        ids = [e.id for e in again.log()][::-1]
+        assert len(ids) == commits
+        for oid, folder in zip(ids, epochs):
+            out = tmp_path / f"out-{oid[:8]}"
+            again.checkout(oid, out, force=True)
+            assert (out / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+
+    check(2)
+    # The kill left work undone (a copy compacted now saves bytes) ...
+    shutil.copytree(path, tmp_path / "copy")
+    assert Repo(tmp_path / "copy").compact().saved > 0
+    # ... which the next commit's compaction does.
+    assert _ckstore(path, "commit", str(epochs[2])).returncode == 0
+    assert _ckstore(path, "wait").returncode == 0
+    check(3)
+    # The last run covered the pair below too: nothing the killed run left would save a byte now.
+    assert Repo(path).compact().saved == 0

@@ -6,16 +6,20 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
 from ckstore.cli import main
+from ckstore.cli.base import COMMIT_STANDS
 from ckstore.errors import (
     IntegrityError,
     InvalidInputError,
@@ -207,3 +211,94 @@ def test_real_subprocess(tmp_path: Path) -> None:
     missing = subprocess.run([*argv0, "log"], cwd="/", env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == NotFoundError.exit_code
     assert_one_line_error(missing.stderr)
+
+
+# ---- Ctrl-C and the detached compaction (issue 22) ----------------------------------------------
+
+
+def _start(repo: Path, *args: str) -> subprocess.Popen[str]:
+    """The real ``ckstore`` command in a process of its own, as a user or a script runs it."""
+    return subprocess.Popen([sys.executable, "-m", "ckstore.cli", "--repo", str(repo), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_until_blocked_on(proc: subprocess.Popen[str], lock: Path) -> None:
+    """Until ``proc`` has ``lock`` open (it waits for the repository lock there)."""
+    fds = Path(f"/proc/{proc.pid}/fd")
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        try:
+            if any(os.readlink(fd) == str(lock) for fd in fds.iterdir()):
+                return
+        except OSError:
+            pass  # a descriptor closed while we looked
+        time.sleep(0.02)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the command wait for the lock")
+def test_ctrl_c_before_the_commit_is_durable_cancels_it_cleanly(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    repo = Repo.init(path, chunk_size=4096)
+    first = repo.commit(checkpoint(tmp_path / "a" / "model.safetensors", 0))
+    repo.wait()  # this process's compaction of the first commit, before we look for temporary files
+    with repo.backend.exclusive_lock():  # as gc holds it: the commit waits before storing anything durable
+        proc = _start(path, "commit", str(checkpoint(tmp_path / "b" / "model.safetensors", 1)))
+        _wait_until_blocked_on(proc, path / "lock")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # a second Ctrl-C while it unwinds: still no traceback
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and out == "" and err == "ckstore: interrupted\n", err
+    again = Repo(path)
+    assert [e.id for e in again.log()] == [first] and again.fsck() == []
+    assert leftover_temp_files(path) == []
+
+
+def test_ctrl_c_while_chunks_are_written_leaves_either_no_commit_or_a_whole_one(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "repo"
+    Repo.init(path, chunk_size=1 << 16)
+    big = tmp_path / "big"
+    big.mkdir()
+    save_file({"w": np.random.default_rng(0).standard_normal(1 << 23).astype(np.float32)},
+              str(big / "model.safetensors"))  # 32 MiB: many batches of chunks
+    objects = path / "objects"
+    proc = _start(path, "commit", str(big))
+    deadline = time.monotonic() + 300
+    while not any(objects.rglob("*")) and proc.poll() is None:  # chunks are being written
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert "Traceback" not in err
+    again = Repo(path)
+    if proc.returncode == 130:  # cancelled: no commit, no temporary file
+        assert err == "ckstore: interrupted\n" and out == ""
+        assert again.branches() == {} and leftover_temp_files(path) == []
+    else:  # the commit was durable before the signal came: it stands, whole
+        assert proc.returncode == 0 and again.log()[0].id == out.strip()
+        again.checkout("HEAD", tmp_path / "out")
+        assert sha256(tmp_path / "out" / "model.safetensors") == sha256(big / "model.safetensors")
+    assert again.fsck(read_data=True) == []
+
+
+def test_ctrl_c_after_the_commit_is_printed_keeps_it_and_compaction_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    repo = Repo.init(path, chunk_size=4096)
+    repo.commit(checkpoint(tmp_path / "a" / "model.safetensors", 0))
+    with repo.backend.compaction_lock(10):  # the compaction after the commit waits for us
+        proc = _start(path, "commit", str(checkpoint(tmp_path / "b" / "model.safetensors", 1)))
+        assert proc.stdout is not None
+        oid = proc.stdout.readline().strip()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and HEX64.fullmatch(oid) and out == "", err
+        assert "Traceback" not in err and err in ("", COMMIT_STANDS + "\n")
+        assert Repo(path).log()[0].id == oid
+        assert Repo(path).background_work().compaction_pending  # the user's Ctrl-C did not reach it
+    done = subprocess.run([sys.executable, "-m", "ckstore.cli", "--repo", str(path), "wait"], timeout=300)
+    assert done.returncode == 0
+    assert "compacted 'main'" in (path / "compact.log").read_text()
+    assert Repo(path).fsck() == []

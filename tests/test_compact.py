@@ -108,8 +108,9 @@ def test_an_already_compacted_pair_is_a_no_op_that_reads_only_headers(tmp_path: 
     assert all(torch.equal(repo.load_state("again")[k], v) for k, v in _state(1).items())
 
 
-def test_cli_commit_compacts_before_it_exits(tmp_path: Path) -> None:
-    """Epoch-named files, committed by the CLI: the command ends once the parent is compacted."""
+def test_cli_commit_compacts_in_the_background_and_wait_waits_for_it(tmp_path: Path) -> None:
+    """Epoch-named files, committed by the CLI: the command ends once the commit is durable, and
+    the parent is compacted (in a detached process) when 'ckstore wait' returns (issue 22)."""
     Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     for step in range(2):
         folder = tmp_path / f"epoch_{step}"
@@ -117,6 +118,7 @@ def test_cli_commit_compacts_before_it_exits(tmp_path: Path) -> None:
         save_file(_state(step), str(folder / f"model_epoch_{step}.safetensors"))
         result = CliRunner().invoke(main, ["--repo", str(tmp_path / "repo"), "commit", str(folder)])
         assert result.exit_code == 0, result.output
+    assert CliRunner().invoke(main, ["--repo", str(tmp_path / "repo"), "wait"]).exit_code == 0
     repo = Repo(tmp_path / "repo")
     parent = repo.resolve("HEAD~1")
     assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, parent))

@@ -282,7 +282,8 @@ def test_consolidated_checkout_reassembles_any_grid_of_pieces(grid: Any, whole_r
 
     from ckstore.read.checkout import _fetch
     from ckstore.read.consolidate import plan_consolidated
-    from ckstore.format.dcp_record import DTYPES, DcpPiece, DcpRecord, DcpTensor, piece_name, stored_dtype
+    from ckstore.format.dcp_record import DcpPiece, DcpRecord, DcpTensor, piece_name, stored_dtype
+    from ckstore.format.dtypes import TORCH_DTYPES as DTYPES
     from ckstore.write.ingest import MemoryFile, ingest
     from ckstore.format.manifest import Commit
     from ckstore.format.safetensors import emit_header, parse_header

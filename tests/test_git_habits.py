@@ -175,7 +175,7 @@ def test_push_fetch_and_clone_report_progress(history: Path, tmp_path: Path) -> 
     assert log[0][0] == "open" and log[0][2] == "push origin" and log[-1] == ("close",)
     assert 0 < sent <= report.bytes and log[0][1] > 0
     log.clear()
-    clone = Repo.clone(str(tmp_path / "remote"), tmp_path / "c", progress=lambda total, desc: _Bar(total, desc, log))
+    clone, _ = Repo.clone(str(tmp_path / "remote"), tmp_path / "c", progress=lambda total, desc: _Bar(total, desc, log))
     assert log[0] == ("open", 0, "fetch origin") and log[-1] == ("close",)  # 0: total unknown ahead
     assert sum(e[1] for e in log if e[0] == "update") > 0
     repo.commit([checkpoint(tmp_path / "m.safetensors", 12)], message="newer")

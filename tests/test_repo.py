@@ -151,8 +151,7 @@ def test_metadata_keeps_types(repo: Repo, tmp_path: Path) -> None:
     meta = {"epoch": 3, "loss": 0.125, "final": True, "name": "run-7", "none": None,
             "nested": {"lrs": [1e-3, 1e-4], "big": 2**70}, "pair": (1, 2)}
     oid = repo.commit(checkpoint(tmp_path / "c.safetensors", 0), metadata=meta)
-    repo._commits.clear()  # read back from disk, not the cache
-    got = repo.read_commit(oid).decoded_metadata()
+    got = Repo(repo.path).read_commit(oid).decoded_metadata()  # read back from disk, not the cache
     assert got == meta
     assert type(got["epoch"]) is int and type(got["loss"]) is float and got["final"] is True
     assert type(got["pair"]) is tuple

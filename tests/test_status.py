@@ -70,7 +70,7 @@ def test_remote_branches_ahead_and_behind(tmp_path: Path) -> None:
     assert "main: up to date with origin/main" in _status(tmp_path / "r")
     repo.commit([checkpoint(tmp_path / "a.safetensors", 2)], message="two")
     repo.commit([checkpoint(tmp_path / "a.safetensors", 3)], message="three")
-    other = Repo.clone(str(tmp_path / "remote"), tmp_path / "clone")
+    other, _ = Repo.clone(str(tmp_path / "remote"), tmp_path / "clone")
     other.commit([checkpoint(tmp_path / "b.safetensors", 9)], message="theirs")
     other.push("origin")
     repo.fetch("origin")  # origin/main: one commit main lacks; main: two that origin/main lacks

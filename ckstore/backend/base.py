@@ -109,6 +109,11 @@ class Backend(ABC):
         after ``timeout`` seconds."""
         return _THREAD_LOCKS.hold(id(self), timeout)
 
+    def compaction_queued(self) -> bool:
+        """Whether a compaction waits its turn in another process (only a local repository's do:
+        LocalBackend.compaction_place)."""
+        return False
+
     def shared_lock(self) -> AbstractContextManager[None]:
         """The repository lock as writers of new objects hold it (commits, ref updates)."""
         return self.repo_lock(exclusive=False, timeout=REPO_LOCK_TIMEOUT)

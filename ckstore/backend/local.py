@@ -47,6 +47,7 @@ from ckstore.backend.syscalls import HAS_SYNCFS, syncfs
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
 COMPACTION_LOCK_FILE = "compact.lock"
+COMPACTION_QUEUE_FOLDER = "compact-queue"  # one file per branch: flock while its compaction waits
 
 
 def locate_repository(path: str | os.PathLike[str], marker: str, default_dir: str) -> Path | None:
@@ -325,6 +326,37 @@ class LocalBackend(StagingBackend):
 
     def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
         return self._flock(COMPACTION_LOCK_FILE, True, timeout, "another process is compacting this repository")
+
+    def compaction_place(self, key: str) -> int | None:
+        """A descriptor holding ``key``'s place in line for a compaction (flock, exclusive, on
+        ``compact-queue/<key>``), or None when another holder has it: one waiting compaction per
+        branch is enough, since a run reads the branch's tip when it starts. The place passes to
+        a child process with the descriptor and ends when every copy is closed, or its holder dies."""
+        folder = self.root / COMPACTION_QUEUE_FOLDER
+        try:
+            folder.mkdir(exist_ok=True)
+            fd = os.open(folder / key, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise storage_error(exc, f"opening {folder / key}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def compaction_queued(self) -> bool:
+        """Whether a compaction holds its place in line (see ``compaction_place``)."""
+        folder = self.root / COMPACTION_QUEUE_FOLDER
+        for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(fd)
+        return False
 
     @contextmanager
     def _flock(self, name: str, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:

@@ -1,12 +1,17 @@
 """Linux system calls the local backend uses when they exist, through ctypes, each with the
 portable fallback its caller needs: syncfs(2) and renameat2(2) with RENAME_NOREPLACE
-(sync_file_range(2) is in fsio.py, which checkout uses too)."""
+(sync_file_range(2) is in fsio.py, which checkout uses too); and holding signals back around
+a step that must not be cut in two."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ckstore.backend.fsio import libc_function
@@ -55,3 +60,19 @@ def move_if_absent(src: Path, dst: Path) -> bool | None:
     except FileExistsError:
         return False
     return None
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while a few steps must finish together (a ref update and the
+    bookkeeping that says it happened); a signal that arrives meanwhile is delivered when the
+    block ends. Only the main thread receives Python's signals, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

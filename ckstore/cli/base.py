@@ -2,6 +2,13 @@
 
 Errors are the contract: every ``CkstoreError`` becomes ``ckstore: <one line>`` on stderr and its
 class's exit code (see errors.py); no traceback reaches the user.
+
+A command returns once its commit is durable: the compaction after a commit runs in a detached
+process (``Repo.detach_compaction``, write/detached.py) that ``ckstore wait`` waits for. Ctrl-C
+before a commit is durable cancels it (exit 130; the ref is unchanged, no temporary file is
+left, and chunks already stored are unreferenced until gc); once a command has printed its
+commit, Ctrl-C only says that the commit stands (exit 0). After the first Ctrl-C, further ones
+are ignored while the command cleans up, so none prints a traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -172,6 +180,7 @@ class _Group(click.Group):
         except CkstoreError as exc:
             die(str(exc), exc.exit_code)
         except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while we report: no traceback
             die("interrupted", EXIT_INTERRUPTED)
         except OSError as exc:
             die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
@@ -190,16 +199,67 @@ def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) ->
     return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 
+class _Interrupts:
+    """Ctrl-C in the ``ckstore`` process, while a command runs.
+
+    Before the command has recorded a commit, the first Ctrl-C stops it (KeyboardInterrupt: exit
+    130) and later ones are ignored while it unwinds. Once ``commit`` has recorded its commit, all
+    that is left is printing it, so a Ctrl-C is held until the command ends: the id is printed
+    and the exit code is 0. A command that records several commits (``import``) is stopped: the
+    ones recorded stand, and the message names them (exit 130)."""
+
+    SINGLE_COMMIT = ("commit",)
+
+    def __init__(self, repo: Repo, command: str) -> None:
+        self.repo = repo
+        self.hold = command in self.SINGLE_COMMIT
+        self.held = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.hold and self.repo.background_work().recorded:
+            self.held = True
+            return
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+
+def _commit_stands(signum: int, frame: object) -> None:
+    """Ctrl-C once the command has printed its commit: nothing to cancel."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo(COMMIT_STANDS, err=True)
+
+
+COMMIT_STANDS = "ckstore: the commit stands; its compaction continues in the background ('ckstore wait' waits for it)"
+
+
 def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
     """Find the repository when the command runs (so `ckstore CMD --help` works anywhere)."""
 
     @click.pass_context
     def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
         repo = Repo.find(ctx.find_root().params.get("repo_path"))
-        result = ctx.invoke(f, repo, *args, **kwargs)
-        # A commit's compaction (compact.py) runs after its result is printed, within the command,
-        # so its output ends when the repository is compact and quiet.
-        repo.wait()
+        # The command ends when its commit is durable; compaction goes on without it.
+        repo.detach_compaction = True
+        interrupts = _Interrupts(repo, ctx.info_name or "")
+        own = _OWN_PROCESS and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if own:
+            signal.signal(signal.SIGINT, interrupts)
+        try:
+            result = ctx.invoke(f, repo, *args, **kwargs)
+        except KeyboardInterrupt:
+            recorded = repo.background_work().recorded
+            if not recorded:
+                raise
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            landed = f"commit {recorded[0]}" if len(recorded) == 1 else f"{len(recorded)} commits (last {recorded[-1]})"
+            die(f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
+                "('ckstore wait' waits for it)", EXIT_INTERRUPTED)
+        if own:
+            recorded = bool(repo.background_work().recorded)
+            signal.signal(signal.SIGINT, _commit_stands if recorded else signal.default_int_handler)
+            if interrupts.held:
+                _commit_stands(signal.SIGINT, None)
+        repo.wait()  # background work of this process (none from a command: a safeguard)
         return result
 
     return update_wrapper(wrapper, f)
@@ -213,7 +273,21 @@ def main(ctx: click.Context, repo_path: str | None) -> None:
     """ckstore: a content-addressed, deduplicating store for training checkpoints."""
 
 
+@main.command(name="wait")
+@pass_repo
+def wait_command(repo: Repo) -> None:
+    """Wait until the compaction after recent commits has finished (it runs detached)."""
+    repo.wait_background()
+
+
+# Set by ``run`` (the ckstore command): the process is ours, so SIGINT may be handled as the
+# module docstring says. Called in-process (tests, click's runner), Python's handler stays.
+_OWN_PROCESS = False
+
+
 def run() -> None:
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     try:
         main(prog_name="ckstore", standalone_mode=True)
     finally:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ckstore.errors import InvalidInputError, PickleCheckpointError
-from ckstore.repo import CheckoutResult, Repo
+from ckstore.repo import Repo
 from ckstore.cli.base import (
     complete_ref,
     human,
@@ -15,6 +17,9 @@ from ckstore.cli.base import (
     print_json,
     progress_factory,
 )
+
+if TYPE_CHECKING:
+    from ckstore.repo import CheckoutResult
 
 
 @main.command()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from ckstore.repository.overlay import RelinkReport
 from ckstore.repo import Repo
 from ckstore.cli.base import main, pass_repo
+
+if TYPE_CHECKING:
+    from ckstore.repository.overlay import RelinkReport
 
 
 @main.command()

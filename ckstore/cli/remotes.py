@@ -111,10 +111,8 @@ def pull(repo: Repo, remote_name: str | None) -> None:
 @click.option("--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself).")
 def clone(url: str, path: str, endpoint_url: str | None) -> None:
     """Create a repository at PATH (default ./.ckstore) with every branch of the remote at URL."""
-    from ckstore.remote.fetch import clone as do_clone
-
-    ctx, r = do_clone(url, path, endpoint_url, progress=progress_factory())
-    click.echo(f"cloned {url} into {ctx.path}: {len(ctx.refs.list('refs/heads/'))} branch(es)")
+    repo, r = Repo.clone(url, path, endpoint_url=endpoint_url, progress=progress_factory(), check=False)
+    click.echo(f"cloned {url} into {repo.path}: {len(repo.branches())} branch(es)")
     _fetched(r)
     r.check()
 

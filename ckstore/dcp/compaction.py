@@ -4,30 +4,23 @@ A save stores every new chunk the fast way (hash, plain zstd at the fast level, 
 ``ingest(fast=True)``), so ``dcp.save`` costs about what writing the bytes costs. After the
 coordinator has recorded the commit, the repository's compaction (compact.py, the same as after
 any commit) re-encodes the branch tip's parent as reverse deltas against the new chunks and the
-new chunks in their best whole encoding, on a background thread of the coordinator's process.
+new chunks in their best whole encoding, on a background thread of the coordinator's process
+(``commit.record_commit`` starts it, as for every commit: write/background.py).
 Pieces are paired with the parent's by file and piece name, else by piece name
 (``positions.ChunkIndex``), so a piece that moved to another rank file still gets its delta.
 
 Only the coordinator compacts: compaction covers the whole commit (every rank's file), and one
 runs at a time per repository anyway (``Backend.compaction_lock``). A save does not wait for the
 previous save's compaction (it holds the shared lock like any writer); ``wait_compaction``
-waits for this process's, and interpreter exit waits on its own (background.py).
+waits for this process's, and interpreter exit waits on its own (write/background.py).
 """
 
 from __future__ import annotations
 
-import os
-import threading
-
-from ckstore.write.background import Compactions
-from ckstore.write.compact import compact_branch
-from ckstore.repository.context import RepoContext
+from ckstore.write.background import wait_all
 from ckstore.write.ingest import MemoryFile, ingest
 from ckstore.format.manifest import FileEntry
 from ckstore.repository.store import ObjectStore
-
-_lock = threading.Lock()
-_compactions: dict[str, Compactions] = {}  # per repository location, this process
 
 
 def store_pieces(staged: ObjectStore, source: MemoryFile, chunk_size: int) -> tuple[FileEntry, int]:
@@ -36,19 +29,8 @@ def store_pieces(staged: ObjectStore, source: MemoryFile, chunk_size: int) -> tu
     return files[0], added
 
 
-def compact_later(ctx: RepoContext, location: str | os.PathLike[str], branch: str) -> None:
-    """Compact ``branch`` (just moved to a new commit) on this process's background thread."""
-    key = os.path.realpath(location)
-    with _lock:
-        compactions = _compactions.setdefault(key, Compactions())
-    compactions.request(lambda: compact_branch(ctx, branch))
-
-
 def wait_compaction() -> None:
     """Wait until this process's compactions after DCP saves have finished (a benchmark or a test
     that measures stored bytes calls it; on the coordinator rank only is there anything to wait
     for)."""
-    with _lock:
-        pending = list(_compactions.values())
-    for compactions in pending:
-        compactions.wait()
+    wait_all()

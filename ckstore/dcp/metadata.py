@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckstore.format.dcp_record import DTYPES, DcpObject, DcpPiece, DcpRecord, DcpTensor
+from ckstore.format.dtypes import TORCH_DTYPES
+from ckstore.format.dcp_record import DcpObject, DcpPiece, DcpRecord, DcpTensor
 from ckstore.errors import IntegrityError, UnencodableValueError
 from ckstore.format.manifest import ChunkRef, TensorEntry
 from ckstore.format.values import decode_value, encode_value
@@ -43,7 +44,7 @@ class StoredItem:
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    if name not in TORCH_DTYPES:
         raise UnencodableValueError(f"cannot store tensors of dtype {dtype} in a distributed checkpoint")
     return name
 

@@ -19,10 +19,10 @@ planning (another rank's failure or death), so maintenance waits a bounded time 
 takes the locks again and checks, under them, that every object the ranks reported is here:
 a save that outlived the bound and lost objects to gc is refused, never recorded incomplete.
 
-Pieces are named by fully qualified name and global offsets (``dcp_manifest.piece_name``), not
+Pieces are named by fully qualified name and global offsets (``format.dcp_record.piece_name``), not
 by rank, so the next save finds each piece's predecessor wherever it was written: unchanged
 pieces cost nothing, changed ones are stored the fast way and, once the commit is recorded, the
-repository's compaction re-encodes their predecessors as deltas against them (compaction.py).
+repository's compaction re-encodes their predecessors as deltas against them (dcp/compaction.py).
 
 Non-tensor items: with DCP's default planner (``transform_object`` not overridden) the Writer
 looks the value up itself and stores it in ckstore's typed JSON (values.py) when it is
@@ -49,19 +49,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckstore.write.commit import encode_metadata, record_commit
+from ckstore.write.commit import prepare_commit, record_commit
 from ckstore.repository.context import RepoContext, open_context
-from ckstore.format.dcp_record import DTYPES, piece_name, stored_dtype
+from ckstore.format.dtypes import TORCH_DTYPES
+from ckstore.format.dcp_record import piece_name, stored_dtype
 from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
 from ckstore.write.ingest import MemoryFile
 from ckstore.format.manifest import FileEntry, canonical_json
 from ckstore.training.partial import LazyTensors
-from ckstore.repository.refs import check_ref_name
 from ckstore.repository.writing import writing
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
-from ckstore.dcp.compaction import compact_later, store_pieces
+from ckstore.dcp.compaction import store_pieces
 from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 
 FILE_METADATA = {"format": "ckstore-dcp"}
@@ -105,9 +105,7 @@ class Writer(StorageWriter):
         super().__init__()
         self.lock_hold = lock_hold
         self.location = _location(repo)
-        self.branch = None if branch is None else check_ref_name(branch, "branch name")
-        self.message = message
-        self._meta = encode_metadata(metadata)  # refuses unencodable metadata before any save
+        self._request = prepare_commit(message, branch, metadata)  # refuses bad input before any save
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
         self._lock: ExitStack | None = None
@@ -169,7 +167,8 @@ class Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ctx = self._context()
-        branch = self.branch or ctx.refs.head_branch()
+        branch = self._request.on_branch(ctx).branch
+        assert branch is not None  # on_branch decided it
         self._hold(ctx)  # before any rank writes: see the module doc
         self._world, self._plan_branch = len(plans), branch
         return [dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch)) for i, p in enumerate(plans)]
@@ -237,10 +236,12 @@ class Writer(StorageWriter):
                     raise IntegrityError(f"{len(missing)} object(s) the ranks reported are missing (first: "
                                          f"{missing[0]}); nothing was committed")
                 record = build_record(metadata, results, max(self._world, len(results)))
-                branch = self._plan_branch or self.branch or ctx.refs.head_branch()  # the one the ranks used
+                # The branch the ranks used (the one the global plan named).
+                request = dataclasses.replace(self._request, branch=self._plan_branch or self._request.branch)
                 added = sum(i.added for i in items)
-                self.commit_id = record_commit(ctx, files, added, self.message, branch, self._meta, dcp=record)
-            compact_later(ctx, self.location, branch)
+                # Recording the commit starts the compaction after it, on this process's background
+                # thread (dcp/compaction.py).
+                self.commit_id = record_commit(ctx, files, added, request, dcp=record)
             # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
             # so this is how the other ranks learn the commit.
             metadata.storage_data = {COMMIT_KEY: self.commit_id}
@@ -379,7 +380,7 @@ class Reader(StorageReader):
     def _region(reader: LazyTensors, where: Location, req: Any) -> torch.Tensor:
         """The requested hypercube of a stored piece, reading only the chunks of its rows."""
         offsets, lengths = list(req.storage_offsets), list(req.lengths)
-        if DTYPES[where.kind][1] is None:  # a dtype safetensors cannot name: raw bytes, read whole
+        if TORCH_DTYPES[where.kind][1] is None:  # a dtype safetensors cannot name: raw bytes, read whole
             piece = reader.get_tensor(where.tensor).view(getattr(torch, where.kind)).reshape(where.sizes)
         elif not offsets:
             return reader.get_tensor(where.tensor)

@@ -16,18 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckstore.errors import IntegrityError
+from ckstore.format.dtypes import TORCH_DTYPES
 from ckstore.format.values import JSONValue, decode_value
 
-# torch dtype names (``str(dtype)`` without ``torch.``) -> (bits per element, safetensors code or
-# None when safetensors has none: such pieces are stored as raw ``U8`` bytes).
-DTYPES: dict[str, tuple[int, str | None]] = {
-    "float64": (64, "F64"), "float32": (32, "F32"), "float16": (16, "F16"), "bfloat16": (16, "BF16"),
-    "int64": (64, "I64"), "int32": (32, "I32"), "int16": (16, "I16"), "int8": (8, "I8"), "uint8": (8, "U8"),
-    "uint16": (16, "U16"), "uint32": (32, "U32"), "uint64": (64, "U64"), "bool": (8, "BOOL"),
-    "complex64": (64, "C64"), "complex128": (128, None), "complex32": (32, None),
-    "float8_e4m3fn": (8, "F8_E4M3"), "float8_e5m2": (8, "F8_E5M2"), "float8_e4m3fnuz": (8, "F8_E4M3FNUZ"),
-    "float8_e5m2fnuz": (8, "F8_E5M2FNUZ"), "float8_e8m0fnu": (8, "F8_E8M0"),
-}  # fmt: skip
 # Non-tensor items: "value" is ckstore's typed JSON (values.py), decoded by ckstore itself;
 # "opaque" is the bytes DCP's planner produced (torch.save pickle for the default planner),
 # handed back to the planner's own load_bytes and never decoded by ckstore.
@@ -63,7 +54,7 @@ class DcpTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][0] // 8
+        return math.prod(self.shape) * TORCH_DTYPES[self.dtype][0] // 8
 
 
 @dataclass(frozen=True)
@@ -100,7 +91,7 @@ def piece_name(fqn: str, offsets: Sequence[int]) -> str:
 def stored_dtype(dtype: str, sizes: Sequence[int]) -> tuple[str, tuple[int, ...]]:
     """Safetensors dtype and shape a piece is stored with (raw ``U8`` bytes when safetensors
     has no code for the dtype)."""
-    bits, code = DTYPES[dtype]
+    bits, code = TORCH_DTYPES[dtype]
     if code is not None:
         return code, tuple(sizes)
     return "U8", (math.prod(sizes) * bits // 8,)
@@ -180,7 +171,7 @@ def _parse_tensor(doc: Any, world: int, stored: StoredTensors) -> DcpTensor:
     where = f"dcp tensor {fqn!r}"
     if not isinstance(d["requires_grad"], bool) or not isinstance(d["pieces"], list):
         raise IntegrityError(f"manifest: {where}: malformed")
-    shell = DcpTensor(fqn, _str(d["dtype"], where, tuple(DTYPES)), _dims(d["shape"], where), d["requires_grad"],
+    shell = DcpTensor(fqn, _str(d["dtype"], where, tuple(TORCH_DTYPES)), _dims(d["shape"], where), d["requires_grad"],
                       _str(d["layout"], where, LAYOUTS), _str(d["memory_format"], where, MEMORY_FORMATS), ())
     pieces = tuple(_parse_piece(p, shell, world, stored) for p in d["pieces"])
     # Pieces lie inside the shape (_parse_piece): disjoint ones whose volumes sum to the tensor's

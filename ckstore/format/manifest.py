@@ -19,7 +19,7 @@ from typing import Any
 from ckstore.format.dcp_record import DcpRecord, parse_record, record_json
 from ckstore.errors import IntegrityError, InvalidInputError, InvalidPathError, UnsupportedFormatError
 from ckstore.format.ids import ObjectId, is_object_id
-from ckstore.format.safetensors import DTYPE_BITS
+from ckstore.format.dtypes import DTYPE_BITS
 from ckstore.format.tensor_stats import TensorStats, stats_json
 from ckstore.format.values import JSONValue, decode_value
 

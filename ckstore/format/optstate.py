@@ -2,7 +2,7 @@
 chunks a predicted delta (predict.py) is computed from.
 
 A DCP commit (ckstore.dcp) stores each piece under its fully qualified name and global offsets,
-``dcp_manifest.piece_name``: the model's ``model.<fqn>@<offsets>`` and the optimizer state
+``dcp_record.piece_name``: the model's ``model.<fqn>@<offsets>`` and the optimizer state
 ``optim.state.<fqn>.exp_avg@<offsets>`` and ``...exp_avg_sq@<offsets>`` (torch's
 ``get_state_dict`` keys optimizer state by parameter fqn). The same piece of the three has the
 same offsets and shape, so its chunks pair by index.

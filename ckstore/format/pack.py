@@ -32,7 +32,7 @@ two ranged reads, and fsck can check a pack without trusting anything else. Why 
 the bytes of an index are canonical (one pack, one index) and a duplicate is an adjacent pair.
 
 An entry carries its object id because the id is the hash of the *decoded* bytes: nothing in
-the stored bytes names the object. Parsing is strict, like safetensors_format.py: every count,
+the stored bytes names the object. Parsing is strict, like safetensors.py: every count,
 offset and length is checked against hard limits before use, the entries must tile the object
 area exactly (no hole, no overlap, no trailing byte), checksums must match, and every failure is
 an IntegrityError naming the pack.

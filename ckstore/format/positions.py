@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import ChunkRef, FileEntry
-from ckstore.format.safetensors import DTYPE_BITS
+from ckstore.format.dtypes import DTYPE_BITS
 
 # A tensor name cannot contain NUL (the safetensors parser refuses control characters in names),
 # so this part never collides with a tensor's.

@@ -30,16 +30,10 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ckstore.errors import SafetensorsFormatError
+from ckstore.format.dtypes import DTYPE_BITS
 
 MAX_HEADER_SIZE: int = 100_000_000
 
-# Mirrors `Dtype::bitsize` of the safetensors Rust crate (0.8): exactly the dtypes it can read.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
-    "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
-}  # fmt: skip
 
 _PREFIX_LEN = 8
 _METADATA_KEY = "__metadata__"

@@ -13,21 +13,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FLOAT_VIEWS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
-INT_VIEWS = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-             "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8}
-NUMERIC_DTYPES = frozenset((*FLOAT_VIEWS, *INT_VIEWS, "BF16"))
+from ckstore.format.dtypes import NUMPY_TYPES
+
+# Real numeric types numpy can widen (floats and integers: a view of the one dtype table); BF16,
+# which numpy lacks, is widened by hand.
+_VIEWS = {code: np.dtype(t) for code, t in NUMPY_TYPES.items() if np.dtype(t).kind in "fiu"}
+NUMERIC_DTYPES = frozenset((*_VIEWS, "BF16"))
 
 
 def item_size(dtype: str) -> int:
-    return 2 if dtype == "BF16" else np.dtype(FLOAT_VIEWS.get(dtype) or INT_VIEWS[dtype]).itemsize
+    return 2 if dtype == "BF16" else _VIEWS[dtype].itemsize
 
 
 def as_numbers(data: bytes | memoryview, dtype: str) -> np.ndarray:
     """The elements of a little-endian buffer as numbers (bf16 widened exactly to float32)."""
     if dtype == "BF16":
         return (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.frombuffer(data, dtype=FLOAT_VIEWS.get(dtype) or INT_VIEWS[dtype])
+    return np.frombuffer(data, dtype=_VIEWS[dtype])
 
 
 def as_float64(data: bytes | memoryview, dtype: str) -> np.ndarray:

@@ -11,20 +11,13 @@ from typing import Any
 import torch
 
 from ckstore.errors import IntegrityError
+from ckstore.format.dtypes import TORCH_DTYPES
 
-# safetensors dtype codes of the torch dtypes that have one.
+# safetensors dtype codes of the torch dtypes that have one (newer dtypes exist only in recent
+# torch releases: a row whose dtype this torch lacks is left out).
 ST_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
+    getattr(torch, name): code for name, (_, code) in TORCH_DTYPES.items() if code is not None and hasattr(torch, name)
 }
-for _name, _code in (
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("float8_e8m0fnu", "F8_E8M0"),
-    ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-):
-    if hasattr(torch, _name):  # newer dtypes: present only in recent torch releases
-        ST_CODES[getattr(torch, _name)] = _code
 FROM_ST_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in ST_CODES.items()}
 
 

@@ -16,7 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 
 from ckstore.read.checkout import Output, Piece
-from ckstore.format.dcp_record import DTYPES, DcpPiece, DcpTensor
+from ckstore.format.dtypes import TORCH_DTYPES
+from ckstore.format.dcp_record import DcpPiece, DcpTensor
 from ckstore.errors import InvalidInputError
 from ckstore.repository.filedata import file_context
 from ckstore.format.manifest import ChunkRef, Commit, FileEntry
@@ -54,7 +55,7 @@ def _row_pieces(t: DcpTensor, pieces: list[DcpPiece]) -> bool:
 
 def _assemble(store: ObjectStore, t: DcpTensor, pieces: list[DcpPiece],
               stored: Stored) -> Callable[[], bytes]:
-    width = DTYPES[t.dtype][0] // 8
+    width = TORCH_DTYPES[t.dtype][0] // 8
 
     def build() -> bytes:
         import numpy as np  # here, not at import: reading commands (show, log) must not load numpy
@@ -97,7 +98,7 @@ def plan_consolidated(
     if not tensors:
         raise InvalidInputError("no tensor of the checkpoint matches" if only else "the checkpoint holds no tensors")
     for t in tensors:
-        if DTYPES[t.dtype][1] is None:
+        if TORCH_DTYPES[t.dtype][1] is None:
             raise InvalidInputError(f"tensor {t.fqn!r} has dtype {t.dtype}, which safetensors cannot store; "
                                     "leave it out with --only")
     groups = split_into_shards([(t.fqn, t.nbytes) for t in tensors], shard_size) if shard_size else [
@@ -108,7 +109,7 @@ def plan_consolidated(
     weight_map: dict[str, str] = {}
     for name, group in zip(shard_names(len(groups)), groups):
         entries = [by_name[n] for n in group]
-        header, _ = emit_header([(t.fqn, DTYPES[t.dtype][1], t.shape) for t in entries], DEFAULT_METADATA)  # type: ignore[misc]
+        header, _ = emit_header([(t.fqn, TORCH_DTYPES[t.dtype][1], t.shape) for t in entries], DEFAULT_METADATA)  # type: ignore[misc]
         pieces: list[tuple[Piece, str]] = [(header, "")]
         for t in entries:
             pieces.extend(_tensor_pieces(store, stored, t))

@@ -42,11 +42,11 @@ from ckstore.errors import (
 )
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit, decode_commit
-from ckstore.repository.refs import HEADS, TAGS, check_ref_name
+from ckstore.repository.refs import DEFAULT_BRANCH, HEADS, REMOTES, TAGS, check_ref_name
 from ckstore.repository.writing import writing
 from ckstore.remote.awsconfig import endpoint_problem
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
-from ckstore.remote.names import TRACKING, add, open_remote, tracking_ref
+from ckstore.remote.names import add, open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader, delta_closure, verified_commit
 from ckstore.repository.store import ObjectStore, object_key
 from ckstore.write.pipeline import ProgressBar, ProgressFactory
@@ -541,7 +541,7 @@ def _fetch_locked(ctx: RepoContext, remote_name: str | None, progress: ProgressF
             report.updated.append((local, old, oid))
     # Branches deleted on the remote: their tracking refs go (the reflog keeps what they held).
     # A branch skipped above is still there: its tracking ref stays as last seen.
-    prefix = f"{TRACKING}{remote.name}/"
+    prefix = f"{REMOTES}{remote.name}/"
     skipped = {s.ref for s in report.skipped}
     for branch in ctx.refs.list(prefix):
         if HEADS + branch not in refs and HEADS + branch not in skipped:
@@ -572,7 +572,7 @@ def _pull_locked(ctx: RepoContext, remote_name: str | None,
                  progress: ProgressFactory | None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
     report = fetch(ctx, remote_name, progress)
     branch = ctx.refs.head_branch()
-    theirs = ctx.refs.read(f"{TRACKING}{report.remote}/{branch}")
+    theirs = ctx.refs.read(f"{REMOTES}{report.remote}/{branch}")
     if theirs is None:
         report.check()  # the branch may be there, damaged: say so rather than "no branch"
         raise RefNotFoundError(f"remote {report.remote} has no branch {branch!r}")
@@ -606,11 +606,11 @@ def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = Non
         add(ctx, "origin", url, endpoint_url)
         with writing(ctx):
             report = fetch(ctx, "origin", progress)
-            branches = ctx.refs.list(f"{TRACKING}origin/")
+            branches = ctx.refs.list(f"{REMOTES}origin/")
             for branch, oid in branches.items():
                 ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
         if branches:
-            ctx.refs.set_head_branch("main" if "main" in branches else min(branches))
+            ctx.refs.set_head_branch(DEFAULT_BRANCH if DEFAULT_BRANCH in branches else min(branches))
     except BaseException:
         _remove_failed_clone(target, existed)
         raise

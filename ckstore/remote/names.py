@@ -20,14 +20,13 @@ from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
 from ckstore.repository.context import RepoContext
 from ckstore.errors import IntegrityError, InvalidInputError, NotFoundError, RefExistsError
-from ckstore.repository.refs import decode_ref, encode_ref
+from ckstore.repository.refs import HEADS, REMOTES, decode_ref, encode_ref
 from ckstore.remote import RemoteOptions, open_transport, parse_url
 from ckstore.remote.awsconfig import endpoint_problem
 from ckstore.remote.layout import IndexCache, RemoteRepo
 
 REMOTES_KEY = "remotes"
 CACHE_DIR = "remote-cache"
-TRACKING = "refs/remotes/"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -95,8 +94,8 @@ def remove(ctx: RepoContext, name: str) -> RemoteSpec:
         spec = get(ctx, name, remotes)
         del remotes[name]
         _write(ctx.backend, remotes)
-    for ref in list(ctx.refs.list(f"{TRACKING}{name}/")):
-        ctx.refs.delete(f"{TRACKING}{name}/{ref}", reason=f"remote remove {name}")
+    for ref in list(ctx.refs.list(f"{REMOTES}{name}/")):
+        ctx.refs.delete(f"{REMOTES}{name}/{ref}", reason=f"remote remove {name}")
     if ctx.path is not None:
         shutil.rmtree(Path(ctx.path) / CACHE_DIR / name, ignore_errors=True)
     return spec
@@ -143,4 +142,4 @@ def open_spec(spec: RemoteSpec, cache: Backend | None = None) -> RemoteRepo:
 
 def tracking_ref(name: str, ref: str) -> str | None:
     """refs/remotes/NAME/BRANCH for a remote branch (tags are fetched as tags: None)."""
-    return f"{TRACKING}{name}/{ref[len('refs/heads/'):]}" if ref.startswith("refs/heads/") else None
+    return f"{REMOTES}{name}/{ref[len(HEADS):]}" if ref.startswith(HEADS) else None

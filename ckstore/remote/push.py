@@ -44,11 +44,11 @@ from ckstore.errors import (
 from ckstore.repository.graph import kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
-from ckstore.repository.refs import HEADS, TAGS
+from ckstore.repository.refs import HEADS, REMOTES, TAGS
 from ckstore.remote.layout import DEFAULT_GRACE, REFS, RemoteRepo
 from ckstore.remote.repack import superseded
 from ckstore.remote.uploads import PackUploads
-from ckstore.remote.names import TRACKING, open_remote, tracking_ref
+from ckstore.remote.names import open_remote, tracking_ref
 from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.store import ObjectStore
 from ckstore.write.pipeline import ProgressFactory
@@ -180,7 +180,7 @@ def _refuse_vanished_remote(ctx: RepoContext, remote: RemoteRepo) -> None:
     """The remote holds no repository, yet a tracking ref records that it had one: an unmounted
     share, an empty mount point, a moved folder. A push there would start a new, empty remote
     and report success while the real one never gets the commits."""
-    seen = ctx.refs.list(f"{TRACKING}{remote.name}/")
+    seen = ctx.refs.list(f"{REMOTES}{remote.name}/")
     if seen:
         branch, oid = min(seen.items())
         raise StorageError(

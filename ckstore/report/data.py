@@ -20,7 +20,7 @@ from ckstore.history.magnitude import commit_stats
 from ckstore.maintenance.gc import collect_garbage
 from ckstore.maintenance.retention import RetentionPolicy
 from ckstore.maintenance.sizes import CommitSizes, commit_sizes
-from ckstore.remote.names import TRACKING
+from ckstore.repository.refs import REMOTES
 from ckstore.repository.context import RepoContext
 
 TensorKey = tuple[str, str]  # (file path, tensor name)
@@ -183,7 +183,7 @@ def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
     return ReportData(
         rows, groups, metrics, _flags(rows), _retention(ctx, len(rows), metrics),
         branches=ctx.refs.list("refs/heads/"), tags=ctx.refs.list("refs/tags/"),
-        tracking=ctx.refs.list(TRACKING), head=ctx.refs.head_branch(),
+        tracking=ctx.refs.list(REMOTES), head=ctx.refs.head_branch(),
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ckstore.errors import LockedError
 from ckstore.format.ids import ObjectId
 from ckstore.maintenance import sizes
-from ckstore.remote.names import TRACKING
+from ckstore.repository.refs import REMOTES
 from ckstore.repository.context import RepoContext
 from ckstore.repository.refs import HEADS
 
@@ -67,7 +67,7 @@ def status(ctx: RepoContext, remotes: dict[str, str]) -> Status:
     bases += [BaseStatus(broken.link.location, False, str(broken)) for broken in ctx.broken_alternates]
     tracking = []
     for name in sorted(remotes):
-        for remote_branch, oid in sorted(ctx.refs.list(f"{TRACKING}{name}/").items()):
+        for remote_branch, oid in sorted(ctx.refs.list(f"{REMOTES}{name}/").items()):
             local = ctx.refs.read(HEADS + remote_branch)
             ahead, behind = _counts(ctx, local, oid)
             tracking.append(TrackingStatus(name, remote_branch, oid, local, ahead, behind))

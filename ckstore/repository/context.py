@@ -22,7 +22,7 @@ from ckstore.format.settings import CONFIG_KEY, PACKS_VERSION, RepoConfig
 from ckstore.errors import CkstoreError, InvalidInputError, RefExistsError, RepoNotFoundError, UnsupportedFormatError
 from ckstore.repository.graph import CommitGraph
 from ckstore.repository.links import ALTERNATES_KEY, MAX_BASE_DEPTH, Link, read_links
-from ckstore.repository.refs import RefStore
+from ckstore.repository.refs import DEFAULT_BRANCH, RefStore
 from ckstore.repository.store import ObjectStore
 
 DEFAULT_DIR = ".ckstore"
@@ -148,7 +148,7 @@ def init_context(
         backend = LocalBackend(prepare_new_repository(path, CONFIG_KEY))
     if not backend.put_if_absent(CONFIG_KEY, config.to_json()):
         raise RefExistsError(f"a repository already exists at {path}")
-    RefStore(backend).set_head_branch("main")
+    RefStore(backend).set_head_branch(DEFAULT_BRANCH)
     return open_context(path, backend=backend)
 
 

@@ -27,11 +27,10 @@ from ckstore.errors import (
 from ckstore.format.ids import ObjectId, is_id_prefix, is_object_id
 from ckstore.format.manifest import Commit, decode_commit
 from ckstore.repository.reflog import HEAD_LOG, Entry, head_view, nth_value
-from ckstore.repository.refs import HEAD, HEADS, TAGS, RefStore, ref_candidates
+from ckstore.repository.refs import HEAD, HEADS, REMOTES, TAGS, RefStore, ref_candidates
 from ckstore.repository.store import ObjectStore
 
 PRUNED_KEY = "pruned"
-REMOTES = "refs/remotes/"  # remote-tracking refs (fetch.py)
 ROOT_PREFIXES = (HEADS, TAGS, REMOTES)  # the refs whose commits gc keeps and fsck walks
 _SUFFIX = re.compile(r"~(\d*)$|\^$")
 _REFLOG_SUFFIX = re.compile(r"(.*)@\{(\d+)\}")

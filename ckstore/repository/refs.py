@@ -34,6 +34,7 @@ from ckstore.repository.reflog import RefLog, switch_what
 
 HEADS = "refs/heads/"
 TAGS = "refs/tags/"
+REMOTES = "refs/remotes/"  # remote-tracking refs, NAME/BRANCH (remote/fetch.py)
 HEAD = "HEAD"
 DEFAULT_BRANCH = "main"
 LOCK_SUFFIX = ".lock"

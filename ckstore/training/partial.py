@@ -27,17 +27,13 @@ from ckstore.errors import InvalidInputError, TensorNotFoundError
 from ckstore.repository.filedata import state_document
 from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry
 from ckstore.write.pipeline import ordered_map
-from ckstore.format.safetensors import DTYPE_BITS
+from ckstore.format.dtypes import DTYPE_BITS, NUMPY_TYPES
 from ckstore.repository.store import ObjectStore
 
 if TYPE_CHECKING:
     from ckstore.repository.graph import CommitGraph
 
 FRAMEWORKS = ("pt", "np")
-_NUMPY_DTYPES = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?", "C64": "<c8",
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -247,7 +243,7 @@ class LazyTensors(Mapping[str, Any]):
                 raise InvalidInputError(f"tensor {spec.entry.name!r}: torch has no dtype for {spec.entry.dtype}")
             raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
             return from_bytes(raw, dtype, shape)
-        code = _NUMPY_DTYPES.get(spec.entry.dtype) if spec.raw_dtype is None else None
+        code = NUMPY_TYPES.get(spec.entry.dtype) if spec.raw_dtype is None else None
         try:
             np_dtype = np.dtype(code if code else (spec.raw_dtype or ""))
         except TypeError:

@@ -1,4 +1,6 @@
-"""Training state as commits, without pickle: the only module that imports torch.
+"""Training state as commits, without pickle. torch is imported only by the torch-facing modules
+(training/, dcp/, read/lora.py, format/torch_dtypes.py, integrations/lightning.py), each lazily
+from ``Repo`` and the CLI, so ``import ckstore`` and commands that decode no tensor stay torch-free.
 
 ``commit_state`` splits a nested state (dicts, lists, tuples, tensors, numpy arrays, scalars) into
 a safetensors file of its tensors, named by their dotted key paths, and a JSON document of
@@ -16,7 +18,7 @@ import fnmatch
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import torch
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
     from ckstore.format.manifest import Commit
     from ckstore.repository.store import ObjectStore
 
+# Where load_state puts tensors: "cpu", "cuda:0", a torch.device (type checkers only: Repo names
+# it without importing torch).
+Device: TypeAlias = "str | torch.device"
 STATE_VALUES = "state.json"
 STATE_TENSORS = "state.safetensors"
 STATE_VERSION = 1

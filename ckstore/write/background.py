@@ -11,7 +11,12 @@ nobody looked at is raised again by the next commit through the same repository.
 exit pending commits are waited for; a failure nobody observed is printed on stderr.
 
 ``Compactions`` runs the compaction that follows every commit (compact.py) the same way: on its
-own worker thread, waited for at interpreter exit.
+own worker thread, waited for at interpreter exit; or, when the repository's ``BackgroundWork``
+says ``detach_compaction`` (the CLI), in a process of its own that outlives this one
+(detached.py), so that a command returns as soon as its commit is durable.
+
+``BackgroundWork`` is all of this for one open repository (``work_for(ctx)``): ``Repo`` and the
+DCP writer hold no background state of their own, they ask for the context's.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
-from ckstore.errors import CkstoreError, CkstoreWarning
+from ckstore.errors import CkstoreError, CkstoreWarning, LockedError
+from ckstore.format.ids import ObjectId
+from ckstore.repository.context import RepoContext
 
 T = TypeVar("T")
 
@@ -108,6 +117,10 @@ class BackgroundCommits:
             assert error is not None
             raise error
 
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
     def wait(self) -> None:
         """Wait for every pending commit and its done-callbacks (errors stay on their handles)."""
         with self._lock:
@@ -169,6 +182,10 @@ class Compactions:
                     f"compacting after a commit failed ({exc}); every commit is intact, its chunks are only"
                     " stored less compactly until the next commit or 'ckstore repack'"), stacklevel=1)
 
+    def busy(self) -> bool:
+        with self._lock:
+            return self._scheduled
+
     def wait(self) -> None:
         """Wait until no compaction is running or waiting."""
         self._executor.submit(lambda: None).result()
@@ -176,6 +193,115 @@ class Compactions:
     def close(self) -> None:
         self.wait()
         self._executor.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class BackgroundStatus:
+    """What still runs for a repository after the calls that started it returned."""
+
+    commits_pending: int  # background commits of this process not recorded yet
+    compaction_pending: bool  # a compaction runs or waits its turn, in this process or another
+    recorded: tuple[ObjectId, ...]  # commits recorded through this repository by this process, oldest first
+    log: Path | None  # where detached compactions write what they did (None: in memory)
+
+
+class BackgroundWork:
+    """The background commits and compactions of one open repository, and how they run."""
+
+    def __init__(self) -> None:
+        self.commits_in_flight = 1  # background commits: snapshots held at once (host memory)
+        # Re-encode each commit's parent as deltas once the commit is durable (compact.py); False
+        # leaves it to the next commit that compacts, or to repack.
+        self.compact_after_commit = True
+        # Compact in a detached process instead of this process's thread (the CLI: detached.py).
+        self.detach_compaction = False
+        self.recorded: list[ObjectId] = []
+        self._commits: BackgroundCommits | None = None
+        self._compactions: Compactions | None = None
+        self._lock = threading.Lock()
+
+    def submit_commit(self, snapshot: Callable[[], T], write: Callable[[T], str]) -> CommitHandle:
+        with self._lock:
+            if self._commits is None:
+                self._commits = BackgroundCommits(self.commits_in_flight)
+            commits = self._commits
+        return commits.submit(snapshot, write)
+
+    def wait_commits(self) -> None:
+        """Wait for background commits; raise the error of one that failed unobserved."""
+        if self._commits is not None:
+            self._commits.wait()
+            self._commits.raise_unobserved()
+
+    def wait(self) -> None:
+        """Wait for background commits, then for this process's compactions after them."""
+        self.wait_commits()
+        if self._compactions is not None:
+            self._compactions.wait()
+
+    def commit_recorded(self, ctx: RepoContext, oid: ObjectId, branch: str, compact: bool) -> None:
+        """A commit moved ``branch``: remember it and start the compaction after it."""
+        with self._lock:
+            self.recorded.append(oid)
+        if not compact or not self.compact_after_commit:
+            return
+        if self.detach_compaction and ctx.path is not None:
+            from ckstore.write.detached import start
+
+            start(ctx.path, branch)
+            return
+        with self._lock:
+            if self._compactions is None:
+                self._compactions = Compactions()
+            compactions = self._compactions
+        compactions.request(lambda: _compact(ctx, branch))
+
+    def status(self, ctx: RepoContext) -> BackgroundStatus:
+        pending = self._commits.pending() if self._commits is not None else 0
+        busy = self._compactions is not None and self._compactions.busy()
+        if not busy:
+            busy = ctx.backend.compaction_queued() or not _lock_free(ctx)
+        from ckstore.write.detached import COMPACTION_LOG
+
+        log = None if ctx.path is None else ctx.path / COMPACTION_LOG
+        return BackgroundStatus(pending, busy, tuple(self.recorded), log)
+
+
+def _compact(ctx: RepoContext, branch: str) -> object:
+    from ckstore.write.compact import compact_branch
+
+    return compact_branch(ctx, branch)
+
+
+def _lock_free(ctx: RepoContext) -> bool:
+    try:
+        with ctx.backend.compaction_lock(0):
+            return True
+    except LockedError:
+        return False
+
+
+# Per open repository (RepoContext, by identity); an entry goes with its context.
+_WORK: dict[int, BackgroundWork] = {}
+_WORK_LOCK = threading.Lock()
+
+
+def work_for(ctx: RepoContext) -> BackgroundWork:
+    """The background work of ``ctx`` (created on first use)."""
+    with _WORK_LOCK:
+        work = _WORK.get(id(ctx))
+        if work is None:
+            work = _WORK[id(ctx)] = BackgroundWork()
+            weakref.finalize(ctx, _WORK.pop, id(ctx), None)
+        return work
+
+
+def wait_all() -> None:
+    """Wait for every repository's background commits and compactions in this process."""
+    with _WORK_LOCK:
+        works = list(_WORK.values())
+    for work in works:
+        work.wait()
 
 
 _LIVE: weakref.WeakSet[BackgroundCommits] = weakref.WeakSet()

@@ -6,26 +6,35 @@ then the branch ref by compare-and-swap. A crash at any point leaves the refs as
 at worst, unreferenced objects, which gc removes under the exclusive lock. When the ref moved
 meanwhile (another trainer committed to the branch), the manifest is re-parented onto the new tip
 and the swap retried: the objects are already stored.
+
+Every commit goes through here, ``Repo``'s and the DCP writer's alike: ``prepare_commit`` checks
+what the commit records besides its files before anything is stored, ``record_commit`` writes
+the manifest, moves the ref and hands the commit to the background work (the compaction after
+it: background.py). SIGINT is held back from the ref update to that hand-over, so an
+interrupted commit either did not happen or is known to have happened.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
+from ckstore.backend.syscalls import interrupts_deferred
 from ckstore.write import provenance
+from ckstore.write.background import work_for
 from ckstore.repository.context import RepoContext
 from ckstore.format.dcp_record import DcpRecord
 from ckstore.errors import InvalidInputError, ObjectMissingError, RefChangedError, RefExistsError
 from ckstore.write.ingest import MemoryFile, SourceFile, ingest
+from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit
 from ckstore.repository.overlay import merge_files
 from ckstore.write.pipeline import ProgressFactory
-from ckstore.repository.refs import HEADS
+from ckstore.repository.refs import HEADS, check_ref_name
 from ckstore.repository.writing import writing
-from ckstore.format.values import encode_value
+from ckstore.format.values import JSONValue, encode_value
 
 MAX_CAS_ATTEMPTS = 20
 
@@ -34,25 +43,41 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def encode_metadata(metadata: Mapping[str, Any] | None) -> Any:
-    metadata = dict(metadata or {})
-    for key in metadata:
+@dataclass(frozen=True)
+class CommitRequest:
+    """What a commit records besides its files, checked before anything is stored."""
+
+    message: str
+    branch: str | None  # None: the repository's current branch, decided when the ref is moved
+    metadata: JSONValue  # typed-JSON encoded (values.py)
+
+    def on_branch(self, ctx: RepoContext) -> CommitRequest:
+        """This request with its branch decided now (the current branch when none was given)."""
+        return self if self.branch is not None else replace(self, branch=ctx.refs.head_branch())
+
+
+def prepare_commit(message: str, branch: str | None, metadata: Mapping[str, Any] | None) -> CommitRequest:
+    """Refuse a bad branch name or metadata that cannot be stored, before any object is written."""
+    meta = dict(metadata or {})
+    for key in meta:
         if not isinstance(key, str):
             raise InvalidInputError(f"metadata keys must be strings, not {key!r}")
-    return encode_value(metadata)
+    return CommitRequest(message, None if branch is None else check_ref_name(branch, "branch name"), encode_value(meta))
 
 
 def commit_sources(
-    ctx: RepoContext, sources: Sequence[SourceFile | MemoryFile], message: str, branch: str, meta: Any,
+    ctx: RepoContext, sources: Sequence[SourceFile | MemoryFile], request: CommitRequest,
     progress: ProgressFactory | None = None, state: StateFiles | None = None, base: BaseRef | None = None,
-) -> str:
-    """Store ``sources`` and record them as one commit on ``branch``; return its id."""
+) -> ObjectId:
+    """Store ``sources`` and record them as one commit; return its id."""
     with writing(ctx):
         # Read under the base's lock: a base gc that ran before it has deleted it or kept it.
         base_commit = _base_commit(ctx, base) if base is not None else None
+        request = request.on_branch(ctx)
+        assert request.branch is not None  # on_branch decided it
         # The relative change recorded for unchanged tensors is against the branch's tip now;
         # record_commit drops it if another writer moves the tip before this commit lands.
-        tip = ctx.refs.read(HEADS + branch)
+        tip = ctx.refs.read(HEADS + request.branch)
         previous = ctx.graph.read_commit(tip).files if tip else ()
         stats = {(f.path, t.name): t for f in previous for t in f.tensors}
         bar = progress(sum(s.size for s in sources), "commit") if progress else None
@@ -74,7 +99,7 @@ def commit_sources(
                 bar.close()
         if base_commit is not None:
             files = merge_files(base_commit, files)
-        return record_commit(ctx, files, added, message, branch, meta, state, base, stats_parent=tip)
+        return record_commit(ctx, files, added, request, state, base, stats_parent=tip)
 
 
 def without_change(files: Sequence[FileEntry]) -> list[FileEntry]:
@@ -96,14 +121,16 @@ def _reflog_reason(parent: str | None, message: str) -> str:
 
 
 def record_commit(
-    ctx: RepoContext, files: Sequence[FileEntry], added: int, message: str, branch: str, metadata: Any,
+    ctx: RepoContext, files: Sequence[FileEntry], added: int, request: CommitRequest,
     state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
     stats_parent: str | None = None,
-) -> str:
-    """Write the manifest and move ``branch`` to it (objects must be stored already).
+) -> ObjectId:
+    """Write the manifest and move the request's branch to it (objects must be stored already).
 
     ``stats_parent``: the commit the tensors' recorded relative change was measured against.
     """
+    branch = request.on_branch(ctx).branch
+    assert branch is not None  # on_branch decided it
     ref = HEADS + branch
     origin = provenance.collect()  # runs git: once, not on every retry
     for _ in range(MAX_CAS_ATTEMPTS):
@@ -111,22 +138,25 @@ def record_commit(
         if parent != stats_parent:
             files = without_change(files)
         commit = Commit(
-            parents=(parent,) if parent else (), time=_now(), message=message, branch=branch,
-            files=tuple(files), metadata=metadata, provenance=origin,
+            parents=(parent,) if parent else (), time=_now(), message=request.message, branch=branch,
+            files=tuple(files), metadata=request.metadata, provenance=origin,
             logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
             dcp=dcp,
         )
         oid = ctx.store.put_commit(encode_commit(commit)).id
-        try:
-            ctx.refs.update(ref, oid, expected=parent, reason=_reflog_reason(parent, message))
-        except RefChangedError:
-            continue  # another writer advanced the branch: re-parent onto its commit, as documented
-        except RefExistsError:
-            if ctx.refs.read(ref) is None:
-                raise  # a name conflict ("a" vs "a/b"), not a race
-            continue  # another writer created the branch first: re-parent onto its commit
-        if ctx.refs.read(HEADS + ctx.refs.head_branch()) is None and branch != ctx.refs.head_branch():
-            ctx.refs.set_head_branch(branch, reason="commit")
-        ctx.graph.remember(oid, commit)
+        with interrupts_deferred():
+            try:
+                ctx.refs.update(ref, oid, expected=parent, reason=_reflog_reason(parent, request.message))
+            except RefChangedError:
+                continue  # another writer advanced the branch: re-parent onto its commit, as documented
+            except RefExistsError:
+                if ctx.refs.read(ref) is None:
+                    raise  # a name conflict ("a" vs "a/b"), not a race
+                continue  # another writer created the branch first: re-parent onto its commit
+            if ctx.refs.read(HEADS + ctx.refs.head_branch()) is None and branch != ctx.refs.head_branch():
+                ctx.refs.set_head_branch(branch, reason="commit")
+            ctx.graph.remember(oid, commit)
+            # An overlay's chunks are forward deltas against its base's already: nothing to compact.
+            work_for(ctx).commit_recorded(ctx, oid, branch, compact=base is None)
         return oid
     raise RefChangedError(f"branch {branch!r} kept moving; commit not recorded")

@@ -3,10 +3,10 @@
 A commit on the training loop's critical path only hashes, compresses fast and writes
 (``ObjectStore.put_chunk(fast=True)``). The expensive part of storing a rolling checkpoint —
 decoding the parent's chunks, encoding them as deltas against the new ones, checking every delta
-decodes back — runs afterwards, off that path (``Repo`` runs it on a background thread,
-background.py), the way git turns loose objects into packs later. For each chunk position of the
-branch tip (paired with its parent's chunk by ``positions.ChunkIndex``: by position, else by tensor
-name):
+decodes back — runs afterwards, off that path (on a background thread, or for the CLI in a
+detached process: background.py, detached.py), the way git turns loose objects into packs
+later. For each chunk position of the branch tip (paired with its parent's chunk by
+``positions.ChunkIndex``: by position, else by tensor name):
 
 1. the parent's chunk, when whole and different, is replaced by a delta against the tip's chunk
    if that is smaller (a reverse delta: the newest commit stays whole and cheap to read) and the
@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -164,11 +164,16 @@ class _Roles:
             return True
 
 
-def compact_branch(ctx: RepoContext, branch: str) -> CompactReport:
-    """Compact the tip of ``branch`` against its parent, and the parent against its parent."""
+def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTION_LOCK_TIMEOUT,
+                   on_locked: Callable[[], object] | None = None) -> CompactReport:
+    """Compact the tip of ``branch`` against its parent, and the parent against its parent.
+    ``on_locked`` is called once the compaction lock is held (a detached run leaves its place in
+    line then: detached.py)."""
     report = CompactReport()
     depth = ctx.config.encoding.max_delta_depth
-    with ctx.backend.compaction_lock(COMPACTION_LOCK_TIMEOUT), writing(ctx):
+    with ctx.backend.compaction_lock(lock_timeout), writing(ctx):
+        if on_locked is not None:
+            on_locked()
         tip = ctx.refs.read(HEADS + branch)
         window = depth + 3
         commits = ctx.graph.first_parents(tip, window)

@@ -26,8 +26,18 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+_WORKER_LIMIT: int | None = None
+
+
 def default_workers() -> int:
-    return max(1, min(32, os.cpu_count() or 1))
+    return max(1, min(32, _WORKER_LIMIT or os.cpu_count() or 1))
+
+
+def limit_workers(n: int) -> None:
+    """Use at most ``n`` threads from now on (a detached compaction leaves cores to training).
+    Call before the first parallel map: the shared pool is sized when first used."""
+    global _WORKER_LIMIT
+    _WORKER_LIMIT = max(1, n)
 
 
 _POOL: ThreadPoolExecutor | None = None

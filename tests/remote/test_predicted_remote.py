@@ -18,7 +18,7 @@ def test_push_and_clone_of_predicted_deltas_read_back_bit_exact(remote_url: tupl
     assert encodings(a).get("PREDICTED", 0) > 0
     a.add_remote("origin", url, endpoint_url=endpoint)
     a.push()
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert encodings(b).get("PREDICTED") == encodings(a)["PREDICTED"]  # stayed predicted on the way
     # 4 allows predicted deltas; the clone is 5, as its objects landed in local packs.
     assert json.loads((tmp_path / "b" / "config.json").read_text())["version"] >= 4
@@ -39,7 +39,7 @@ def test_clone_from_version_1_packs_decodes_each_predicted_delta_against_its_bas
     a.add_remote("origin", url)
     a.push()
     rewrite_as_version_1(open_transport(url, None))
-    b = Repo.clone(url, tmp_path / "b")
+    b, _ = Repo.clone(url, tmp_path / "b")
     assert encodings(b).get("PREDICTED") == encodings(a)["PREDICTED"]
     assert_reads_back(b, runs, tmp_path / "out")
     assert b.fsck(read_data=True) == []

@@ -32,7 +32,7 @@ def test_push_clone_round_trip_is_byte_identical(tmp_path: Path, remote_url: tup
     report = a.push()
     assert report.updated == [("refs/heads/main", None, ids[-1])]
     assert a.resolve("origin/main") == ids[-1]
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert [e.id for e in b.log()] == [e.id for e in a.log()]
     for i, oid in enumerate(ids, start=1):
         out = tmp_path / f"out{i}"
@@ -63,7 +63,7 @@ def test_second_push_sends_only_what_the_epoch_added(tmp_path: Path, remote_url:
 def test_fetch_and_pull_fast_forward(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
     a, ids = pushed(tmp_path, url, endpoint)
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     new = a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="epoch 2")
     a.create_tag("best")
     a.push(refs=["main", "best"])
@@ -77,7 +77,7 @@ def test_fetch_and_pull_fast_forward(tmp_path: Path, remote_url: tuple[str, str 
 def test_diverged_push_needs_fetch_first_or_force(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
     a, _ = pushed(tmp_path, url, endpoint)
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="a's epoch 2")
     a.push()
     theirs = b.commit(epoch_files(tmp_path / "work" / "e3", 3), message="b's epoch 2")
@@ -95,7 +95,7 @@ def test_concurrent_pushers_exactly_one_wins(tmp_path: Path, remote_url: tuple[s
     base, _ = make_repo(tmp_path / "base", tmp_path / "work", range(1, 2))
     base.add_remote("origin", url, endpoint)
     base.push()
-    pushers = [Repo.clone(url, tmp_path / f"p{i}", endpoint_url=endpoint) for i in range(4)]
+    pushers = [Repo.clone(url, tmp_path / f"p{i}", endpoint_url=endpoint)[0] for i in range(4)]
     tips = [p.commit(epoch_files(tmp_path / "work" / f"x{i}", 10 + i), message=f"pusher {i}") for i, p in enumerate(pushers)]
     outcome: dict[int, object] = {}
     start = threading.Barrier(len(pushers))
@@ -116,7 +116,7 @@ def test_concurrent_pushers_exactly_one_wins(tmp_path: Path, remote_url: tuple[s
     winners = [i for i, o in outcome.items() if o == "won"]
     assert len(winners) == 1 and len(outcome) == len(pushers)
     # Nothing lost: the winner's commit is on the remote, whole; each loser still has its own.
-    check = Repo.clone(url, tmp_path / "check", endpoint_url=endpoint)
+    check, _ = Repo.clone(url, tmp_path / "check", endpoint_url=endpoint)
     assert check.resolve("main") == tips[winners[0]] and check.fsck(read_data=True) == []
     for i, p in enumerate(pushers):
         assert p.resolve("main") == tips[i]
@@ -220,7 +220,7 @@ def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, g
     assert deltas, "the epochs should share chunks as deltas"
     a.add_remote("origin", url)
     a.push()
-    b = Repo.clone(url, tmp_path / "b")
+    b, _ = Repo.clone(url, tmp_path / "b")
     assert {o: b.store.bases_of(o) for o in deltas} == deltas  # stayed deltas on the way
     b.checkout(ids[0], tmp_path / "out")
     assert digests(tmp_path / "out") == digests(tmp_path / "work" / "e1")

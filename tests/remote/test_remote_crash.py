@@ -19,6 +19,7 @@ from ckstore.cli import main
 from ckstore.errors import StorageError
 from ckstore.remote.layout import INDEXES, PACKS
 from ckstore.remote.names import open_remote
+from ckstore.repository.context import open_context
 from ckstore.repo import Repo
 
 from .conftest import S3Server
@@ -43,7 +44,7 @@ def via_proxy(s3_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.Monkey
 
 def assert_consistent(repo: Repo) -> None:
     """Every index names a pack that is there, whole; every ref's history is whole on the remote."""
-    remote = open_remote(repo._ctx)
+    remote = open_remote(open_context(repo.path))
     packs = remote.pack_ids()
     for index in remote.catalogue().values():
         assert index.pack_id in packs
@@ -64,7 +65,7 @@ def test_transient_faults_are_retried_and_the_push_completes(tmp_path: Path, via
     assert [s.status for s in proxy.seen if s.method == "PUT" and "/packs/" in s.path][:3] == [503, 503, 200]
     proxy.reset()
     proxy.drop_next(2, match=lambda method, path: method == "GET")
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and b.resolve("main") == ids[-1]
 
 
@@ -89,13 +90,13 @@ def test_persistent_faults_end_in_one_clean_error_and_publish_nothing(
     (line,) = result.output.strip().splitlines()
     assert line.startswith("ckstore: remote s3://") and ("500" in line or "connection" in line)
     proxy.reset()
-    remote = open_remote(a._ctx)
+    remote = open_remote(open_context(a.path))
     assert remote.list_refs() == {}  # the pack went up, its index did not: nothing is named
     assert remote.pack_ids() and not list(remote.transport.list(INDEXES))
     again = a.push()
     assert again.updated and again.packs == 1
     assert_consistent(a)
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and b.resolve("main") == ids[0]
 
 
@@ -155,7 +156,7 @@ def test_push_killed_at_every_step_then_rerun_leaves_a_consistent_remote(
         r = Repo(repo_dir)  # what the killed process left on disk
         r.push()
         assert_consistent(r)
-        clone = Repo.clone(url, tmp_path / f"c{k}", endpoint_url=endpoint)
+        clone, _ = Repo.clone(url, tmp_path / f"c{k}", endpoint_url=endpoint)
         assert clone.fsck(read_data=True) == [] and clone.resolve("main") == r.resolve("main"), k
         shutil.rmtree(repo_dir)
         shutil.rmtree(tmp_path / f"c{k}")

@@ -13,6 +13,7 @@ from ckstore.errors import IntegrityError, LockedError
 from ckstore.remote.layout import GC_LOCK_KEY, PACKS
 from ckstore.remote.gc import MTIME_RESOLUTION
 from ckstore.remote.names import open_remote
+from ckstore.repository.context import open_context
 from ckstore.repo import Repo
 
 from .epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
@@ -21,7 +22,7 @@ GRACE = 0.5
 
 
 def packs(repo: Repo) -> set[str]:
-    return open_remote(repo._ctx).pack_ids()
+    return open_remote(open_context(repo.path)).pack_ids()
 
 
 def test_unreferenced_packs_go_only_after_the_grace_period(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
@@ -34,7 +35,7 @@ def test_unreferenced_packs_go_only_after_the_grace_period(tmp_path: Path, remot
     a.push(refs=["exp"])
     doomed = packs(a) - kept
     assert doomed
-    remote = open_remote(a._ctx)
+    remote = open_remote(open_context(a.path))
     remote.delete_ref("refs/heads/exp")
     first = a.gc_remote(grace=GRACE)  # too young to condemn
     assert first.condemned == [] and first.deleted == []
@@ -46,14 +47,14 @@ def test_unreferenced_packs_go_only_after_the_grace_period(tmp_path: Path, remot
     third = a.gc_remote(grace=GRACE)
     assert set(third.deleted) == doomed and third.freed_bytes > 0
     assert packs(a) == kept
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and b.resolve("main") == ids[-1]
 
 
 def test_a_push_rescues_a_condemned_pack_it_relies_on(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
     a, ids = pushed(tmp_path, url, endpoint)
-    remote = open_remote(a._ctx)
+    remote = open_remote(open_context(a.path))
     remote.delete_ref("refs/heads/main")
     time.sleep(GRACE + MTIME_RESOLUTION + 0.1)
     condemned = a.gc_remote(grace=GRACE).condemned
@@ -63,7 +64,7 @@ def test_a_push_rescues_a_condemned_pack_it_relies_on(tmp_path: Path, remote_url
     assert remote.read_condemned().packs == {}
     time.sleep(GRACE + 0.1)
     assert a.gc_remote(grace=GRACE).deleted == []
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and b.resolve("main") == ids[0]
 
 
@@ -82,7 +83,7 @@ def test_retention_on_the_remote(tmp_path: Path, remote_url: tuple[str, str | No
     second = a.gc_remote(keep_last=1, grace=0)
     assert second.deleted and packs(a) < before  # epoch 2's pack held nothing epoch 3 needs
     assert a.push().objects == 0  # pruned on the remote: not sent again
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and [e.id for e in b.log()] == [ids[2]]
     assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e3")
 
@@ -90,7 +91,7 @@ def test_retention_on_the_remote(tmp_path: Path, remote_url: tuple[str, str | No
 def test_one_remote_gc_at_a_time(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
     url, endpoint = remote_url
     a, _ = pushed(tmp_path, url, endpoint)
-    open_remote(a._ctx).transport.put_if_absent(GC_LOCK_KEY, b'{"host": "h", "pid": 1, "time": 0}')
+    open_remote(open_context(a.path)).transport.put_if_absent(GC_LOCK_KEY, b'{"host": "h", "pid": 1, "time": 0}')
     with pytest.raises(LockedError, match="another remote gc is running"):
         a.gc_remote()
 
@@ -118,7 +119,7 @@ def test_gc_concurrent_with_pushes_deletes_nothing_needed(tmp_path: Path, remote
 
     thread = threading.Thread(target=collect)
     thread.start()
-    remote = open_remote(a._ctx)
+    remote = open_remote(open_context(a.path))
     try:
         for e in range(2, 6):
             a.commit(epoch_files(tmp_path / "work" / f"e{e}", e), message=f"epoch {e}")
@@ -136,7 +137,7 @@ def test_gc_concurrent_with_pushes_deletes_nothing_needed(tmp_path: Path, remote
     for _ in range(2):
         time.sleep(grace + 0.1)
         a.gc_remote(grace=grace)
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == []
     assert set(b.branches()) == {"main", "b2", "b3", "b4", "b5"}
 
@@ -168,7 +169,7 @@ def test_lazy_read_of_a_damaged_pack_is_named_and_not_cached(tmp_path: Path, rem
                                                            request: pytest.FixtureRequest) -> None:
     url, endpoint = remote_url
     a, _ = pushed(tmp_path, url, endpoint)
-    remote = open_remote(a._ctx)
+    remote = open_remote(open_context(a.path))
     (key,) = [i.key for i in remote.transport.list(PACKS)]
     good = remote.transport.get(key)
     middle = len(good) // 2
@@ -191,9 +192,9 @@ def test_a_history_pruned_locally_is_pushed_as_pruned(tmp_path: Path, remote_url
     a.gc(keep_last=1, prune_now=True)
     a.add_remote("origin", url, endpoint)
     a.push()
-    assert set(open_remote(a._ctx).read_pruned()) == set(ids[:2])
+    assert set(open_remote(open_context(a.path)).read_pruned()) == set(ids[:2])
     assert a.gc_remote(dry_run=True).live_objects > 0  # the remote's graph walks through them
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and [e.id for e in b.log()] == [ids[2]]
 
 

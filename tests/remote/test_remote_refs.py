@@ -60,12 +60,12 @@ def test_pushing_a_tag_on_an_epoch_remote_gc_pruned_sends_it(tmp_path: Path, rem
     a.create_tag("best", ids[0])
     report = a.push(refs=["best"])
     assert report.objects > 0 and report.updated == [("refs/tags/best", None, ids[0])]
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.resolve("best") == ids[0] and b.resolve("main") == ids[2]
     assert b.fsck(read_data=True) == []
     assert_checks_out(b, "best", tmp_path / "out1", tmp_path / "work" / "e1")
     _sweep(a)  # a later remote gc keeps what a ref names, even though its record says pruned
-    c = Repo.clone(url, tmp_path / "c", endpoint_url=endpoint)
+    c, _ = Repo.clone(url, tmp_path / "c", endpoint_url=endpoint)
     assert c.fsck(read_data=True) == []
     assert_checks_out(c, "best", tmp_path / "out2", tmp_path / "work" / "e1")
 
@@ -76,7 +76,7 @@ def test_rolling_back_and_force_pushing_a_pruned_epoch_sends_it(tmp_path: Path) 
     a, ids = _three_epochs_then_remote_gc(tmp_path, url, None)
     a.reset(ids[0])
     assert a.push(force=True).objects > 0
-    b = Repo.clone(url, tmp_path / "b")
+    b, _ = Repo.clone(url, tmp_path / "b")
     assert b.resolve("main") == ids[0] and b.fsck(read_data=True) == []
     assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e1")
 
@@ -86,7 +86,7 @@ def test_a_tip_the_pruned_record_lists_is_fetched_not_skipped(tmp_path: Path) ->
     url = str(tmp_path / "remote")
     a, ids = pushed(tmp_path, url, None, range(1, 3))
     open_remote(a._ctx).add_pruned({ids[1]: (ids[0],)})
-    b = Repo.clone(url, tmp_path / "b")
+    b, _ = Repo.clone(url, tmp_path / "b")
     assert b.resolve("main") == ids[1] and b.fsck(read_data=True) == []
     assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e2")
     b.gc()  # the local pruned record does not make local gc drop a commit a ref names
@@ -122,7 +122,7 @@ def test_push_refuses_a_branch_that_conflicts_with_a_remote_ref(tmp_path: Path, 
     a, _ = pushed(tmp_path, url, endpoint)
     a.create_branch("exp")
     a.push(refs=["exp"])
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     b.refs.delete("refs/heads/exp")
     b.create_branch("exp/lr-1e-4")
     with pytest.raises(ConflictError, match="'exp' exists there"):
@@ -133,7 +133,7 @@ def test_push_refuses_a_branch_that_conflicts_with_a_remote_ref(tmp_path: Path, 
     with pytest.raises(ConflictError, match="refs exist below it there"):
         a.push(refs=["x"])
     assert set(open_remote(a._ctx).list_refs()) == {"refs/heads/main", "refs/heads/exp", "refs/heads/x/y"}
-    assert Repo.clone(url, tmp_path / "c", endpoint_url=endpoint).fsck() == []
+    assert Repo.clone(url, tmp_path / "c", endpoint_url=endpoint)[0].fsck() == []
 
 
 @pytest.mark.parametrize("remote_url", ["s3"], indirect=True)

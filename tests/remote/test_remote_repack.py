@@ -61,7 +61,7 @@ def test_remote_stays_within_a_tenth_of_the_local_store_over_many_epochs(
         assert remote_bytes(repo) <= 1.1 * local, (epoch, remote_bytes(repo), local)
     # Each push sends the new epoch and the previous one's deltas, never the history again.
     assert max(sent[2:]) <= 1.1 * sent[1], sent
-    clone = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    clone, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert clone.fsck(read_data=True) == []
     for i, (commit, folder) in enumerate(zip(ids, folders)):
         clone.checkout(commit, tmp_path / f"out{i}")
@@ -90,7 +90,7 @@ def test_a_push_between_condemnation_and_sweep_does_not_rescue_a_superseded_pack
     time.sleep(GRACE + 0.1)
     assert set(repo.gc_remote(grace=GRACE).deleted) == first
     assert not remote.pack_ids() & first
-    clone = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    clone, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert clone.fsck(read_data=True) == []
     for i, folder in enumerate(folders):
         clone.checkout(f"main~{2 - i}", tmp_path / f"out{i}")

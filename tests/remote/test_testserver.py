@@ -45,7 +45,7 @@ def test_start_push_clone_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))
         a.add_remote("origin", "s3://ckstore/runs/demo")  # the endpoint comes from AWS_ENDPOINT_URL
         a.push()
-        b = Repo.clone("s3://ckstore/runs/demo", tmp_path / "b")
+        b, _ = Repo.clone("s3://ckstore/runs/demo", tmp_path / "b")
         assert b.resolve("main") == ids[-1] and b.fsck(read_data=True) == []
         assert "already recorded" in _server(folder, "start").stderr
     finally:

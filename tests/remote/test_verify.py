@@ -73,7 +73,7 @@ def test_version_1_remote_is_read_with_full_verification(tmp_path: Path, remote_
     a.push()
     t = _transport(url, request)
     rewrite_as_version_1(t)
-    b = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     for i, oid in enumerate(ids, start=1):
         b.checkout(oid, tmp_path / f"out{i}")
         assert digests(tmp_path / f"out{i}") == digests(tmp_path / "work" / f"e{i}")
@@ -182,10 +182,10 @@ def test_an_interrupted_fetch_keeps_the_batches_that_landed(tmp_path: Path, monk
 
     fsio.observe_steps(count)
     try:
-        full = Repo.clone(url, tmp_path / "full").fetch()  # nothing left: a second fetch is empty
+        full, _ = Repo.clone(url, tmp_path / "full")[0].fetch()  # nothing left: a second fetch is empty
     finally:
         fsio.observe_steps(None)
-    first = Repo.clone(url, tmp_path / "ref")
+    first, _ = Repo.clone(url, tmp_path / "ref")
     total = sum(1 for _ in first.store.iter_ids())
     assert full.objects == 0 and steps > 20
 

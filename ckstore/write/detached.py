@@ -1,0 +1,114 @@
+"""Compaction in a detached process, the way git detaches its automatic gc.
+
+The CLI's commands return once their commit is durable: the compaction after it (compact.py)
+runs in ``python -m ckstore.write.detached REPO BRANCH``, started here in a session of its own
+(no terminal, so the user's Ctrl-C never reaches it), with its output appended to
+``compact.log`` in the repository. It runs at lower priority (``os.nice``) on a bounded number
+of threads, so a training process on the same machine keeps its cores.
+
+One compaction waits per branch at most: ``start`` takes the branch's place in line
+(``LocalBackend.compaction_place``) before it starts the process and hands the descriptor to
+it; a commit whose branch already has a compaction waiting starts none, since that one reads
+the branch's tip when it gets the compaction lock. The child gives its place up once it holds
+the compaction lock, so the next commit can queue behind it.
+
+Killing the process at any moment leaves the repository valid: a compaction applies its
+replacements together after one durability barrier, each object ends in its old or its new
+encoding (both decode to the same bytes), the locks are flocks that die with their holder, and
+every run also covers the pair below the tip, so the next commit's compaction (or repack)
+redoes what was left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from ckstore.errors import CkstoreError, CkstoreWarning
+
+COMPACTION_LOG = "compact.log"  # in the repository: what detached compactions did
+NICENESS = 10  # added to the child's priority: training's data loading comes first
+# How long a detached compaction waits for the one before it (a big state compacts for minutes);
+# after that it leaves its work to the next commit's, losing nothing.
+LOCK_WAIT = 3600.0
+LOG_LIMIT = 1 << 20  # compact.log is started afresh beyond this size
+
+
+def workers() -> int:
+    """Threads a detached compaction uses: half the cores, at least one."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def place_key(branch: str) -> str:
+    """The branch's file in ``compact-queue/``: branch names may hold '/' and other characters."""
+    return hashlib.blake2b(branch.encode(), digest_size=8).hexdigest()
+
+
+def start(path: Path, branch: str) -> bool:
+    """Start the detached compaction of ``branch`` in the repository at ``path``; False when one
+    already waits for that branch."""
+    from ckstore.backend.local import LocalBackend
+
+    fd = LocalBackend(path).compaction_place(place_key(branch))
+    if fd is None:
+        return False
+    path = Path(path).resolve()
+    log = path / COMPACTION_LOG
+    # The child imports this very ckstore (a source tree on PYTHONPATH, an editable install), and
+    # runs in the repository folder, where no stray package can shadow it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    try:
+        mode = "ab" if not log.exists() or log.stat().st_size < LOG_LIMIT else "wb"
+        with open(log, mode) as out:
+            subprocess.Popen(
+                [sys.executable, "-m", "ckstore.write.detached", str(path), branch, str(fd)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(fd,), start_new_session=True,
+                close_fds=True, cwd=path, env=env,
+            )
+    except OSError as exc:  # the commit stands: only its compaction is left to the next one
+        warnings.warn(CkstoreWarning(f"could not start the compaction after the commit ({exc}); the commit is"
+                                     " intact, its chunks are stored less compactly until the next commit"),
+                      stacklevel=1)
+        return False
+    finally:
+        os.close(fd)  # the child's copy holds the place now
+    return True
+
+
+def _say(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}: {message}", flush=True)
+
+
+def run(path: str, branch: str, place: int) -> int:
+    """The detached process: wait for the compaction lock, give up the place in line, compact."""
+    os.nice(NICENESS)
+    from ckstore.repository.context import open_context
+    from ckstore.write.compact import compact_branch
+    from ckstore.write.pipeline import limit_workers
+
+    limit_workers(workers())
+    started = time.monotonic()
+    try:
+        ctx = open_context(path)
+        def locked() -> None:
+            os.close(place)  # the next commit may queue behind this run now
+            _say(f"compacting {branch!r}")
+
+        report = compact_branch(ctx, branch, lock_timeout=LOCK_WAIT, on_locked=locked)
+    except CkstoreError as exc:
+        _say(f"compacting {branch!r} failed ({exc}); every commit is intact, its chunks are only stored less"
+             " compactly until the next commit's compaction or 'ckstore repack'")
+        return 1
+    _say(f"compacted {branch!r} in {time.monotonic() - started:.1f} s: {report.deltas} delta(s)"
+         f" ({report.predicted} predicted), {report.recompressed} recompressed, {report.saved} bytes saved")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1], sys.argv[2], int(sys.argv[3])))
