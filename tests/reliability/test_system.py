@@ -28,16 +28,9 @@ from .system import Report, Settings, run_system
 SEED = int(os.environ.get("CKSTORE_SYSTEM_SEED", "21"))
 SHORT = Settings(seed=SEED, max_operations=60, max_seconds=40.0, kill_probability=0.3)  # few operations: kill more
 
-# finding -> what its broken promise looks like in the report (losses and failures)
-KNOWN: dict[str, re.Pattern[str]] = {
-    # F2 (fetch/pull take no lock, gc deletes what they landed) and F6 (remote-tracking refs are
-    # not gc roots): a refs/remotes/* ref names a commit that is gone.
-    "F2/F6": re.compile(r"^\S+ refs/remotes/\S+ -> \w+: (RefNotFoundError|ObjectMissingError|NotFoundError)"),
-    # F3: base gc deletes the base commit of an overlay commit in flight.
-    "F3": re.compile(r"^overlay commit \w+ on ovl/o "),
-    # F4: after gc --remote, pushing an older commit moves the ref without sending it.
-    "F4": re.compile(r"^(push of refs/tags/\S+ \w+ to \w+|clone of remote \w+:)"),
-}
+# Findings whose fix is not merged yet, each a pattern of the problems it explains. Empty: F2,
+# F3, F4/F5 and F6 are fixed (docs/reliability.md), so any broken promise fails the test.
+KNOWN: dict[str, re.Pattern[str]] = {}
 
 
 def known_findings(report: Report) -> tuple[set[str], list[str]]:
