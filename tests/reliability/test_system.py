@@ -36,7 +36,10 @@ KNOWN: dict[str, re.Pattern[str]] = {
     # F3: base gc deletes the base commit of an overlay commit in flight.
     "F3": re.compile(r"^overlay commit \w+ on ovl/o "),
     # F4: after gc --remote, pushing an older commit moves the ref without sending it.
-    "F4": re.compile(r"^(push of refs/tags/\S+ \w+ to \w+|clone of remote \w+:)"),
+    # Every clone then fails ("a ref names commit …, which no pack there holds"), so every
+    # acknowledged push to that remote counts as lost. (Seen in the soak, seed 20261125, on a
+    # branch tip pushed while the remote's pruned record listed it: F4/F5.)
+    "F4/F5": re.compile(r"^(push of refs/tags/\S+ \w+ to \w+|clone of remote \w+:|push of \S+ \w+ to \w+ \(op \d+\): remote cannot be cloned)"),
 }
 
 
