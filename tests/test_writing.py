@@ -101,6 +101,26 @@ def test_commits_after_use_remote_store_everything_they_name(tmp_path: Path) -> 
     assert torch.equal(loaded["model"]["head"], state["model"]["head"] + 1)
 
 
+def test_a_fetch_after_use_remote_lands_everything_its_refs_need(tmp_path: Path) -> None:
+    """F7's family: with the remote attached for lazy reads, fetch must still land every object
+    (the remote's objects are not this repository's), else its tracking refs name a commit whose
+    objects live only on a remote that may delete them."""
+    g = torch.Generator().manual_seed(5)
+    colleague = Repo.init(tmp_path / "colleague" / ".ckstore")
+    state = {"model": {"w": torch.randn(8192, generator=g)}, "step": 1}
+    colleague.commit_state(state, message="epoch 1")
+    colleague.add_remote("origin", str(tmp_path / "remote"))
+    colleague.push()
+    me = Repo.init(tmp_path / "me" / ".ckstore")
+    me.add_remote("origin", str(tmp_path / "remote"))
+    me.use_remote("origin")
+    me.load_state("origin/main")  # some objects now sit in the lazy cache only
+    me.fetch("origin")
+    again = Repo(tmp_path / "me")  # no remote attached: only what this repository holds
+    assert again.fsck(read_data=True) == []
+    assert torch.equal(again.load_state("origin/main")["model"]["w"], state["model"]["w"])
+
+
 def test_gc_cannot_run_between_a_fetch_landing_objects_and_moving_its_refs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """F2: gc run right after fetch landed its objects must not delete them."""

@@ -142,7 +142,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
     commits: dict[ObjectId, Commit] = {}
     stored: dict[ObjectId, bytes] = {}  # each commit's stored bytes, verified
     boundary: set[ObjectId] = set()  # parents the remote no longer has (its gc pruned them)
-    wanted = [t for t in dict.fromkeys(tips) if not store.has(t)]
+    wanted = [t for t in dict.fromkeys(tips) if not store.has_durable(t)]
     missing = {t for t in wanted if t not in where}
     frontier = [t for t in wanted if t not in missing]
     named = set(frontier)
@@ -158,12 +158,12 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         nxt = []
         for oid in boundary.intersection(frontier):  # the remote gc pruned it: history goes on with its parents
             for p in theirs.get(oid, ()):
-                if p not in commits and p not in nxt and not store.has(p):
+                if p not in commits and p not in nxt and not store.has_durable(p):
                     nxt.append(ObjectId(p))
         for oid in present:
             c = commits[ObjectId(oid)]
             for p in [*c.parents, *([c.base.commit] if c.base is not None else [])]:
-                if p not in commits and p not in nxt and not store.has(p):
+                if p not in commits and p not in nxt and not store.has_durable(p):
                     nxt.append(p)
         frontier = nxt
     if boundary:  # history continues through the remote gc's record of what it pruned
@@ -328,7 +328,7 @@ class _Lander:
 
     def want_commit(self, oid: ObjectId, commit: Commit) -> None:
         chunks = {c.id for c in commit.all_chunks()} - self.queued.keys()
-        todo = [c for c in chunks if not self.view.has(c)]
+        todo = [c for c in chunks if not self.view.has_durable(c)]
         todo += _missing_bases(self.view, chunks - set(todo))
         for o in dict.fromkeys(todo):
             if o not in self.queued:
@@ -340,7 +340,7 @@ class _Lander:
         todo = list(self.queued)
         try:
             while todo:
-                absent = [o for o in dict.fromkeys(todo) if o not in self.origin and not self.view.has(o)]
+                absent = [o for o in dict.fromkeys(todo) if o not in self.origin and not self.view.has_durable(o)]
                 for o in absent:
                     if o not in self.where:
                         needer = self.queued.get(o, "?")
@@ -385,7 +385,7 @@ class _Lander:
             return []
         if parse_header(data).encoding == Encoding.PREDICTED:
             self.on_predicted()
-        absent = [b for b in bases if b not in self.origin and not self.view.has(b)]
+        absent = [b for b in bases if b not in self.origin and not self.view.has_durable(b)]
         for base in absent:
             self.queued.setdefault(base, self.queued.get(o, "?"))
         incomplete = _missing_bases(self.view, {b for b in bases if b not in self.origin and b not in absent})
@@ -482,7 +482,7 @@ def _allow_predicted(ctx: RepoContext) -> None:
 def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
     """Delta bases that objects already here lack: a crash while an earlier fetch's batch was
     landing can leave an object in place without its base (and without any commit naming it)."""
-    return sorted(b for b in delta_closure(present, view.bases_of, follow=view.has) - present if not view.has(b))
+    return sorted(b for b in delta_closure(present, view.bases_of, follow=view.has_durable) - present if not view.has_durable(b))
 
 
 def _cost(data: bytes) -> int:
