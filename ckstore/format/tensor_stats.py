@@ -10,27 +10,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-FLOAT_VIEWS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
-INT_VIEWS = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-             "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8}
-NUMERIC_DTYPES = frozenset((*FLOAT_VIEWS, *INT_VIEWS, "BF16"))
+# numpy is imported where figures are computed, not here: manifest.py imports this module, and
+# reading commands (log, show) must start without numpy (tests/test_startup.py).
+_VIEWS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+          "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1"}
+NUMERIC_DTYPES = frozenset((*_VIEWS, "BF16"))
 
 
 def item_size(dtype: str) -> int:
-    return 2 if dtype == "BF16" else np.dtype(FLOAT_VIEWS.get(dtype) or INT_VIEWS[dtype]).itemsize
+    return 2 if dtype == "BF16" else int(_VIEWS[dtype][-1])
 
 
 def as_numbers(data: bytes | memoryview, dtype: str) -> np.ndarray:
     """The elements of a little-endian buffer as numbers (bf16 widened exactly to float32)."""
+    import numpy as np
+
     if dtype == "BF16":
         return (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.frombuffer(data, dtype=FLOAT_VIEWS.get(dtype) or INT_VIEWS[dtype])
+    return np.frombuffer(data, dtype=np.dtype(_VIEWS[dtype]))
 
 
 def as_float64(data: bytes | memoryview, dtype: str) -> np.ndarray:
+    import numpy as np
+
     return as_numbers(data, dtype).astype(np.float64)
 
 
@@ -98,10 +105,12 @@ def _sum_sq_absmax(values: np.ndarray, wide: bool = False) -> tuple[float, float
     """Sum of squares and largest magnitude of a chunk, in one SIMD pass each.
 
     Floats of 32 bits or fewer are summed in float32 (einsum keeps several accumulators: about
-    1e-7 relative error on a 1 MiB chunk), which keeps the figures at a fraction of the cost of
-    hashing the chunk; chunks are added in float64. ``wide`` (and every other dtype) sums a
+    1e-7 relative error on a 1 MiB chunk), without a float64 copy; chunks are added in float64.
+    docs/benchmarks.md measures what the figures add to a commit. ``wide`` (and every other dtype) sums a
     float64 copy: for float64 tensors, integers, and a float32 sum that overflowed.
     """
+    import numpy as np
+
     if not values.size:
         return 0.0, 0.0
     if wide or values.dtype != np.float32:
@@ -119,6 +128,8 @@ def chunk_stats(data: bytes | memoryview, dtype: str, same_as_parent: bool = Fal
     nothing to the difference. A changed chunk's difference needs the parent's bytes, which
     commit does not read (it would cost several times the commit: docs/benchmarks.md).
     """
+    import numpy as np
+
     values = as_numbers(data, dtype)
     if values.dtype == np.float16:
         values = values.astype(np.float32)  # numpy has no SIMD reductions for float16
