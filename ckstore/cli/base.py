@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import click
 import click.shell_completion
 
-from ckstore.format.units import human  # noqa: F401  (the commands' one way to print sizes)
+from ckstore.format.settings import human  # noqa: F401  (the commands' one way to print sizes)
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ckstore.repo import ProgressBar, Repo
 

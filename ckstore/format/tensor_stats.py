@@ -10,29 +10,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from ckstore.format.dtypes import NUMPY_TYPES
 
-# Real numeric types numpy can widen (floats and integers: a view of the one dtype table); BF16,
-# which numpy lacks, is widened by hand.
-_VIEWS = {code: np.dtype(t) for code, t in NUMPY_TYPES.items() if np.dtype(t).kind in "fiu"}
+# Real numeric types numpy can read (floats and integers: a view of the one dtype table, as type
+# strings: numpy is imported where figures are computed, not here, since manifest.py imports this
+# module and reading commands (log, show) start without numpy, tests/test_startup.py). BF16, which
+# numpy lacks, is widened by hand.
+_VIEWS = {code: t for code, t in NUMPY_TYPES.items() if t.lstrip("<")[0] in "fiu"}
 NUMERIC_DTYPES = frozenset((*_VIEWS, "BF16"))
 
 
 def item_size(dtype: str) -> int:
-    return 2 if dtype == "BF16" else _VIEWS[dtype].itemsize
+    return 2 if dtype == "BF16" else int(_VIEWS[dtype][-1])
 
 
 def as_numbers(data: bytes | memoryview, dtype: str) -> np.ndarray:
     """The elements of a little-endian buffer as numbers (bf16 widened exactly to float32)."""
+    import numpy as np
+
     if dtype == "BF16":
         return (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.frombuffer(data, dtype=_VIEWS[dtype])
+    return np.frombuffer(data, dtype=np.dtype(_VIEWS[dtype]))
 
 
 def as_float64(data: bytes | memoryview, dtype: str) -> np.ndarray:
+    import numpy as np
+
     return as_numbers(data, dtype).astype(np.float64)
 
 
@@ -100,10 +108,12 @@ def _sum_sq_absmax(values: np.ndarray, wide: bool = False) -> tuple[float, float
     """Sum of squares and largest magnitude of a chunk, in one SIMD pass each.
 
     Floats of 32 bits or fewer are summed in float32 (einsum keeps several accumulators: about
-    1e-7 relative error on a 1 MiB chunk), which keeps the figures at a fraction of the cost of
-    hashing the chunk; chunks are added in float64. ``wide`` (and every other dtype) sums a
+    1e-7 relative error on a 1 MiB chunk), without a float64 copy; chunks are added in float64.
+    docs/benchmarks.md measures what the figures add to a commit. ``wide`` (and every other dtype) sums a
     float64 copy: for float64 tensors, integers, and a float32 sum that overflowed.
     """
+    import numpy as np
+
     if not values.size:
         return 0.0, 0.0
     if wide or values.dtype != np.float32:
@@ -121,6 +131,8 @@ def chunk_stats(data: bytes | memoryview, dtype: str, same_as_parent: bool = Fal
     nothing to the difference. A changed chunk's difference needs the parent's bytes, which
     commit does not read (it would cost several times the commit: docs/benchmarks.md).
     """
+    import numpy as np
+
     values = as_numbers(data, dtype)
     if values.dtype == np.float16:
         values = values.astype(np.float32)  # numpy has no SIMD reductions for float16

@@ -16,7 +16,7 @@ from html import escape
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
-from ckstore.format import units
+from ckstore.format.settings import human as human_bytes
 from ckstore.report import plots
 from ckstore.report.data import ReportData, group_change
 from ckstore.version import __version__
@@ -32,7 +32,7 @@ details{margin:2px 0}summary{cursor:pointer}.flag{color:#b00}.muted{color:#777}
 
 
 def human(n: float | None) -> str:
-    return "unknown" if n is None else units.human(n)
+    return "unknown" if n is None else human_bytes(n)
 
 
 def _color(change: float | None, low: float, high: float) -> str:
