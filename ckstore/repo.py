@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ckstore.remote.names import RemoteSpec
     from ckstore.remote.push import PushReport
     from ckstore.repository.overlay import RelinkReport
+    from ckstore.report.status import Status
     from ckstore.repository.reflog import Entry as ReflogEntry
     from ckstore.training.legacy import ImportResult
     from ckstore.training.partial import LazyTensors
@@ -596,7 +597,7 @@ class Repo:
 
         return attach(self._ctx, remote)
 
-    def status(self) -> Any:
+    def status(self) -> Status:
         """The current branch and HEAD, pending compaction, stored size and what gc would free,
         overlay bases reachable or not, and each remote's tracking refs ahead/behind (status.py)."""
         from ckstore.report.status import status

@@ -21,7 +21,7 @@ from helpers import save_st
 
 
 def _manifest(repo: Repo, ref: str):
-    return repo._ctx.graph.read_commit(repo._ctx.graph.resolve(ref))
+    return repo.read_commit(repo.resolve(ref))
 
 
 def _tensors(repo: Repo, ref: str) -> dict[str, object]:
@@ -66,7 +66,7 @@ def test_change_is_recorded_when_free_and_computed_like_diff_otherwise(two_commi
     recorded = _tensors(repo, "HEAD")
     assert recorded["frozen"].stats.change == 0.0 and recorded["steps"].stats.change == 0.0
     assert all(recorded[name].stats.change is None for name in ("w", "h", "bf"))  # would need the parent's bytes
-    figures = {name: f for (_, name), f in commit_stats(repo._ctx.store, _manifest(repo, "HEAD"),
+    figures = {name: f for (_, name), f in commit_stats(repo.store, _manifest(repo, "HEAD"),
                                                         _manifest(repo, "HEAD~1")).items()}
     from_diff = {c.name: c.rel_l2 for c in repo.diff("HEAD~1", "HEAD")}
     for name in ("w", "h", "bf"):
@@ -86,14 +86,14 @@ def test_non_finite_values_are_counted_and_norms_stay_finite(tmp_path: Path) -> 
     tensors = _tensors(repo, "HEAD")
     assert (tensors["y"].stats.l2, tensors["y"].stats.absmax, tensors["y"].stats.nonfinite) == (5.0, 4.0, 3)
     assert tensors["y"].stats.change == 0.0  # the same bytes, NaN included: unchanged, as diff says
-    figures = commit_stats(repo._ctx.store, _manifest(repo, "HEAD"), _manifest(repo, "HEAD~1"))
+    figures = commit_stats(repo.store, _manifest(repo, "HEAD"), _manifest(repo, "HEAD~1"))
     assert figures[("m.safetensors", "y")].change == 0.0
     assert figures[("m.safetensors", "x")].change is None  # from all zeros: undefined (diff says inf)
 
 
 def test_older_commits_get_the_same_figures_on_demand(two_commits) -> None:
     repo, _, _ = two_commits
-    store = repo._ctx.store
+    store = repo.store
     head, parent = _manifest(repo, "HEAD"), _manifest(repo, "HEAD~1")
     recorded = commit_stats(store, head, parent)
     bare = replace(head, files=tuple(replace(f, tensors=tuple(replace(t, stats=None) for t in f.tensors))

@@ -20,6 +20,7 @@ from ckstore.remote.layout import PACKS
 from ckstore.remote.names import open_remote
 from ckstore.repo import Repo
 from ckstore.repository.refs import encode_ref
+from ckstore.repository.context import open_context
 
 from .epochs import CHUNK, assert_checks_out, epoch_files, make_repo, pushed
 
@@ -85,7 +86,7 @@ def test_a_tip_the_pruned_record_lists_is_fetched_not_skipped(tmp_path: Path) ->
     """F5: the remote's gc/pruned names the commit main points at, and a pack still holds it."""
     url = str(tmp_path / "remote")
     a, ids = pushed(tmp_path, url, None, range(1, 3))
-    open_remote(a._ctx).add_pruned({ids[1]: (ids[0],)})
+    open_remote(open_context(a.path)).add_pruned({ids[1]: (ids[0],)})
     b, _ = Repo.clone(url, tmp_path / "b")
     assert b.resolve("main") == ids[1] and b.fsck(read_data=True) == []
     assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e2")
@@ -132,7 +133,7 @@ def test_push_refuses_a_branch_that_conflicts_with_a_remote_ref(tmp_path: Path, 
     a.create_branch("x")
     with pytest.raises(ConflictError, match="refs exist below it there"):
         a.push(refs=["x"])
-    assert set(open_remote(a._ctx).list_refs()) == {"refs/heads/main", "refs/heads/exp", "refs/heads/x/y"}
+    assert set(open_remote(open_context(a.path)).list_refs()) == {"refs/heads/main", "refs/heads/exp", "refs/heads/x/y"}
     assert Repo.clone(url, tmp_path / "c", endpoint_url=endpoint)[0].fsck() == []
 
 
@@ -143,7 +144,7 @@ def test_conflicting_and_unnamable_remote_refs_are_skipped_and_named(tmp_path: P
     (remote branches ``HEAD`` and ``-x``): clone and fetch take the refs they can."""
     url, endpoint = remote_url
     a, ids = pushed(tmp_path, url, endpoint)
-    transport = open_remote(a._ctx).transport
+    transport = open_remote(open_context(a.path)).transport
     for branch in ("exp", "exp/x", "HEAD", "-x"):
         transport.put(encode_ref("refs/heads/" + branch), f"{ids[0]}\n".encode())
     result = _cli("clone", url, str(tmp_path / "b"), "--endpoint-url", endpoint or "", code=0)

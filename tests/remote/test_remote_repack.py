@@ -10,6 +10,7 @@ from pathlib import Path
 from ckstore.remote.gc import MTIME_RESOLUTION
 from ckstore.remote.names import open_remote
 from ckstore.repo import Repo
+from ckstore.repository.context import open_context
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -34,7 +35,7 @@ def fine_tune_epoch(folder: Path, epoch: int, n: int = 192 << 10) -> Path:
 
 
 def remote_bytes(repo: Repo) -> int:
-    return sum(info.size for info in open_remote(repo._ctx).transport.list(""))
+    return sum(info.size for info in open_remote(open_context(repo.path)).transport.list(""))
 
 
 def gc_twice(repo: Repo) -> None:
@@ -73,7 +74,7 @@ def test_a_push_between_condemnation_and_sweep_does_not_rescue_a_superseded_pack
     url, endpoint = remote_url
     repo = Repo.init(tmp_path / "a", chunk_size=CHUNK)
     repo.add_remote("origin", url, endpoint)
-    remote = open_remote(repo._ctx)
+    remote = open_remote(open_context(repo.path))
     folders = [fine_tune_epoch(tmp_path / "work" / f"e{e}", e) for e in range(1, 4)]
     repo.commit(folders[0])
     repo.wait()
