@@ -121,13 +121,16 @@ def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
     """Output of ``gc --remote`` (the option lives on ``gc``, in maintenance.py)."""
     if as_json:
         doc = {k: getattr(r, k) for k in ("remote", "dry_run", "live_objects", "condemned", "deleted", "freed_bytes",
-                                           "rescued")}
+                                           "rescued", "resent_objects", "resent_bytes")}
         print_json({**doc, "pruned_commits": [{"id": oid} for oid in r.pruned_commits]})
         return
     verb = "would delete" if r.dry_run else "deleted"
     click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "
                f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "
                f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")
+    if r.resent_objects:
+        click.echo(f"sent {r.resent_objects} object(s) again ({human(r.resent_bytes)}) that local compaction stores "
+                   f"smaller; the packs of their old copies go the same way")
     if r.condemned and not r.deleted and not r.dry_run:  # newcomer item 19: say why nothing went
         click.echo("packs found unneeded are deleted only once they have stayed unneeded for the grace period "
                    "(default 1 h, --grace SECONDS), by a later 'ckstore gc --remote'")

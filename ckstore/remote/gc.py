@@ -3,7 +3,9 @@
 A remote has no lock that pushes take, so gc cannot stop the world as local gc does. Instead
 (docs/design.md, "Remote gc"; docs/format.md 15.9), each run:
 
-1. takes ``gc/lock.json`` (put-if-absent: one gc at a time; pushes never look at it);
+1. takes ``gc/lock.json`` (put-if-absent: one gc at a time; pushes never look at it), and sends
+   again the objects local compaction made smaller since they were pushed (remote repack,
+   repack.py), so that the packs holding their old copies hold nothing live below;
 2. reads the refs and computes what is live: the commits the retention policy keeps (all
    reachable ones without a policy), their chunks, and every delta base of those as stored on
    the remote (read from the objects' headers there, since a local copy may be encoded
@@ -20,7 +22,7 @@ A push relies on a pack only after checking the list (and rescuing its entry), a
 when its last check is older than grace / 2 before moving a ref: whichever way a push and a gc
 interleave, the sweep's fresh read of the refs sees any ref that names a condemned pack. A pack
 holding both live and dead objects is kept whole; one whose objects a push sent again smaller
-holds nothing live once they arrive (repack.py), and goes the same way.
+holds nothing live once they arrive (step 1), and goes the same way.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ckstore.remote.layout import (
     pack_key,
 )
 from ckstore.remote.names import open_remote
+from ckstore.remote.push import send_superseded
 from ckstore.maintenance.retention import RetentionPolicy, select_kept
 from ckstore.repository.store import ObjectStore
 
@@ -71,6 +74,8 @@ class RemoteGcReport:
     deleted: list[str] = field(default_factory=list)  # packs deleted by this run
     freed_bytes: int = 0
     rescued: list[str] = field(default_factory=list)  # condemned packs found live again
+    resent_objects: int = 0  # objects sent again smaller (remote repack, repack.py)
+    resent_bytes: int = 0
 
 
 @contextmanager
@@ -134,6 +139,11 @@ def collect_remote(
     remote.require_format()
     report = RemoteGcReport(remote.name, dry_run)
     with _gc_lock(remote):
+        if not dry_run:
+            # Remote repack first: what local compaction made smaller goes up again, so the packs
+            # holding the old copies hold nothing live below and go the way unreferenced ones do.
+            sent = send_superseded(ctx, remote)
+            report.resent_objects, report.resent_bytes = sent.objects, sent.bytes
         refs = remote.list_refs()
         packs = {info.key[len(PACKS):-len(".pack")]: info for info in remote.transport.list(PACKS)
                  if info.key.endswith(".pack")}

@@ -114,6 +114,14 @@ def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Ma
     return list(out)
 
 
+def send_superseded(ctx: RepoContext, remote: RemoteRepo, target_size: int = DEFAULT_TARGET_SIZE) -> PushReport:
+    """Send again, as stored here, the objects of the remote's packs that local compaction has
+    made markedly smaller (remote/repack.py); what was sent."""
+    report = PushReport(remote.name)
+    _send_missing(ctx, remote, [], target_size, report, resend=True)
+    return report
+
+
 def push(
     ctx: RepoContext, remote_name: str | None = None, names: Sequence[str] = (), force: bool = False,
     target_size: int = DEFAULT_TARGET_SIZE, grace: float = DEFAULT_GRACE, progress: ProgressFactory | None = None,
@@ -219,10 +227,12 @@ def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old
 
 def _send_missing(
     ctx: RepoContext, remote: RemoteRepo, wanted: list[str], target_size: int, report: PushReport,
-    forget: frozenset[str] | set[str] = frozenset(), progress: ProgressFactory | None = None,
+    forget: frozenset[str] | set[str] = frozenset(), resend: bool = False,
+    progress: ProgressFactory | None = None,
 ) -> set[str]:
-    """Upload the wanted objects no usable pack holds; return every pack the wanted objects are
-    in afterwards (those a push relies on)."""
+    """Upload the wanted objects no usable pack holds (with ``resend``, also those of the packs
+    local compaction has superseded: remote gc's repack); return every pack the wanted objects
+    are in afterwards (those a push relies on)."""
     condemned = remote.read_condemned()
     where = remote.holdings(forget, condemned)
     claimed = condemned.claimed() | set(forget)
@@ -230,7 +240,8 @@ def _send_missing(
     store = ctx.store
     # Objects local compaction has since stored smaller, with the rest of their packs: sent again
     # so that remote gc can drop those packs (repack.py); relied on in their new packs only.
-    again = [oid for oid in superseded(remote, store.stored_size, skip=set(condemned.packs) | claimed) if oid in where]
+    again = [oid for oid in superseded(remote, store.stored_size, skip=set(condemned.packs) | claimed)
+             if oid in where] if resend else []
     missing += again
     resent = set(again)
     relied = {where[oid].pack_id for oid in wanted if oid in where and oid not in resent}
@@ -266,9 +277,9 @@ def _send_missing(
             first_again = again[0] if again else None
             for oid, data, digest in objects():
                 if oid == first_again:
-                    # Sent again as re-encoded, these are final; the new tip's whole chunks will be
-                    # superseded by the next epoch's compaction: separate packs, so that the next
-                    # push re-sends only the latter.
+                    # Sent again as re-encoded, these are final; whatever else goes in this upload
+                    # may be superseded later: separate packs, so that a pack re-sent once is never
+                    # re-sent again.
                     uploads.cut()
                 uploads.add(oid, data, digest)
                 if bar:

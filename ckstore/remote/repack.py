@@ -2,8 +2,8 @@
 
 Local compaction re-encodes the previous epoch's chunks as deltas of the new epoch's after they
 were pushed, so a remote that kept the first copy of every object would hold each epoch whole.
-A remote's packs are immutable; instead of rewriting one, a push re-sends (``superseded``) the
-objects of every pack that local compaction has made markedly smaller (the whole pack's objects,
+A remote's packs are immutable; instead of rewriting one, remote gc first sends again
+(``superseded``, push.send_superseded) the objects of every pack that local compaction has made markedly smaller (the whole pack's objects,
 in their local encodings, verified like any other), and every reader that chooses among copies
 (push's reliance, fetch, remote gc's liveness) prefers the same copy (``RemoteRepo.locate``):
 the smallest, not in a pack that holds a superseded copy. The old pack then holds no object anybody
