@@ -50,5 +50,11 @@ if __name__ == "__main__":
         from ckstore.backend.local import LocalBackend
 
         LocalBackend.pack_min_bytes = int(os.environ["CKSTORE_TEST_PACK_MIN_BYTES"])
+    # The harness counts and faults every mutating step of the command, the compaction after a
+    # commit included: keep it in this process (the real CLI detaches it, write/detached.py, into
+    # a process these faults would not reach).
+    from ckstore.write.background import BackgroundWork
+
+    BackgroundWork.detach_compaction = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
     fsio.observe_steps(FaultPlan(os.environ.get("CKSTORE_FAULT", ""), os.environ.get("CKSTORE_FAULT_COUNT")))
     run()

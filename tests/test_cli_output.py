@@ -84,6 +84,7 @@ def make_history(tmp_path: Path, cli: Cli, epochs: int = 4) -> list[str]:
         out = cli("commit", str(epoch_folder(tmp_path / "src", k)), "-m", f"epoch {k}", f"--meta=epoch={k}",
                   f"--meta=val_loss={1.0 / (k + 1):.3f}", *meta).stdout
         ids.append(out.strip())
+    cli("wait")  # the commits' compactions run detached: settle the figures the tests compare
     return ids
 
 

@@ -78,6 +78,7 @@ def readme_main_flow(root: Path) -> Path:
                               capture_output=True, text=True).stdout.strip()
         _cli(repo, "commit", str(root / "ckpt"), "-m", f"epoch {epoch}", "--meta", f"epoch={epoch}",
              "--meta", f"val_loss={loss}")
+    _cli(repo, "wait")  # the compactions run detached: the report and log --sizes must see one store
     return repo
 
 

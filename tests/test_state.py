@@ -426,7 +426,9 @@ def test_cli_show_displays_the_state(repo: Repo) -> None:
     repo.commit_state({"model": {"w": torch.ones(2, 3)}, "epoch": 7}, metadata={"loss": 0.25})
     result = CliRunner().invoke(main, ["--repo", str(repo.path), "show", "HEAD"])
     assert result.exit_code == 0, result.output
-    assert "epoch: 7" in result.output and "model.w" in result.output and "loss" in result.output
+    # In words (issue 23): the tensor is named under its module, with dtype, size and shape.
+    assert "epoch: 7" in result.output and "loss" in result.output
+    assert "model: 1 tensor (F32, 24 B): w [2, 3]" in result.output
     result = CliRunner().invoke(main, ["--repo", str(repo.path), "show", "--json", "HEAD"])
     assert json.loads(result.output)["state"]["epoch"] == 7
 

@@ -182,7 +182,7 @@ def test_an_interrupted_fetch_keeps_the_batches_that_landed(tmp_path: Path, monk
 
     fsio.observe_steps(count)
     try:
-        full, _ = Repo.clone(url, tmp_path / "full")[0].fetch()  # nothing left: a second fetch is empty
+        full = Repo.clone(url, tmp_path / "full")[0].fetch()  # nothing left: a second fetch is empty
     finally:
         fsio.observe_steps(None)
     first, _ = Repo.clone(url, tmp_path / "ref")
