@@ -45,7 +45,7 @@ from bench_data import RUNS, STEPS, cached_checkpoints, ensure_checkpoints  # no
 from bench_sections import write_page  # noqa: E402
 
 from ckstore import Repo  # noqa: E402
-from ckstore.format.codec import encode_chunk  # noqa: E402
+from ckstore.codecs.objects import encode_chunk  # noqa: E402
 from ckstore.format.settings import DEFAULT_ZSTD_LEVEL  # noqa: E402
 from ckstore.format.positions import element_width  # noqa: E402
 

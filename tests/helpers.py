@@ -133,6 +133,6 @@ def encodings(repo: Repo) -> dict[str, int]:
     """How many stored objects use each encoding, by name."""
     from collections import Counter
 
-    from ckstore.format.codec import parse_header
+    from ckstore.codecs.objects import parse_header
 
     return dict(Counter(parse_header(repo.store.read_raw(o)).encoding.name for o in repo.store.iter_ids()))

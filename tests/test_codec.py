@@ -11,7 +11,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore.format.codec import HEADER, HEADER_SIZE, MAGIC, Encoding, Kind, decode, encode, parse_header
+from ckstore.codecs.objects import HEADER, HEADER_SIZE, MAGIC, Encoding, Kind, decode, encode, parse_header
 from ckstore.errors import IntegrityError
 
 LIMIT = 1 << 28

@@ -10,7 +10,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore.format.codec import (
+from ckstore.codecs.objects import (
     HEADER,
     HEADER_SIZE,
     MAGIC,

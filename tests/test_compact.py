@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from ckstore import Repo
 from ckstore.cli import main
-from ckstore.format.codec import Encoding, parse_header
+from ckstore.codecs.objects import Encoding, parse_header
 from ckstore.repository.store import ObjectStore
 from ckstore.write.compact import _Roles
 

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from ckstore import Repo
 from ckstore.cli import main
-from ckstore.format.codec import Encoding, parse_header
+from ckstore.codecs.objects import Encoding, parse_header
 from ckstore.errors import IntegrityError
 from ckstore.repository.store import object_key
 

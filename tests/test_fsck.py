@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckstore.format.codec import Encoding, parse_header
+from ckstore.codecs.objects import Encoding, parse_header
 from ckstore.repo import Repo
 
 from helpers import checkpoint, flip_bit, object_file, save_st

@@ -45,7 +45,7 @@ def _copy_project(tmp_path: Path) -> Path:
     # The object store importing an operation above it.
     ("repository/store.py", "from ckstore.read import checkout", "Data flows one way"),
     # A pure format module reaching into the backend (I/O).
-    ("format/codec.py", "from ckstore.backend import fsio", "Data flows one way"),
+    ("codecs/objects.py", "from ckstore.backend import fsio", "Data flows one way"),
     # Two operations on one floor importing each other.
     ("history/log.py", "from ckstore.write import commit", "Data flows one way"),
     # A module inside a folder closing a circle with its sibling.

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckstore.format import pack
-from ckstore.format.codec import HEADER_SIZE, Kind, decode, encode
+from ckstore.codecs.objects import HEADER_SIZE, Kind, decode, encode
 from ckstore.errors import IntegrityError
 from ckstore.format.ids import chunk_id
 from ckstore.repository.store import MAX_CHUNK_SIZE, MAX_COMMIT_SIZE

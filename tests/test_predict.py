@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore.format import predict
-from ckstore.format.codec import (
+from ckstore.codecs import predict
+from ckstore.codecs.objects import (
     BASES_PREFIX_SIZE,
     HEADER_SIZE,
     Encoding,
@@ -25,7 +25,7 @@ from ckstore.format.codec import (
 )
 from ckstore.errors import IntegrityError
 from ckstore.format.ids import chunk_id
-from ckstore.format.predict import Predictor
+from ckstore.codecs.predict import Predictor
 
 # Bit patterns worth covering on purpose: zeros, subnormals, the normal range's ends, infinities,
 # NaNs with various payloads and signs, and negative values (a negative "second moment").

@@ -14,7 +14,7 @@ import torch
 from ckstore.format import codec
 from ckstore.write import compact
 from ckstore.format import settings as config
-from ckstore.format.codec import Encoding, delta_bases, parse_header
+from ckstore.codecs.objects import Encoding, delta_bases, parse_header
 from ckstore.errors import IntegrityError, UnsupportedFormatError
 from ckstore.repo import Repo
 from ckstore.repository.store import object_key

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
-from ckstore.format.codec import Encoding, Kind, encode, encode_chunk
+from ckstore.codecs.objects import Encoding, Kind, encode, encode_chunk
 from ckstore.format.ids import chunk_id, commit_id
 from ckstore.repository.reader import (
     MAX_CHAIN_DEPTH,

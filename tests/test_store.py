@@ -9,7 +9,7 @@ import pytest
 
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
-from ckstore.format.codec import Kind
+from ckstore.codecs.objects import Kind
 from ckstore.errors import IntegrityError, ObjectMissingError
 from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import Commit, encode_commit

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from ckstore.format.codec import HEADER_SIZE, parse_header
+from ckstore.codecs.objects import HEADER_SIZE, parse_header
 from ckstore.errors import IntegrityError
 from ckstore.format.ids import is_object_id
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ckstore.format.codec import ENCODINGS_BY_REPO_VERSION, Encoding
+from ckstore.codecs.objects import ENCODINGS_BY_REPO_VERSION, Encoding
 from ckstore.errors import IntegrityError, InvalidInputError, UnsupportedFormatError
 
 CONFIG_KEY = "config.json"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckstore.format.codec import Kind
+from ckstore.codecs.objects import Kind
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError, ForceRequiredError
 from ckstore.format.ids import ObjectId

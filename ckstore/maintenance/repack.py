@@ -24,7 +24,7 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ckstore.format.codec import delta_bases, encode_chunk
+from ckstore.codecs.objects import delta_bases, encode_chunk
 from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError

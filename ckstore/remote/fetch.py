@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ckstore.format.codec import Encoding, delta_bases, parse_header
+from ckstore.codecs.objects import Encoding, delta_bases, parse_header
 from ckstore.format.settings import PREDICTED_VERSION, RepoConfig
 from ckstore.repository.context import RepoContext, init_context
 from ckstore.errors import (

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ckstore.backend.memory import MemoryBackend
-from ckstore.format.codec import BASES_PREFIX_SIZE, delta_bases
+from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
 from ckstore.repository.context import RepoContext
 from ckstore.errors import IntegrityError, LockedError
 from ckstore.repository.graph import PRUNED_KEY, CommitGraph

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from ckstore.format.codec import delta_bases
+from ckstore.codecs.objects import delta_bases
 from ckstore.repository.context import RepoContext
 from ckstore.errors import (
     ConflictError,

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ckstore.backend.base import Backend
-from ckstore.format.codec import Kind
+from ckstore.codecs.objects import Kind
 from ckstore.errors import (
     AmbiguousRefError,
     CkstoreError,

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
-from ckstore.format.codec import Kind, decode_view, parse_header
+from ckstore.codecs.objects import Kind, decode_view, parse_header
 from ckstore.format.ids import chunk_id, commit_id
 
 MAX_CHUNK_SIZE = 1 << 28

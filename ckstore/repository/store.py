@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ckstore.backend.base import Backend
-from ckstore.format.codec import (
+from ckstore.codecs.objects import (
     BASES_PREFIX_SIZE,
     HEADER,
     HEADER_SIZE,

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ckstore.format.codec import (
+from ckstore.codecs.objects import (
     Encoding,
     Kind,
     delta_bases,
@@ -63,7 +63,7 @@ from ckstore.repository.writing import writing
 
 # predict.py needs numpy: imported where used, so commands that compact nothing start without it.
 if TYPE_CHECKING:
-    from ckstore.format.predict import Predictor
+    from ckstore.codecs.predict import Predictor
 
 # How long a compaction waits for another process's to finish before leaving the work to the
 # next one (nothing is lost by skipping: the objects are only less compressed until then).
@@ -270,7 +270,7 @@ def _prediction(
 ) -> _Prediction | None:
     """How to predict the parent's chunk ``target`` from its siblings (None: a first moment, or a
     sibling the parent lacks)."""
-    from ckstore.format.predict import Predictor
+    from ckstore.codecs.predict import Predictor
 
     m, v = (child_slots[group[r]].id for r in (FIRST, SECOND))
     w = child_slots[group[WEIGHT]].id if WEIGHT in group else None
@@ -392,7 +392,7 @@ def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, si
                fits: dict[object, tuple[float, ...]]) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise."""
-    from ckstore.format.predict import fit
+    from ckstore.codecs.predict import fit
 
     bases = {b: store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
     coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ckstore.format.codec import HEADER, HEADER_SIZE, Encoding, Kind, decode, encode, parse_header
+from ckstore.codecs.objects import HEADER, HEADER_SIZE, Encoding, Kind, decode, encode, parse_header
 from ckstore.errors import CkstoreError, IntegrityError, SafetensorsFormatError
 from ckstore.format.manifest import canonical_json, decode_commit, encode_commit
 from ckstore.repo import Repo

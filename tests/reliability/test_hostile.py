@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import zstandard
 
-from ckstore.format.codec import HEADER, MAGIC, OBJECT_VERSION, Encoding, Kind, encode
+from ckstore.codecs.objects import HEADER, MAGIC, OBJECT_VERSION, Encoding, Kind, encode
 from ckstore.errors import InvalidRefNameError
 from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import canonical_json

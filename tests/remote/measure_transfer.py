@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckstore.format import pack
-from ckstore.format.codec import Kind, encode
+from ckstore.codecs.objects import Kind, encode
 from ckstore.format.ids import chunk_id
 from ckstore.remote.s3 import S3Transport
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from ckstore.format import pack
-from ckstore.format.codec import Kind, encode
+from ckstore.codecs.objects import Kind, encode
 from ckstore.errors import StorageError
 from ckstore.format.ids import chunk_id
 from ckstore.remote.s3 import S3Transport

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ckstore.errors import IntegrityError
-from ckstore.format.codec import HEADER_SIZE, Encoding, Kind, decode, encode, encode_chunk, encode_delta, parse_header
+from ckstore.codecs.objects import HEADER_SIZE, Encoding, Kind, decode, encode, encode_chunk, encode_delta, parse_header
 from ckstore.format.ids import chunk_id, commit_id
 from ckstore.format.manifest import ChunkRef, FileEntry, decode_commit, encode_commit
 from ckstore.format.pack import object_bytes, pack_objects, parse_pack

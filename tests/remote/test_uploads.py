@@ -10,7 +10,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from ckstore.format.codec import Kind, encode
+from ckstore.codecs.objects import Kind, encode
 from ckstore.errors import StorageError
 from ckstore.format.ids import chunk_id
 from ckstore.format.pack import parse_index, parse_pack

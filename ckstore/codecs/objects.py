@@ -374,7 +374,7 @@ def encode_predicted(
     ``bases`` with ``coefficients`` (predict.py), if that stores in fewer than ``than`` bytes."""
     import numpy as np
 
-    from ckstore.format import predict
+    from ckstore.codecs import predict
     if not raw or len(raw) % PREDICTED_WIDTH or any(len(b) != len(raw) for b in bases) or len(bases) != len(base_ids):
         return None
     guess = predict.predict(predict.Predictor(predictor), coefficients, bases)
@@ -438,7 +438,7 @@ def decode(
 def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> memoryview:
     import numpy as np
 
-    from ckstore.format import predict
+    from ckstore.codecs import predict
     base_ids = delta_bases(data)
     at = 1 + len(base_ids) * BASE_ID_SIZE
     if len(body) < at + 1:
