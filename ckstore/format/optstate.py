@@ -1,5 +1,5 @@
 """Which tensors of a commit are one parameter's weight and AdamW moments (pure): the sibling
-chunks a predicted delta (predict.py) is computed from.
+chunks a predicted delta (codecs/predict.py) is computed from.
 
 A DCP commit (ckstore.dcp) stores each piece under its fully qualified name and global offsets,
 ``dcp_record.piece_name``: the model's ``model.<fqn>@<offsets>`` and the optimizer state

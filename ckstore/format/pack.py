@@ -3,7 +3,7 @@
 Objects travel to and live on a remote in packs, because one request per ~1 MiB chunk is the
 wrong grain for object storage (a 10 GB checkpoint would be ~10,000 requests) and for network
 drives. A pack is the concatenation of stored objects exactly as the loose store holds them
-(codec.py: 16-byte header + body, never re-encoded), framed by a small header and followed by
+(codecs/objects.py: 16-byte header + body, never re-encoded), framed by a small header and followed by
 its own table of contents; a separate index file repeats that table with the pack's name and
 size, so a client learns what every pack holds by fetching only indexes (72 bytes an object),
 and reads any one object with a single ranged GET. docs/format.md ("Remote repositories and

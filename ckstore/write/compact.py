@@ -12,7 +12,7 @@ later. For each chunk position of the branch tip (paired with its parent's chunk
    if that is smaller (a reverse delta: the newest commit stays whole and cheap to read) and the
    chain below it leaves room for one more link (``max_delta_depth``); for a DCP parameter's
    weight or ``exp_avg_sq`` piece (optstate.py), by a predicted delta from the tip's weight and
-   moments (and the parent's ``exp_avg``) when that is smaller still (predict.py);
+   moments (and the parent's ``exp_avg``) when that is smaller still (codecs/predict.py);
 2. a chunk stored provisionally by a fast commit (tip's or parent's, when no delta replaced it)
    is replaced by its best whole encoding (byte grouping).
 
@@ -61,7 +61,7 @@ from ckstore.repository.reader import check_encoding
 from ckstore.repository.store import ObjectStore
 from ckstore.repository.writing import writing
 
-# predict.py needs numpy: imported where used, so commands that compact nothing start without it.
+# codecs/predict.py needs numpy: imported where used, so commands that compact nothing start without it.
 if TYPE_CHECKING:
     from ckstore.codecs.predict import Predictor
 
