@@ -22,8 +22,7 @@ from helpers import checkpoint
 _PROBE = """
 import atexit, json, sys
 report = sys.argv[1]
-atexit.register(lambda: open(report, "w").write(json.dumps(
-    [m for m in ("numpy", "torch", "tqdm") if m in sys.modules])))
+atexit.register(lambda: open(report, "w").write(json.dumps(sorted(sys.modules))))
 sys.argv = ["ckstore"] + sys.argv[2:]
 from ckstore.cli import run
 run()
@@ -44,12 +43,17 @@ def small_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "repo"
 
 
-def imported_by(repo: Path, *args: str, tmp: Path) -> list[str]:
+HEAVY = ("numpy", "torch", "tqdm")
+
+
+def imported_by(repo: Path, *args: str, tmp: Path, watch: tuple[str, ...] = HEAVY) -> list[str]:
+    """Which of the ``watch`` modules the command ``ckstore ARGS`` imported."""
     out = tmp / "modules.json"
     env = {**os.environ, "CKSTORE_REPO": str(repo)}
     proc = subprocess.run([sys.executable, "-c", _PROBE, str(out), *args], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(out.read_text())
+    loaded = set(json.loads(out.read_text()))
+    return [m for m in watch if m in loaded]
 
 
 @pytest.mark.parametrize("args", [
@@ -63,3 +67,24 @@ def test_reading_commands_import_neither_numpy_nor_torch(small_repo: Path, tmp_p
 def test_the_probe_sees_numpy_when_chunks_are_decoded(small_repo: Path, tmp_path: Path) -> None:
     # The probe must be able to fail: a checkout decodes delta chunks, which needs numpy.
     assert "numpy" in imported_by(small_repo, "checkout", "HEAD~1", "-o", str(tmp_path / "out"), tmp=tmp_path)
+
+
+# What a command that writes or maintains nothing must not load (issue 22, item 5): the operations
+# ``Repo`` delegates to are imported where they are called.
+OPERATIONS = HEAVY + (
+    "ckstore.write.commit", "ckstore.write.compact", "ckstore.write.ingest", "ckstore.read.checkout",
+    "ckstore.read.export", "ckstore.maintenance.gc", "ckstore.maintenance.sizes", "ckstore.repository.overlay",
+    "ckstore.remote.fetch", "ckstore.training.state",
+)
+
+
+@pytest.mark.parametrize("args", [("--help",), ("log", "-n", "1"), ("wait",), ("branch",)])
+def test_commands_that_start_often_load_no_operation_they_do_not_run(
+    small_repo: Path, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    assert imported_by(small_repo, *args, tmp=tmp_path, watch=OPERATIONS) == []
+
+
+def test_the_probe_sees_the_operation_a_command_runs(small_repo: Path, tmp_path: Path) -> None:
+    assert "ckstore.read.checkout" in imported_by(small_repo, "checkout", "HEAD", "-o", str(tmp_path / "out"),
+                                                  tmp=tmp_path, watch=OPERATIONS)
