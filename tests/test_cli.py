@@ -81,6 +81,7 @@ def test_main_workflow(cli: Cli, tmp_path: Path) -> None:
         assert HEX64.fullmatch(out.strip()), out
         ids.append(out.strip())
         assert path.exists()
+    cli("wait")  # the compactions run detached: the stored-size figures below must hold still
     log = json.loads(cli("log", "--json").stdout)
     assert [e["id"] for e in log] == ids[::-1]
     assert log[0]["metadata"] == {"epoch": 2, "lr": 0.001, "final": False, "name": "run 1"}
