@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckstore.format import codec
+from ckstore.codecs import objects as codec
 from ckstore.write import compact
 from ckstore.format import settings as config
 from ckstore.codecs.objects import Encoding, delta_bases, parse_header
