@@ -79,17 +79,24 @@ def test_overlay_commit_pins_its_base_commit_against_base_gc(tmp_path: Path, mon
     assert outcomes == ["locked"]  # base gc had to wait for the overlay commit
 
 
-def test_commits_after_use_remote_store_everything_they_name(tmp_path: Path) -> None:
-    """F7: the README's resume path; the new commit must not lean on the remote's objects."""
-    g = torch.Generator().manual_seed(3)
+def _resuming_from_a_colleagues_remote(tmp_path: Path, state: dict[str, Any]) -> Repo:
+    """A colleague commits ``state`` and pushes it to a folder remote; a new repository attaches
+    that remote for lazy reads (``use_remote``, the README's resume path) and is returned."""
     colleague = Repo.init(tmp_path / "colleague" / ".ckstore")
-    state = {"model": {"w": torch.randn(4096, generator=g), "head": torch.randn(256, generator=g)}, "step": 100}
     colleague.commit_state(state, message="epoch 1")
     colleague.add_remote("origin", str(tmp_path / "remote"))
     colleague.push()
     me = Repo.init(tmp_path / "me" / ".ckstore")
     me.add_remote("origin", str(tmp_path / "remote"))
     me.use_remote("origin")
+    return me
+
+
+def test_commits_after_use_remote_store_everything_they_name(tmp_path: Path) -> None:
+    """F7: the README's resume path; the new commit must not lean on the remote's objects."""
+    g = torch.Generator().manual_seed(3)
+    state = {"model": {"w": torch.randn(4096, generator=g), "head": torch.randn(256, generator=g)}, "step": 100}
+    me = _resuming_from_a_colleagues_remote(tmp_path, state)
     resumed = me.load_state("origin/main")
     resumed["model"]["head"] = resumed["model"]["head"] + 1  # train the head; "w" stays frozen
     resumed["step"] = 200
@@ -106,14 +113,8 @@ def test_a_fetch_after_use_remote_lands_everything_its_refs_need(tmp_path: Path)
     (the remote's objects are not this repository's), else its tracking refs name a commit whose
     objects live only on a remote that may delete them."""
     g = torch.Generator().manual_seed(5)
-    colleague = Repo.init(tmp_path / "colleague" / ".ckstore")
     state = {"model": {"w": torch.randn(8192, generator=g)}, "step": 1}
-    colleague.commit_state(state, message="epoch 1")
-    colleague.add_remote("origin", str(tmp_path / "remote"))
-    colleague.push()
-    me = Repo.init(tmp_path / "me" / ".ckstore")
-    me.add_remote("origin", str(tmp_path / "remote"))
-    me.use_remote("origin")
+    me = _resuming_from_a_colleagues_remote(tmp_path, state)
     me.load_state("origin/main")  # some objects now sit in the lazy cache only
     me.fetch("origin")
     again = Repo(tmp_path / "me")  # no remote attached: only what this repository holds
