@@ -169,7 +169,7 @@ class System:
         self.attempts: list[Attempt] = []
         self.acked: list[Acked] = []
         self.retention: list[Retention] = []
-        self.pushed: list[tuple[str, str, str, int]] = []  # remote, ref, oid, op
+        self.pushed: list[tuple[str, str, str, int, float]] = []  # remote, ref, oid, op, when its value was read
         self.contents: dict[str, dict[str, str] | int] = {}
         self.durations: dict[str, float] = {}
         self.log: list[str] = []
@@ -303,6 +303,18 @@ class System:
                 return True
         return False
 
+    def unacknowledged_excused(self, branch: str, read_at: float) -> bool:
+        """A pushed branch value no process acknowledged was made by a commit killed after its ref
+        moved: take the newest unacknowledged attempt on the branch before the value was read as
+        its maker (the fewest later attempts, so the least excused) and ask retention about it."""
+        answered = {(c.repo, c.branch, c.started) for c in self.acked}
+        makers = [a for a in self.attempts if a.repo == "base" and a.branch == branch and a.started < read_at
+                  and (a.repo, a.branch, a.started) not in answered]
+        if not makers:
+            return False
+        maker = makers[-1]
+        return self.excused(Acked("", maker.repo, maker.branch, "commit", maker.started, maker.loss, 0, 0))
+
     @staticmethod
     def new_seed(rng: random.Random) -> int:
         return rng.getrandbits(40)
@@ -319,11 +331,12 @@ class System:
                 self.cli_commit(rng)
             elif roll < 0.9:
                 remote = rng.choice(REMOTES)
+                read_at = self.now()
                 value = (self.repos["base"] / "refs/heads/a").read_text().strip()
                 op, result = self.cli(rng, f"push {remote}", "base", "push", remote, "a")
                 if result is not None and result.returncode == 0:
                     with self.lock:
-                        self.pushed.append((remote, "refs/heads/a", value, op))
+                        self.pushed.append((remote, "refs/heads/a", value, op, read_at))
             else:
                 self.cli_tag_and_push(rng)
 
@@ -359,7 +372,7 @@ class System:
         op, result = self.cli(rng, f"push tag {remote}", "base", "push", remote, name)
         if result is not None and result.returncode == 0:
             with self.lock:
-                self.pushed.append((remote, f"refs/tags/{name}", target.oid, op))
+                self.pushed.append((remote, f"refs/tags/{name}", target.oid, op, self.now()))
 
     def lane_py(self, rng: random.Random) -> None:
         driver: subprocess.Popen[str] | None = None
@@ -386,14 +399,14 @@ class System:
                 else:
                     remote = rng.choice(REMOTES)
                     kind, content, request = f"push {remote}", None, {"op": "push", "remote": remote, "ref": "b"}
-                started = self.attempt("base", "b", loss) if request["op"] in ("state", "commit") else 0.0
+                started = self.attempt("base", "b", loss) if request["op"] in ("state", "commit") else self.now()
                 op = self.next_op(kind)
                 answer = self.ask(driver, rng, op, kind, request)
                 if answer is not None and answer["ok"] and request["op"] in ("state", "commit"):
                     self.acknowledge(kind.split(" ")[0], answer["oid"], "base", "b", started, loss, content, op)  # type: ignore[arg-type]
                 elif answer is not None and answer["ok"] and request["op"] == "push":
                     with self.lock:
-                        self.pushed.append((request["remote"], "refs/heads/b", answer["oid"], op))
+                        self.pushed.append((request["remote"], "refs/heads/b", answer["oid"], op, started))
                 shutil.rmtree(self.work / "src" / str(seed), ignore_errors=True)
         finally:
             if driver is not None and driver.poll() is None:
@@ -623,17 +636,19 @@ class System:
         result = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=OP_TIMEOUT, check=False)
         if result.returncode != 0:
             self.report.failures.append(f"clone of remote {remote}: exit {result.returncode}: {result.stderr.strip()}")
-            for r, ref, oid, op in self.pushed:
+            for r, ref, oid, op, _ in self.pushed:
                 if r == remote:
                     self.report.losses.append(f"push of {ref} {oid[:12]} to {remote} (op {op}): remote cannot be cloned")
             return
         self.check_repo(f"clone of {remote}", clone)
         repo = Repo(clone)
         excused = {c.oid for c in self.acked if c.kind != "tag" and self.excused(c)}
-        for r, ref, oid, op in self.pushed:
+        acked = {c.oid for c in self.acked}
+        for r, ref, oid, op, read_at in self.pushed:
             if r != remote:
                 continue
-            if ref.startswith("refs/heads/") and oid in excused:
+            if ref.startswith("refs/heads/") and (oid in excused or (
+                    oid not in acked and self.unacknowledged_excused(ref[len("refs/heads/"):], read_at))):
                 continue  # a later push sends the history as retention left it ("pushed as pruned")
             problem = self.read_back(repo, oid, self.contents.get(oid))
             if problem is None and ref.startswith("refs/tags/") and repo.tags().get(ref[10:]) != oid:
