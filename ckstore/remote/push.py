@@ -218,7 +218,7 @@ def _refuse_conflict(remote: RemoteRepo, ref: str, existing: Sequence[str]) -> N
 def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old: ObjectId, new: ObjectId) -> None:
     if ref.startswith(TAGS):
         raise ConflictError(f"remote {remote.name}: tag {ref[len(TAGS):]!r} exists there at {old[:12]}; use --force to move it")
-    if not (ctx.store.has(old) and old in ctx.graph.reachable_from([new])):
+    if not ctx.graph.reaches(new, old):
         raise FetchFirstError(
             f"remote {remote.name}: {_short(ref)} is at {old[:12]}, which the local branch does not contain; "
             f"fetch first ('ckstore pull {remote.name}'), or push --force to overwrite it"

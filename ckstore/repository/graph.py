@@ -259,6 +259,26 @@ class CommitGraph:
             todo.extend(kept_parents(self.read_commit(oid).parents, pruned))
         return seen
 
+    def reaches(self, start: ObjectId, target: ObjectId) -> bool:
+        """Whether ``target`` is ``start`` or in its history, pruned commits included: a commit
+        that gc deleted here still counts as an ancestor through the pruned record, so a remote
+        branch left at it (a push killed before its tracking ref moved) still fast-forwards. The
+        walk stops where it finds ``target``."""
+        pruned = self.pruned()
+        todo, seen = [start], set()
+        while todo:
+            oid = todo.pop()
+            if oid == target:
+                return True
+            if oid in seen:
+                continue
+            seen.add(oid)
+            if oid in pruned and not self.store.has(oid):
+                todo.extend(pruned[oid])
+            elif self.store.has(oid):
+                todo.extend(self.read_commit(oid).parents)
+        return False
+
     def with_overlay_bases(self, keep: Iterable[ObjectId]) -> set[ObjectId]:
         """``keep`` plus the base commit (in this repository) of every kept overlay, transitively."""
         out = set(keep)

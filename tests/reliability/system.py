@@ -417,7 +417,13 @@ class System:
             request: dict[str, Any]) -> dict[str, Any] | None:
         """Send one request; SIGKILL the driver at a random moment; the answer, or None."""
         delay = self.kill_delay(rng, kind)
-        timer = threading.Timer(delay, driver.send_signal, (signal.SIGKILL,)) if delay is not None else None
+        fired = threading.Event()
+
+        def kill() -> None:
+            fired.set()
+            driver.send_signal(signal.SIGKILL)
+
+        timer = threading.Timer(delay, kill) if delay is not None else None
         start = time.monotonic()
         try:
             driver.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
@@ -430,6 +436,11 @@ class System:
         finally:
             if timer is not None:
                 timer.cancel()
+                timer.join()  # a kill already under way completes before ``fired`` is read
+        if fired.is_set():
+            # The kill may land just after the answer was read: the operation is acknowledged, and
+            # the lane must see the driver dead before its next request, not blame the next one.
+            driver.wait(timeout=OP_TIMEOUT)
         if not line:
             driver.wait(timeout=OP_TIMEOUT)
             if delay is None:

@@ -191,3 +191,30 @@ def test_a_remote_pack_removed_under_a_ref_is_reported_by_fetch(tmp_path: Path) 
         index.unlink()
     with pytest.raises(IntegrityError, match="refs/heads/main.*no pack"):
         Repo.clone(url, tmp_path / "b")
+
+
+def test_push_fast_forwards_over_a_commit_local_retention_pruned(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    """A push killed after the remote's ref moved but before the tracking ref did leaves the
+    remote at a commit the tracking ref does not protect; local retention then prunes it. The
+    local branch still descends from it (the pruned record says so): later pushes must go on,
+    not be refused as non-fast-forward forever (found by the soak: 644 of 1,030 pushes refused)."""
+    url, endpoint = remote_url
+    a = Repo.init(tmp_path / "a", chunk_size=CHUNK)
+    a.add_remote("origin", url, endpoint)
+    ids = [a.commit(epoch_files(tmp_path / "work" / "e1", 1), message="epoch 1")]
+    a.wait()
+    a.push()
+    ids.append(a.commit(epoch_files(tmp_path / "work" / "e2", 2), message="epoch 2"))
+    a.wait()
+    a.push()
+    ctx = open_context(a.path)
+    ctx.refs.update("refs/remotes/origin/main", ids[0])  # as the killed push left it
+    for e in (3, 4):
+        ids.append(a.commit(epoch_files(tmp_path / "work" / f"e{e}", e), message=f"epoch {e}"))
+        a.wait()
+    a.gc(keep_last=1, prune_now=True)
+    assert not open_context(a.path).store.has(ids[1])  # epoch 2, where the remote is, is gone here
+    a.push()
+    clone, _ = Repo.clone(url, tmp_path / "clone", endpoint_url=endpoint)
+    assert clone.branches()["main"] == ids[3]
+    assert_checks_out(clone, ids[3], tmp_path / "out", tmp_path / "work" / "e4")
