@@ -27,7 +27,8 @@ START, END = "<!-- figures:start -->", "<!-- figures:end -->"
 ROWS = [
     ("SIGKILL at every write step, survived", ["kills_every_step"]),
     ("SIGKILL at random moments, survived", ["kills_random"]),
-    ("stale ref locks left by kills, reported with the remedy", ["stale_ref_locks_reported"]),
+    ("stale ref locks left by kills, broken by the next ref update", ["stale_ref_locks_broken", "stale_locks_broken"]),
+    ("stale locks of an older ckstore, reported with the remedy", ["stale_locks_reported"]),
     ("checkout temporaries left by kills, removed by the next checkout", ["checkout_temporaries_left_by_kills"]),
     ("ENOSPC injected (every step of every command)", ["faults_enospc"]),
     ("EIO injected (every step of every command)", ["faults_eio"]),

@@ -21,6 +21,7 @@ from test_cli import assert_one_line_error
 
 from ckstore.repository import refs as refs_module
 from ckstore.backend.base import check_key
+from ckstore.backend.fsio import process_owner
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
 from ckstore.cli import main
@@ -126,7 +127,60 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_stale_lock_is_reported_with_its_path(refs: RefStore, tmp_path: Path) -> None:
+def test_lock_of_a_dead_process_is_broken(refs: RefStore) -> None:
+    """A process killed inside a ref update (a preempted training job) leaves its lock: the next
+    update proves the process gone (same host, boot and pid namespace) and goes on."""
+    refs.update(MAIN, X)
+    lock = {**process_owner(), "pid": _dead_pid()}
+    refs.backend.create_exclusive(MAIN + ".lock", json.dumps(lock).encode())
+    refs.update(MAIN, Y, expected=X)
+    assert refs.read(MAIN) == Y
+    assert not refs.backend.exists(MAIN + ".lock") and not refs.backend.exists(MAIN + ".lock.lock")
+
+
+def test_lock_of_an_earlier_boot_is_broken(refs: RefStore) -> None:
+    lock = {**process_owner(), "pid": 1, "boot": "an earlier boot"}  # pid 1 runs, but not that one
+    refs.backend.create_exclusive(MAIN + ".lock", json.dumps(lock).encode())
+    refs.update(MAIN, X)
+    assert refs.read(MAIN) == X
+
+
+def test_lock_of_another_pid_namespace_is_waited_for(refs: RefStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container sharing the host's name counts process ids apart: its lock may be live."""
+    monkeypatch.setattr(refs_module, "LOCK_WAIT", 0.3)
+    lock = {**process_owner(), "pid": _dead_pid(), "pidns": "pid:[1]"}
+    refs.backend.create_exclusive(MAIN + ".lock", json.dumps(lock).encode())
+    with pytest.raises(LockedError, match="locked by another"):
+        refs.update(MAIN, X)
+    assert refs.read(MAIN) is None
+
+
+def test_breaking_never_deletes_a_lock_taken_meanwhile(refs: RefStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes find the same stale lock; the first breaks it and takes its own; the second
+    must not delete that one (it compares the bytes it judged stale under the breaker lock)."""
+    stale = json.dumps({**process_owner(), "pid": _dead_pid()}).encode()
+    fresh = json.dumps({**process_owner(), "time": 1.0}).encode()
+    refs.backend.create_exclusive(MAIN + ".lock", stale)
+    real_get = refs.backend.get
+    calls = []
+
+    def get_then_swap(key: str) -> bytes:
+        value = real_get(key)
+        if key == MAIN + ".lock" and not calls:  # after the first read, another breaker wins
+            calls.append(key)
+            refs.backend.delete(MAIN + ".lock")
+            refs.backend.create_exclusive(MAIN + ".lock", fresh)
+        return value
+
+    monkeypatch.setattr(refs.backend, "get", get_then_swap)
+    monkeypatch.setattr(refs_module, "LOCK_WAIT", 0.3)
+    with pytest.raises(LockedError, match="locked by another"):
+        refs.update(MAIN, X)
+    assert real_get(MAIN + ".lock") == fresh
+
+
+def test_old_stale_lock_is_reported_with_its_path(refs: RefStore, tmp_path: Path) -> None:
+    """A lock without boot and pid namespace (an older ckstore) cannot be proven stale."""
     refs.update(MAIN, X)
     lock = {"pid": _dead_pid(), "host": socket.gethostname(), "time": time.time()}
     refs.backend.create_exclusive(MAIN + ".lock", json.dumps(lock).encode())

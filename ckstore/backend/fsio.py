@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,6 +63,33 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def process_owner() -> dict[str, object]:
+    """Who holds a lock, written into the lock file: the process id, and what makes that id mean
+    one process: the host, the boot (ids restart), the pid namespace (containers with the host's
+    name see other ids). The last two are Linux's; elsewhere they are absent."""
+    owner: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+    try:
+        owner["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        owner["pidns"] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return owner
+
+
+def owner_surely_dead(info: dict[str, object]) -> bool:
+    """Whether the process that wrote lock owner ``info`` (``process_owner``) is certainly gone:
+    it ran in this host's boot and pid namespace and its id no longer runs, or in an earlier boot
+    of this host. Anything less certain (another host, another pid namespace, an older lock
+    without these fields) is False."""
+    mine = process_owner()
+    if "boot" not in mine or info.get("host") != mine["host"] or "boot" not in info:
+        return False
+    if info["boot"] != mine["boot"]:
+        return True  # this host rebooted since: every process of that boot is gone
+    pid = info.get("pid")
+    return info.get("pidns") == mine["pidns"] and isinstance(pid, int) and not pid_alive(pid)
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,7 +12,6 @@ the ref's reflog (reflog.py) under the same lock, before the ref file changes.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import time
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ckstore.backend.base import Backend
-from ckstore.backend.fsio import pid_alive
+from ckstore.backend.fsio import owner_surely_dead, pid_alive, process_owner
 from ckstore.errors import (
     IntegrityError,
     InvalidRefNameError,
@@ -265,7 +264,7 @@ class RefStore:
     @contextmanager
     def _ref_lock(self, ref: str) -> Iterator[None]:
         lock = encode_ref(ref) + LOCK_SUFFIX
-        owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
+        owner = json.dumps(process_owner()).encode()
         deadline = time.monotonic() + LOCK_WAIT
         while True:
             try:
@@ -274,7 +273,8 @@ class RefStore:
             except StorageError:
                 self._release(lock, owner)  # linked before the failure (fsync): must not outlive us
                 raise
-            self._refuse_stale_lock(lock)
+            if self._break_stale_lock(lock, owner):
+                continue
             if time.monotonic() >= deadline:
                 raise LockedError(f"ref {ref} is locked by another ckstore process; try again")
             time.sleep(0.02)
@@ -296,18 +296,54 @@ class RefStore:
                 if attempt == 2:
                     raise
 
-    def _refuse_stale_lock(self, lock: str) -> None:
+    def _break_stale_lock(self, lock: str, owner: bytes) -> bool:
+        """Remove ``lock`` if the process that holds it is certainly dead (killed inside a ref
+        update: a training job preempted at its commit), so the next command goes on; True when
+        removed. Breaking is serialised by a second lock (``<ref>.lock.lock``), and the lock is
+        deleted only if it still holds the bytes judged stale, so two processes breaking at once
+        never delete a lock a live process has just taken. A stale lock that cannot be proven
+        stale (an older lock without the process's namespace) is reported with the remedy."""
         try:
-            info = json.loads(self.backend.get(lock))
+            stale = self.backend.get(lock)
+            info = json.loads(stale)
             pid, host = int(info["pid"]), str(info["host"])
         except KeyError:
-            return  # released meanwhile
+            return False  # released meanwhile
         except (ValueError, TypeError):
-            return  # being written right now, or unreadable: let the timeout speak
-        if host == socket.gethostname() and not pid_alive(pid):
+            return False  # being written right now, or unreadable: let the timeout speak
+        if host != socket.gethostname():
+            return False
+        if not owner_surely_dead(info):
+            if "pidns" in info or pid_alive(pid):
+                return False  # alive, or in another pid namespace: it may be; wait for it
             raise LockedError(
                 f"stale lock {self.backend.describe(lock)} left by process {pid}, which is no longer running;"
                 " if no ckstore command is running, delete that file and retry"
+            )
+        breaker = lock + LOCK_SUFFIX  # "<ref>.lock.lock": no ref can be named "<ref>.lock"
+        if not self.backend.create_exclusive(breaker, owner):
+            self._refuse_stale_breaker(breaker)
+            return False
+        try:
+            try:
+                if self.backend.get(lock) == stale:
+                    self.backend.delete(lock)
+            except KeyError:
+                pass
+        finally:
+            self._release(breaker, owner)
+        return True
+
+    def _refuse_stale_breaker(self, breaker: str) -> None:
+        """A breaker is held for one read and one delete; one whose process died is left to a user."""
+        try:
+            info = json.loads(self.backend.get(breaker))
+        except (KeyError, ValueError, TypeError):
+            return
+        if isinstance(info, dict) and owner_surely_dead(info):
+            raise LockedError(
+                f"stale lock {self.backend.describe(breaker)} left by process {info.get('pid')}, which is no longer"
+                " running; if no ckstore command is running, delete that file and retry"
             )
 
     def _check_no_conflict(self, ref: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from ckstore.backend.fsio import process_owner
 from ckstore.errors import RefChangedError
 from ckstore.repository.refs import RefStore
 from ckstore.repo import Repo
@@ -164,23 +165,41 @@ def test_cas_exactly_one_writer_wins_each_round(tmp_path: Path) -> None:
     count("cas_rounds", rounds)
 
 
-def test_stale_lock_of_a_dead_process_is_reported(tmp_path: Path) -> None:
+def _lock_left_by_a_dead_process(tmp_path: Path, owner: dict[str, object]) -> tuple[Repo, str, Path, int]:
+    """A repository with one commit, ``main.lock`` written as ``owner`` (with a dead process's
+    id), and the next epoch's files in ``src``: (repo, first commit, lock, dead pid)."""
     repo = Repo.init(tmp_path / "repo", chunk_size=4096)
     write_checkpoint(tmp_path / "src", 1, 256)
     first = repo.commit([tmp_path / "src"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock = tmp_path / "repo" / "refs" / "heads" / "main.lock"
-    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "time": time.time()}))
+    lock.write_text(json.dumps({**owner, "pid": dead.pid}))
     write_checkpoint(tmp_path / "src", 2, 256)
+    return repo, first, lock, dead.pid
+
+
+def test_stale_lock_of_a_dead_process_is_broken(tmp_path: Path) -> None:
+    """A training job killed inside its commit's ref update leaves ``main.lock``; the next epoch's
+    ``ckstore commit`` proves that process gone and commits, with no step for the user."""
+    repo, first, lock, _ = _lock_left_by_a_dead_process(tmp_path, process_owner())
+    proc = run_cli("commit", tmp_path / "src", repo=repo.path)
+    assert proc.returncode == 0, proc.stderr
+    assert Repo(repo.path).read_commit(proc.stdout.strip()).parents == (first,)
+    assert os.listdir(lock.parent) == ["main"]
+    count("stale_locks_broken")
+
+
+def test_stale_lock_of_an_older_ckstore_is_reported(tmp_path: Path) -> None:
+    old_format = {"host": socket.gethostname(), "time": time.time()}  # no boot, no pid namespace
+    repo, first, lock, pid = _lock_left_by_a_dead_process(tmp_path, old_format)
     start = time.monotonic()
     proc = run_cli("commit", tmp_path / "src", repo=repo.path)
-    assert_clean_error(proc, 6, "stale lock", str(lock), f"process {dead.pid}", "delete that file and retry")
+    assert_clean_error(proc, 6, "stale lock", str(lock), f"process {pid}", "delete that file and retry")
     assert time.monotonic() - start < 8, "recognised at once, not after the lock timeout"
     assert repo.refs.read("refs/heads/main") == first
     lock.unlink()  # the documented remedy
     proc = run_cli("commit", tmp_path / "src", repo=repo.path)
     assert proc.returncode == 0, proc.stderr
-    assert Repo(repo.path).read_commit(proc.stdout.strip()).parents == (first,)
     assert os.listdir(lock.parent) == ["main"]
     count("stale_locks_reported")

@@ -10,7 +10,7 @@ SIGKILLs it after a random delay within its write phase (measured by a clean run
 After each kill: ``fsck --read-data`` is clean; every ref holds its old or its new value; every
 reachable commit checks out byte-identical; an output directory holds, under final names, only
 complete files (old or new version). Then recovery as documented: a ref lock left by the killed
-process is reported as stale with an actionable message (the user deletes it), the next checkout
+process is broken by the next ref update (the process is proven gone), the next checkout
 removes dead temporaries, the next gc removes ``tmp/`` leftovers, and all of the above holds again.
 """
 
