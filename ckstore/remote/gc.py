@@ -28,13 +28,12 @@ holds nothing live once they arrive (step 1), and goes the same way.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ckstore.backend.fsio import owner_surely_dead, process_owner
 from ckstore.backend.memory import MemoryBackend
 from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
 from ckstore.repository.context import RepoContext
@@ -80,8 +79,8 @@ class RemoteGcReport:
 
 @contextmanager
 def _gc_lock(remote: RemoteRepo) -> Iterator[None]:
-    owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
-    if not remote.transport.put_if_absent(GC_LOCK_KEY, owner):
+    owner = json.dumps(process_owner()).encode()
+    if not remote.transport.put_if_absent(GC_LOCK_KEY, owner) and not _take_over_dead_gc_lock(remote, owner):
         try:
             info = json.loads(remote.get(GC_LOCK_KEY, MAX_GC_LOCK))
             who = f" (started {time.ctime(info['time'])} by process {info['pid']} on {info['host']})"
@@ -93,6 +92,19 @@ def _gc_lock(remote: RemoteRepo) -> Iterator[None]:
         yield
     finally:
         remote.transport.delete(GC_LOCK_KEY)
+
+
+def _take_over_dead_gc_lock(remote: RemoteRepo, owner: bytes) -> bool:
+    """Take the gc lock of a remote gc killed on this machine (its process proven gone, as for
+    ref locks): a compare-and-swap from the bytes judged stale to ours, so of two takers one
+    wins, and a lock a live gc took meanwhile is never replaced. Every gc phase is safe to
+    resume from where a killed one stopped (section "Remote gc" of docs/format.md)."""
+    try:
+        stale, token = remote.transport.get_versioned(GC_LOCK_KEY, MAX_GC_LOCK)
+        info = json.loads(stale)
+    except (KeyError, ValueError, TypeError, IntegrityError):
+        return False
+    return isinstance(info, dict) and owner_surely_dead(info) and remote.transport.put_if_match(GC_LOCK_KEY, owner, token)
 
 
 def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> CommitGraph:

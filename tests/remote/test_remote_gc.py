@@ -3,12 +3,17 @@ server and a folder remote."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from ckstore.backend.fsio import process_owner
 from ckstore.errors import IntegrityError, LockedError
 from ckstore.remote.layout import GC_LOCK_KEY, PACKS
 from ckstore.remote.gc import MTIME_RESOLUTION
@@ -92,6 +97,23 @@ def test_one_remote_gc_at_a_time(tmp_path: Path, remote_url: tuple[str, str | No
     url, endpoint = remote_url
     a, _ = pushed(tmp_path, url, endpoint)
     open_remote(open_context(a.path)).transport.put_if_absent(GC_LOCK_KEY, b'{"host": "h", "pid": 1, "time": 0}')
+    with pytest.raises(LockedError, match="another remote gc is running"):
+        a.gc_remote()
+
+
+def test_gc_lock_of_a_killed_gc_is_taken_over(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    """A remote gc killed on this machine leaves gc/lock.json; the next gc proves its process
+    gone and takes the lock over, instead of refusing until a user deletes it (the soak: 276
+    refusals after a few killed gcs). A live gc's lock is still respected."""
+    url, endpoint = remote_url
+    a, _ = pushed(tmp_path, url, endpoint)
+    transport = open_remote(open_context(a.path)).transport
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    transport.put_if_absent(GC_LOCK_KEY, json.dumps({**process_owner(), "pid": dead.pid}).encode())
+    a.gc_remote()
+    assert transport.head(GC_LOCK_KEY) is None  # released at the end like its own
+    transport.put_if_absent(GC_LOCK_KEY, json.dumps({**process_owner(), "pid": os.getpid()}).encode())
     with pytest.raises(LockedError, match="another remote gc is running"):
         a.gc_remote()
 
