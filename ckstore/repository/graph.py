@@ -246,6 +246,16 @@ class CommitGraph:
         """``starts`` and their history, walking through pruned commits' parents. A start that
         is here is never "pruned" (a ref's value: a remote's pruned record may list a commit that
         a push named again after that remote's gc pruned it, docs/format.md 15.6)."""
+        return set(self.walk(starts))
+
+    def reaches(self, start: ObjectId, target: ObjectId) -> bool:
+        """Whether ``target`` is ``start`` or in its history (``reachable_from``); the walk stops
+        where it finds it, so a fast-forward check costs the commits between the two."""
+        return any(oid == target for oid in self.walk([start]))
+
+    def walk(self, starts: Iterable[ObjectId]) -> Iterator[ObjectId]:
+        """``reachable_from``, one commit at a time (each once, nearest to ``starts`` first
+        along each line), so a caller may stop early."""
         pruned = self.pruned()
         starts = list(starts)
         todo = [s for s in starts if s not in pruned or self.store.has(s)]
@@ -256,8 +266,8 @@ class CommitGraph:
             if oid in seen:
                 continue
             seen.add(oid)
+            yield oid
             todo.extend(kept_parents(self.read_commit(oid).parents, pruned))
-        return seen
 
     def with_overlay_bases(self, keep: Iterable[ObjectId]) -> set[ObjectId]:
         """``keep`` plus the base commit (in this repository) of every kept overlay, transitively."""
