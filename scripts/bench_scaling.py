@@ -9,8 +9,9 @@ start-up or imports: what the command itself costs). The load average is printed
 row: on a shared machine only rows measured at a similar load compare.
 
 The built repositories are kept under ``--work`` (``built-<case>``) and reused by the next run
-with the same case, so a profile or a second measurement does not pay the build again; every
-measurement runs on a copy.
+with the same case, so a profile or a second measurement does not pay the build again (copying
+10^5 object files would cost more than the commands): the commands run there, ``gc`` finds
+nothing to delete after the first run, and each run adds the commits it pushes and fetches.
 
     python scripts/bench_scaling.py [--commits 10 100 1000] [--objects 10000 100000] [--work DIR]
         [--profile CASE COMMAND]   # cProfile one in-process command (e.g. 100000o push)
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import shutil
 import statistics
@@ -109,20 +109,6 @@ def build(work: Path, case: str) -> tuple[Path, float]:
     return built, seconds
 
 
-def fresh_copy(built: Path, work: Path) -> Path:
-    """A copy of the built set (the remote's path is recorded in the repositories' configs, so
-    the copy's remote is swapped in place of the original's: runs stay independent)."""
-    run = work / "run"
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(built, run, symlinks=True)
-    for name in ("repo", "clone"):
-        remotes = run / name / "remotes"  # docs/format.md 15.8: JSON naming each remote's URL
-        doc = json.loads(remotes.read_text())
-        doc["remotes"]["origin"]["url"] = str(run / "remote")
-        remotes.write_text(json.dumps(doc))
-    return run
-
-
 def add_commit(repo: Path, text: str) -> None:
     folder = repo.parent / "extra"
     folder.mkdir(exist_ok=True)
@@ -132,19 +118,18 @@ def add_commit(repo: Path, text: str) -> None:
     r.commit(folder, message=text)
 
 
-def measure(built: Path, work: Path) -> tuple[dict[str, float], dict[str, float]]:
-    """(subprocess seconds, in-process seconds) of every command on copies of ``built``."""
+def measure(built: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """(subprocess seconds, in-process seconds) of every command on ``built``; each of the two
+    passes adds one commit there, pushes it and fetches it into the clone."""
     sub: dict[str, float] = {"start": statistics.median(run_cli(["--version"]) for _ in range(3))}
     inside: dict[str, float] = {}
+    repo, clone = str(built / "repo"), str(built / "clone")
     for timer, out in ((run_cli, sub), (run_in_process, inside)):
-        run = fresh_copy(built, work)
-        repo, clone = str(run / "repo"), str(run / "clone")
         for cmd in COMMANDS[:-2]:
             out[cmd] = timer(["--repo", repo, *cmd.split()])
-        add_commit(run / "repo", f"one more ({timer.__name__})")
+        add_commit(built / "repo", f"one more ({timer.__name__}, {time.time()})")
         out["push"] = timer(["--repo", repo, "push", "origin"])
         out["fetch"] = timer(["--repo", clone, "fetch", "origin"])
-    shutil.rmtree(work / "run", ignore_errors=True)
     return sub, inside
 
 
@@ -153,12 +138,11 @@ def profile(work: Path, case: str, command: str) -> None:
     import pstats
 
     built, _ = build(work, case)
-    run = fresh_copy(built, work)
     if command in ("push", "fetch"):
-        add_commit(run / "repo", "one more")
+        add_commit(built / "repo", f"one more ({time.time()})")
         if command == "fetch":
-            Repo(run / "repo").push("origin")
-    target = run / ("clone" if command == "fetch" else "repo")
+            Repo(built / "repo").push("origin")
+    target = built / ("clone" if command == "fetch" else "repo")
     args = ["--repo", str(target), *command.split()] + (["origin"] if command in ("push", "fetch") else [])
     prof = cProfile.Profile()
     prof.enable()
@@ -188,7 +172,7 @@ def main() -> None:
         built, seconds = build(work, case)
         took = f" (built in {seconds:.0f} s)" if seconds else ""
         before = os.getloadavg()[0]
-        sub, inside = measure(built, work)
+        sub, inside = measure(built)
         during = f"{before:.1f}–{os.getloadavg()[0]:.1f}"
         lines.append(f"| {label}{took} | {during} | {sub['start']:.2f} | " + " | ".join(f"{sub[c]:.2f}" for c in COMMANDS) + " |")
         lines.append(f"| {label}, in process | | – | " + " | ".join(f"{inside[c]:.2f}" for c in COMMANDS) + " |")

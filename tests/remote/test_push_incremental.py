@@ -16,7 +16,7 @@ from ckstore.repo import Repo
 from ckstore.repository.context import open_context
 from ckstore.repository.graph import CommitGraph
 
-from .epochs import assert_checks_out, epoch_files, pushed
+from .epochs import assert_checks_out, pushed
 
 HISTORY = 30
 
@@ -121,7 +121,7 @@ def test_counting_on_another_ref_survives_a_gc_sweep_before_the_refs_move(
     assert remote.write_condemned(Condemned({p: (time.time() - 2 * grace, False) for p in history}, listed.token))
     a.create_branch("dev", ids[-1])
     a.switch("dev")
-    dev = a.commit(epoch_files(tmp_path / "work" / "dev", 9), message="dev epoch")
+    dev = _one_more(a, tmp_path / "work", "on dev")  # shares no object with the history below
     swap = RemoteRepo.swap_ref
     swept: list[list[str]] = []
 
@@ -137,4 +137,4 @@ def test_counting_on_another_ref_survives_a_gc_sweep_before_the_refs_move(
     assert not set(remote.read_condemned().packs) & history
     b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and b.resolve("dev") == ObjectId(dev)
-    assert_checks_out(b, "dev", tmp_path / "out", tmp_path / "work" / "dev")
+    assert_checks_out(b, "dev~1", tmp_path / "out", tmp_path / "work" / "e2")
