@@ -1,6 +1,6 @@
 """Benchmark: the user's path (issue 22) — the ``ckstore`` CLI as a training script calls it.
 
-Three parts, each printed as a markdown table (docs/benchmarks.md, "The user's path"):
+Two parts, each printed as a markdown table (docs/benchmarks.md, "The user's path"):
 
 ``epochs``: for each state size, one fresh repository per repetition; per epoch, interleaved so a
 slow moment of the shared machine hits every side alike: safetensors ``save_file`` + fsync of the
@@ -20,13 +20,11 @@ two chunks are equal).
 compaction (``Repo.compact`` after committing epochs 1..n with compaction off), against
 ``save_file`` + fsync of the same state; fp32 and bf16. (DCP: scripts/bench_dcp.py.)
 
-``scaling``: repositories of 10, 100, 1,000 small commits, and of 10^4..10^6 objects (one commit
-of that many tiny files); the time of ``log``, ``log -n 10``, ``show``, ``stats``, ``fsck``,
-``gc --dry-run``, ``gc``, ``push`` (one new commit to a folder remote that has the rest) and
-``fetch`` (into a clone, one new commit), each a subprocess.
+The scaling table (how each command's cost grows with history and objects) is
+scripts/bench_scaling.py.
 
-    python scripts/bench_user_path.py [--parts epochs compaction scaling] [--sizes 0.27 3 10]
-        [--runs 3] [--commits 10 100 1000] [--objects 10000 100000] [--work DIR]
+    python scripts/bench_user_path.py [--parts epochs compaction] [--sizes 0.27 3 10]
+        [--runs 3] [--work DIR]
 """
 
 from __future__ import annotations
@@ -80,23 +78,6 @@ def run_cli(args: list[str], cwd: Path | None = None) -> tuple[float, float]:
         raise SystemExit(f"ckstore {' '.join(args)} failed ({proc.returncode}): {err.strip()}")
     peaks = [int(line.split()[1]) for line in err.splitlines() if line.startswith("PEAK ")]
     return wall, (peaks[-1] / 1024 if peaks else float("nan"))
-
-
-def run_in_process(args: list[str]) -> float:
-    """Seconds of ``ckstore ARGS`` run in this process (no interpreter start-up or imports: what
-    the command itself costs), output discarded."""
-    import contextlib
-    import io
-
-    from ckstore.cli import main as cli_main
-
-    started = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            cli_main.main(args, prog_name="ckstore", standalone_mode=False)
-        except SystemExit:
-            pass
-    return time.perf_counter() - started
 
 
 def wait_background(repo: Path) -> float:
@@ -231,75 +212,12 @@ def bench_compaction(states: list[dict[str, dict[str, torch.Tensor]]], work: Pat
     return statistics.median(save), statistics.median(save_cpu), statistics.median(compact)
 
 
-def _tiny_commits(repo: Path, work: Path, count: int) -> None:
-    r = Repo.init(repo)
-    r.compact_after_commit = False
-    for i in range(count):
-        f = work / "small" / "metrics.json"
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(f'{{"step": {i}}}')
-        r.commit(f.parent, message=f"step {i}", metadata={"loss": 1.0 / (i + 1)})
-
-
-def _many_objects(repo: Path, work: Path, count: int) -> None:
-    r = Repo.init(repo)
-    folder = work / "objects"
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        (folder / f"{i:07d}.txt").write_text(f"object {i}\n")
-    r.commit(folder, message=f"{count} objects")
-    r.wait()
-    shutil.rmtree(folder)
-
-
-COMMANDS = ("log", "log -n 10", "show", "stats", "fsck", "gc --dry-run", "gc", "push", "fetch")
-
-
-def bench_scaling(work: Path, commits: list[int], objects: list[int]) -> str:
-    lines = [f"Load average {load()} at the start.", "",
-             "| repository | start-up (`--version`) s | " + " | ".join(f"`{c}` s" for c in COMMANDS) + " |",
-             "|---|---|" + "---|" * len(COMMANDS)]
-    cases = [(f"{n:,} commits", n, _tiny_commits) for n in commits] + [(f"{n:,} objects", n, _many_objects) for n in objects]
-    for label, n, build in cases:
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        repo = work / "repo"
-        started = time.perf_counter()
-        build(repo, work, n)
-        built = time.perf_counter() - started
-        Repo(repo).add_remote("origin", str(work / "remote"))
-        run_cli(["--repo", str(repo), "push", "origin"])
-        run_cli(["clone", str(work / "remote"), str(work / "clone")])
-        times = {"start": statistics.median(run_cli(["--version"])[0] for _ in range(3))}
-        inside = {"start": 0.0}
-        for cmd in ("log", "log -n 10", "show", "stats", "fsck", "gc --dry-run", "gc"):
-            times[cmd] = run_cli(["--repo", str(repo), *cmd.split()])[0]
-            inside[cmd] = run_in_process(["--repo", str(repo), *cmd.split()])
-        f = work / "small2" / "note.txt"
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text("one more commit")
-        Repo(repo).commit(f.parent, message="one more")
-        times["push"] = run_cli(["--repo", str(repo), "push", "origin"])[0]
-        times["fetch"] = run_cli(["--repo", str(work / "clone"), "fetch", "origin"])[0]
-        Repo(repo).commit(f.parent, message="and one more", metadata={"n": 2})
-        inside["push"] = run_in_process(["--repo", str(repo), "push", "origin"])
-        inside["fetch"] = run_in_process(["--repo", str(work / "clone"), "fetch", "origin"])
-        lines.append(f"| {label} (built in {built:.0f} s) | {times['start']:.2f} | " + " | ".join(f"{times[c]:.2f}" for c in COMMANDS) + " |")
-        lines.append(f"| {label}, in process | – | " + " | ".join(f"{inside[c]:.2f}" for c in COMMANDS) + " |")
-        print("\n".join(lines[-2:]), flush=True)
-    shutil.rmtree(work, ignore_errors=True)
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["epochs", "compaction", "scaling"],
-                        choices=["epochs", "compaction", "scaling"])
+    parser.add_argument("--parts", nargs="+", default=["epochs", "compaction"], choices=["epochs", "compaction"])
     parser.add_argument("--sizes", nargs="+", type=float, default=[0.27])
     parser.add_argument("--dtypes", nargs="+", default=["fp32_full", "bf16"])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--commits", nargs="*", type=int, default=[10, 100, 1000])
-    parser.add_argument("--objects", nargs="*", type=int, default=[10_000, 100_000])
     parser.add_argument("--work", default=str(ROOT / "bench-work"))
     args = parser.parse_args()
     work = Path(args.work)
@@ -324,8 +242,6 @@ def main() -> None:
             lines.append(f"| {dtype} MiniLM epoch 4 | {save:.2f} ({save_cpu:.2f}) | {cpu:.2f} | {cpu / save:.1f}× |")
             print(lines[-1], flush=True)
         print(f"\nload average {load()}\n" + "\n".join(lines), flush=True)
-    if "scaling" in args.parts:
-        print("\n" + bench_scaling(work / "scaling", args.commits, args.objects), flush=True)
 
 
 if __name__ == "__main__":

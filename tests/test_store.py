@@ -105,3 +105,26 @@ def test_delete() -> None:
     store = ObjectStore(MemoryBackend())
     oid = store.put_chunk(b"abc").id
     assert store.delete(oid) and not store.has(oid) and not store.delete(oid)
+
+
+def test_delta_bases_of_many_objects_match_one_at_a_time(local_store: ObjectStore) -> None:
+    """The batched header reads (on threads, in batches) give each object's own bases, in order,
+    and chains are followed to their whole objects; a missing object has none."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(4096).astype(np.float32)
+    whole, deltas = [], []
+    for i in range(300):  # more than two batches
+        first = base + np.float32(i)
+        whole.append(local_store.put_chunk(first.tobytes(), width=4).id)
+        near = first.copy()
+        near[i] += 1
+        deltas.append(local_store.put_chunk(near.tobytes(), width=4, base_id=whole[-1]).id)
+    missing = chunk_id(b"never stored")
+    asked = [*deltas, missing, *whole]
+    batched = list(local_store.bases_of_many(asked))
+    assert [oid for oid, _ in batched] == asked
+    assert dict(batched) == {**{oid: local_store.bases_of(oid) for oid in deltas + whole}, missing: ()}
+    assert sum(1 for oid in deltas if local_store.bases_of(oid)) > 250  # most are deltas indeed
+    assert local_store.with_delta_bases(deltas) == set(deltas) | {b for d in deltas for b in local_store.bases_of(d)}

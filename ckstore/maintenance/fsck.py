@@ -12,12 +12,24 @@ from ckstore.repository.graph import ROOT_PREFIXES, kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.repository.overlay import link_problems
 from ckstore.write.pipeline import ProgressFactory, ordered_map
-from ckstore.repository.store import MAX_CHAIN_DEPTH, ObjectStore
+from ckstore.repository.store import HEADER_READERS, MAX_CHAIN_DEPTH, ObjectStore
+
+
+def _read_headers(store: ObjectStore, oids: list[str]) -> dict[str, tuple[str, ...] | CkstoreError]:
+    """Each object's delta bases, or why they cannot be read; ``HEADER_READERS`` reads at once
+    (store.bases_of_many says why)."""
+    def read(oid: str) -> tuple[str, ...] | CkstoreError:
+        try:
+            return store.bases_of(oid)
+        except CkstoreError as exc:
+            return exc
+    return dict(zip(oids, ordered_map(read, oids, workers=HEADER_READERS)))
 
 
 def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]]) -> list[str]:
     """Every delta's bases exist and its chains end in whole objects within the depth limit."""
     problems: list[str] = []
+    headers = _read_headers(store, chunks)
     depth_of: dict[str, int] = {}  # objects whose chains are known to be sound
     for start in chunks:
         # Depth-first over the bases; ``path`` is the chain from ``start`` to the object visited.
@@ -36,7 +48,10 @@ def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], neede
                 break
             else:
                 try:
-                    bases = list(store.bases_of(oid))
+                    known = headers[oid] if oid in headers else store.bases_of(oid)
+                    if isinstance(known, CkstoreError):
+                        raise known
+                    bases = list(known)
                 except CkstoreError as exc:
                     problems.append(str(exc))
                     break

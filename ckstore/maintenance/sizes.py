@@ -29,7 +29,7 @@ usually holds little alone: its parent's deltas need its chunks as their bases.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from ckstore.repository.context import RepoContext
@@ -39,7 +39,7 @@ from ckstore.repository.graph import kept_parents
 from ckstore.history.log import new_objects, stored_bytes
 from ckstore.format.ids import ObjectId
 from ckstore.maintenance.retention import RetentionPolicy
-from ckstore.repository.reader import delta_closure
+from ckstore.repository.reader import delta_closure, delta_closure_many
 from ckstore.repository.store import ObjectStore
 
 
@@ -69,18 +69,19 @@ class CommitSizes:
 
 def stats(ctx: RepoContext) -> Stats:
     store = ctx.store
-    ids = list(store.iter_ids())
-    reachable = ctx.graph.reachable_commits()
-    logical = sum(ctx.graph.read_commit(c).logical_bytes for c in reachable)
+    # Each object's size once (one stat each): the unreferenced figure sums a subset of them.
+    sizes = {oid: store.stored_size(oid) or 0 for oid in store.iter_ids()}
     kept = _kept(ctx)
+    # gc's walk from the refs is the reachable set: not walked a second time.
+    reachable = kept.reachable if kept is not None else ctx.graph.reachable_from(ctx.graph.tips())
+    logical = sum(ctx.graph.read_commit(c).logical_bytes for c in reachable)
     temporaries = ctx.backend.temporary_sizes()
-    figures = Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), None, None,
+    figures = Stats(logical, sum(sizes.values()), len(reachable), len(sizes), None, None,
                     len(temporaries), sum(temporaries))
     if kept is None:
         return figures
-    live = live_objects(ctx, kept)
-    garbage = [oid for oid in ids if oid not in live]
-    return replace(figures, unreferenced_bytes=stored_bytes(store, garbage), unreferenced_objects=len(garbage))
+    garbage = sizes.keys() - live_objects(ctx, kept)
+    return replace(figures, unreferenced_bytes=sum(sizes[oid] for oid in garbage), unreferenced_objects=len(garbage))
 
 
 def commit_sizes(ctx: RepoContext, oids: Iterable[ObjectId]) -> dict[ObjectId, CommitSizes]:
@@ -140,11 +141,12 @@ def _delta_bases(store: ObjectStore, chunks: set[str]) -> dict[str, tuple[str, .
     once here, then closed over per commit by ``_with_bases``."""
     base: dict[str, tuple[str, ...]] = {}
 
-    def read(oid: str) -> tuple[str, ...]:
-        base[oid] = store.bases_of(oid)
-        return base[oid]
+    def read(oids: list[str]) -> Iterator[tuple[str, tuple[str, ...]]]:
+        for oid, bases in store.bases_of_many(oids):
+            base[oid] = bases
+            yield oid, bases
 
-    delta_closure(chunks, read)
+    delta_closure_many(chunks, read)
     return base
 
 

@@ -577,9 +577,12 @@ def _pull_locked(ctx: RepoContext, remote_name: str | None,
         report.check()  # the branch may be there, damaged: say so rather than "no branch"
         raise RefNotFoundError(f"remote {report.remote} has no branch {branch!r}")
     ours = ctx.refs.read(HEADS + branch)
-    if ours == theirs or (ours is not None and theirs in ctx.graph.reachable_from([ours])):
+    # The fast-forward first: each walk stops where it finds the other commit, so the usual
+    # pull costs the commits it brings, not the branch's whole history.
+    behind = ours is None or ctx.graph.reaches(theirs, ours)
+    if ours == theirs or (not behind and ctx.graph.reaches(ours, theirs)):
         return report, ours, ours  # up to date (or ahead)
-    if ours is not None and ours not in ctx.graph.reachable_from([theirs]):
+    if not behind:
         raise ConflictError(
             f"branch {branch!r} and {report.remote}/{branch} have diverged; ckstore does not merge: "
             f"'ckstore reset {report.remote}/{branch}' takes theirs, 'ckstore push --force' keeps yours"

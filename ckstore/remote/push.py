@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,7 +45,7 @@ from ckstore.repository.graph import kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.repository.refs import HEADS, REMOTES, TAGS
-from ckstore.remote.layout import DEFAULT_GRACE, REFS, RemoteRepo
+from ckstore.remote.layout import DEFAULT_GRACE, REFS, Condemned, Located, RemoteRepo
 from ckstore.remote.repack import superseded
 from ckstore.remote.uploads import PackUploads
 from ckstore.remote.names import open_remote, tracking_ref
@@ -83,16 +83,18 @@ def full_ref(ctx: RepoContext, name: str) -> str:
     raise RefNotFoundError(f"no branch or tag {name!r} to push")
 
 
-def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Mapping[str, Sequence[str]] = {}) -> list[str]:
-    """Every object the history of ``tips`` needs, in a reader-friendly order: for each commit
-    (oldest first) its chunks in file order, then the commit; then any delta base not listed.
-    Commits pruned here or by a remote gc (``remote_pruned``) are skipped, except the tips
-    themselves: a ref's value is never pruned (pushing a tag on an epoch a remote gc dropped
-    sends that epoch again)."""
+def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Mapping[str, Sequence[str]] = {},
+                   held: Collection[ObjectId] = frozenset()) -> tuple[list[str], list[ObjectId]]:
+    """Every object the history of ``tips`` needs down to ``held`` (commits the remote holds
+    with everything they need: the walk stops there), in a reader-friendly order: for each
+    commit (oldest first) its chunks in file order, then the commit; then any delta base not
+    listed. Also the commits walked. Commits pruned here or by a remote gc (``remote_pruned``)
+    are skipped, except the tips themselves: a ref's value is never pruned (pushing a tag on an
+    epoch a remote gc dropped sends that epoch again)."""
     graph, store = ctx.graph, ctx.store
     pruned = {**{ObjectId(k): tuple(ObjectId(p) for p in v) for k, v in remote_pruned.items()}, **graph.pruned()}
     order: list[ObjectId] = []
-    seen: set[ObjectId] = set()
+    seen: set[ObjectId] = set(held)
     todo = list(dict.fromkeys(tips))
     while todo:
         oid = todo.pop()
@@ -111,7 +113,7 @@ def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Ma
         out.setdefault(oid)
     for base in sorted(store.with_delta_bases(out) - set(out)):
         out.setdefault(base)
-    return list(out)
+    return list(out), order
 
 
 def send_superseded(ctx: RepoContext, remote: RemoteRepo, target_size: int = DEFAULT_TARGET_SIZE) -> PushReport:
@@ -150,23 +152,37 @@ def push(
     if not plan:
         return report
     tips = [new for _, new, _, _ in plan]
-    wanted = needed_objects(ctx, tips, remote.read_pruned())
-    # Commits gc pruned here that the pushed history still reaches: the remote must know them as
-    # pruned too, or its readers would look for them.
-    here = ctx.graph.pruned_after(ctx.graph.reachable_from(tips), set())
+    theirs = remote.read_pruned()
+    condemned = remote.read_condemned()
+    where = remote.holdings(condemned=condemned)
+    swapped, others = _held_by_remote(ctx, remote, plan, where)
+    wanted, walked = needed_objects(ctx, tips, theirs, swapped | others)
     checked = time.monotonic()
-    relied = _send_missing(ctx, remote, wanted, target_size, report, progress=progress)
+    relied = _send_missing(ctx, remote, wanted, target_size, report, progress=progress, known=(where, condemned))
     while True:
         lost = remote.rescue(relied)
         if lost:  # a remote gc is deleting packs we counted on: send those objects again
             relied = _send_missing(ctx, remote, wanted, target_size, report, forget=lost)
             checked = time.monotonic()
             continue
-        if time.monotonic() - checked <= grace / 2:
-            break
-        remote.catalogue()  # slow push: look again before the refs name anything
-        relied = _send_missing(ctx, remote, wanted, target_size, report)
-        checked = time.monotonic()
+        if time.monotonic() - checked > grace / 2:
+            remote.catalogue()  # slow push: look again before the refs name anything
+            relied = _send_missing(ctx, remote, wanted, target_size, report)
+            checked = time.monotonic()
+            continue
+        if others and _condemned_long_ago(remote.read_condemned(), grace):
+            # Another ref's history was counted on without rescuing its packs; a gc that could
+            # claim one of them before the refs move may be under way: count on nothing but the
+            # refs the swap itself checks, and send (and rescue) all the rest.
+            others = set()
+            wanted, walked = needed_objects(ctx, tips, theirs, swapped)
+            relied = _send_missing(ctx, remote, wanted, target_size, report)
+            checked = time.monotonic()
+            continue
+        break
+    # Commits gc pruned here that the newly sent history reaches: the remote must know them as
+    # pruned too, or its readers would look for them (below the held commits it knows them).
+    here = ctx.graph.pruned_after(set(walked), set())
     if here:
         remote.add_pruned(here)
     for ref, new, old, token in plan:
@@ -182,6 +198,39 @@ def push(
         if tracking is not None:
             ctx.refs.update(tracking, new, reason=f"push {remote.name}")
     return report
+
+
+def _held_by_remote(ctx: RepoContext, remote: RemoteRepo, plan: Sequence[tuple[str, ObjectId, ObjectId | None, str | None]],
+                    where: Mapping[str, object]) -> tuple[set[ObjectId], set[ObjectId]]:
+    """Commits the remote holds with all they need, where push's walk stops: (the values of
+    the refs being pushed, as read for their swap; the values of the remote's other branches
+    that this repository tracks, read now). A ref there names only a commit whose history and
+    objects are all there (docs/format.md 15.7), and each is checked to be in a pack there (a
+    remote replaced or damaged behind our back is not taken at its tracking refs' word).
+
+    A swapped ref's value cannot change unseen before the swap, so nothing it needs can be
+    deleted meanwhile (a remote gc keeps what the refs name); another ref can move, so push
+    checks the condemned list before its swap (``_condemned_long_ago``)."""
+    mine = {ref for ref, *_ in plan}
+    swapped = {old for _, _, old, _ in plan if old is not None}
+    others: set[ObjectId] = set()
+    if any(old is None for _, _, old, _ in plan):  # a new ref: the others' histories may hold most of it
+        for tracking in ctx.refs.list(f"{REMOTES}{remote.name}/"):
+            ref = HEADS + tracking
+            if ref not in mine:
+                value, _ = remote.read_ref(ref)
+                if value is not None:
+                    others.add(value)
+    return ({c for c in swapped if c in where and ctx.store.has(c)},
+            {c for c in others - swapped if c in where and ctx.store.has(c)})
+
+
+def _condemned_long_ago(condemned: Condemned, grace: float) -> bool:
+    """Whether a remote gc could claim a condemned pack within ``grace / 2`` (the most a push
+    takes between this check and moving its refs): one condemned more than half a grace ago.
+    Pushes check this before counting on refs other than those they swap."""
+    now = time.time()
+    return any(now - since >= grace / 2 for since, _ in condemned.packs.values())
 
 
 def _refuse_vanished_remote(ctx: RepoContext, remote: RemoteRepo) -> None:
@@ -228,13 +277,17 @@ def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old
 def _send_missing(
     ctx: RepoContext, remote: RemoteRepo, wanted: list[str], target_size: int, report: PushReport,
     forget: frozenset[str] | set[str] = frozenset(), resend: bool = False,
-    progress: ProgressFactory | None = None,
+    progress: ProgressFactory | None = None, known: tuple[dict[str, Located], Condemned] | None = None,
 ) -> set[str]:
     """Upload the wanted objects no usable pack holds (with ``resend``, also those of the packs
     local compaction has superseded: remote gc's repack); return every pack the wanted objects
-    are in afterwards (those a push relies on)."""
-    condemned = remote.read_condemned()
-    where = remote.holdings(forget, condemned)
+    are in afterwards (those a push relies on). ``known``: the holdings and condemned list as
+    the caller has just read them."""
+    if known is None:
+        condemned = remote.read_condemned()
+        where = remote.holdings(forget, condemned)
+    else:
+        where, condemned = known
     claimed = condemned.claimed() | set(forget)
     missing = [oid for oid in wanted if oid not in where]
     store = ctx.store

@@ -246,6 +246,11 @@ class CommitGraph:
         """``starts`` and their history, walking through pruned commits' parents. A start that
         is here is never "pruned" (a ref's value: a remote's pruned record may list a commit that
         a push named again after that remote's gc pruned it, docs/format.md 15.6)."""
+        return set(self.walk(starts))
+
+    def walk(self, starts: Iterable[ObjectId]) -> Iterator[ObjectId]:
+        """``reachable_from``, one commit at a time (each once, nearest to ``starts`` first
+        along each line), so a caller may stop early."""
         pruned = self.pruned()
         starts = list(starts)
         todo = [s for s in starts if s not in pruned or self.store.has(s)]
@@ -256,14 +261,14 @@ class CommitGraph:
             if oid in seen:
                 continue
             seen.add(oid)
+            yield oid
             todo.extend(kept_parents(self.read_commit(oid).parents, pruned))
-        return seen
 
     def reaches(self, start: ObjectId, target: ObjectId) -> bool:
         """Whether ``target`` is ``start`` or in its history, pruned commits included: a commit
         that gc deleted here still counts as an ancestor through the pruned record, so a remote
         branch left at it (a push killed before its tracking ref moved) still fast-forwards. The
-        walk stops where it finds ``target``."""
+        walk stops where it finds ``target``, so a fast-forward check costs the commits between."""
         pruned = self.pruned()
         todo, seen = [start], set()
         while todo:

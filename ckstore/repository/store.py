@@ -12,6 +12,7 @@ damaged repository is an IntegrityError, not a hang.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,11 +39,15 @@ from ckstore.repository.reader import (  # noqa: F401  (the limits are part of t
     MAX_COMMIT_SIZE,
     VerifiedReader,
     delta_closure,
+    delta_closure_many,
     manifest_size_ok,
     verified_commit,
 )
 
 _PREFIX = BASES_PREFIX_SIZE
+# Object headers read at once by the batch readers (``bases_of_many``).
+HEADER_READERS = 4
+_HEADER_BATCH = 128  # objects per task: a task per object cost more than its read
 
 
 @dataclass(frozen=True)
@@ -171,9 +176,29 @@ class ObjectStore:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
         return tuple(ObjectId(b) for b in bases)
 
+    def bases_of_many(self, oids: list[str]) -> Iterator[tuple[str, tuple[ObjectId, ...]]]:
+        """``(oid, bases_of(oid))`` for each of ``oids`` in order, empty for a missing one (fsck
+        reports those). The headers are read ``HEADER_READERS`` at a time: on a disk whose cache
+        is cold (a large repository not touched lately) the reads overlap; one at a time, each
+        waited for the disk in turn (10^5 objects, cold: 128 s against 4 s; 10^4, warm: 3.9 s
+        against 0.8-1.5 s with 4 threads, 1.5-2.9 s with 8; load 16-20)."""
+        def read(oid: str) -> tuple[str, tuple[ObjectId, ...]]:
+            try:
+                return oid, self.bases_of(oid)
+            except ObjectMissingError:
+                return oid, ()
+
+        if len(oids) < 2 * _HEADER_BATCH:
+            yield from map(read, oids)
+            return
+        batches = [oids[i:i + _HEADER_BATCH] for i in range(0, len(oids), _HEADER_BATCH)]
+        with ThreadPoolExecutor(HEADER_READERS, thread_name_prefix="headers") as pool:
+            for batch in pool.map(lambda batch: [read(oid) for oid in batch], batches):
+                yield from batch
+
     def with_delta_bases(self, chunks: Iterable[str]) -> set[str]:
         """``chunks`` plus every delta base they need, transitively (reads object headers only)."""
-        return delta_closure(chunks, self.bases_of)
+        return delta_closure_many(chunks, self.bases_of_many)
 
     @contextmanager
     def batch(self, expected_bytes: int = 0) -> Iterator[ObjectStore]:

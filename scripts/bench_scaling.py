@@ -1,0 +1,184 @@
+"""Benchmark: how each command's cost grows with history and with objects (issue 22 item 4).
+
+Repositories of 10, 100, 1,000 small commits (one tiny file each, compaction off) and of
+10^4..10^6 objects (one commit of that many tiny files). For each: ``log``, ``log -n 10``,
+``show``, ``stats``, ``fsck``, ``gc --dry-run``, ``gc``, then ``push`` of one new commit to a
+folder remote that holds all the rest and ``fetch`` of that commit into a clone; each as a
+subprocess (what a user waits for, start-up included) and in this process (no interpreter
+start-up or imports: what the command itself costs). The load average is printed with every
+row: on a shared machine only rows measured at a similar load compare.
+
+The built repositories are kept under ``--work`` (``built-<case>``) and reused by the next run
+with the same case, so a profile or a second measurement does not pay the build again (copying
+10^5 object files would cost more than the commands): the commands run there, ``gc`` finds
+nothing to delete after the first run, and each run adds the commits it pushes and fetches.
+
+    python scripts/bench_scaling.py [--commits 10 100 1000] [--objects 10000 100000] [--work DIR]
+        [--profile CASE COMMAND]   # cProfile one in-process command (e.g. 100000o push)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ckstore import Repo
+
+ROOT = Path(__file__).resolve().parent.parent
+CKSTORE = [sys.executable, "-m", "ckstore.cli"]
+COMMANDS = ("log", "log -n 10", "show", "stats", "fsck", "gc --dry-run", "gc", "push", "fetch")
+
+
+def load() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run_cli(args: list[str]) -> float:
+    """Wall seconds of ``ckstore ARGS`` as a subprocess."""
+    started = time.perf_counter()
+    proc = subprocess.run([*CKSTORE, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"ckstore {' '.join(args)} failed ({proc.returncode}): {proc.stderr.decode().strip()}")
+    return wall
+
+
+def run_in_process(args: list[str]) -> float:
+    """Seconds of ``ckstore ARGS`` run in this process, output discarded."""
+    from ckstore.cli import main as cli_main
+
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            cli_main.main(args, prog_name="ckstore", standalone_mode=False)
+        except SystemExit as exc:
+            if exc.code:
+                raise
+    return time.perf_counter() - started
+
+
+def tiny_commits(repo: Path, work: Path, count: int) -> None:
+    r = Repo.init(repo)
+    r.compact_after_commit = False
+    folder = work / "small"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / "metrics.json").write_text(f'{{"step": {i}}}')
+        r.commit(folder, message=f"step {i}", metadata={"loss": 1.0 / (i + 1)})
+    shutil.rmtree(folder)
+
+
+def many_objects(repo: Path, work: Path, count: int) -> None:
+    r = Repo.init(repo)
+    folder = work / "objects"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        sub = folder / f"{i // 1000:04d}"
+        if i % 1000 == 0:
+            sub.mkdir()
+        (sub / f"{i:07d}.txt").write_text(f"object {i}\n")
+    r.commit(folder, message=f"{count} objects")
+    r.wait()
+    shutil.rmtree(folder)
+
+
+def build(work: Path, case: str) -> tuple[Path, float]:
+    """The built repository, its remote and a clone for ``case`` ("1000c", "100000o"), made
+    once and kept; (folder holding repo/remote/clone, seconds the build took, 0 when reused)."""
+    built = work / f"built-{case}"
+    if (built / "done").exists():
+        return built, 0.0
+    shutil.rmtree(built, ignore_errors=True)
+    built.mkdir(parents=True)
+    n, kind = int(case[:-1]), case[-1]
+    started = time.perf_counter()
+    (tiny_commits if kind == "c" else many_objects)(built / "repo", built, n)
+    seconds = time.perf_counter() - started
+    Repo(built / "repo").add_remote("origin", str(built / "remote"))
+    Repo(built / "repo").push("origin")
+    Repo.clone(str(built / "remote"), built / "clone")
+    (built / "done").write_text(f"{seconds:.1f}\n")
+    return built, seconds
+
+
+def add_commit(repo: Path, text: str) -> None:
+    folder = repo.parent / "extra"
+    folder.mkdir(exist_ok=True)
+    (folder / "note.txt").write_text(text)
+    r = Repo(repo)
+    r.compact_after_commit = False
+    r.commit(folder, message=text)
+
+
+def measure(built: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """(subprocess seconds, in-process seconds) of every command on ``built``; each of the two
+    passes adds one commit there, pushes it and fetches it into the clone."""
+    sub: dict[str, float] = {"start": statistics.median(run_cli(["--version"]) for _ in range(3))}
+    inside: dict[str, float] = {}
+    repo, clone = str(built / "repo"), str(built / "clone")
+    for timer, out in ((run_cli, sub), (run_in_process, inside)):
+        for cmd in COMMANDS[:-2]:
+            out[cmd] = timer(["--repo", repo, *cmd.split()])
+        add_commit(built / "repo", f"one more ({timer.__name__}, {time.time()})")
+        out["push"] = timer(["--repo", repo, "push", "origin"])
+        out["fetch"] = timer(["--repo", clone, "fetch", "origin"])
+    return sub, inside
+
+
+def profile(work: Path, case: str, command: str) -> None:
+    import cProfile
+    import pstats
+
+    built, _ = build(work, case)
+    if command in ("push", "fetch"):
+        add_commit(built / "repo", f"one more ({time.time()})")
+        if command == "fetch":
+            Repo(built / "repo").push("origin")
+    target = built / ("clone" if command == "fetch" else "repo")
+    args = ["--repo", str(target), *command.split()] + (["origin"] if command in ("push", "fetch") else [])
+    prof = cProfile.Profile()
+    prof.enable()
+    seconds = run_in_process(args)
+    prof.disable()
+    print(f"{case} {command}: {seconds:.2f} s (load {load()})")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commits", nargs="*", type=int, default=[10, 100, 1000])
+    parser.add_argument("--objects", nargs="*", type=int, default=[10_000, 100_000])
+    parser.add_argument("--work", default=str(ROOT / "bench-work" / "scaling"))
+    parser.add_argument("--profile", nargs=2, metavar=("CASE", "COMMAND"))
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        profile(work, *args.profile)
+        return
+    lines = ["| repository | load (1 min) | start-up (`--version`) s | " + " | ".join(f"`{c}` s" for c in COMMANDS) + " |",
+             "|---|---|---|" + "---|" * len(COMMANDS)]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    cases = [(f"{n}c", f"{n:,} commits") for n in args.commits] + [(f"{n}o", f"{n:,} objects") for n in args.objects]
+    for case, label in cases:
+        built, seconds = build(work, case)
+        took = f" (built in {seconds:.0f} s)" if seconds else ""
+        before = os.getloadavg()[0]
+        sub, inside = measure(built)
+        during = f"{before:.1f}–{os.getloadavg()[0]:.1f}"
+        lines.append(f"| {label}{took} | {during} | {sub['start']:.2f} | " + " | ".join(f"{sub[c]:.2f}" for c in COMMANDS) + " |")
+        lines.append(f"| {label}, in process | | – | " + " | ".join(f"{inside[c]:.2f}" for c in COMMANDS) + " |")
+        print("\n".join(lines[-2:]), flush=True)
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
