@@ -13,9 +13,12 @@ lock file next to the key (``.<name>.lock``, created with O_EXCL), compares the 
 token (the BLAKE3 hash of its bytes), renames the new value into place and removes the lock. The
 lock is held for one small read and one small write; a writer that finds it held waits up to
 ``lock_timeout`` and then fails with LockedError naming the file. A lock left by a process that
-died inside that window is not broken automatically (two processes breaking the same stale lock
-can both believe they hold it): like git's ``index.lock``, it is removed by hand once no writer
-is running. Readers take no lock: a rename replaces a file whole.
+died inside that window is broken when its process is proven gone (the lock holds the owner JSON
+of a ref lock: same host, boot and pid namespace, pid not running): under a second lock
+(``.<name>.lock.lock``), and only if it still holds the bytes judged stale, so two breakers never
+remove a lock a live writer just took. Any other leftover lock (another host's, an older
+ckstore's) is removed by hand once no writer is running, like git's ``index.lock``. Readers take
+no lock: a rename replaces a file whole.
 
 obstore's LocalStore was considered and is not used: it neither fsyncs files nor folders, and
 it has no compare-and-swap (``PutMode::Update`` is not implemented there).
@@ -24,8 +27,8 @@ it has no compare-and-swap (``PutMode::Update`` is not implemented there).
 from __future__ import annotations
 
 import errno
+import json
 import os
-import socket
 import stat
 import time
 import uuid
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import blake3
 
-from ckstore.backend.fsio import fsync_path
+from ckstore.backend.fsio import fsync_path, owner_surely_dead, process_owner
 from ckstore.errors import LockedError, StorageError
 from ckstore.remote.transport import (
     MAX_SWAPPED,
@@ -313,6 +316,8 @@ class DirectoryTransport(Transport):
                 fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 break
             except FileExistsError:
+                if _break_if_dead(lock):
+                    continue
                 if time.monotonic() >= deadline:
                     raise LockedError(
                         f"remote {self.url}: {lock} is held by another writer of {key}; if no ckstore "
@@ -321,7 +326,7 @@ class DirectoryTransport(Transport):
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
         try:
-            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            os.write(fd, json.dumps(process_owner()).encode())
         finally:
             os.close(fd)
         try:
@@ -345,6 +350,30 @@ class DirectoryTransport(Transport):
             fsync_path(path.parent)
         except OSError as exc:
             raise self._error(exc, "deleting", key) from None
+
+
+def _break_if_dead(lock: Path) -> bool:
+    """Remove ``lock`` if the writer that holds it is proven gone; True when removed."""
+    try:
+        stale = lock.read_bytes()
+        info = json.loads(stale)
+    except (OSError, ValueError):
+        return False  # released, being written, or an older ckstore's: not provably stale
+    if not isinstance(info, dict) or not owner_surely_dead(info):
+        return False
+    breaker = lock.with_name(lock.name + ".lock")
+    try:
+        os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError:
+        return False  # another process is breaking it
+    try:
+        if lock.read_bytes() == stale:
+            os.unlink(lock)
+    except FileNotFoundError:
+        pass
+    finally:
+        _unlink_quietly(breaker)
+    return True
 
 
 def _info(key: str, st: os.stat_result) -> ObjectInfo:

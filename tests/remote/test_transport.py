@@ -344,6 +344,27 @@ def test_folder_listing_hides_temporary_and_lock_files(tmp_path: Path) -> None:
     assert not list((tmp_path / ".tmp").iterdir()) or [p.name for p in (tmp_path / ".tmp").iterdir()] == ["leftover"]
 
 
+def test_folder_lock_of_a_dead_writer_is_broken(tmp_path: Path) -> None:
+    """A writer killed while holding a folder remote's compare-and-swap lock (the soak: 72 pushes
+    refused on one left behind) no longer blocks that key: its process is proven gone."""
+    import json
+    import subprocess
+    import sys
+
+    from ckstore.backend.fsio import process_owner
+
+    t = DirectoryTransport(tmp_path)
+    assert t.put_if_match("refs/main", b"1", None)
+    _, token = t.get_versioned("refs/main")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = tmp_path / "refs" / ".main.lock"
+    lock.write_text(json.dumps({**process_owner(), "pid": dead.pid}))
+    assert t.put_if_match("refs/main", b"2", token)
+    assert t.get("refs/main") == b"2" and not lock.exists()
+    assert sorted(p.name for p in (tmp_path / "refs").iterdir()) == ["main"]
+
+
 def test_folder_compare_and_swap_waits_for_the_lock_then_names_it(tmp_path: Path) -> None:
     from ckstore.errors import LockedError
     from ckstore.remote.transport import RemoteOptions
