@@ -176,3 +176,16 @@ def test_a_chunk_decodes_into_the_array_the_caller_gives() -> None:
     wrong = np.zeros(len(raws[0]) - 4, np.uint8)  # not the chunk's size: not used
     got = reader.chunk(chunk_id(raws[0]), len(raws[0]), out=wrong)
     assert bytes(got) == raws[0] and not wrong.any()
+
+
+def test_a_corrupt_base_deep_in_a_chain_is_named_and_every_object_reported_is_verified() -> None:
+    stored, raws = _chain(3)
+    top, middle = chunk_id(raws[0]), chunk_id(raws[2])
+    seen: list[str] = []
+    assert _reader(stored, on_verified=lambda oid, data: seen.append(oid)).chunk(top, SIZE) == raws[0]
+    assert sorted(seen) == sorted(chunk_id(r) for r in raws)  # lazy reads cache each of them
+    stored[middle] = encode(_raw(9), Kind.CHUNK, 3)  # well formed, the wrong bytes
+    for reader in (_reader(stored), _reader(stored, base_cache=1 << 30)):
+        with pytest.raises(ObjectCorruptError, match=f"object {middle} \\(delta base of .*\\) is corrupt: .*hash") as err:
+            reader.chunk(top, SIZE)
+        assert err.value.oid == middle

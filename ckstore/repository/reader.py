@@ -13,7 +13,10 @@ what is checked is decided here, once (docs/format.md, "Verification"):
   (explicit checks, not recursion limits or asserts, so they hold under ``python -O``);
 - the decoded bytes the read holds at once (the object and the bases it is decoding against)
   are counted against ``budget`` before each allocation;
-- the result is re-hashed against the name.
+- the result is re-hashed against the name. A base is re-hashed too when it is kept (the base
+  cache) or reported (``on_verified``); one used only to decode the delta above it is not, as
+  the top object's name vouches for every byte of its chain: when that check fails, the read is
+  repeated re-hashing every base, so the error names the object that is corrupt.
 
 A commit's manifest is bounded by what a real one can be: its chunk references are random
 names, which do not compress, so a manifest larger than ``MANIFEST_FREE`` decoding to more than
@@ -75,6 +78,10 @@ def _public(exc: _Refused) -> ObjectCorruptError:
     return ObjectCorruptError(str(exc), exc.oid, exc.reason)
 
 
+class _Unproven(Exception):
+    """The top object of a read does not hash to its name, and a base below it was not checked."""
+
+
 @dataclass
 class _Read:
     """The state of one top-level read: the chain being followed and the bytes it holds."""
@@ -84,6 +91,8 @@ class _Read:
     below: list[int] = field(default_factory=list)  # for each on the path: links down to whole ones
     borrowed: list[list[np.ndarray]] = field(default_factory=list)  # for each: its bases' buffers
     held: int = 0
+    check_bases: bool = False  # re-hash every base, even those only the delta above uses
+    unchecked: bool = False  # a base was used without being re-hashed
 
     def reserve(self, oid: str, n: int, context: str) -> None:
         if self.held + n > self.budget:
@@ -165,13 +174,9 @@ class VerifiedReader:
         form when the caller has it already. ``context`` names it in errors. A chunk that is not
         stored whole-and-plain may be decoded into ``out`` (a uint8 array of ``size`` bytes the
         caller reuses), which the result is then a view of."""
-        read = _Read(self.budget)
         stored = self._stored(oid, context) if data is None else data
         into = None if out is None else (lambda n: out if n == out.size else None)
-        try:
-            return self._decode_into(oid, stored, size, context, read, into)[0]
-        except _Refused as exc:
-            raise _public(exc) from None
+        return self._read(oid, stored, size, context, into)[0]
 
     def commit(self, oid: str, data: bytes | memoryview) -> bytes:
         """The verified manifest bytes of commit ``oid`` from its stored bytes ``data``."""
@@ -204,11 +209,15 @@ class VerifiedReader:
         except KeyError:
             raise ObjectMissingError(f"object {oid} is missing{context}") from None
 
+    def _keeps(self, n: int) -> bool:
+        """Whether a base of ``n`` decoded bytes goes into the cache."""
+        return 0 < self.cache_limit and n <= self.cache_limit
+
     def remember(self, oid: str, raw: bytes | memoryview, depth: int) -> bool:
         """Keep the verified bytes of ``oid`` (``depth`` delta links above whole objects) for
         deltas that will decode against it, within the cache's bound; whether they were kept
         (then nothing else may reuse their memory)."""
-        if not self.cache_limit or len(raw) > self.cache_limit:
+        if not self._keeps(len(raw)):
             return False
         with self._lock:
             if oid not in self._cache:
@@ -221,20 +230,26 @@ class VerifiedReader:
     def chunk_depth(self, oid: str, size: int | None, context: str,
                     data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
         """``chunk`` and the verified chunk's delta chain depth (0 when whole)."""
+        raw, depth, _ = self._read(oid, data, size, context, None)
+        return raw, depth
+
+    def _read(self, oid: str, data: bytes | memoryview, size: int | None, context: str,
+              into: Callable[[int], np.ndarray | None] | None) -> tuple[bytes | memoryview, int, np.ndarray | None]:
+        """One top-level read; repeated re-hashing every base when the object does not hash to
+        its name and some base was not re-hashed (so the error names the corrupt object)."""
         try:
-            return self._decode(oid, data, size, context, _Read(self.budget))
+            try:
+                return self._decode_into(oid, data, size, context, _Read(self.budget), into)
+            except _Unproven:
+                return self._decode_into(oid, data, size, context, _Read(self.budget, check_bases=True), into)
         except _Refused as exc:
             raise _public(exc) from None
 
-    def _decode(self, oid: str, data: bytes | memoryview, size: int | None, context: str,
-                read: _Read) -> tuple[bytes | memoryview, int]:
-        raw, depth, _ = self._decode_into(oid, data, size, context, read, None)
-        return raw, depth
-
     def _decode_into(self, oid: str, data: bytes | memoryview, size: int | None, context: str, read: _Read,
                      into: Callable[[int], np.ndarray | None] | None) -> tuple[bytes | memoryview, int, np.ndarray | None]:
-        """``_decode``, into the array ``into`` gives for the raw length once it is reserved
-        (also returned: a base's buffer goes back to the thread's once nothing reads it)."""
+        """Decode and verify ``oid`` and its chain, into the array ``into`` gives for the raw
+        length once it is reserved (also returned: a base's buffer goes back to the thread's once
+        nothing reads it)."""
         if oid in read.path:
             raise _Refused(oid, context, "its delta chain is a cycle")
         if len(read.path) > MAX_CHAIN_DEPTH:
@@ -264,9 +279,13 @@ class VerifiedReader:
             read.held = held_before  # the bases' bytes are freed once this object is decoded
             for buf in read.borrowed.pop():  # and their memory serves the next chain
                 _BASE_BUFFERS.give(buf)
-        if chunk_id(raw) != oid:
+        if read.path and not (read.check_bases or self.on_verified is not None or self._keeps(len(raw))):
+            read.unchecked = True  # a base only the delta above uses: that delta's name vouches for it
+        elif chunk_id(raw) != oid:
+            if read.unchecked and not read.path:
+                raise _Unproven()
             raise _Refused(oid, context, "its bytes do not hash to its name")
-        if self.on_verified is not None:
+        elif self.on_verified is not None:
             self.on_verified(oid, data)
         return raw, depth, out
 
