@@ -142,13 +142,24 @@ def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator
     return ordered_map(lambda item: _get(store, item), outputs)
 
 
-def _get(store: ObjectStore, item: tuple[Piece, str], buffers: _Buffers | None = None) -> bytes | memoryview:
+def _get(store: ObjectStore, item: tuple[Piece, str]) -> bytes | memoryview:
     piece, context = item
     if isinstance(piece, bytes):
         return piece
     if isinstance(piece, ChunkRef):
-        return store.chunk_view(piece.id, piece.size, context, buffers.take(piece.size) if buffers else None)
+        return store.chunk_view(piece.id, piece.size, context)
     return piece()
+
+
+def _get_reusing(
+    store: ObjectStore, item: tuple[Piece, str], buffers: _Buffers,
+) -> tuple[bytes | memoryview, np.ndarray | None]:
+    """``_get``, a chunk decoded into one of ``buffers`` (returned too: given back once written)."""
+    piece, context = item
+    if not isinstance(piece, ChunkRef):
+        return _get(store, item), None
+    buf = buffers.take(piece.size)
+    return store.chunk_view(piece.id, piece.size, context, buf), buf
 
 
 class _Buffers:
@@ -170,10 +181,9 @@ class _Buffers:
                     return self.free.pop(i)
         return np.empty(n, np.uint8)
 
-    def give(self, data: bytes | memoryview) -> None:
-        """Return the array ``data`` (a chunk just written) is a view of, if it is one."""
-        buf = data.obj if isinstance(data, memoryview) else None
-        if buf is None or type(buf).__name__ != "ndarray" or buf.size > self.KEEP_BYTES:
+    def give(self, buf: np.ndarray | None) -> None:
+        """Take back an array ``take`` gave, once nothing reads it."""
+        if buf is None or buf.size > self.KEEP_BYTES:
             return
         with self.lock:
             self.free.append(buf)
@@ -231,10 +241,10 @@ def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Pr
                         syncs.append(syncer.submit(staged[-1].sync))
                     staged.append(_Staged(todo[len(staged)][0]))
 
-            for i, data in ordered_map(lambda item: (item[0], _get(store, item[1], buffers)), items):
+            for i, (data, buf) in ordered_map(lambda item: (item[0], _get_reusing(store, item[1], buffers)), items):
                 advance(i)
                 staged[i].write(data)
-                buffers.give(data)
+                buffers.give(buf)
                 if progress:
                     progress(len(data))
             if todo:
