@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
-from ckstore.codecs.objects import Encoding, Kind, encode, encode_chunk
+from ckstore.codecs.objects import Encoding, Kind, encode, encode_chunk, parse_header
 from ckstore.format.ids import chunk_id, commit_id
 from ckstore.repository.reader import (
     MAX_CHAIN_DEPTH,
@@ -133,3 +133,59 @@ def test_the_closure_follows_bases_and_skips_what_is_not_there() -> None:
 
     with pytest.raises(IntegrityError, match="object x is corrupt: bad header; stopped"):
         delta_closure(["x"], damaged)
+
+
+def _float_chain(seed: int, n: int = 3, size: int = 1 << 16) -> tuple[dict[str, bytes], list[bytes]]:
+    """Like ``_chain``, of float32 epochs that drift a little: object i a zigzag-difference delta
+    of object i + 1 (byte-grouped width 4), object n whole and byte-grouped."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=size // 4).astype("<f4")
+    raws = []
+    for _ in range(n + 1):
+        raws.append(x.tobytes())
+        x = (x + rng.normal(scale=1e-3, size=x.size)).astype("<f4")
+    raws.reverse()
+    stored = {chunk_id(raws[i]): encode_chunk(raws[i], 3, 4, chunk_id(raws[i + 1]), raws[i + 1],
+                                              allowed=frozenset({Encoding.DELTA})) for i in range(n)}
+    stored[chunk_id(raws[n])] = encode_chunk(raws[n], 3, 4)
+    assert {parse_header(s).encoding for s in stored.values()} == {Encoding.DELTA, Encoding.GROUPED}
+    return stored, raws
+
+
+@pytest.mark.parametrize("base_cache", [0, 1 << 30])
+def test_reads_that_reuse_decode_memory_never_change_an_earlier_result_or_a_cached_base(base_cache: int) -> None:
+    # Bases are decoded into arrays each thread reuses chain after chain: a result handed out, or
+    # a base kept in the cache, must never be one of them.
+    chains = [_float_chain(seed) for seed in range(4)]
+    reader = VerifiedReader(lambda oid, context: next(s[oid] for s, _ in chains if oid in s), base_cache=base_cache)
+    results = [(reader.chunk(chunk_id(raws[i]), len(raws[i])), raws[i]) for _, raws in chains for i in range(len(raws))]
+    assert all(bytes(got) == raw for got, raw in results)
+    assert all(chunk_id(raw) == oid for oid, (raw, _) in reader._cache.items())
+    assert len(reader._cache) == (3 * len(chains) if base_cache else 0)
+
+
+def test_a_chunk_decodes_into_the_array_the_caller_gives() -> None:
+    import numpy as np
+    stored, raws = _float_chain(7)
+    reader = _reader(stored)
+    for raw in raws:  # the top of the chain (3 deltas deep) down to the whole one
+        out = np.full(len(raw), 0xAB, np.uint8)
+        got = reader.chunk(chunk_id(raw), len(raw), out=out)
+        assert bytes(got) == raw and np.shares_memory(np.frombuffer(got, np.uint8), out)
+    wrong = np.zeros(len(raws[0]) - 4, np.uint8)  # not the chunk's size: not used
+    got = reader.chunk(chunk_id(raws[0]), len(raws[0]), out=wrong)
+    assert bytes(got) == raws[0] and not wrong.any()
+
+
+def test_a_corrupt_base_deep_in_a_chain_is_named_and_every_object_reported_is_verified() -> None:
+    stored, raws = _chain(3)
+    top, middle = chunk_id(raws[0]), chunk_id(raws[2])
+    seen: list[str] = []
+    assert _reader(stored, on_verified=lambda oid, data: seen.append(oid)).chunk(top, SIZE) == raws[0]
+    assert sorted(seen) == sorted(chunk_id(r) for r in raws)  # lazy reads cache each of them
+    stored[middle] = encode(_raw(9), Kind.CHUNK, 3)  # well formed, the wrong bytes
+    for reader in (_reader(stored), _reader(stored, base_cache=1 << 30)):
+        with pytest.raises(ObjectCorruptError, match=f"object {middle} \\(delta base of .*\\) is corrupt: .*hash") as err:
+            reader.chunk(top, SIZE)
+        assert err.value.oid == middle

@@ -171,6 +171,23 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _LOCAL.decompressor  # type: ignore[no-any-return]
 
 
+# Work arrays up to this size are kept per thread and reused; larger ones are allocated each time.
+SCRATCH_MAX = 16 << 20
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A thread's reusable work array of ``n`` bytes (contents undefined). Why: a fresh 1 MiB
+    array costs 256 page faults when first written, measured at 3-5 us each on a loaded VM, more
+    than the arithmetic done in it (decoding an fp32 delta made ~1,300 faults per MB)."""
+    import numpy as np
+    if n > SCRATCH_MAX:
+        return np.empty(n, np.uint8)
+    held = getattr(_LOCAL, "scratch", None)
+    if held is None or held.size < n:
+        held = _LOCAL.scratch = np.empty(max(n, 1 << 20), np.uint8)
+    return held[:n]
+
+
 def _raw_object(kind: Kind, raw: bytes | memoryview) -> bytes:
     return b"".join((_pack_header(kind, Encoding.RAW, len(raw)), raw))  # one copy of raw, not two
 
@@ -235,8 +252,9 @@ def _undo_residual(residual: np.ndarray, base: bytes | memoryview, width: int, o
         np.bitwise_xor(residual, np.frombuffer(base, np.uint8), out=residual)
         return memoryview(residual)
     dt = _INT_DTYPES[width]
-    zigzag = residual.view(dt)  # a fresh array from _decode_grouped: updated in place
-    odd = zigzag & 1
+    zigzag = residual.view(dt)  # the array _decode_grouped filled: updated in place
+    odd = _scratch(residual.size).view(dt)
+    np.bitwise_and(zigzag, 1, out=odd)
     np.negative(odd, out=odd)  # unsigned arithmetic wraps, as intended
     np.right_shift(zigzag, 1, out=zigzag)
     np.bitwise_xor(zigzag, odd, out=zigzag)
@@ -392,7 +410,7 @@ def encode_predicted(
 
 def decode_view(
     data: bytes | memoryview, kind: Kind, max_len: int, expected_len: int | None = None,
-    fetch_base: BaseFetcher | None = None,
+    fetch_base: BaseFetcher | None = None, out: np.ndarray | None = None,
 ) -> bytes | memoryview:
     """Decode a stored object of the given kind, refusing more than ``max_len`` decoded bytes.
 
@@ -401,7 +419,9 @@ def decode_view(
     IntegrityError for every malformed input; hash verification is the caller's job (it knows
     the name). A byte-grouped or delta chunk comes back as a view of the array it was decoded
     into, not copied into bytes: a caller that only hashes or writes it saves a copy of every
-    chunk (about as much CPU as interleaving the planes).
+    chunk (about as much CPU as interleaving the planes). Such a chunk is decoded into ``out``
+    when given (a uint8 array of the raw length the caller reuses: a delta chain's bases), else
+    into a new array.
     """
     header = parse_header(data)
     if header.kind != kind:
@@ -420,10 +440,10 @@ def decode_view(
     if kind != Kind.CHUNK:
         raise IntegrityError(f"a {kind.name.lower()} cannot use the {header.encoding.name.lower()} encoding")
     if header.encoding == Encoding.GROUPED:
-        return memoryview(_decode_grouped(body, header.raw_len))
+        return memoryview(_decode_grouped(body, header.raw_len, out))
     if header.encoding == Encoding.PREDICTED:
-        return _decode_predicted(data, body, header.raw_len, fetch_base)
-    return _decode_delta(body, header.raw_len, fetch_base)
+        return _decode_predicted(data, body, header.raw_len, fetch_base, out)
+    return _decode_delta(body, header.raw_len, fetch_base, out)
 
 
 def decode(
@@ -435,7 +455,9 @@ def decode(
     return out if isinstance(out, bytes) else out.tobytes()
 
 
-def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> memoryview:
+def _decode_predicted(
+    data: bytes | memoryview, body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None,
+) -> memoryview:
     import numpy as np
 
     from ckstore.codecs import predict
@@ -458,7 +480,7 @@ def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, 
         predict.check_coefficients(coefficients)
     except ValueError as exc:
         raise IntegrityError(str(exc)) from None
-    residual = _decode_grouped(body[at + shape.coefficients * _COEFFICIENT.size:], raw_len)
+    residual = _decode_grouped(body[at + shape.coefficients * _COEFFICIENT.size:], raw_len, out)
     if raw_len % PREDICTED_WIDTH or body[at + shape.coefficients * _COEFFICIENT.size] != PREDICTED_WIDTH:
         raise IntegrityError("predicted delta residual is not of float32 elements")
     if fetch_base is None:
@@ -474,7 +496,7 @@ def _decode_predicted(data: bytes | memoryview, body: memoryview, raw_len: int, 
     return memoryview(residual)
 
 
-def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None) -> bytes | memoryview:
+def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None) -> memoryview:
     if len(body) < _DELTA.size:
         raise IntegrityError("delta body is too short")
     base_raw, op = _DELTA.unpack_from(body)
@@ -482,7 +504,7 @@ def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None
         raise IntegrityError(f"unknown delta operation {op}")
     if fetch_base is None:
         raise IntegrityError("delta object read without access to its base")
-    residual = _decode_grouped(body[_DELTA.size:], raw_len)
+    residual = _decode_grouped(body[_DELTA.size:], raw_len, out)
     width = body[_DELTA.size] if len(body) > _DELTA.size else 0
     if op == DeltaOp.SUB and width not in _INT_DTYPES:
         raise IntegrityError(f"integer-difference delta with element width {width}")
@@ -492,8 +514,8 @@ def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None
     return _undo_residual(residual, base, width, DeltaOp(op))
 
 
-def _decode_grouped(body: memoryview, raw_len: int) -> np.ndarray:
-    """Bytes of a byte-grouped body, as a uint8 array of ``raw_len`` elements."""
+def _decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = None) -> np.ndarray:
+    """Bytes of a byte-grouped body, as a uint8 array of ``raw_len`` elements (``into`` when given)."""
     import numpy as np
     if len(body) < 1:
         raise IntegrityError("byte-grouped body is empty")
@@ -512,7 +534,9 @@ def _decode_grouped(body: memoryview, raw_len: int) -> np.ndarray:
     # Interleave by strided column writes: measured (numpy 2, x86_64) about 5x faster than
     # shifting each plane into whole little-endian integers and OR-ing them, which costs a
     # widening cast and two passes a plane; decoding was most of a clone's and a push's CPU.
-    out = np.empty((n, width), dtype=np.uint8)
+    if into is not None and (into.dtype != np.uint8 or into.size != raw_len):
+        raise ValueError(f"decode buffer of {into.size} {into.dtype} elements for {raw_len} bytes")
+    out = (np.empty(raw_len, dtype=np.uint8) if into is None else into).reshape(n, width)
     offset = table_end
     for i, (mode, stored) in enumerate(entries):
         frame = body[offset:offset + stored]

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckstore.codecs.objects import Encoding, delta_bases, parse_header
@@ -475,8 +475,7 @@ class _Lander:
 
 def _allow_predicted(ctx: RepoContext) -> None:
     """A repository of format 2 or 3 becomes 4 before it holds a predicted delta (docs/format.md)."""
-    if ctx.config.version in (2, 3):
-        ctx.set_config(replace(ctx.config, version=PREDICTED_VERSION))
+    ctx.upgrade(PREDICTED_VERSION)
 
 
 def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:

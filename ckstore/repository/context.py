@@ -91,10 +91,18 @@ class RepoContext:
         """Whether objects may go into local packs: a repository of format 2 to 4 becomes 5
         first (config.json, durable), so an older ckstore refuses it rather than missing objects;
         a version 1 repository stays readable by the oldest ckstore and keeps objects loose."""
+        return self.upgrade(PACKS_VERSION)
+
+    def upgrade(self, version: int) -> bool:
+        """Raise a repository of format 2 or newer to at least ``version`` (config.json, durable)
+        before something only that version defines is written; whether it is at ``version`` now.
+        One lock for every upgrade: a check and a write under separate locks let an upgrade to 4
+        (predicted deltas) that checked first land after one to 5 (packs), lowering the version
+        under objects that need 5."""
         with _UPGRADE_LOCK:
-            if 2 <= self.config.version < PACKS_VERSION:
-                self.set_config(replace(self.config, version=PACKS_VERSION))
-            return self.config.version >= PACKS_VERSION
+            if 2 <= self.config.version < version:
+                self.set_config(replace(self.config, version=version))
+            return self.config.version >= version
 
     def set_config(self, config: RepoConfig) -> None:
         """Replace the repository settings (they apply to objects written from now on)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ckstore.format.settings import RELATIVE_LINKS_VERSION
 from ckstore.repository.context import RepoContext, open_context, why_unopened
@@ -293,8 +293,8 @@ def _entry(holder: RepoContext, target: str) -> str:
     records one; a version-1 repository, which keeps its old encodings until repack, gets an
     absolute entry instead."""
     entry = entry_for(target, holder.location, allow_relative=holder.config.version >= 2)
-    if not os.path.isabs(entry) and holder.config.version < RELATIVE_LINKS_VERSION:
-        holder.set_config(replace(holder.config, version=RELATIVE_LINKS_VERSION))
+    if not os.path.isabs(entry):
+        holder.upgrade(RELATIVE_LINKS_VERSION)
     return entry
 
 

@@ -13,7 +13,10 @@ what is checked is decided here, once (docs/format.md, "Verification"):
   (explicit checks, not recursion limits or asserts, so they hold under ``python -O``);
 - the decoded bytes the read holds at once (the object and the bases it is decoding against)
   are counted against ``budget`` before each allocation;
-- the result is re-hashed against the name.
+- the result is re-hashed against the name. A base is re-hashed too when it is kept (the base
+  cache) or reported (``on_verified``); one used only to decode the delta above it is not, as
+  the top object's name vouches for every byte of its chain: when that check fails, the read is
+  repeated re-hashing every base, so the error names the object that is corrupt.
 
 A commit's manifest is bounded by what a real one can be: its chunk references are random
 names, which do not compress, so a manifest larger than ``MANIFEST_FREE`` decoding to more than
@@ -27,10 +30,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
 from ckstore.codecs.objects import Kind, decode_view, parse_header
 from ckstore.format.ids import chunk_id, commit_id
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_CHUNK_SIZE = 1 << 28
 MAX_COMMIT_SIZE = 1 << 30
@@ -47,6 +54,10 @@ DECODE_BUDGET = 1 << 33
 # store a manifest that compresses better than this raw (store.py).
 MANIFEST_FREE = 16 << 20
 MANIFEST_RATIO = 16
+# Decoded bases are decoded into arrays each thread keeps for the next chain, up to this many
+# bytes of them: a fresh array costs a page fault per 4 KiB when written, which was about a third
+# of the CPU of checking out a commit three deltas deep.
+BASE_BUFFERS_BYTES = 64 << 20
 
 # The stored bytes of an object by name (and what it is, for errors); raises ObjectMissingError
 # (or KeyError) when there are none.
@@ -67,6 +78,10 @@ def _public(exc: _Refused) -> ObjectCorruptError:
     return ObjectCorruptError(str(exc), exc.oid, exc.reason)
 
 
+class _Unproven(Exception):
+    """The top object of a read does not hash to its name, and a base below it was not checked."""
+
+
 @dataclass
 class _Read:
     """The state of one top-level read: the chain being followed and the bytes it holds."""
@@ -74,13 +89,39 @@ class _Read:
     budget: int
     path: list[str] = field(default_factory=list)  # the object being decoded and its deltas above
     below: list[int] = field(default_factory=list)  # for each on the path: links down to whole ones
+    borrowed: list[list[np.ndarray]] = field(default_factory=list)  # for each: its bases' buffers
     held: int = 0
+    check_bases: bool = False  # re-hash every base, even those only the delta above uses
+    unchecked: bool = False  # a base was used without being re-hashed
 
     def reserve(self, oid: str, n: int, context: str) -> None:
         if self.held + n > self.budget:
             raise _Refused(oid, context, f"decoding it needs more than {self.budget} bytes of memory "
                                          "(its delta chain is too long or too wide)")
         self.held += n
+
+
+class _BaseBuffers(threading.local):
+    """Arrays a thread decodes delta bases into, returned once the delta above is decoded, so a
+    chain reuses the same memory chunk after chunk (at most ``BASE_BUFFERS_BYTES`` kept)."""
+
+    def __init__(self) -> None:
+        self.free: list[np.ndarray] = []
+
+    def take(self, n: int) -> np.ndarray:
+        import numpy as np
+        for i, buf in enumerate(self.free):
+            if buf.size == n:
+                return self.free.pop(i)
+        return np.empty(n, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        self.free.append(buf)
+        while sum(b.size for b in self.free) > BASE_BUFFERS_BYTES:
+            self.free.pop(0)
+
+
+_BASE_BUFFERS = _BaseBuffers()
 
 
 def manifest_size_ok(stored_len: int, raw_len: int) -> bool:
@@ -128,15 +169,14 @@ class VerifiedReader:
         self._lock = threading.Lock()
 
     def chunk(self, oid: str, size: int | None, context: str = "",
-              data: bytes | memoryview | None = None) -> bytes | memoryview:
+              data: bytes | memoryview | None = None, out: np.ndarray | None = None) -> bytes | memoryview:
         """The verified bytes of chunk ``oid`` (``size`` long when given); ``data`` is its stored
-        form when the caller has it already. ``context`` names it in errors."""
-        read = _Read(self.budget)
+        form when the caller has it already. ``context`` names it in errors. A chunk that is not
+        stored whole-and-plain may be decoded into ``out`` (a uint8 array of ``size`` bytes the
+        caller reuses), which the result is then a view of."""
         stored = self._stored(oid, context) if data is None else data
-        try:
-            return self._decode(oid, stored, size, context, read)[0]
-        except _Refused as exc:
-            raise _public(exc) from None
+        into = None if out is None else (lambda n: out if n == out.size else None)
+        return self._read(oid, stored, size, context, into)[0]
 
     def commit(self, oid: str, data: bytes | memoryview) -> bytes:
         """The verified manifest bytes of commit ``oid`` from its stored bytes ``data``."""
@@ -169,28 +209,47 @@ class VerifiedReader:
         except KeyError:
             raise ObjectMissingError(f"object {oid} is missing{context}") from None
 
-    def remember(self, oid: str, raw: bytes | memoryview, depth: int) -> None:
+    def _keeps(self, n: int) -> bool:
+        """Whether a base of ``n`` decoded bytes goes into the cache."""
+        return 0 < self.cache_limit and n <= self.cache_limit
+
+    def remember(self, oid: str, raw: bytes | memoryview, depth: int) -> bool:
         """Keep the verified bytes of ``oid`` (``depth`` delta links above whole objects) for
-        deltas that will decode against it, within the cache's bound."""
-        if not self.cache_limit or len(raw) > self.cache_limit:
-            return
+        deltas that will decode against it, within the cache's bound; whether they were kept
+        (then nothing else may reuse their memory)."""
+        if not self._keeps(len(raw)):
+            return False
         with self._lock:
             if oid not in self._cache:
                 self._cache[oid] = (raw, depth)
                 self._cached += len(raw)
             while self._cached > self.cache_limit:
                 self._cached -= len(self._cache.popitem(last=False)[1][0])
+        return True
 
     def chunk_depth(self, oid: str, size: int | None, context: str,
                     data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
         """``chunk`` and the verified chunk's delta chain depth (0 when whole)."""
+        raw, depth, _ = self._read(oid, data, size, context, None)
+        return raw, depth
+
+    def _read(self, oid: str, data: bytes | memoryview, size: int | None, context: str,
+              into: Callable[[int], np.ndarray | None] | None) -> tuple[bytes | memoryview, int, np.ndarray | None]:
+        """One top-level read; repeated re-hashing every base when the object does not hash to
+        its name and some base was not re-hashed (so the error names the corrupt object)."""
         try:
-            return self._decode(oid, data, size, context, _Read(self.budget))
+            try:
+                return self._decode_into(oid, data, size, context, _Read(self.budget), into)
+            except _Unproven:
+                return self._decode_into(oid, data, size, context, _Read(self.budget, check_bases=True), into)
         except _Refused as exc:
             raise _public(exc) from None
 
-    def _decode(self, oid: str, data: bytes | memoryview, size: int | None, context: str,
-                read: _Read) -> tuple[bytes | memoryview, int]:
+    def _decode_into(self, oid: str, data: bytes | memoryview, size: int | None, context: str, read: _Read,
+                     into: Callable[[int], np.ndarray | None] | None) -> tuple[bytes | memoryview, int, np.ndarray | None]:
+        """Decode and verify ``oid`` and its chain, into the array ``into`` gives for the raw
+        length once it is reserved (also returned: a base's buffer goes back to the thread's once
+        nothing reads it)."""
         if oid in read.path:
             raise _Refused(oid, context, "its delta chain is a cycle")
         if len(read.path) > MAX_CHAIN_DEPTH:
@@ -199,14 +258,17 @@ class VerifiedReader:
             header = parse_header(data)
         except IntegrityError as exc:
             raise _Refused(oid, context, str(exc)) from None
+        out = None
         if header.kind == Kind.CHUNK and header.raw_len == (size or header.raw_len) <= MAX_CHUNK_SIZE:
             read.reserve(oid, header.raw_len, context)  # else decode_view refuses it, allocating nothing
+            out = into(header.raw_len) if into is not None else None
         read.path.append(oid)
         read.below.append(0)
+        read.borrowed.append([])
         held_before = read.held
         try:
             raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size,
-                              fetch_base=lambda base, length: self._base(base, length, oid, context, read))
+                              fetch_base=lambda base, length: self._base(base, length, oid, context, read), out=out)
         except _Refused:
             raise
         except IntegrityError as exc:
@@ -215,11 +277,17 @@ class VerifiedReader:
             read.path.pop()
             depth = read.below.pop()
             read.held = held_before  # the bases' bytes are freed once this object is decoded
-        if chunk_id(raw) != oid:
+            for buf in read.borrowed.pop():  # and their memory serves the next chain
+                _BASE_BUFFERS.give(buf)
+        if read.path and not (read.check_bases or self.on_verified is not None or self._keeps(len(raw))):
+            read.unchecked = True  # a base only the delta above uses: that delta's name vouches for it
+        elif chunk_id(raw) != oid:
+            if read.unchecked and not read.path:
+                raise _Unproven()
             raise _Refused(oid, context, "its bytes do not hash to its name")
-        if self.on_verified is not None:
+        elif self.on_verified is not None:
             self.on_verified(oid, data)
-        return raw, depth
+        return raw, depth, out
 
     def _base(self, base: str, length: int, of: str, context: str, read: _Read) -> bytes | memoryview:
         with self._lock:
@@ -232,8 +300,9 @@ class VerifiedReader:
                 raise _Refused(of, context, f"delta chain longer than {MAX_CHAIN_DEPTH}")
         else:
             where = f" (delta base of {of}{context})"
-            raw, depth = self._decode(base, self._stored(base, where), length, where, read)  # stays reserved
-            self.remember(base, raw, depth)
+            raw, depth, buf = self._decode_into(base, self._stored(base, where), length, where, read, _BASE_BUFFERS.take)
+            if not self.remember(base, raw, depth) and buf is not None:  # its bytes stay reserved
+                read.borrowed[-1].append(buf)
         read.below[-1] = max(read.below[-1], depth + 1)
         return raw
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckstore.backend.base import Backend
 from ckstore.codecs.objects import (
@@ -43,6 +44,9 @@ from ckstore.repository.reader import (  # noqa: F401  (the limits are part of t
     manifest_size_ok,
     verified_commit,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _PREFIX = BASES_PREFIX_SIZE
 # Object headers read at once by the batch readers (``bases_of_many``).
@@ -249,11 +253,12 @@ class ObjectStore:
         raw = self.chunk_view(oid, size, context)
         return raw if isinstance(raw, bytes) else raw.tobytes()
 
-    def chunk_view(self, oid: str, size: int, context: str = "") -> bytes | memoryview:
+    def chunk_view(self, oid: str, size: int, context: str = "", out: np.ndarray | None = None) -> bytes | memoryview:
         """``get_chunk`` without its last copy: a byte-grouped or delta chunk comes back as a view
         of the array it was decoded into, for readers that write or copy it on anyway (checkout,
-        load_state), where copying it into bytes first cost as much as interleaving its planes."""
-        return self.reader().chunk(oid, size, context, self._read(oid, context))
+        load_state), where copying it into bytes first cost as much as interleaving its planes.
+        That array is ``out`` when given (``size`` bytes, uint8, reused by the caller)."""
+        return self.reader().chunk(oid, size, context, self._read(oid, context), out)
 
     def check_encoded(self, oid: str, data: bytes, size: int) -> None:
         """Raise IntegrityError unless ``data`` decodes to the bytes named ``oid`` (repack)."""

@@ -202,16 +202,12 @@ class _Upgrade:
 
     def __init__(self, ctx: RepoContext) -> None:
         self.ctx = ctx
-        self.lock = threading.Lock()
 
     def possible(self) -> bool:
         return self.ctx.config.version >= 2 and self.ctx.store.settings.max_delta_depth > 0
 
     def __call__(self) -> bool:
-        with self.lock:
-            if self.ctx.config.version in (2, 3):
-                self.ctx.set_config(replace(self.ctx.config, version=PREDICTED_VERSION))
-            return self.ctx.config.version >= PREDICTED_VERSION
+        return self.ctx.upgrade(PREDICTED_VERSION)
 
 
 def _compact_pair(
