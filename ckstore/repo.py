@@ -353,15 +353,18 @@ class Repo:
         ``prefix``: the key whose tensors are the model, removed from their names (a training
         state: "model" by default); ``weights``: globs of the safetensors files holding the model
         (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
-        whose config, tokenizer and other files are copied instead of ``ref``'s own.
+        whose config, tokenizer and other files are copied instead of ``ref``'s own. A commit
+        holding a PEFT LoRA adapter exports the base model with the adapter merged in.
         """
         from ckstore.read.checkout import write_with_progress
         from ckstore.read.export import plan_export
 
         source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
-        outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
-                              files_from=source, shard_size=shard_size)
-        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, "export")
+        plan = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
+                           files_from=source, shard_size=shard_size)
+        result = write_with_progress(self.store, plan.outputs, Path(out_dir), force, progress, "export")
+        result.merged_adapter = plan.merged_adapter
+        return result
 
     def import_checkpoint(
         self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,

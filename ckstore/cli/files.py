@@ -115,11 +115,15 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
     """Write exactly the model of REF as a folder that from_pretrained loads.
 
     The model's tensors (not the optimizer's) go into model.safetensors or shards, with the
-    config, tokenizer and other non-training files of REF (or of --files-from REF).
+    config, tokenizer and other non-training files of REF (or of --files-from REF). A PEFT
+    LoRA adapter in REF (an adapter overlay) is merged into the base weights, as checkout
+    --merge-lora writes them; the adapter's files are not copied.
     """
     result = repo.export(ref, out_dir, prefix=prefix, weights=list(weights) or None, files_from=files_from,
                          shard_size=shard_size, force=force, progress=progress_factory())
     _report_written(result)
+    if result.merged_adapter:
+        click.echo(f"merged the LoRA adapter {result.merged_adapter} into the model (not copied)")
     if "config.json" not in result.written + result.unchanged:
         click.echo("ckstore: warning: the export has no config.json, which from_pretrained needs; "
                    "--files-from REF copies one from a commit that has it (the base model)", err=True)
