@@ -32,6 +32,7 @@ from ckstore.write.pipeline import ProgressBar, ProgressFactory
 if TYPE_CHECKING:
     from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
     from ckstore.history.summary import FileSummary
+    from ckstore.maintenance.fsck import Problems
     from ckstore.maintenance.gc import GcReport
     from ckstore.maintenance.repack import RepackReport
     from ckstore.maintenance.sizes import CommitSizes, Stats
@@ -615,7 +616,9 @@ class Repo:
         self.wait()
         return write_report(self._ctx, refs, Path(output))
 
-    def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
+    def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> Problems:
+        """Problem lines, empty when the repository is whole (``Problems.only_unreachable_bases``:
+        nothing but moved base repositories)."""
         from ckstore.maintenance.fsck import check
 
         self.wait()
