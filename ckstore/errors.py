@@ -57,6 +57,11 @@ class DependentNotFoundError(NotFoundError):
     delete what it may need (it may have moved)."""
 
 
+class BaseUnreachableError(NotFoundError):
+    """An overlay's base repository does not open (moved or unmounted): fsck finds nothing it can
+    call damaged, only data it cannot reach until ``relink`` (exit 3, not 4)."""
+
+
 class IntegrityError(CkstoreError):
     """Stored data does not match its name, or cannot be decoded: the repository is damaged."""
 

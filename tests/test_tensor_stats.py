@@ -149,3 +149,22 @@ def test_integer_absmax_does_not_wrap(dtype: type, code: str) -> None:
     figures = chunk_stats(array.tobytes(), code)
     assert figures.absmax == float(max(abs(int(info.min)), int(info.max)))
     assert figures.sum_sq == pytest.approx(sum(float(v) ** 2 for v in array.tolist()))
+
+
+@pytest.mark.parametrize("dtype, code", [(torch.float32, "F32"), (torch.bfloat16, "BF16"), (torch.float16, "F16")])
+@pytest.mark.parametrize("special", ["none", "nan", "inf"])
+def test_chunk_figures_across_blocks_match_float64(dtype: torch.dtype, code: str, special: str) -> None:
+    """A chunk longer than the reduction blocks (and the bf16/f16 scratch buffer, reused between
+    chunks): its figures are the float64 ones, the largest magnitude negative and in a late block."""
+    g = torch.Generator().manual_seed(3)
+    for n in (200_001, 70_000):  # the second, shorter chunk reuses a scratch buffer the first filled
+        t = torch.randn(n, generator=g).to(dtype)
+        t[n - 5] = -40.0
+        if special != "none":
+            t[150_000 % n] = float(special)
+        figures = chunk_stats(t.view(torch.uint8).numpy().tobytes(), code)
+        wide = t.double()
+        finite = wide[torch.isfinite(wide)]
+        assert figures.nonfinite == (0 if special == "none" else 1)
+        assert figures.absmax == 40.0 == finite.abs().max().item()
+        assert figures.sum_sq == pytest.approx((finite * finite).sum().item(), rel=1e-5)

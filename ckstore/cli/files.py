@@ -37,21 +37,26 @@ def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_de
 @click.argument("paths", nargs=-1, required=True)
 @click.option("-m", "--message", default="", help="Commit message.")
 @click.option("--branch", help="Branch to commit to (default: the current branch); a branch that does not exist yet "
-              "starts a new history with no parent: 'ckstore switch -c NAME' first branches from HEAD.")
+              "starts at HEAD, as after 'git checkout -b' (the commit's parent is HEAD's commit).")
+@click.option("--orphan", is_flag=True, help="With --branch NEW: start NEW with a root commit, a history unrelated "
+              "to HEAD's.")
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Typed metadata (repeatable).")
 @click.option("--base", metavar="REF", help="Record the commit as an overlay on this base commit.")
 @click.option("--base-repo", metavar="PATH", help="Repository holding --base (referenced, not copied).")
 @click.option("--raw", is_flag=True, help="Store pickle checkpoints as opaque files (else: use 'ckstore import').")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, meta: tuple[str, ...],
+def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, orphan: bool, meta: tuple[str, ...],
            base: str | None, base_repo: str | None, raw: bool, as_json: bool) -> None:
     """Record safetensors files or directories as one commit; print its id."""
     if base_repo and not base:
         base = "HEAD"
+    if orphan and (branch is None or branch in repo.branches()):
+        raise InvalidInputError("--orphan starts a new branch: name one that does not exist with --branch NEW")
     try:
         oid = repo.commit(list(paths), message=message, branch=branch, metadata=parse_meta(meta),
-                          progress=progress_factory(), base=base, base_repo=base_repo, raw=raw)
+                          progress=progress_factory(), base=base, base_repo=base_repo, raw=raw,
+                          start=None if orphan else "HEAD")
     except PickleCheckpointError as exc:
         raise PickleCheckpointError(f"{exc.path} is a PyTorch pickle checkpoint: 'ckstore import {exc.path}' stores "
                                     "its tensors safely; --raw commits it as one opaque file") from None
@@ -115,11 +120,15 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
     """Write exactly the model of REF as a folder that from_pretrained loads.
 
     The model's tensors (not the optimizer's) go into model.safetensors or shards, with the
-    config, tokenizer and other non-training files of REF (or of --files-from REF).
+    config, tokenizer and other non-training files of REF (or of --files-from REF). A PEFT
+    LoRA adapter in REF (an adapter overlay) is merged into the base weights, as checkout
+    --merge-lora writes them; the adapter's files are not copied.
     """
     result = repo.export(ref, out_dir, prefix=prefix, weights=list(weights) or None, files_from=files_from,
                          shard_size=shard_size, force=force, progress=progress_factory())
     _report_written(result)
+    if result.merged_adapter:
+        click.echo(f"merged the LoRA adapter {result.merged_adapter} into the model (not copied)")
     if "config.json" not in result.written + result.unchanged:
         click.echo("ckstore: warning: the export has no config.json, which from_pretrained needs; "
                    "--files-from REF copies one from a commit that has it (the base model)", err=True)

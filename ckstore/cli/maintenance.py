@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckstore.errors import IntegrityError, InvalidInputError
+from ckstore.errors import BaseUnreachableError, IntegrityError, InvalidInputError
 from ckstore.repo import Repo
 from ckstore.cli.base import die, human, main, pass_repo, print_json, progress_factory
 from ckstore.cli.inspect import commit_line
@@ -137,13 +137,20 @@ def config_command(repo: Repo, key: str | None, value: int | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md); exit code as without.")
 @pass_repo
 def fsck(repo: Repo, read_data: bool, as_json: bool) -> None:
-    """Check that every ref, manifest and object is present and sound."""
+    """Check that every ref, manifest and object is present and sound.
+
+    Exit 4 when something is damaged or missing; exit 3 when the only problem is an overlay's
+    base repository that cannot be opened (moved: 'ckstore relink NEW_LOCATION' reconnects it).
+    """
     problems = repo.fsck(read_data=read_data, progress=progress_factory() if read_data else None)
     if as_json:
-        print_json({"ok": not problems, "read_data": read_data, "problems": problems})
+        print_json({"ok": not problems, "read_data": read_data, "problems": problems,
+                    "unreachable_bases": problems.unreachable_bases})
     else:
         for problem in problems:
             click.echo(problem)
+    if problems.only_unreachable_bases:  # nothing found damaged: data out of reach until relink
+        die(f"{len(problems)} problem(s) found: base repository unreachable", BaseUnreachableError.exit_code)
     if problems:
         die(f"{len(problems)} problem(s) found", IntegrityError.exit_code)
     if not as_json:

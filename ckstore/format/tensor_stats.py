@@ -9,6 +9,8 @@ elements are counted instead.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -105,12 +107,12 @@ class ChunkStats:
 
 
 def _sum_sq_absmax(values: np.ndarray, wide: bool = False) -> tuple[float, float]:
-    """Sum of squares and largest magnitude of a chunk, in one SIMD pass each.
+    """Sum of squares and largest magnitude of a chunk.
 
     Floats of 32 bits or fewer are summed in float32 (einsum keeps several accumulators: about
-    1e-7 relative error on a 1 MiB chunk), without a float64 copy; chunks are added in float64.
-    docs/benchmarks.md measures what the figures add to a commit. ``wide`` (and every other dtype) sums a
-    float64 copy: for float64 tensors, integers, and a float32 sum that overflowed.
+    1e-7 relative error per block), block by block (``_blocks``), without a float64 copy; blocks
+    are added in float64. ``wide`` (and every other dtype) sums a float64 copy: for float64
+    tensors, integers, and a float32 sum that overflowed.
     """
     import numpy as np
 
@@ -119,9 +121,76 @@ def _sum_sq_absmax(values: np.ndarray, wide: bool = False) -> tuple[float, float
     if wide or values.dtype != np.float32:
         with np.errstate(all="ignore"):  # NaN and inf are expected here; the caller counts them
             values = values.astype(np.float64)  # also: negating an unsigned or the smallest int wraps
+        return float(np.einsum("i,i->", values, values)), float(max(values.max(), -values.min()))
+    sum_sq, absmax = 0.0, 0.0
+    for block in _blocks(values):
+        s, m = _float32_block(block)
+        sum_sq, absmax = sum_sq + s, max(absmax, m)
+    return sum_sq, absmax
+
+
+# Elements per pass: a 256 KiB float32 block stays in the L2 cache between the passes over it
+# (sum of squares, max), and the per-thread scratch buffer bf16 and float16 are widened into is
+# reused: a fresh 2 MiB array per chunk cost more in page faults than the arithmetic (bf16 chunk
+# statistics 10 ms per MiB on a loaded machine before, docs/benchmarks.md).
+_BLOCK = 1 << 16
+_scratch = threading.local()
+
+
+def _blocks(values: np.ndarray) -> Iterator[np.ndarray]:
+    for start in range(0, values.size, _BLOCK):
+        yield values[start : start + _BLOCK]
+
+
+def _buffer() -> np.ndarray:
+    import numpy as np
+
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = np.empty(_BLOCK, dtype=np.uint32)
+    return buffer
+
+
+def _float32_block(block: np.ndarray) -> tuple[float, float]:
     # einsum, not dot: dot goes to a multithreaded BLAS, which on a busy machine took 15x longer
     # than hashing the same chunk.
-    return float(np.einsum("i,i->", values, values)), float(max(values.max(), -values.min()))
+    import numpy as np
+
+    return float(np.einsum("i,i->", block, block)), float(max(block.max(), -block.min()))
+
+
+def _bf16_sum_sq_absmax(bits: np.ndarray) -> tuple[float, float]:
+    """Sum of squares and largest magnitude of bf16 elements (``bits``: their uint16 patterns).
+
+    Each block is widened into the scratch buffer with its sign cleared, so the largest magnitude
+    is the largest bit pattern (IEEE order; NaN and inf make the sum non-finite and are handled by
+    the caller): one pass for it instead of a max and a min over float32 copies."""
+    import numpy as np
+
+    sum_sq, top = 0.0, 0
+    scratch = _buffer()
+    for block in _blocks(bits):
+        wide = scratch[: block.size]
+        np.left_shift(block, 16, out=wide, dtype=np.uint32)
+        np.bitwise_and(wide, 0x7FFF0000, out=wide)
+        floats = wide.view(np.float32)
+        sum_sq += float(np.einsum("i,i->", floats, floats))
+        top = max(top, int(wide.max()))
+    return sum_sq, float(np.array(top, dtype=np.uint32).view(np.float32))
+
+
+def _float16_sum_sq_absmax(values: np.ndarray) -> tuple[float, float]:
+    """float16 has no SIMD reductions in numpy: each block is widened into the scratch buffer."""
+    import numpy as np
+
+    sum_sq, absmax = 0.0, 0.0
+    scratch = _buffer().view(np.float32)
+    for block in _blocks(values):
+        wide = scratch[: block.size]
+        np.copyto(wide, block)
+        s, m = _float32_block(wide)
+        sum_sq, absmax = sum_sq + s, max(absmax, m)
+    return sum_sq, absmax
 
 
 def chunk_stats(data: bytes | memoryview, dtype: str, same_as_parent: bool = False) -> ChunkStats:
@@ -133,12 +202,19 @@ def chunk_stats(data: bytes | memoryview, dtype: str, same_as_parent: bool = Fal
     """
     import numpy as np
 
-    values = as_numbers(data, dtype)
-    if values.dtype == np.float16:
-        values = values.astype(np.float32)  # numpy has no SIMD reductions for float16
-    sum_sq, absmax = _sum_sq_absmax(values)
+    if dtype == "BF16":
+        sum_sq, absmax = _bf16_sum_sq_absmax(np.frombuffer(data, dtype=np.uint16))
+    else:
+        values = as_numbers(data, dtype)
+        if values.dtype == np.float16:
+            sum_sq, absmax = _float16_sum_sq_absmax(values)
+        else:
+            sum_sq, absmax = _sum_sq_absmax(values)
     nonfinite = 0
     if not math.isfinite(sum_sq):  # rare: NaN/inf elements, or a float32 sum that overflowed
+        values = as_numbers(data, dtype)
+        if values.dtype == np.float16:
+            values = values.astype(np.float32)
         finite = np.isfinite(values)
         nonfinite = int(values.size - np.count_nonzero(finite))
         sum_sq, absmax = _sum_sq_absmax(values[finite], wide=True)

@@ -2,6 +2,10 @@
 
 Each problem is one line naming the damaged ref or object and, for a chunk, the commit, file and
 tensor that need it. A damaged object is reported once, however many commits share it.
+
+An overlay whose base repository does not open (it moved) cannot tell the base's objects from
+lost ones: every object it does not find here is counted on the one line naming that base and
+``relink``, not listed, and such a result is "not found" (exit 3), not "corrupt" (exit 4).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError
 from ckstore.repository.graph import ROOT_PREFIXES, kept_parents
 from ckstore.format.ids import ObjectId
-from ckstore.repository.overlay import link_problems
+from ckstore.repository.overlay import link_problems, unreachable_bases
 from ckstore.write.pipeline import ProgressFactory, ordered_map
 from ckstore.repository.store import HEADER_READERS, MAX_CHAIN_DEPTH, ObjectStore
 
@@ -26,8 +30,10 @@ def _read_headers(store: ObjectStore, oids: list[str]) -> dict[str, tuple[str, .
     return dict(zip(oids, ordered_map(read, oids, workers=HEADER_READERS)))
 
 
-def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]]) -> list[str]:
-    """Every delta's bases exist and its chains end in whole objects within the depth limit."""
+def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]],
+                 unchecked: set[str] | None = None) -> list[str]:
+    """Every delta's bases exist and its chains end in whole objects within the depth limit; with
+    ``unchecked`` (a base repository is unreachable), a missing delta base is added to it instead."""
     problems: list[str] = []
     headers = _read_headers(store, chunks)
     depth_of: dict[str, int] = {}  # objects whose chains are known to be sound
@@ -44,7 +50,11 @@ def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], neede
                                 f"{MAX_CHAIN_DEPTH}")
                 break
             elif oid not in present and not store.has(oid):  # an overlay's base may be in a base repository
-                problems.append(f"object {path[-1] if path else start} is a delta of missing object {oid} ({needed[start][1]})")
+                if unchecked is not None:
+                    unchecked.add(oid)
+                else:
+                    problems.append(f"object {path[-1] if path else start} is a delta of missing object {oid} "
+                                    f"({needed[start][1]})")
                 break
             else:
                 try:
@@ -68,8 +78,21 @@ def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], neede
     return problems
 
 
-def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory | None = None) -> list[str]:
+class Problems(list[str]):
+    """fsck's problem lines; ``unreachable_bases`` of them name a base repository that does not
+    open (the objects it holds are then not checked)."""
+
+    unreachable_bases: int = 0
+
+    @property
+    def only_unreachable_bases(self) -> bool:
+        return bool(self) and len(self) == self.unreachable_bases
+
+
+def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory | None = None) -> Problems:
     problems: list[str] = []
+    lost_bases = unreachable_bases(ctx)
+    unchecked: set[str] = set()  # objects not found here while a base is unreachable: maybe in it
     graph, store = ctx.graph, ctx.store
     # Check what is on disk now: commits read earlier are cached, and a cached copy would hide
     # a commit object deleted or damaged since.
@@ -120,7 +143,10 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
             if commit.base.repo is None:
                 todo.append((commit.base.commit, f"overlay commit {oid[:12]}"))
             elif not store.has(commit.base.commit):
-                problems.append(f"commit {oid}: base commit {commit.base.commit} in {commit.base.repo} is unreachable")
+                if lost_bases:
+                    unchecked.add(commit.base.commit)
+                else:
+                    problems.append(f"commit {oid}: base commit {commit.base.commit} in {commit.base.repo} is unreachable")
         for parent in kept_parents(commit.parents, pruned):  # walk on to the older commits gc kept
             if parent not in seen:
                 todo.append((parent, f"commit {oid[:12]}"))
@@ -135,8 +161,12 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
     problems.extend(ctx.backend.storage_problems())  # a damaged pack: its objects read as missing below
     for oid, (_, where) in sorted(needed.items()):
         if oid not in present and not store.has(oid):
-            problems.append(f"object {oid} is missing ({where})")
-    chain_problems = _check_bases(store, [oid for oid in sorted(needed) if oid in present], present, needed)
+            if lost_bases:
+                unchecked.add(oid)
+            else:
+                problems.append(f"object {oid} is missing ({where})")
+    chain_problems = _check_bases(store, [oid for oid in sorted(needed) if oid in present], present, needed,
+                                  unchecked if lost_bases else None)
 
     if read_data:
         def verify(oid: str) -> str | None:
@@ -169,4 +199,10 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
         problems.extend(failed.values())
     else:
         problems.extend(chain_problems)
-    return problems
+    if unchecked:
+        note = (f"; {len(unchecked)} object(s) this repository uses are not here and are checked once the base "
+                "is reachable again")
+        problems = [p + note if p in lost_bases else p for p in problems]
+    result = Problems(problems)
+    result.unreachable_bases = sum(1 for p in problems if p.startswith("base repository unreachable: "))
+    return result

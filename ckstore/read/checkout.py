@@ -45,6 +45,7 @@ class CheckoutResult:
     written: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     bytes_written: int = 0
+    merged_adapter: str | None = None  # export: the LoRA adapter merged into the written model
 
 
 # A piece of an output file: a stored chunk, literal bytes (a re-emitted header), or a function

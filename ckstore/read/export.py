@@ -19,6 +19,10 @@ An export writes three things and nothing else:
   exports with the base's config and tokenizer.
 
 A model file that is exported whole and unrenamed is written byte-identical to the committed one.
+A commit holding a PEFT LoRA adapter (an adapter overlay on a base model) exports its model as the
+base with the adapter merged, as ``checkout --merge-lora`` writes it (lora.py), without the
+adapter's files: a folder holding ``adapter_config.json`` is loaded by transformers as an adapter
+whose base it must find by ``base_model_name_or_path``, which rarely resolves elsewhere.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ckstore.read.checkout import Output, full_output, plan_outputs
 from ckstore.read.consolidate import plan_consolidated
 from ckstore.errors import IntegrityError, InvalidInputError, TensorNotFoundError
 from ckstore.repository.filedata import header_metadata, state_document
-from ckstore.read.lora import plan_merged
+from ckstore.read.lora import find_merge, plan_merged
 from ckstore.format.manifest import Commit, FileEntry, TensorEntry
 from ckstore.read.shards import SINGLE_NAME, gather_tensors, parse_size, plan_model_files, plan_shards
 from ckstore.repository.store import ObjectStore
@@ -60,10 +64,16 @@ def plan_checkout(
     return plan_outputs(store, commit, only)
 
 
+@dataclass(frozen=True)
+class ExportPlan:
+    outputs: list[Output]
+    merged_adapter: str | None = None  # the LoRA adapter merged into the model, if any
+
+
 def plan_export(
     store: ObjectStore, commit: Commit, *, prefix: str | None = None, weights: Sequence[str] | None = None,
     files_from: Commit | None = None, shard_size: int | str | None = None,
-) -> list[Output]:
+) -> ExportPlan:
     """The outputs of an export (module docstring): model tensors, then the other files."""
     size = None if shard_size is None else parse_size(shard_size)
     if commit.dcp is not None:
@@ -74,20 +84,33 @@ def plan_export(
             raise InvalidInputError("weights names files of a commit of files; a training state's model is chosen "
                                     "by its key prefix")
         tensors = _state_tensors(store, commit, STATE_MODEL_KEY if prefix is None else prefix)
-        outputs = plan_model_files(store, tensors, size, {"format": "pt"})
+        return ExportPlan(plan_model_files(store, tensors, size, {"format": "pt"})
+                          + [full_output(f) for f in _companion_files(files_from or commit)])
+    files = _weight_files(commit, weights)
+    # A LoRA adapter overlay's model is the base with the adapter merged: what from_pretrained
+    # loads with no peft and no base_model_name_or_path to resolve (unless --weights names the
+    # adapter's own file, asking for its tensors as they are).
+    merge = find_merge(store, commit)
+    if merge is not None and any(f is merge.adapter for f in files):
+        merge = None
+    dotted = _dotted(prefix)
+    if dotted:
+        _check_prefix([t.name for f in files for t in f.tensors], dotted)
+    tensors = gather_tensors(files, lambda t: t.name[len(dotted):] if t.name.startswith(dotted) else None)
+    if not tensors:
+        raise TensorNotFoundError(f"{', '.join(f.path for f in files)} hold(s) no tensors")
+    if len(files) == 1 and size is None and not dotted and files[0].path == SINGLE_NAME:
+        # the committed model file, byte for byte (with the adapter merged: its own header metadata)
+        outputs = [merge.file_output(store, files[0]) if merge else full_output(files[0])]
     else:
-        files = _weight_files(commit, weights)
-        dotted = _dotted(prefix)
-        if dotted:
-            _check_prefix([t.name for f in files for t in f.tensors], dotted)
-        tensors = gather_tensors(files, lambda t: t.name[len(dotted):] if t.name.startswith(dotted) else None)
-        if not tensors:
-            raise TensorNotFoundError(f"{', '.join(f.path for f in files)} hold(s) no tensors")
-        if len(files) == 1 and size is None and not dotted and files[0].path == SINGLE_NAME:
-            outputs = [full_output(files[0])]  # the committed model file, byte for byte
-        else:
-            outputs = plan_model_files(store, tensors, size, _model_metadata(store, files))
-    return outputs + [full_output(f) for f in _companion_files(files_from or commit)]
+        outputs = plan_model_files(store, tensors, size, _model_metadata(store, files),
+                                   merge.tensor if merge else None)
+    if files_from is not None or merge is None:
+        companions = _companion_files(files_from or commit)
+    else:
+        companions = [f for f in _companion_files(commit) if not merge.is_adapter_file(f)]
+        companions = sorted(companions + ([merge.base_card] if merge.base_card else []), key=lambda f: f.path)
+    return ExportPlan(outputs + [full_output(f) for f in companions], merge.adapter.path if merge else None)
 
 
 def _dotted(prefix: str | None) -> str:

@@ -10,7 +10,10 @@ that it ends with, so a ``bert.`` or ``model.`` prefix on either side is fine. T
 ``use_rslora``), per-module ``rank_pattern`` / ``alpha_pattern`` honoured, transposed when
 ``fan_in_fan_out``; it is computed in float32 (float64 for F64 weights) and cast back to the
 weight's dtype. Other adapter tensors (``modules_to_save``) replace the base tensor they name.
-The adapter files are not written: the output is the base model with merged weights.
+The adapter files are not written: the output is the base model with merged weights, and
+the README.md beside a top-level adapter (peft's model card for the adapter, which replaced the
+base's in the overlay) gives way to the base commit's README.md. ``export`` of a commit holding
+an adapter writes the same merged model (export.py).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from typing import Any
 from ckstore.read.checkout import Output, Piece, full_output
 from ckstore.errors import InvalidInputError, MissingDependencyError
 from ckstore.repository.filedata import file_context, header_metadata, read_file_bytes
-from ckstore.format.manifest import Commit, FileEntry, TensorEntry
+from ckstore.format.manifest import Commit, FileEntry, TensorEntry, decode_commit
 from ckstore.format.safetensors import emit_header
 from ckstore.repository.store import ObjectStore
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+README = "README.md"  # peft's save_pretrained writes its adapter model card here
 _PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -83,20 +87,71 @@ def _match(name: str, base_names: list[str]) -> str:
     return near[0]
 
 
-def plan_merged(store: ObjectStore, commit: Commit) -> list[Output]:
-    """Outputs writing every non-adapter file, with LoRA updates merged into the base weights."""
+@dataclass(frozen=True)
+class LoraMerge:
+    """A planned merge: which files are the adapter's, and each base tensor as written."""
+
+    adapter: FileEntry  # adapter_model.safetensors
+    config: FileEntry  # adapter_config.json beside it
+    card_replaced: bool  # the top-level README.md is the adapter's card, not the base's
+    base_card: FileEntry | None  # then: the base commit's README.md, written instead (if it has one)
+    # (file, tensor) -> the tensor as written, and the function computing a merged one's bytes
+    merged: dict[tuple[str, str], tuple[TensorEntry, Callable[[], bytes] | None]]
+
+    def is_adapter_file(self, f: FileEntry) -> bool:
+        """The adapter's own files: its weights and config, its whole folder when it has one,
+        and peft's README.md model card that replaced the base's (whose README.md is written instead)."""
+        folder = _folder(self.adapter.path)
+        if f is self.adapter or f is self.config:
+            return True
+        return _folder(f.path) == folder if folder else (f.path == README and self.card_replaced)
+
+    def touches(self, f: FileEntry) -> bool:
+        return any(path == f.path for path, _ in self.merged)
+
+    def tensor(self, f: FileEntry, t: TensorEntry) -> tuple[TensorEntry, list[Piece]]:
+        """``t`` of base file ``f`` as the merged model holds it, and the pieces of its bytes."""
+        found = self.merged.get((f.path, t.name))
+        if found is None:
+            return t, list(t.chunks)
+        written, merge = found
+        return written, [merge] if merge is not None else list(written.chunks)
+
+    def file_output(self, store: ObjectStore, f: FileEntry) -> Output:
+        """Base file ``f`` with its merged tensors, under its own header metadata."""
+        if not self.touches(f):
+            return full_output(f)
+        written = [self.tensor(f, t) for t in f.tensors]
+        header, _ = emit_header([(t.name, t.dtype, t.shape) for t, _ in written], header_metadata(store, f))
+        pieces: list[tuple[Piece, str]] = [(header, "")]
+        for original, (_, parts) in zip(f.tensors, written):
+            pieces.extend((p, file_context(f.path, original.name)) for p in parts)
+        return Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t, _ in written))
+
+    def other_files(self, commit: Commit) -> list[FileEntry]:
+        """``commit``'s files that are neither the adapter's nor safetensors, the base's card included."""
+        kept = [f for f in commit.files if f.kind != "safetensors" and not self.is_adapter_file(f)]
+        return sorted(kept + ([self.base_card] if self.base_card else []), key=lambda f: f.path)
+
+
+def find_merge(store: ObjectStore, commit: Commit) -> LoraMerge | None:
+    """The merge of the commit's LoRA adapter, or None when it has none."""
+    try:
+        find_adapter(commit)
+    except InvalidInputError:
+        return None
+    return plan_lora_merge(store, commit)
+
+
+def plan_lora_merge(store: ObjectStore, commit: Commit) -> LoraMerge:
+    """Match the adapter's tensors to the base tensors they update, refusing what cannot merge."""
     weights, config_file = find_adapter(commit)
     try:
         config = json.loads(read_file_bytes(store, config_file))
         r_default, alpha_default = int(config["r"]), float(config["lora_alpha"])
     except (ValueError, KeyError, TypeError):
         raise InvalidInputError(f"LoRA merge: {config_file.path} is not a PEFT LoRA config") from None
-    folder = _folder(weights.path)
     base_files = [f for f in commit.files if f is not weights and f is not config_file and f.kind == "safetensors"]
-    # The adapter's own files are not written; an adapter committed beside the base files (the
-    # usual case: both at the root) must not take the base's config.json and tokenizer with it.
-    others = [f for f in commit.files if f.kind != "safetensors" and f is not config_file
-              and (not folder or _folder(f.path) != folder)]
     owner = {t.name: (f, t) for f in base_files for t in f.tensors}
     names = list(owner)
 
@@ -110,35 +165,50 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[Output]:
             setattr(update, m["which"].lower(), t)
         else:
             updates.setdefault(_match(key, names), _Update(key)).replacement = t
+    fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     for target, u in updates.items():
         if u.replacement is None and (u.a is None or u.b is None):
             raise InvalidInputError(f"LoRA merge: {u.module} has lora_A without lora_B or the reverse")
         if u.a is not None and u.b is not None:
-            _check_shapes(owner[target][1], u.a, u.b, bool(config.get("fan_in_fan_out")))
+            _check_shapes(owner[target][1], u.a, u.b, fan_in_fan_out)
 
     def scale(module: str) -> float:
         r = int(_pattern_value(config.get("rank_pattern") or {}, module, r_default))
         alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha_default))
         return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
-    outputs = [full_output(f) for f in others]
-    for f in base_files:
-        mine = {name: u for name, u in updates.items() if owner[name][0] is f}
-        if not mine:
-            outputs.append(full_output(f))
-            continue
-        tensors = [_written(t, mine.get(t.name)) for t in f.tensors]
-        header, _ = emit_header([(t.name, t.dtype, t.shape) for t in tensors], header_metadata(store, f))
-        pieces: list[tuple[Piece, str]] = [(header, "")]
-        for original, written in zip(f.tensors, tensors):
-            ctx = file_context(f.path, original.name)
-            u = mine.get(original.name)
-            if u is None or u.replacement is not None:
-                pieces.extend((c, ctx) for c in written.chunks)
-            else:
-                pieces.append((_merge_fn(store, original, u, scale(u.module), bool(config.get("fan_in_fan_out"))), ctx))
-        outputs.append(Output(f.path, tuple(pieces), len(header) + sum(t.nbytes for t in tensors)))
-    return outputs
+    merged: dict[tuple[str, str], tuple[TensorEntry, Callable[[], bytes] | None]] = {}
+    for target, u in updates.items():
+        f, t = owner[target]
+        if u.replacement is not None:  # modules_to_save: the adapter's tensor under the base's name
+            r = u.replacement
+            merged[(f.path, t.name)] = (TensorEntry(t.name, r.dtype, r.shape, r.chunks), None)
+        else:
+            merged[(f.path, t.name)] = (t, _merge_fn(store, t, u, scale(u.module), fan_in_fan_out))
+    return LoraMerge(weights, config_file, *_base_card(store, commit, weights), merged)
+
+
+def _base_card(store: ObjectStore, commit: Commit, adapter: FileEntry) -> tuple[bool, FileEntry | None]:
+    """Whether the top-level README.md is the adapter's card, and then the base's README.md.
+
+    Only an overlay tells them apart: its README.md is the adapter's when it differs from the base
+    commit's (or the base has none). An adapter committed in a folder keeps its card in there."""
+    mine = next((f for f in commit.files if f.path == README), None)
+    if commit.base is None or _folder(adapter.path) or mine is None:
+        return False, None
+    base = decode_commit(store.get_commit(commit.base.commit))
+    theirs = next((f for f in base.files if f.path == README), None)
+    if theirs is not None and [c.id for c in theirs.all_chunks()] == [c.id for c in mine.all_chunks()]:
+        return False, None
+    return True, theirs
+
+
+def plan_merged(store: ObjectStore, commit: Commit) -> list[Output]:
+    """Outputs writing every non-adapter file, with LoRA updates merged into the base weights."""
+    merge = plan_lora_merge(store, commit)
+    outputs = [full_output(f) for f in merge.other_files(commit)]
+    return outputs + [merge.file_output(store, f) for f in commit.files
+                      if f.kind == "safetensors" and not merge.is_adapter_file(f)]
 
 
 def _check_shapes(weight: TensorEntry, a: TensorEntry, b: TensorEntry, transpose: bool) -> None:

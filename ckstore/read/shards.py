@@ -23,9 +23,9 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from ckstore.read.checkout import Output, check_patterns, full_output, select_tensors
+from ckstore.read.checkout import Output, Piece, check_patterns, full_output, select_tensors
 from ckstore.errors import InvalidInputError
-from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry
+from ckstore.format.manifest import Commit, FileEntry, TensorEntry
 from ckstore.repository.filedata import file_context, header_metadata
 from ckstore.format.safetensors import emit_header
 from ckstore.repository.store import ObjectStore
@@ -122,21 +122,27 @@ def gather_tensors(
 
 def plan_model_files(
     store: ObjectStore, tensors: Mapping[str, tuple[FileEntry, TensorEntry]], shard_size: int | None,
-    metadata: dict[str, str],
+    metadata: dict[str, str], rewrite: Callable[[FileEntry, TensorEntry], tuple[TensorEntry, list[Piece]]] | None = None,
 ) -> list[Output]:
     """The shards (plus their index) holding ``tensors`` under their keys, or ``model.safetensors``
     alone when they fit one shard or ``shard_size`` is None. Each value is the committed tensor
-    and the file it came from (the key may differ from its name: a stripped prefix)."""
+    and the file it came from (the key may differ from its name: a stripped prefix); ``rewrite``
+    gives a tensor as written instead and its pieces (a merged LoRA update)."""
+    parts: dict[str, Sequence[Piece]] = {n: t.chunks for n, (_, t) in tensors.items()}
+    if rewrite is not None:
+        rewritten = {n: (f, *rewrite(f, t)) for n, (f, t) in tensors.items()}
+        tensors = {n: (f, t) for n, (f, t, _) in rewritten.items()}
+        parts = {n: p for n, (_, _, p) in rewritten.items()}
     order = sorted(tensors)
     groups = [order] if shard_size is None else split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
     outputs = []
     weight_map: dict[str, str] = {}
     for shard_name, group in zip(shard_names(len(groups)), groups):
         header, _ = emit_header([(n, tensors[n][1].dtype, tensors[n][1].shape) for n in group], metadata)
-        pieces: list[tuple[ChunkRef | bytes, str]] = [(header, "")]
+        pieces: list[tuple[Piece, str]] = [(header, "")]
         for n in group:
             source, t = tensors[n]
-            pieces.extend((c, file_context(source.path, t.name)) for c in t.chunks)
+            pieces.extend((p, file_context(source.path, t.name)) for p in parts[n])
             weight_map[n] = shard_name
         outputs.append(Output(shard_name, tuple(pieces), len(header) + sum(tensors[n][1].nbytes for n in group)))
     if len(groups) > 1:

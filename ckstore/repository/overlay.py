@@ -325,17 +325,16 @@ def _dependent_advice(here: str) -> str:
             f"if it was deleted, run 'ckstore --repo {repo} relink --prune'")
 
 
+def unreachable_bases(ctx: RepoContext) -> list[str]:
+    """One line per base repository (or a base's base) that does not open, naming relink."""
+    lines = [f"base repository unreachable: {b}" for b in ctx.broken_alternates]
+    return list(dict.fromkeys(lines + [line for base in ctx.bases for line in unreachable_bases(base)]))
+
+
 def link_problems(ctx: RepoContext) -> list[str]:
     """fsck's view of the links: bases (and their bases) that do not open, links one side lacks,
     dependents that do not open; each names the command that repairs it."""
-    problems: list[str] = []
-
-    def unreachable(c: RepoContext) -> None:
-        problems.extend(f"base repository unreachable: {b}" for b in c.broken_alternates)
-        for base in c.bases:
-            unreachable(base)
-
-    unreachable(ctx)
+    problems = unreachable_bases(ctx)
     if ctx.path is None:
         return problems
     here = ctx.location

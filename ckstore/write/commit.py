@@ -50,6 +50,7 @@ class CommitRequest:
     message: str
     branch: str | None  # None: the repository's current branch, decided when the ref is moved
     metadata: JSONValue  # typed-JSON encoded (values.py)
+    start: ObjectId | None = None  # the parent when the branch does not exist yet; None: a root commit
 
     def on_branch(self, ctx: RepoContext) -> CommitRequest:
         """This request with its branch decided now (the current branch when none was given)."""
@@ -77,7 +78,7 @@ def commit_sources(
         assert request.branch is not None  # on_branch decided it
         # The relative change recorded for unchanged tensors is against the branch's tip now;
         # record_commit drops it if another writer moves the tip before this commit lands.
-        tip = ctx.refs.read(HEADS + request.branch)
+        tip = ctx.refs.read(HEADS + request.branch) or request.start
         previous = ctx.graph.read_commit(tip).files if tip else ()
         stats = {(f.path, t.name): t for f in previous for t in f.tensors}
         bar = progress(sum(s.size for s in sources), "commit") if progress else None
@@ -134,7 +135,8 @@ def record_commit(
     ref = HEADS + branch
     origin = provenance.collect()  # runs git: once, not on every retry
     for _ in range(MAX_CAS_ATTEMPTS):
-        parent = ctx.refs.read(ref)
+        current = ctx.refs.read(ref)
+        parent = current or request.start  # a new branch starts at ``start`` (git's checkout -b)
         if parent != stats_parent:
             files = without_change(files)
         commit = Commit(
@@ -146,7 +148,7 @@ def record_commit(
         oid = ctx.store.put_commit(encode_commit(commit)).id
         with interrupts_deferred():
             try:
-                ctx.refs.update(ref, oid, expected=parent, reason=_reflog_reason(parent, request.message))
+                ctx.refs.update(ref, oid, expected=current, reason=_reflog_reason(parent, request.message))
             except RefChangedError:
                 continue  # another writer advanced the branch: re-parent onto its commit, as documented
             except RefExistsError:
