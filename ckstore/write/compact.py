@@ -14,12 +14,12 @@ later. For each chunk position of the branch tip (paired with its parent's chunk
    weight or ``exp_avg_sq`` piece (optstate.py), by a predicted delta from the tip's weight and
    moments (and the parent's ``exp_avg``) when that is smaller still (codecs/predict.py);
 2. a chunk stored provisionally by a fast commit is replaced by its best whole encoding (byte
-   grouping) once it has outlived one commit: the parent's when no delta replaced it, and the
-   tip's when the parent has it too. The tip's new chunks stay as the commit stored them: the
-   next commit's compaction turns most of them into deltas, so encoding them whole first was
-   half of every run's CPU for nothing. The newest commit alone stays in its fast encoding (a
-   few % more stored bytes until the next commit, or until ``repack``). So each chunk is
-   re-encoded once.
+   grouping): the parent's when no delta replaced it; the tip's when the parent has it too, or
+   when the parent's chunk at its position took no delta (an AdamW first moment, mostly: the
+   next run would find the same). The tip's other new chunks stay as the commit stored them:
+   the next commit's compaction turns most of them into deltas, so encoding them whole first
+   was half of every run's CPU for nothing. Only the newest commit holds fast-encoded chunks
+   (more stored bytes until the next commit, or ``repack``), and each chunk is re-encoded once.
 
 Every replacement is decoded and re-hashed before it is staged, and all of a run's replacements
 are applied together after one durability barrier (``ObjectStore.batch``); an interrupted run
@@ -338,8 +338,14 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         deltas = predicted = recompressed = saved = 0
         if parent is not None:
             made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits)
-            deltas, recompressed, saved = deltas + (made in ("delta", "predicted")), recompressed + (made == "whole"), saved + freed
+            deltas, saved = deltas + (made in ("delta", "predicted")), saved + freed
+            recompressed += made.startswith("whole") and freed > 0
             predicted += made == "predicted"
+            # No delta paid here (an AdamW first moment, mostly): the next run would most likely
+            # find the same and settle the child's chunk then, so it is settled now, from the
+            # bytes in hand, and the newest commit is not left fast where it would stay whole.
+            if made == "whole, refused" and not provisional and job.tip:
+                provisional = store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
         if provisional:
             freed = _recompress(store, slot.id, raw, slot.width)
             recompressed, saved = recompressed + (freed > 0), saved + freed
@@ -410,14 +416,16 @@ def _reverse_delta(
     if predicted is not None and upgrade():
         store.stage_replace(oid, predicted)
         return "predicted", len(current) - len(predicted)
+    # "whole, refused": a delta was tried and did not pay (not a full chain keeping it whole).
+    whole = "whole, refused" if height + 1 <= depth else "whole"
     if best is not current:
         _check(oid, best, raw)
         store.stage_replace(oid, best)
-        return "whole", len(current) - len(best)
+        return whole, len(current) - len(best)
     if provisional and len(raw) > EXHAUSTIVE_MAX:
         freed = _recompress(store, oid, raw, job.slot.width, current=current)
-        return ("whole" if freed else ""), freed
-    return "", 0
+        return whole, freed
+    return (whole if height + 1 <= depth else ""), 0
 
 
 def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int,
