@@ -16,9 +16,11 @@ same tensors, each tensor repeated under new names, every copy rotated by a diff
 (values and epoch-to-epoch changes are the real ones, so it compresses like a real state; no
 two chunks are equal).
 
-``compaction``: CPU seconds of the process (every thread, ``time.process_time``) of one epoch's
-compaction (``Repo.compact`` after committing epochs 1..n with compaction off), against
-``save_file`` + fsync of the same state; fp32 and bf16. (DCP: scripts/bench_dcp.py.)
+``compaction``: CPU seconds of the process (every thread, ``time.process_time``; user and system
+from ``getrusage``) of the last epoch's compaction (``Repo.compact`` after committing epochs 1..n
+with compaction off, each earlier one compacted), against ``save_file`` + fsync of the same state
+(wall and CPU), both after an ``os.sync()``; the stored bytes after it and after ``repack``;
+fp32 and bf16. (DCP: scripts/bench_dcp.py.)
 
 The scaling table (how each command's cost grows with history and objects) is
 scripts/bench_scaling.py.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -181,9 +184,12 @@ def epochs_table(results: dict[str, dict[str, list[float]]], sizes: dict[str, in
     return "\n".join(lines)
 
 
-def bench_compaction(states: list[dict[str, dict[str, torch.Tensor]]], work: Path, runs: int) -> tuple[float, float, float]:
-    """(save_file + fsync s, its CPU s, compaction CPU s) of the last epoch, medians over runs."""
-    save, save_cpu, compact = [], [], []
+def bench_compaction(states: list[dict[str, dict[str, torch.Tensor]]], work: Path, runs: int) -> dict[str, float]:
+    """Medians over runs, for the last epoch: ``save`` (save_file + fsync wall s) and ``save_cpu``;
+    its compaction's ``cpu`` (process CPU s, every thread), ``user``, ``sys``, ``wall``; the
+    repository's stored bytes after it (``stored``: the newest epoch as its commit stored it)
+    and after ``repack`` (``repacked``)."""
+    samples: dict[str, list[float]] = {}
     for _ in range(runs):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -193,23 +199,29 @@ def bench_compaction(states: list[dict[str, dict[str, torch.Tensor]]], work: Pat
             folder = work / f"epoch_{n + 1}"
             folder.mkdir()
             gc.collect()
+            os.sync()
             started, cpu = time.perf_counter(), time.process_time()
             for f, tensors in state.items():
                 save_synced(tensors, folder / f.replace(".safetensors", f"_epoch_{n + 1}.safetensors"))
             fsync_path(folder)
             wall, cpu = time.perf_counter() - started, time.process_time() - cpu
             repo.commit(folder, message=f"epoch {n + 1}")
+            shutil.rmtree(folder)
             if n < len(states) - 1:
                 repo.compact()  # every earlier epoch as it would be
-                shutil.rmtree(folder)
                 continue
-            cpu_before = time.process_time()
+            os.sync()
+            before, started, usage = time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             repo.compact()
-            compact.append(time.process_time() - cpu_before)
-            save.append(wall)
-            save_cpu.append(cpu)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            for key, value in (("save", wall), ("save_cpu", cpu), ("cpu", time.process_time() - before),
+                               ("wall", time.perf_counter() - started), ("user", after.ru_utime - usage.ru_utime),
+                               ("sys", after.ru_stime - usage.ru_stime), ("stored", repo.stats().stored_bytes)):
+                samples.setdefault(key, []).append(value)
+            repo.repack()
+            samples.setdefault("repacked", []).append(repo.stats().stored_bytes)
     shutil.rmtree(work, ignore_errors=True)
-    return statistics.median(save), statistics.median(save_cpu), statistics.median(compact)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def main() -> None:
@@ -236,12 +248,17 @@ def main() -> None:
                 print(epochs_table({label: results[label]}, sizes, args.runs), flush=True)
         print("\n" + epochs_table(results, sizes, args.runs), flush=True)
     if "compaction" in args.parts:
-        lines = ["| state | save_file + fsync s (CPU s) | compaction CPU s | ratio to save_file wall |", "|---|---|---|---|"]
+        lines = ["| state | save_file + fsync s (its CPU s) | compaction CPU s (user + sys) | ratio to save wall | ratio to save CPU "
+                 "| stored MB after compaction / after repack | load |", "|---|---|---|---|---|---|---|"]
         for dtype in args.dtypes:
-            save, save_cpu, cpu = bench_compaction(epochs_of(runs[dtype], 0.27), work / "compaction", args.runs)
-            lines.append(f"| {dtype} MiniLM epoch 4 | {save:.2f} ({save_cpu:.2f}) | {cpu:.2f} | {cpu / save:.1f}× |")
+            before = load()
+            r = bench_compaction(epochs_of(runs[dtype], 0.27), work / "compaction", args.runs)
+            lines.append(f"| {dtype} MiniLM epoch 4 ({args.runs} runs) | {r['save']:.2f} ({r['save_cpu']:.2f}) "
+                         f"| {r['cpu']:.2f} ({r['user']:.2f} + {r['sys']:.2f}) | {r['cpu'] / r['save']:.1f}× "
+                         f"| {r['cpu'] / r['save_cpu']:.0f}× | {r['stored'] / 1e6:.1f} / {r['repacked'] / 1e6:.1f} "
+                         f"| {before} → {load()} |")
             print(lines[-1], flush=True)
-        print(f"\nload average {load()}\n" + "\n".join(lines), flush=True)
+        print("\n" + "\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":

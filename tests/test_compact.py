@@ -50,15 +50,71 @@ def test_commit_stores_fast_and_compaction_makes_the_parent_deltas(tmp_path: Pat
     report = repo.compact()
     assert report.deltas > 0 and report.recompressed > 0 and report.saved > 0
     assert repo.stats().stored_bytes == stored_before - report.saved
-    # The parent's changed chunks are deltas of the tip's; the tip reads whole, byte-grouped.
+    # The parent's changed chunks are deltas of the tip's; the tip reads whole. The chunks it
+    # shares with its parent ("frozen") are byte-grouped now; its new ones stay as the commit
+    # stored them until the next commit's compaction (or repack) re-encodes them.
     assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, first))
     assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, second))
-    assert Encoding.GROUPED in {_encoding(repo, o) for o in _tensor_chunks(repo, second)}
+    shared = set(_tensor_chunks(repo, first)) & set(_tensor_chunks(repo, second))
+    assert shared and {_encoding(repo, o) for o in shared} == {Encoding.GROUPED}
+    assert {_encoding(repo, o) for o in set(_tensor_chunks(repo, second)) - shared} <= {Encoding.ZSTD, Encoding.RAW}
     for oid, step in ((first, 0), (second, 1)):
         loaded = repo.load_state(oid)
         assert all(torch.equal(loaded[k], v) for k, v in _state(step).items())
     assert repo.fsck(read_data=True) == []
     assert repo.compact().saved == 0  # nothing left to do: a second run only reads headers
+
+
+def test_each_chunk_is_re_encoded_at_most_once_and_settles_a_commit_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tip's new chunks are not encoded whole only to become deltas one commit later: over a
+    run of epochs every object is replaced at most once, and every commit but the newest ends in
+    its final encoding (deltas or byte-grouped, nothing left as the fast commit stored it)."""
+    staged: list[str] = []
+    original = ObjectStore.stage_replace
+    monkeypatch.setattr(ObjectStore, "stage_replace", lambda self, oid, data: (staged.append(oid), original(self, oid, data))[1])
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    ids = [repo.commit_state(_state(s)) for s in range(4)]
+    repo.wait()
+    assert staged and len(staged) == len(set(staged))
+    for older in ids[:-1]:
+        for oid in _tensor_chunks(repo, older):
+            assert repo.store.bases_of(oid) != () or _encoding(repo, oid) == Encoding.GROUPED
+    assert repo.fsck(read_data=True) == []
+
+
+def test_repack_gives_the_newest_commit_its_best_whole_encoding_without_growing_the_store(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    ids = [repo.commit_state(_state(s)) for s in range(3)]
+    repo.wait()
+    assert {Encoding.ZSTD, Encoding.RAW} & {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])}  # left fast
+    report = repo.repack()
+    assert report.stored_bytes_after < report.stored_bytes_before
+    assert {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])} == {Encoding.GROUPED}
+    for oid, step in zip(ids, range(3)):
+        assert all(torch.equal(repo.load_state(oid)[k], v) for k, v in _state(step).items())
+
+
+def test_an_encoding_that_does_not_decode_to_the_chunk_is_never_staged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compaction checks each new encoding by decoding it and comparing with the chunk's verified
+    bytes: a delta that decodes to other bytes (a flipped bit in a plane) is refused, and the
+    parent keeps an encoding that reads back exactly."""
+    import ckstore.write.compact as compact
+
+    original = compact.encode_delta
+
+    def flipped(*args: object, **kwargs: object) -> bytes | None:
+        data = original(*args, **kwargs)  # type: ignore[arg-type]
+        return None if data is None else data[:-1] + bytes([data[-1] ^ 1])
+
+    monkeypatch.setattr(compact, "encode_delta", flipped)
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    repo.compact_after_commit = False
+    first = repo.commit_state(_state(0))
+    repo.commit_state(_state(1))
+    assert repo.compact().deltas == 0
+    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, first))
+    assert all(torch.equal(repo.load_state(first)[k], v) for k, v in _state(0).items())
+    assert repo.fsck(read_data=True) == []
 
 
 def test_background_compaction_runs_after_each_commit_and_wait_covers_it(tmp_path: Path) -> None:
