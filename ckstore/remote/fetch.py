@@ -579,7 +579,7 @@ def _pull_locked(ctx: RepoContext, remote_name: str | None,
     # The fast-forward first: each walk stops where it finds the other commit, so the usual
     # pull costs the commits it brings, not the branch's whole history.
     behind = ours is None or ctx.graph.reaches(theirs, ours)
-    if ours == theirs or (not behind and ctx.graph.reaches(ours, theirs)):
+    if ours == theirs or (ours is not None and not behind and ctx.graph.reaches(ours, theirs)):
         return report, ours, ours  # up to date (or ahead)
     if not behind:
         raise ConflictError(
