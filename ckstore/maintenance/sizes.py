@@ -71,7 +71,7 @@ def stats(ctx: RepoContext) -> Stats:
     store = ctx.store
     ids = list(store.iter_ids())
     reachable = ctx.graph.reachable_commits()
-    logical = sum(ctx.graph.read_commit(c).logical_bytes for c in reachable)
+    logical = sum(ctx.graph.read_commit(c, files=False).logical_bytes for c in reachable)
     kept = _kept(ctx)
     temporaries = ctx.backend.temporary_sizes()
     figures = Stats(logical, stored_bytes(store, ids), len(reachable), len(ids), None, None,
