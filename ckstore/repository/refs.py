@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,6 +54,12 @@ class _Any:
 
 
 ANY = _Any()
+
+
+def _hostname() -> str:
+    import socket  # only ref locks need it: a command that reads refs starts without it
+
+    return socket.gethostname()
 
 
 def _char(ch: str) -> str:
@@ -265,7 +270,7 @@ class RefStore:
     @contextmanager
     def _ref_lock(self, ref: str) -> Iterator[None]:
         lock = encode_ref(ref) + LOCK_SUFFIX
-        owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
+        owner = json.dumps({"pid": os.getpid(), "host": _hostname(), "time": time.time()}).encode()
         deadline = time.monotonic() + LOCK_WAIT
         while True:
             try:
@@ -304,7 +309,7 @@ class RefStore:
             return  # released meanwhile
         except (ValueError, TypeError):
             return  # being written right now, or unreadable: let the timeout speak
-        if host == socket.gethostname() and not pid_alive(pid):
+        if host == _hostname() and not pid_alive(pid):
             raise LockedError(
                 f"stale lock {self.backend.describe(lock)} left by process {pid}, which is no longer running;"
                 " if no ckstore command is running, delete that file and retry"
