@@ -207,6 +207,7 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 
 def _print_summary(files: list[Any]) -> None:
+    out = []  # one write: a commit of 10^4 files printed line by line spent a fifth of show's time in echo
     for f in files:
         parts = [f.kind, human(f.size)]
         if f.kind == "safetensors":
@@ -215,7 +216,7 @@ def _print_summary(files: list[Any]) -> None:
             parts.append("from base")
         elif f.tensors_from_base:
             parts.append(f"{f.tensors_from_base} of {f.tensors} tensors from base")
-        click.echo(f"{f.path}  " + ", ".join(parts))
+        out.append(f"{f.path}  " + ", ".join(parts))
         rows = []
         for g in f.groups:
             label = "optimizer state" if g.optimizer else ""
@@ -223,8 +224,9 @@ def _print_summary(files: list[Any]) -> None:
             rows.append([g.name or "(other groups)", label, _plural(g.tensors, "tensor"), human(g.bytes), detail])
         if rows and not any(r[1] for r in rows):
             rows = [[r[0], *r[2:]] for r in rows]
-        for line in _table(rows):
-            click.echo(line)
+        out.extend(_table(rows))
+    if out:
+        click.echo("\n".join(out))
 
 
 def _print_tensors(commit: Any, inherited: set[tuple[str, str | None]]) -> None:
