@@ -26,7 +26,6 @@ from ckstore.repository.context import (
 from ckstore.repository.refs import HEADS, REMOTES, TAGS, RefStore, check_ref_name
 from ckstore.repository.store import ObjectStore
 from ckstore.write.background import BackgroundStatus, CommitHandle, work_for
-from ckstore.write.pipeline import ProgressBar, ProgressFactory
 
 # Operations are imported where they are called, so a command loads only what it runs (start-up:
 # scripts/bench_startup.py); the names re-exported below load on first use (``__getattr__``).
@@ -52,11 +51,13 @@ if TYPE_CHECKING:
     from ckstore.write.commit import CommitRequest
     from ckstore.write.compact import CompactReport
     from ckstore.write.ingest import MemoryFile
+    from ckstore.write.pipeline import ProgressBar, ProgressFactory
 
 _LAZY_EXPORTS = {
     "CheckoutResult": "ckstore.read.checkout", "CommitSizes": "ckstore.maintenance.sizes",
     "Stats": "ckstore.maintenance.sizes", "Decorations": "ckstore.history.log", "Diff": "ckstore.history.log",
     "TensorChange": "ckstore.history.log", "ReflogEntry": "ckstore.repository.reflog",
+    "ProgressBar": "ckstore.write.pipeline", "ProgressFactory": "ckstore.write.pipeline",
 }
 
 

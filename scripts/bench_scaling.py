@@ -34,7 +34,7 @@ from ckstore import Repo
 
 ROOT = Path(__file__).resolve().parent.parent
 CKSTORE = [sys.executable, "-m", "ckstore.cli"]
-COMMANDS = ("log", "log -n 10", "show", "stats", "fsck", "gc --dry-run", "gc", "push", "fetch")
+COMMANDS = ("log", "log -n 10", "status", "show", "stats", "fsck", "gc --dry-run", "gc", "push", "fetch")
 
 
 def load() -> str:

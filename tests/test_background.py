@@ -20,6 +20,8 @@ from ckstore import Repo
 from ckstore.write.background import CommitHandle
 from ckstore.errors import StorageError
 
+from helpers import checkpoint
+
 
 def _state(seed: int = 0) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
@@ -130,6 +132,24 @@ def test_interpreter_exit_waits_for_pending_commits(tmp_path: Path) -> None:
     repo = Repo(tmp_path / "repo")
     assert [e.commit.message for e in repo.log()] == ["last"]
     assert torch.equal(repo.load_state("HEAD")["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_exit_waits_for_the_compaction_of_a_script_that_imported_no_thread_pool(tmp_path: Path) -> None:
+    # ckstore imports concurrent.futures only when it starts a pool (start-up), after which its exit
+    # hook must still run before concurrent.futures' own, or the wait at exit fails with a traceback.
+    for seed in (1, 2):
+        checkpoint(tmp_path / f"ep{seed}" / "model.safetensors", seed=seed)
+    script = textwrap.dedent(f"""
+        import sys
+        from ckstore import Repo
+        assert "concurrent.futures" not in sys.modules
+        repo = Repo.init({str(tmp_path / "repo")!r})
+        repo.commit({str(tmp_path / "ep1")!r}, message="one")
+        repo.commit({str(tmp_path / "ep2")!r}, message="two")  # exits while the parent compacts
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert Repo(tmp_path / "repo").fsck() == []
 
 
 def test_unobserved_failure_is_reported_at_exit(tmp_path: Path) -> None:

@@ -117,6 +117,27 @@ def test_malformed_manifests_refused(edit: Callable[[dict[str, Any]], None]) -> 
         decode_commit(edited(edit))
 
 
+@pytest.mark.parametrize("edit", BAD_EDITS.values(), ids=BAD_EDITS.keys())
+def test_lazy_files_refuse_the_same_manifests_by_first_use(edit: Callable[[dict[str, Any]], None]) -> None:
+    # log reads headers with the files unparsed: a damaged file entry must still be refused,
+    # naming the commit, as soon as anything reads the files.
+    with pytest.raises(IntegrityError):
+        commit = decode_commit(edited(edit), lazy_files="commit abc123")
+        list(commit.files)
+
+
+def test_lazy_files_are_parsed_on_first_use_and_equal_the_eager_ones() -> None:
+    damaged = edited(lambda d: weights(d).update(size=weights(d)["size"] + 1))
+    header = decode_commit(damaged, lazy_files="commit abc123")  # the header alone is sound
+    assert header.message == "épоch 3 ✓" and header.logical_bytes == 148
+    with pytest.raises(IntegrityError, match="^commit abc123: file 'model/model.safetensors'"):
+        len(header.files)
+    lazy, eager = decode_commit(BASE, lazy_files="commit abc123"), decode_commit(BASE)
+    assert lazy == eager and eager == lazy
+    assert len(lazy.files) == 2 and lazy.files[1] == eager.files[1] and list(lazy.files) == list(eager.files)
+    assert lazy.files[:1] == eager.files[:1] and encode_commit(lazy) == BASE
+
+
 @pytest.mark.parametrize("path", [
     "../x", "a/../../x", "/abs", "C:\\x", "C:x", "\\\\host\\share", "a\\b", "a\x00b", "a\nb", "a\x7fb",
     "a//b", "a/", "./a", "a/./b", "", "..",
@@ -186,7 +207,8 @@ def test_random_json_mutations_raise_only_ckstore_errors(data: st.DataObject) ->
         target[data.draw(st.sampled_from(sorted(target)))] = replacement
     elif target:
         target[data.draw(st.integers(0, len(target) - 1))] = replacement
-    try:
-        decode_commit(canonical_json(doc))
-    except CkstoreError:
-        pass
+    for lazy in (None, "commit abc123"):
+        try:
+            list(decode_commit(canonical_json(doc), lazy_files=lazy).files)
+        except CkstoreError:
+            pass

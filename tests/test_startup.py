@@ -46,12 +46,12 @@ def small_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 HEAVY = ("numpy", "torch", "tqdm")
 
 
-def imported_by(repo: Path, *args: str, tmp: Path, watch: tuple[str, ...] = HEAVY) -> list[str]:
-    """Which of the ``watch`` modules the command ``ckstore ARGS`` imported."""
+def imported_by(repo: Path, *args: str, tmp: Path, watch: tuple[str, ...] = HEAVY, ok: bool = True) -> list[str]:
+    """Which of the ``watch`` modules the command ``ckstore ARGS`` imported (``ok``: it succeeded)."""
     out = tmp / "modules.json"
     env = {**os.environ, "CKSTORE_REPO": str(repo)}
     proc = subprocess.run([sys.executable, "-c", _PROBE, str(out), *args], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr
+    assert (proc.returncode == 0) == ok, proc.stderr
     loaded = set(json.loads(out.read_text()))
     return [m for m in watch if m in loaded]
 
@@ -73,18 +73,70 @@ def test_the_probe_sees_numpy_when_chunks_are_decoded(small_repo: Path, tmp_path
 # ``Repo`` delegates to are imported where they are called.
 OPERATIONS = HEAVY + (
     "ckstore.write.commit", "ckstore.write.compact", "ckstore.write.ingest", "ckstore.read.checkout",
-    "ckstore.read.export", "ckstore.maintenance.gc", "ckstore.maintenance.sizes", "ckstore.repository.overlay",
-    "ckstore.remote.fetch", "ckstore.training.state",
+    "ckstore.read.export", "ckstore.remote.fetch", "ckstore.training.state", "ckstore.maintenance.repack",
 )
+# What status computes (gc's kept set, for what gc would free) is an operation the others skip.
+STATUS_ONLY = ("ckstore.maintenance.gc", "ckstore.maintenance.sizes", "ckstore.repository.overlay")
 
 
-@pytest.mark.parametrize("args", [("--help",), ("log", "-n", "1"), ("wait",), ("branch",)])
+@pytest.mark.parametrize("args", [("--help",), ("log", "-n", "1"), ("wait",), ("branch",), ("status",)])
 def test_commands_that_start_often_load_no_operation_they_do_not_run(
     small_repo: Path, tmp_path: Path, args: tuple[str, ...]
 ) -> None:
-    assert imported_by(small_repo, *args, tmp=tmp_path, watch=OPERATIONS) == []
+    watch = OPERATIONS if args == ("status",) else OPERATIONS + STATUS_ONLY
+    assert imported_by(small_repo, *args, tmp=tmp_path, watch=watch) == []
 
 
 def test_the_probe_sees_the_operation_a_command_runs(small_repo: Path, tmp_path: Path) -> None:
     assert "ckstore.read.checkout" in imported_by(small_repo, "checkout", "HEAD", "-o", str(tmp_path / "out"),
                                                   tmp=tmp_path, watch=OPERATIONS)
+
+
+# Start-up costs in CPU time (scripts/bench_startup.py, docs/benchmarks.md "Startup"): what
+# `log -n 1` and `status` read needs none of these; they load with the writes that use them.
+WRITERS_ONLY = ("concurrent.futures", "subprocess", "socket", "getpass", "secrets", "ckstore.write.pipeline",
+                "ckstore.format.dcp_record", "ckstore.history.lanes")
+# `--help` and a usage error open no repository: none of the repository layer.
+REPOSITORY = ("ckstore.repo", "ckstore.repository.context", "ckstore.backend.local", "ckstore.format.manifest",
+              "ckstore.codecs.objects", "zstandard", "blake3", "dataclasses")
+
+
+@pytest.mark.parametrize("args", [("log", "-n", "1"), ("log", "--oneline"), ("show",)])
+def test_reading_commands_load_nothing_only_writers_need(small_repo: Path, tmp_path: Path, args: tuple[str, ...]) -> None:
+    assert imported_by(small_repo, *args, tmp=tmp_path, watch=WRITERS_ONLY) == []
+
+
+def test_status_loads_no_writer_but_what_its_remotes_need(small_repo: Path, tmp_path: Path) -> None:
+    # Remote layouts use a thread pool (remote/layout.py): status lists the remotes' branches.
+    watch = tuple(m for m in WRITERS_ONLY if m != "concurrent.futures")
+    assert imported_by(small_repo, "status", tmp=tmp_path, watch=watch) == []
+
+
+@pytest.mark.parametrize("args, ok", [
+    (("--help",), True), (("log", "--help"), True), (("--no-such-option",), False), (("no-such-command",), False),
+])
+def test_help_and_usage_errors_load_no_repository_code(small_repo: Path, tmp_path: Path, args: tuple[str, ...],
+                                                       ok: bool) -> None:
+    assert imported_by(small_repo, *args, tmp=tmp_path, watch=REPOSITORY, ok=ok) == []
+
+
+def test_the_probe_sees_what_a_commit_loads(tmp_path: Path) -> None:
+    # The watch lists above can fail: a commit loads the writers' modules.
+    Repo.init(tmp_path / "repo")
+    checkpoint(tmp_path / "ep" / "model.safetensors", seed=1)
+    loaded = imported_by(tmp_path / "repo", "commit", str(tmp_path / "ep"), tmp=tmp_path, watch=WRITERS_ONLY + REPOSITORY)
+    assert {"concurrent.futures", "ckstore.write.pipeline", "ckstore.repo", "zstandard"} <= set(loaded)
+
+
+def test_every_command_is_listed_with_its_module() -> None:
+    # The group imports a command's module by this table: a command missing from it would be
+    # neither listed by --help nor found.
+    import importlib
+
+    from ckstore.cli.base import COMMAND_MODULES, main
+
+    for module in set(COMMAND_MODULES.values()):
+        importlib.import_module(f"ckstore.cli.{module}")
+    defined = {name: (cmd.callback.__module__ if cmd.callback else "") for name, cmd in main.commands.items()}
+    assert set(defined) - {"wait"} == set(COMMAND_MODULES)
+    assert all(defined[name] == f"ckstore.cli.{module}" for name, module in COMMAND_MODULES.items())

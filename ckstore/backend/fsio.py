@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -69,6 +68,8 @@ def process_owner() -> dict[str, object]:
     """Who holds a lock, written into the lock file: the process id, and what makes that id mean
     one process: the host, the boot (ids restart), the pid namespace (containers with the host's
     name see other ids). The last two are Linux's; elsewhere they are absent."""
+    import socket  # only lock writers need it: a command that reads starts without it
+
     owner: dict[str, object] = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
     try:
         owner["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -13,6 +13,7 @@ are ignored while the command cleans up, so none prints a traceback.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import math
@@ -23,14 +24,18 @@ import sys
 import warnings
 from collections.abc import Callable
 from functools import update_wrapper
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 import click.shell_completion
 
-from ckstore.format.settings import human  # noqa: F401  (the commands' one way to print sizes)
+from ckstore.format.units import human  # noqa: F401  (the commands' one way to print sizes)
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
-from ckstore.repo import ProgressBar, Repo
+
+# The repository layer loads when a command opens a repository (``find_repo``), not for ``--help``
+# or a usage error (start-up: scripts/bench_startup.py, tests/test_startup.py).
+if TYPE_CHECKING:
+    from ckstore.repo import ProgressBar, Repo
 
 EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141  # 128 + SIGPIPE
@@ -150,7 +155,29 @@ def git_count_args(args: list[str]) -> list[str]:
     return out
 
 
+# The module (ckstore/cli/<module>.py) that defines each command, imported when that command
+# runs or a help text lists it: `ckstore log` loads only the history commands (start-up).
+# tests/test_startup.py checks that this names every command and its module.
+COMMAND_MODULES = {
+    **dict.fromkeys(("init", "commit", "checkout", "export", "import"), "files"),
+    **dict.fromkeys(("log", "show", "diff", "best", "stats"), "inspect"),
+    **dict.fromkeys(("gc", "repack", "config", "fsck"), "maintenance"),
+    "relink": "overlays",
+    **dict.fromkeys(("status", "report"), "overview"),
+    **dict.fromkeys(("branch", "tag", "switch", "reset", "reflog"), "refs"),
+    **dict.fromkeys(("remote", "push", "fetch", "pull", "clone"), "remotes"),
+}
+
+
 class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *COMMAND_MODULES})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMAND_MODULES:
+            importlib.import_module(f"ckstore.cli.{COMMAND_MODULES[name]}")  # registers its commands
+        return super().get_command(ctx, name)
+
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
         """Usage errors as every other error: one line ``ckstore: …`` (README, "Commands"), exit 2."""
         argv = git_count_args(list(sys.argv[1:] if args is None else args))
@@ -192,7 +219,7 @@ def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) ->
     """Shell completion of REF arguments: branches, tags and HEAD of the repository in use
     (``eval "$(_CKSTORE_COMPLETE=bash_source ckstore)"``; README, "Shell completion")."""
     try:
-        repo = Repo.find(ctx.find_root().params.get("repo_path"))
+        repo = find_repo(ctx)
         names = ["HEAD", *repo.branches(), *repo.tags()]
     except CkstoreError:
         return []  # outside a repository there is nothing to offer, and completion must not fail
@@ -232,12 +259,19 @@ def _commit_stands(signum: int, frame: object) -> None:
 COMMIT_STANDS = "ckstore: the commit stands; its compaction continues in the background ('ckstore wait' waits for it)"
 
 
+def find_repo(ctx: click.Context) -> Repo:
+    """The repository of ``--repo``, $CKSTORE_REPO or the nearest .ckstore."""
+    from ckstore.repo import Repo
+
+    return Repo.find(ctx.find_root().params.get("repo_path"))
+
+
 def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
     """Find the repository when the command runs (so `ckstore CMD --help` works anywhere)."""
 
     @click.pass_context
     def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
-        repo = Repo.find(ctx.find_root().params.get("repo_path"))
+        repo = find_repo(ctx)
         # The command ends when its commit is durable; compaction goes on without it.
         repo.detach_compaction = True
         interrupts = _Interrupts(repo, ctx.info_name or "")

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import click
 
 from ckstore.errors import InvalidInputError, PickleCheckpointError
-from ckstore.repo import Repo
 from ckstore.cli.base import (
     complete_ref,
     human,
@@ -19,6 +18,7 @@ from ckstore.cli.base import (
 )
 
 if TYPE_CHECKING:
+    from ckstore.repo import Repo
     from ckstore.repo import CheckoutResult
 
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 @click.option("--max-delta-depth", type=int, help="Longest delta chain, 0 for no deltas (default 4).")
 def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_depth: int | None) -> None:
     """Create a repository at PATH (default ./.ckstore)."""
+    from ckstore.repo import Repo
+
     repo = Repo.init(path, chunk_size=chunk_size, zstd_level=zstd_level, max_delta_depth=max_delta_depth)
     click.echo(f"initialised empty ckstore repository in {repo.path}")
 

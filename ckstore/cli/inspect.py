@@ -6,19 +6,22 @@ Their figures are defined once in ckstore/maintenance/sizes.py (docs/design.md, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckstore.errors import InvalidInputError
-from ckstore.format.dcp_record import record_json
-from ckstore.repo import Decorations, Repo
 from ckstore.cli.base import complete_ref, human, main, pass_repo, print_json, short
+
+if TYPE_CHECKING:
+    from ckstore.repo import Decorations, Repo
 
 _STATUS_MARKS = {"added": "+", "removed": "-", "changed": "~", "unchanged": "="}
 
 
 def _entry_json(oid: str, commit: Any, pruned: tuple[str, ...] = (), refs: Decorations | None = None) -> dict[str, Any]:
+    from ckstore.history.log import Decorations  # loaded with the history this prints
+
     refs = refs or Decorations()
     return {
         "id": oid, "time": commit.time, "branch": commit.branch, "message": commit.message,
@@ -33,8 +36,10 @@ def meta_text(metadata: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in metadata.items())
 
 
-def decoration_text(refs: Decorations) -> str:
+def decoration_text(refs: Decorations | None) -> str:
     """git's style: ``(HEAD -> main, exp, tag: v1, best val_loss)``, or nothing."""
+    if refs is None:
+        return ""
     names = [f"HEAD -> {b}" if refs.head and i == 0 else b for i, b in enumerate(refs.branches)]
     names += [f"tag: {t}" for t in refs.tags] + [f"best {m}" for m in refs.best]
     return f" ({', '.join(names)})" if names else ""
@@ -43,7 +48,7 @@ def decoration_text(refs: Decorations) -> str:
 def commit_line(oid: str, commit: Any, refs: Decorations | None = None) -> str:
     """One line naming a commit: short id, names, message, metadata (log --oneline, gc)."""
     meta = meta_text(commit.decoded_metadata())
-    text = f"{short(oid)}{decoration_text(refs or Decorations())} {commit.message or '(no message)'}"
+    text = f"{short(oid)}{decoration_text(refs)} {commit.message or '(no message)'}"
     return f"{text}  [{meta}]" if meta else text
 
 
@@ -77,9 +82,11 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
             docs.append(doc)
         print_json(docs)
         return
-    from ckstore.history.lanes import graph_prefixes
+    lanes = None
+    if graph:
+        from ckstore.history.lanes import graph_prefixes
 
-    lanes = graph_prefixes([(e.id, e.commit.parents) for e in entries]) if graph else None
+        lanes = graph_prefixes([(e.id, e.commit.parents) for e in entries])
     for e in entries:
         c = e.commit
         prefix, joins = next(lanes) if lanes else ("", [])
@@ -152,10 +159,12 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
         if c.dcp is not None:
+            from ckstore.format.dcp_record import record_json
+
             doc["dcp"] = record_json(c.dcp)
         print_json(doc)
         return
-    click.echo(f"commit {oid}{decoration_text(refs or Decorations())}\nDate:   {c.time}")
+    click.echo(f"commit {oid}{decoration_text(refs)}\nDate:   {c.time}")
     if c.base is not None:
         now = repo.base_location(oid)
         where = (f" in {now}" if now else f" in {c.base.repo} (recorded at commit; not reachable now: "
@@ -198,6 +207,7 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 
 def _print_summary(files: list[Any]) -> None:
+    out = []  # one write: a commit of 10^4 files printed line by line spent a fifth of show's time in echo
     for f in files:
         parts = [f.kind, human(f.size)]
         if f.kind == "safetensors":
@@ -206,7 +216,7 @@ def _print_summary(files: list[Any]) -> None:
             parts.append("from base")
         elif f.tensors_from_base:
             parts.append(f"{f.tensors_from_base} of {f.tensors} tensors from base")
-        click.echo(f"{f.path}  " + ", ".join(parts))
+        out.append(f"{f.path}  " + ", ".join(parts))
         rows = []
         for g in f.groups:
             label = "optimizer state" if g.optimizer else ""
@@ -214,8 +224,9 @@ def _print_summary(files: list[Any]) -> None:
             rows.append([g.name or "(other groups)", label, _plural(g.tensors, "tensor"), human(g.bytes), detail])
         if rows and not any(r[1] for r in rows):
             rows = [[r[0], *r[2:]] for r in rows]
-        for line in _table(rows):
-            click.echo(line)
+        out.extend(_table(rows))
+    if out:
+        click.echo("\n".join(out))
 
 
 def _print_tensors(commit: Any, inherited: set[tuple[str, str | None]]) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ckstore.errors import BaseUnreachableError, IntegrityError, InvalidInputError
-from ckstore.repo import Repo
 from ckstore.cli.base import die, human, main, pass_repo, print_json, progress_factory
 from ckstore.cli.inspect import commit_line
+
+if TYPE_CHECKING:
+    from ckstore.repo import Repo
 
 
 @main.command()

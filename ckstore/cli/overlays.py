@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckstore.repo import Repo
 from ckstore.cli.base import main, pass_repo
 
 if TYPE_CHECKING:
+    from ckstore.repo import Repo
     from ckstore.repository.overlay import RelinkReport
 
 

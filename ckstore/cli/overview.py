@@ -5,12 +5,14 @@ Imports of what they compute stay inside the functions: ``ckstore --help`` must 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckstore.cli.base import human, main, pass_repo, print_json, short
-from ckstore.repo import Repo
+
+if TYPE_CHECKING:
+    from ckstore.repo import Repo
 
 
 def _status_json(s: Any) -> dict[str, Any]:

@@ -6,12 +6,15 @@ import fnmatch
 import shlex
 from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import click
 
 from ckstore.errors import InvalidInputError
-from ckstore.repo import ReflogEntry, Repo
 from ckstore.cli.base import complete_ref, main, pass_repo, print_json
+
+if TYPE_CHECKING:
+    from ckstore.repo import ReflogEntry, Repo
 
 
 def _listing_options(kind: str) -> Callable[[Callable[..., None]], Callable[..., None]]:

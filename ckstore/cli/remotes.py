@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckstore.repo import Repo
-from ckstore.cli.base import human, main, pass_repo, print_json, progress_factory, short
+from ckstore.cli.base import find_repo, human, main, pass_repo, print_json, progress_factory, short
 
 if TYPE_CHECKING:
+    from ckstore.repo import Repo
     from ckstore.remote.fetch import FetchReport
     from ckstore.remote.gc import RemoteGcReport
 
@@ -21,7 +21,7 @@ def remote(ctx: click.Context, verbose: bool) -> None:
     """List remotes, or add and remove them (credentials come from the AWS environment, never stored)."""
     if ctx.invoked_subcommand is not None:
         return
-    repo = Repo.find(ctx.find_root().params.get("repo_path"))
+    repo = find_repo(ctx)
     from ckstore.remote.awsconfig import redact  # a remotes file from before URLs with passwords were refused
 
     for name, spec in sorted(repo.remotes().items()):
@@ -111,6 +111,8 @@ def pull(repo: Repo, remote_name: str | None) -> None:
 @click.option("--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself).")
 def clone(url: str, path: str, endpoint_url: str | None) -> None:
     """Create a repository at PATH (default ./.ckstore) with every branch of the remote at URL."""
+    from ckstore.repo import Repo
+
     repo, r = Repo.clone(url, path, endpoint_url=endpoint_url, progress=progress_factory(), check=False)
     click.echo(f"cloned {url} into {repo.path}: {len(repo.branches())} branch(es)")
     _fetched(r)

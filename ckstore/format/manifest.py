@@ -14,14 +14,17 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
-from ckstore.format.dcp_record import DcpRecord, parse_record, record_json
 from ckstore.errors import IntegrityError, InvalidInputError, InvalidPathError, UnsupportedFormatError
 from ckstore.format.ids import ObjectId, is_object_id
 from ckstore.format.dtypes import DTYPE_BITS
-from ckstore.format.tensor_stats import TensorStats, stats_json
 from ckstore.format.values import JSONValue, decode_value
+
+# Loaded by the commits that carry them (DCP, tensor stats): log and status read neither.
+if TYPE_CHECKING:
+    from ckstore.format.dcp_record import DcpRecord
+    from ckstore.format.tensor_stats import TensorStats
 
 # Version 2 adds the ``dcp`` field (distributed checkpoints, format.md section 16). Writers emit
 # version 1, byte for byte as before, for every commit without a dcp record, so only DCP commits
@@ -92,13 +95,61 @@ class BaseRef:
     repo: str | None = None
 
 
+class ManifestFiles(Sequence[FileEntry]):
+    """A manifest's ``files``, parsed and validated on first use. ``log`` and ``status`` read a
+    commit's header only; parsing 10^4 file entries they never look at cost them seconds."""
+
+    __slots__ = ("_doc", "_version", "_label", "_entries")
+
+    def __init__(self, doc: list[Any], version: int, label: str) -> None:
+        self._doc: list[Any] | None = doc
+        self._version = version
+        self._label = label  # names the commit in the error a damaged entry raises
+        self._entries: tuple[FileEntry, ...] | None = None
+
+    def load(self) -> tuple[FileEntry, ...]:
+        """The parsed entries (IntegrityError, naming the commit, if any is malformed)."""
+        if self._entries is None:
+            assert self._doc is not None
+            try:
+                self._entries = _parse_files(self._doc, self._version)
+            except IntegrityError as exc:
+                raise IntegrityError(f"{self._label}: {exc}") from None
+            self._doc = None  # the parsed entries replace the JSON they came from
+        return self._entries
+
+    @overload
+    def __getitem__(self, index: int) -> FileEntry: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[FileEntry, ...]: ...
+    def __getitem__(self, index: int | slice) -> FileEntry | tuple[FileEntry, ...]:
+        return self.load()[index]
+
+    def __len__(self) -> int:
+        return len(self.load())
+
+    def __iter__(self) -> Iterator[FileEntry]:
+        return iter(self.load())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ManifestFiles, tuple)):
+            return self.load() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.load())
+
+    def __repr__(self) -> str:
+        return repr(self.load()) if self._entries is not None else f"ManifestFiles(<{len(self._doc or ())} unparsed>)"
+
+
 @dataclass(frozen=True)
 class Commit:
     parents: tuple[ObjectId, ...]
     time: str
     message: str
     branch: str
-    files: tuple[FileEntry, ...]
+    files: Sequence[FileEntry]  # a tuple, or ManifestFiles (decode_commit with lazy_files)
     metadata: JSONValue = field(default_factory=dict)  # typed encoding, see values.py
     provenance: Mapping[str, str] = field(default_factory=dict)
     logical_bytes: int = 0
@@ -151,6 +202,8 @@ def _file_json(f: FileEntry) -> dict[str, Any]:
 def _tensor_json(t: TensorEntry) -> dict[str, Any]:
     out: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": _chunks_json(t.chunks)}
     if t.stats is not None:
+        from ckstore.format.tensor_stats import stats_json
+
         out["stats"] = stats_json(t.stats)
     return out
 
@@ -180,6 +233,8 @@ def encode_commit(commit: Commit) -> bytes:
     }
     if commit.dcp is not None:
         files = doc.pop("files")
+        from ckstore.format.dcp_record import record_json
+
         doc["dcp"] = record_json(commit.dcp)
         doc["files"] = files
     data = canonical_json(doc)
@@ -279,6 +334,8 @@ def _parse_stats(doc: Any, where: str) -> TensorStats:
     nonfinite = doc["nonfinite"]
     if isinstance(nonfinite, bool) or not isinstance(nonfinite, int) or nonfinite < 0:
         raise IntegrityError(f"{where}: malformed stats")
+    from ckstore.format.tensor_stats import TensorStats
+
     return TensorStats(_optional_number(doc["l2"], where), _optional_number(doc["absmax"], where), nonfinite,
                        _optional_number(doc["change"], where))
 
@@ -334,9 +391,10 @@ def _parse_file(doc: Any, index: int, version: int) -> FileEntry:
     return entry
 
 
-def _parse_state(value: Any, kinds: Mapping[str, str]) -> StateFiles | None:
+def _parse_state(value: Any, files: Sequence[FileEntry]) -> StateFiles | None:
     if value is None:
         return None
+    kinds = {f.path: f.kind for f in files}
     if (
         not isinstance(value, dict) or set(value) != {"values", "tensors"}
         or not all(isinstance(v, str) for v in value.values())  # a list would make kinds.get raise TypeError
@@ -361,6 +419,8 @@ def _parse_base(value: Any) -> BaseRef | None:
 
 def _parse_dcp(value: Any, files: Sequence[FileEntry]) -> DcpRecord:
     stored = {(f.path, t.name): (t.dtype, t.shape) for f in files for t in f.tensors}
+    from ckstore.format.dcp_record import parse_record
+
     return parse_record(value, stored)
 
 
@@ -371,7 +431,22 @@ _COMMIT_FIELDS = (
 _COMMIT_FIELDS_V2 = (*_COMMIT_FIELDS[:-1], "dcp", "files")
 
 
-def decode_commit(data: bytes) -> Commit:
+def _parse_files(doc: list[Any], version: int) -> tuple[FileEntry, ...]:
+    files = tuple(_parse_file(f, i, version) for i, f in enumerate(doc))
+    paths = {f.path for f in files}
+    if len(paths) != len(files):
+        raise IntegrityError("manifest: duplicate file paths")
+    for path in paths:  # "a" and "a/b" cannot both be files
+        parts = path.split("/")
+        if any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
+            raise IntegrityError(f"manifest: {path!r} lies below another file")
+    return files
+
+
+def decode_commit(data: bytes, lazy_files: str | None = None) -> Commit:
+    """Parse and validate a manifest. With ``lazy_files`` (a label such as "commit <id>"), the
+    file entries are validated on first use instead, and their errors name that label: every
+    other field is checked now (docs/format.md section 5, "Readers")."""
     check_shape(data)
     doc = parse_json(data)
     if not isinstance(doc, dict):
@@ -387,14 +462,13 @@ def decode_commit(data: bytes) -> Commit:
     provenance = _expect(doc, "provenance", dict, "manifest")
     if not all(isinstance(v, str) for v in provenance.values()):
         raise IntegrityError("manifest: provenance values must be strings")
-    files = tuple(_parse_file(f, i, version) for i, f in enumerate(_expect(doc, "files", list, "manifest")))
-    paths = {f.path for f in files}
-    if len(paths) != len(files):
-        raise IntegrityError("manifest: duplicate file paths")
-    for path in paths:  # "a" and "a/b" cannot both be files
-        parts = path.split("/")
-        if any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
-            raise IntegrityError(f"manifest: {path!r} lies below another file")
+    files_doc = _expect(doc, "files", list, "manifest")
+    files: Sequence[FileEntry]
+    # The state and dcp records are checked against the files: a commit with one parses them now.
+    if lazy_files is not None and doc["state"] is None and version != 2:
+        files = ManifestFiles(files_doc, version, lazy_files)
+    else:
+        files = _parse_files(files_doc, version)
     try:
         datetime.fromisoformat(_expect(doc, "time", str, "manifest"))
     except ValueError:
@@ -409,7 +483,7 @@ def decode_commit(data: bytes) -> Commit:
         provenance=provenance,
         logical_bytes=_size(doc["logical_bytes"], "manifest"),
         added_bytes=_size(doc["added_bytes"], "manifest"),
-        state=_parse_state(doc["state"], {f.path: f.kind for f in files}),
+        state=_parse_state(doc["state"], files),
         base=_parse_base(doc["base"]),
         dcp=None if version != 2 else _parse_dcp(doc["dcp"], files),
     )

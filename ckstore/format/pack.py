@@ -40,7 +40,7 @@ an IntegrityError naming the pack.
 
 from __future__ import annotations
 
-import secrets
+import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -172,7 +172,7 @@ class PackBuilder:
         if pack_id is not None and not is_object_id(pack_id):
             raise ValueError(f"invalid pack id {pack_id!r}")
         self.target_size = target_size
-        self.pack_id = pack_id or secrets.token_hex(32)
+        self.pack_id = pack_id or os.urandom(32).hex()  # what secrets.token_hex does, without its import
         self.header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, _ZERO3)
         self._entries: dict[str, PackEntry] = {}
         self._end = PACK_HEADER.size

@@ -105,17 +105,3 @@ class RepoConfig:
                 raise InvalidInputError(f"{where}: {name} must be a whole number of days from 0 to {MAX_REFLOG_DAYS}")
         if not isinstance(self.version, int) or not 1 <= self.version <= REPO_FORMAT_VERSION:
             raise UnsupportedFormatError(f"{where}: unknown repository format version {self.version}")
-
-
-# Byte counts for people, in one set of units everywhere (CLI, report, progress bars): binary
-# (KiB, MiB, GiB; MiB/s), as the limits above are stated.
-UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def human(n: float) -> str:
-    """``1536`` -> ``1.5 KiB``; bytes below 1 KiB as a whole number."""
-    for unit in UNITS:
-        if abs(n) < 1024 or unit == UNITS[-1]:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

@@ -108,17 +108,17 @@ def log(graph: CommitGraph, ref: str | Sequence[str] | None = None, limit: int |
     starts = {graph.resolve(r) for r in ([ref or "HEAD"] if ref is None or isinstance(ref, str) else ref)}
     pruned = graph.pruned()
     seen = set(starts)
-    heap = [(-graph.read_commit(start).timestamp, start) for start in starts]
+    heap = [(-graph.read_commit(start, files=False).timestamp, start) for start in starts]
     heapq.heapify(heap)
     out: list[LogEntry] = []
     while heap and (limit is None or len(out) < limit):
         _, oid = heapq.heappop(heap)
-        commit = graph.read_commit(oid)
+        commit = graph.read_commit(oid, files=False)  # the header: files are read when used
         gone = [p for p in commit.parents if p in pruned or not graph.store.has(p)]
         for parent in kept_parents(commit.parents, pruned):  # older kept commits stay in the history
             if parent not in seen and graph.store.has(parent):
                 seen.add(parent)
-                heapq.heappush(heap, (-graph.read_commit(parent).timestamp, parent))
+                heapq.heappush(heap, (-graph.read_commit(parent, files=False).timestamp, parent))
         out.append(LogEntry(oid, commit, tuple(gone)))
     names = decorations(graph)
     top = ranked(out, *best)[:1] if best else []

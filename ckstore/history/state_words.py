@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckstore.format.manifest import TensorEntry
-from ckstore.format.settings import human
+from ckstore.format.units import human
 
 WIDTH = 110  # characters per top-level line before "…"
 

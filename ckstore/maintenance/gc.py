@@ -17,17 +17,19 @@ leave no commit at all refuses without ``force``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ckstore.codecs.objects import Kind
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError, ForceRequiredError
 from ckstore.format.ids import ObjectId
-from ckstore.write.pipeline import ProgressFactory
 from ckstore.repository.overlay import external_needs
 from ckstore.repository.reflog import HEAD_LOG, Entry, Expiry, surviving
 from ckstore.repository.refs import HEADS
-from ckstore.maintenance.repack import repack_locked
 from ckstore.maintenance.retention import RetentionPolicy, select_kept
+
+if TYPE_CHECKING:
+    from ckstore.write.pipeline import ProgressFactory
 
 
 @dataclass
@@ -113,6 +115,8 @@ def collect_garbage(
             _refuse_deleting_every_commit(ctx, prune_now)
         report.expired_entries = sum(len(kept.logs[ref]) - len(kept.alive[ref]) for ref in kept.logs)
         if repack and not dry_run:
+            from ckstore.maintenance.repack import repack_locked  # gc --repack only: status and stats use gc's kept set
+
             repack_locked(ctx, kept.commits, progress)
         pruned = graph.pruned_after(kept.commits, kept.reachable | kept.logged)
         live = live_objects(ctx, kept)

@@ -74,7 +74,7 @@ def stats(ctx: RepoContext) -> Stats:
     kept = _kept(ctx)
     # gc's walk from the refs is the reachable set: not walked a second time.
     reachable = kept.reachable if kept is not None else ctx.graph.reachable_from(ctx.graph.tips())
-    logical = sum(ctx.graph.read_commit(c).logical_bytes for c in reachable)
+    logical = sum(ctx.graph.read_commit(c, files=False).logical_bytes for c in reachable)
     temporaries = ctx.backend.temporary_sizes()
     figures = Stats(logical, sum(sizes.values()), len(reachable), len(sizes), None, None,
                     len(temporaries), sum(temporaries))

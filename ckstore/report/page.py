@@ -16,7 +16,7 @@ from html import escape
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
-from ckstore.format.settings import human as human_bytes
+from ckstore.format.units import human as human_bytes
 from ckstore.report import plots
 from ckstore.report.data import ReportData, group_change
 from ckstore.version import __version__

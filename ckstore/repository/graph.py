@@ -25,7 +25,7 @@ from ckstore.errors import (
     RefNotFoundError,
 )
 from ckstore.format.ids import ObjectId, is_id_prefix, is_object_id
-from ckstore.format.manifest import Commit, decode_commit
+from ckstore.format.manifest import Commit, ManifestFiles, decode_commit
 from ckstore.repository.reflog import HEAD_LOG, Entry, head_view, nth_value
 from ckstore.repository.refs import HEAD, HEADS, REMOTES, TAGS, RefStore, ref_candidates
 from ckstore.repository.store import ObjectStore
@@ -66,15 +66,19 @@ class CommitGraph:
 
     # ---- commits ---------------------------------------------------------------------------
 
-    def read_commit(self, oid: str) -> Commit:
+    def read_commit(self, oid: str, files: bool = True) -> Commit:
+        """The commit ``oid``, every field validated. ``files=False``: its file entries are
+        validated on first use instead (log, status: they read the header of big manifests)."""
         commit = self.cache.get(oid)
         if commit is None:
             data = self.store.get_commit(oid)  # its errors already name the commit
             try:
-                commit = decode_commit(data)
+                commit = decode_commit(data, lazy_files=None if files else f"commit {oid}")
             except IntegrityError as exc:
                 raise IntegrityError(f"commit {oid}: {exc}") from None
             self.cache[oid] = commit
+        if files and isinstance(commit.files, ManifestFiles):
+            commit.files.load()  # a damaged entry is refused here, as if parsed whole
         return commit
 
     def remember(self, oid: str, commit: Commit) -> None:
@@ -104,7 +108,7 @@ class CommitGraph:
         at = _REFLOG_SUFFIX.fullmatch(base)
         oid = self._resolve_reflog(spec, at.group(1), int(at.group(2))) if at else self._resolve_with_bases(base)
         for _ in range(steps):
-            parents = self.read_commit(oid).parents
+            parents = self.read_commit(oid, files=False).parents
             if not parents:
                 raise RefNotFoundError(f"{spec}: history of {base!r} is shorter than that")
             if parents[0] in self.pruned():
@@ -212,9 +216,9 @@ class CommitGraph:
         deleted commit that a kept commit still reaches, with its own parents."""
         graph = dict(self.pruned())
         for oid in reachable - keep:
-            graph[oid] = self.read_commit(oid).parents
+            graph[oid] = self.read_commit(oid, files=False).parents
         out: dict[ObjectId, tuple[ObjectId, ...]] = {}
-        todo = [p for oid in keep for p in self.read_commit(oid).parents]
+        todo = [p for oid in keep for p in self.read_commit(oid, files=False).parents]
         while todo:
             oid = todo.pop()
             if oid in graph and oid not in out:
@@ -262,7 +266,7 @@ class CommitGraph:
                 continue
             seen.add(oid)
             yield oid
-            todo.extend(kept_parents(self.read_commit(oid).parents, pruned))
+            todo.extend(kept_parents(self.read_commit(oid, files=False).parents, pruned))
 
     def reaches(self, start: ObjectId, target: ObjectId) -> bool:
         """Whether ``target`` is ``start`` or in its history, pruned commits included: a commit
@@ -281,7 +285,7 @@ class CommitGraph:
             if oid in pruned and not self.store.has(oid):
                 todo.extend(pruned[oid])
             elif self.store.has(oid):
-                todo.extend(self.read_commit(oid).parents)
+                todo.extend(self.read_commit(oid, files=False).parents)
         return False
 
     def with_overlay_bases(self, keep: Iterable[ObjectId]) -> set[ObjectId]:
@@ -289,7 +293,7 @@ class CommitGraph:
         out = set(keep)
         todo = list(out)
         while todo:
-            base = self.read_commit(todo.pop()).base
+            base = self.read_commit(todo.pop(), files=False).base
             if base is not None and base.repo is None and base.commit not in out:
                 out.add(base.commit)
                 todo.append(base.commit)

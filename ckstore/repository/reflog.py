@@ -20,10 +20,8 @@ gc.reflogExpireUnreachable); ``gc --prune-now`` expires every such unreachable e
 
 from __future__ import annotations
 
-import getpass
 import math
 import re
-import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -53,6 +51,9 @@ def _clean(text: str, limit: int) -> str:
 
 def who() -> str:
     """``user@host``, as git records name and e-mail: enough to tell two machines apart."""
+    import getpass  # writers only: a command that reads refs starts without it
+    import socket
+
     try:
         user = getpass.getuser()
     except (OSError, KeyError, ImportError):  # no login name (containers without a passwd entry)

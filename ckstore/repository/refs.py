@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +53,12 @@ class _Any:
 
 
 ANY = _Any()
+
+
+def _hostname() -> str:
+    import socket  # only ref locks need it: a command that reads refs starts without it
+
+    return socket.gethostname()
 
 
 def _char(ch: str) -> str:
@@ -311,7 +316,7 @@ class RefStore:
             return False  # released meanwhile
         except (ValueError, TypeError):
             return False  # being written right now, or unreadable: let the timeout speak
-        if host != socket.gethostname():
+        if host != _hostname():
             return False
         if not owner_surely_dead(info):
             if "pidns" in info or pid_alive(pid):

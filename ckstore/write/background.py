@@ -27,14 +27,16 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ckstore.errors import CkstoreError, CkstoreWarning, LockedError
 from ckstore.format.ids import ObjectId
 from ckstore.repository.context import RepoContext
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 T = TypeVar("T")
 
@@ -71,7 +73,7 @@ class BackgroundCommits:
             raise CkstoreError("max_in_flight must be at least 1")
         self.max_in_flight = max_in_flight
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckstore-commit")
+        self._executor = _one_thread_pool("ckstore-commit")
         self._pending: list[Future[str]] = []
         self._unobserved: list[Future[str]] = []  # failed, and nobody called result() yet
         self._observed: set[Future[str]] = set()  # a handle's result() or exception() was called
@@ -154,7 +156,7 @@ class Compactions:
     """
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckstore-compact")
+        self._executor = _one_thread_pool("ckstore-compact")
         self._lock = threading.Lock()
         self._next: Callable[[], object] | None = None
         self._scheduled = False
@@ -316,11 +318,26 @@ def _wait_at_exit() -> None:
         compactions.close()
 
 
-# A pending commit still needs the worker pools, and concurrent.futures refuses new work once
-# its own exit hook (a threading "atexit", run before ``atexit``'s) has run. Threading's hooks run
-# last-registered first, so registering here waits for pending commits before that.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_wait_at_exit)
-else:  # pragma: no cover (CPython < 3.9)
-    atexit.register(_wait_at_exit)
+_HOOK_LOCK = threading.Lock()
+_hooked = False
+
+
+def _one_thread_pool(name: str) -> ThreadPoolExecutor:
+    """A pool of one thread; the first also registers ``_wait_at_exit``.
+
+    A pending commit still needs the worker pools, and concurrent.futures refuses new work once
+    its own exit hook (a threading "atexit", run before ``atexit``'s) has run. Threading's hooks
+    run last-registered first, so ours is registered once concurrent.futures is imported, here:
+    not when this module is (``ckstore log`` and ``status`` never start a pool)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _hooked
+    with _HOOK_LOCK:
+        if not _hooked:
+            _hooked = True
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                register(_wait_at_exit)
+            else:  # pragma: no cover (CPython < 3.9)
+                atexit.register(_wait_at_exit)
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)

@@ -21,9 +21,7 @@ redoes what was left.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -46,12 +44,16 @@ def workers() -> int:
 
 def place_key(branch: str) -> str:
     """The branch's file in ``compact-queue/``: branch names may hold '/' and other characters."""
+    import hashlib  # here, and subprocess in start: `ckstore status` and `log` import this module for its names
+
     return hashlib.blake2b(branch.encode(), digest_size=8).hexdigest()
 
 
 def start(path: Path, branch: str) -> bool:
     """Start the detached compaction of ``branch`` in the repository at ``path``; False when one
     already waits for that branch."""
+    import subprocess
+
     from ckstore.backend.local import LocalBackend
 
     fd = LocalBackend(path).compaction_place(place_key(branch))
