@@ -317,3 +317,20 @@ def test_a_killed_detached_compaction_leaves_a_valid_repository_and_the_next_fin
     check(3)
     # The last run covered the pair below too: nothing the killed run left would save a byte now.
     assert Repo(path).compact().saved == 0
+
+
+def test_a_forked_child_exits_without_waiting_for_the_parents_background_work(tmp_path: Path) -> None:
+    """A DataLoader worker or multiprocessing child forked after a background commit has none of
+    the parent's pool threads; at its exit it must not wait for them (it hung forever)."""
+    import multiprocessing
+
+    repo = Repo.init(tmp_path / "repo")
+    repo.commit_state(_state(1), message="step 1", background=True).result()
+    child = multiprocessing.get_context("fork").Process(target=int)
+    child.start()
+    child.join(30)
+    stuck = child.exitcode is None
+    if stuck:
+        child.kill()
+    assert not stuck, "the forked child waited at exit for the parent's background pools"
+    assert child.exitcode == 0

@@ -12,6 +12,7 @@ from ckstore.repository.context import RepoContext
 from ckstore.errors import ForceRequiredError, RefExistsError, RefNotFoundError
 from ckstore.format.ids import ObjectId
 from ckstore.repository.refs import HEADS, TAGS, check_ref_name
+from ckstore.repository.writing import writing
 
 _PREFIX = {"branch": HEADS, "tag": TAGS}
 
@@ -22,18 +23,21 @@ def create(
     """Create branch or tag ``name`` at ``rev``; with ``force``, move it there if it exists.
     Return (the commit it held before, the commit it holds now)."""
     ref = _PREFIX[kind] + check_ref_name(name, f"{kind} name")
-    oid = ctx.graph.resolve(rev)
-    if force:
-        old = ctx.refs.read(ref)
-        verb = "reset to" if old else "created from"
-        ctx.refs.update(ref, oid, expected=old, reason=f"{kind}: {verb} {rev}")
-        return old, oid
-    try:
-        ctx.refs.update(ref, oid, expected=None, reason=f"{kind}: created from {rev}")
-    except RefExistsError:
-        if ctx.refs.read(ref) is None:
-            raise  # a name conflict ("a" against "a/b"), which -f cannot solve either
-        raise RefExistsError(f"{kind} {name!r} already exists; use -f to move it") from None
+    # From resolving the commit to naming it, gc (which holds the lock exclusively) must not run:
+    # it could delete the commit in between and leave a ref to nothing (found by the soak).
+    with writing(ctx):
+        oid = ctx.graph.resolve(rev)
+        if force:
+            old = ctx.refs.read(ref)
+            verb = "reset to" if old else "created from"
+            ctx.refs.update(ref, oid, expected=old, reason=f"{kind}: {verb} {rev}")
+            return old, oid
+        try:
+            ctx.refs.update(ref, oid, expected=None, reason=f"{kind}: created from {rev}")
+        except RefExistsError:
+            if ctx.refs.read(ref) is None:
+                raise  # a name conflict ("a" against "a/b"), which -f cannot solve either
+            raise RefExistsError(f"{kind} {name!r} already exists; use -f to move it") from None
     return None, oid
 
 
@@ -79,7 +83,8 @@ def reset(ctx: RepoContext, rev: str) -> tuple[ObjectId | None, ObjectId]:
     """Move the current branch to ``rev`` (creating it if it has no commits yet); return (the
     commit it held before, the commit it holds now)."""
     branch = ctx.refs.head_branch()
-    oid = ctx.graph.resolve(rev)
-    old = ctx.refs.read(HEADS + branch)
-    ctx.refs.update(HEADS + branch, oid, expected=old, reason=f"reset: moving to {rev}")
+    with writing(ctx):  # resolve and move under the lock gc takes exclusively (see create)
+        oid = ctx.graph.resolve(rev)
+        old = ctx.refs.read(HEADS + branch)
+        ctx.refs.update(HEADS + branch, oid, expected=old, reason=f"reset: moving to {rev}")
     return old, oid

@@ -22,6 +22,7 @@ DCP writer hold no background state of their own, they ask for the context's.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import warnings
@@ -308,6 +309,17 @@ def wait_all() -> None:
 
 _LIVE: weakref.WeakSet[BackgroundCommits] = weakref.WeakSet()
 _LIVE_COMPACTIONS: weakref.WeakSet[Compactions] = weakref.WeakSet()
+
+
+def _forget_parents_work() -> None:
+    # A forked child (a DataLoader worker, multiprocessing) has none of the parent's pool
+    # threads: at its exit it must not wait for the parent's pending work, which would hang.
+    _LIVE.clear()
+    _LIVE_COMPACTIONS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_work)
 
 
 def _wait_at_exit() -> None:

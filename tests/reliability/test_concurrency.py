@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -203,3 +204,37 @@ def test_stale_lock_of_an_older_ckstore_is_reported(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert os.listdir(lock.parent) == ["main"]
     count("stale_locks_reported")
+
+
+def test_tag_of_an_old_commit_racing_gc_never_names_a_deleted_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tag best <old commit>`` while ``gc --keep-last 1`` runs: gc must either see the tag and
+    keep the commit, or run after it. Found by the soak: the tag resolved the commit, gc deleted
+    it, then the tag was written, naming a commit no longer stored (fsck: "missing")."""
+    from ckstore.repository.graph import CommitGraph
+
+    repo = Repo.init(tmp_path / "repo", chunk_size=4096)
+    ids = []
+    for epoch in (1, 2, 3):
+        write_checkpoint(tmp_path / "src", epoch, 256)
+        ids.append(repo.commit([tmp_path / "src"], message=f"epoch {epoch}"))
+        repo.wait()
+    resolve = CommitGraph.resolve
+    collector: list[threading.Thread] = []
+
+    def resolve_then_let_gc_run(self: CommitGraph, spec: str) -> str:
+        oid = resolve(self, spec)
+        if not collector:  # the first resolve is the tag's; gc starts right after it
+            thread = threading.Thread(target=lambda: Repo(repo.path).gc(keep_last=1, prune_now=True))
+            collector.append(thread)
+            thread.start()
+            thread.join(1.0)  # with the fix gc waits for the tag's lock; without, it deletes ids[0]
+        return oid
+
+    monkeypatch.setattr(CommitGraph, "resolve", resolve_then_let_gc_run)
+    repo.create_tag("best", ids[0])
+    collector[0].join(60)
+    monkeypatch.setattr(CommitGraph, "resolve", resolve)
+    fresh = Repo(repo.path)
+    assert fresh.tags()["best"] == ids[0]
+    assert fresh.fsck(read_data=True) == []
+    fresh.checkout("best", tmp_path / "out")
