@@ -211,7 +211,8 @@ def test_best_json_names_the_metric_and_value(cli: Cli, tmp_path: Path) -> None:
 
 def test_fsck_json_lists_problems_and_keeps_the_exit_code(cli: Cli, tmp_path: Path) -> None:
     ids = make_history(tmp_path, cli, epochs=2)
-    assert strict_json(cli("fsck", "--json").stdout) == {"ok": True, "read_data": False, "problems": []}
+    assert strict_json(cli("fsck", "--json").stdout) == {"ok": True, "read_data": False, "problems": [],
+                                                          "unreachable_bases": 0}
     repo = Repo(tmp_path / "repo")
     chunk = next(repo.read_commit(ids[-1]).all_chunks()).id
     (tmp_path / "repo" / "objects" / chunk[:2] / chunk[2:]).unlink()

@@ -12,7 +12,6 @@ damaged repository is an IntegrityError, not a hang.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -196,6 +195,8 @@ class ObjectStore:
             yield from map(read, oids)
             return
         batches = [oids[i:i + _HEADER_BATCH] for i in range(0, len(oids), _HEADER_BATCH)]
+        from concurrent.futures import ThreadPoolExecutor  # only batched header reads: log/status start without
+
         with ThreadPoolExecutor(HEADER_READERS, thread_name_prefix="headers") as pool:
             for batch in pool.map(lambda batch: [read(oid) for oid in batch], batches):
                 yield from batch

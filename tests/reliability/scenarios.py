@@ -141,7 +141,7 @@ def check_after(scenario: Scenario, template: Template, work: Path, stale_locks_
         if new is not None and new != old:  # the kill came after the ref update: the commit is whole
             contents[new] = template.new_digest
             parent = Repo(repo_path).read_commit(new).parents
-            assert parent == ((old,) if old else ()), parent
+            assert parent == (template.ids["c3"],), parent  # a new branch starts at HEAD (main, c3)
     scratch = work / "scratch"
     verify_repo(repo_path, contents, allowed, scratch)
     if scenario.name == "checkout":

@@ -45,9 +45,9 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     read: list[str] = []
     original = CommitGraph.read_commit
 
-    def counting(self: CommitGraph, oid: str) -> Commit:
+    def counting(self: CommitGraph, oid: str, *args: object, **kwargs: object) -> Commit:
         read.append(oid)
-        return original(self, oid)
+        return original(self, oid, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(CommitGraph, "read_commit", counting)
     return read
