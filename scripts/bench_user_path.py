@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,10 +85,10 @@ def run_cli(args: list[str], cwd: Path | None = None) -> tuple[float, float]:
 
 
 def wait_background(repo: Path) -> float:
-    """Seconds until no compaction holds the repository (a detached one the CLI left)."""
+    """Seconds until no compaction of the repository runs or waits (a detached one the CLI left;
+    its place in line is taken before the command exits, so it cannot be missed)."""
     started = time.perf_counter()
-    with Repo(repo).backend.compaction_lock(3600.0):
-        pass
+    Repo(repo).wait_background()
     return time.perf_counter() - started
 
 
@@ -116,26 +117,46 @@ def enlarge(state: dict[str, dict[str, torch.Tensor]], target: int) -> dict[str,
     return out
 
 
-def epochs_of(dirs: list[Path], size_gb: float) -> list[dict[str, dict[str, torch.Tensor]]]:
-    states = [{f: load_file(str(d / f)) for f in FILES} for d in dirs]
-    return states if size_gb < 1 else [enlarge(s, int(size_gb * 1e9)) for s in states]
+State = dict[str, dict[str, torch.Tensor]]
 
 
-def bench_epochs(states: list[dict[str, dict[str, torch.Tensor]]], work: Path, runs: int) -> dict[str, list[float]]:
+def epochs_of(dirs: list[Path], size_gb: float) -> list[Callable[[], State]]:
+    """Each epoch's state, made when asked: a multi-GB state is built one epoch at a time, so the
+    benchmark holds one epoch, not four."""
+    def make(d: Path) -> Callable[[], State]:
+        def build() -> State:
+            state = {f: load_file(str(d / f)) for f in FILES}
+            return state if size_gb < 1 else enlarge(state, int(size_gb * 1e9))
+        return build
+    if size_gb < 1:  # small enough to keep: every run reuses the same tensors
+        states = [make(d)() for d in dirs]
+        return [lambda s=s: s for s in states]
+    return [make(d) for d in dirs]
+
+
+def state_bytes(state: State) -> int:
+    return sum(t.numel() * t.element_size() for f in state.values() for t in f.values())
+
+
+def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int) -> dict[str, list[float]]:
     """Per measurement, the per-epoch medians over the runs (epoch 1 first)."""
     samples: dict[str, list[list[float]]] = {}
 
     def add(key: str, epoch: int, value: float) -> None:
-        samples.setdefault(key, [[] for _ in states])[epoch].append(value)
+        samples.setdefault(key, [[] for _ in epochs])[epoch].append(value)
 
     for _ in range(runs):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         repo = work / "repo"
         Repo.init(repo)
-        for n, state in enumerate(states):
+        for n, make_state in enumerate(epochs):
+            state = None
+            gc.collect()
+            state = make_state()
             folder = work / "ckpt" / f"epoch_{n + 1}"
             folder.mkdir(parents=True)
+            add("bytes", n, state_bytes(state))
             gc.collect()
             started = time.perf_counter()
             for f, tensors in state.items():
@@ -161,7 +182,7 @@ def bench_epochs(states: list[dict[str, dict[str, torch.Tensor]]], work: Path, r
             if n > 0:  # keep the disk to two epochs' files (the repository keeps them all)
                 shutil.rmtree(work / "ckpt" / f"epoch_{n}")
         add_stored = Repo(repo).stats().stored_bytes
-        samples.setdefault("stored", [[] for _ in states])[-1].append(add_stored)
+        samples.setdefault("stored", [[] for _ in epochs])[-1].append(add_stored)
     shutil.rmtree(work, ignore_errors=True)
     return {k: [statistics.median(v) if v else float("nan") for v in per] for k, per in samples.items()}
 
@@ -184,7 +205,7 @@ def epochs_table(results: dict[str, dict[str, list[float]]], sizes: dict[str, in
     return "\n".join(lines)
 
 
-def bench_compaction(states: list[dict[str, dict[str, torch.Tensor]]], work: Path, runs: int) -> dict[str, float]:
+def bench_compaction(epochs: list[Callable[[], State]], work: Path, runs: int) -> dict[str, float]:
     """Medians over runs, for the last epoch: ``save`` (save_file + fsync wall s) and ``save_cpu``;
     its compaction's ``cpu`` (process CPU s, every thread), ``user``, ``sys``, ``wall``; the
     repository's stored bytes after it (``stored``: the newest epoch as its commit stored it)
@@ -195,7 +216,8 @@ def bench_compaction(states: list[dict[str, dict[str, torch.Tensor]]], work: Pat
         work.mkdir(parents=True)
         repo = Repo.init(work / "repo")
         repo.compact_after_commit = False
-        for n, state in enumerate(states):
+        for n, make_state in enumerate(epochs):
+            state = make_state()
             folder = work / f"epoch_{n + 1}"
             folder.mkdir()
             gc.collect()
@@ -207,7 +229,7 @@ def bench_compaction(states: list[dict[str, dict[str, torch.Tensor]]], work: Pat
             wall, cpu = time.perf_counter() - started, time.process_time() - cpu
             repo.commit(folder, message=f"epoch {n + 1}")
             shutil.rmtree(folder)
-            if n < len(states) - 1:
+            if n < len(epochs) - 1:
                 repo.compact()  # every earlier epoch as it would be
                 continue
             os.sync()
@@ -241,10 +263,8 @@ def main() -> None:
         for size in args.sizes:
             for dtype in args.dtypes:
                 label = f"{dtype} {size:g} GB" if size >= 1 else f"{dtype} MiniLM"
-                states = epochs_of(runs[dtype], size)
-                sizes[label] = sum(t.numel() * t.element_size() for f in states[-1].values() for t in f.values())
-                results[label] = bench_epochs(states, work / "user_path", args.runs)
-                del states
+                results[label] = bench_epochs(epochs_of(runs[dtype], size), work / "user_path", args.runs)
+                sizes[label] = int(results[label]["bytes"][-1])
                 print(epochs_table({label: results[label]}, sizes, args.runs), flush=True)
         print("\n" + epochs_table(results, sizes, args.runs), flush=True)
     if "compaction" in args.parts:
