@@ -108,6 +108,17 @@ def test_init_refuses_0_like_config_does(tmp_path: Path, option: str) -> None:  
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
 
 
+def test_init_creates_the_repository_that_repo_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # before: `--repo X init` made ./.ckstore and X stayed missing
+    result = CliRunner().invoke(main, ["--repo", str(tmp_path / "runs"), "init"])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / ".ckstore").exists()
+    assert Repo.find(str(tmp_path / "runs")).path == (tmp_path / "runs").resolve()
+    clash = CliRunner().invoke(main, ["--repo", str(tmp_path / "a"), "init", str(tmp_path / "b")])
+    assert clash.exit_code == 2 and clash.stderr.count("\n") == 1 and "two places" in clash.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_progress_bars_use_binary_units() -> None:  # item 17: "368M/1.00G, 253MB/s" before
     from ckstore.cli.base import binary_bar
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -23,15 +24,19 @@ if TYPE_CHECKING:
 
 
 @main.command()
-@click.argument("path", default=".ckstore", required=False)
+@click.argument("path", required=False)
 @click.option("--chunk-size", type=int, help="Chunk size in bytes (default 1 MiB).")
 @click.option("--zstd-level", type=int, help="zstd compression level (default 1).")
 @click.option("--max-delta-depth", type=int, help="Longest delta chain, 0 for no deltas (default 4).")
-def init(path: str, chunk_size: int | None, zstd_level: int | None, max_delta_depth: int | None) -> None:
-    """Create a repository at PATH (default ./.ckstore)."""
+def init(path: str | None, chunk_size: int | None, zstd_level: int | None, max_delta_depth: int | None) -> None:
+    """Create a repository at PATH (default: --repo, else ./.ckstore)."""
     from ckstore.repo import Repo
 
-    repo = Repo.init(path, chunk_size=chunk_size, zstd_level=zstd_level, max_delta_depth=max_delta_depth)
+    # `ckstore --repo X init` creates X, as every other command then finds it there.
+    repo_option = click.get_current_context().find_root().params.get("repo_path")
+    if path is not None and repo_option is not None and Path(path).resolve() != Path(repo_option).resolve():
+        raise click.UsageError(f"init got two places: PATH {path!r} and --repo {repo_option!r}; give one")
+    repo = Repo.init(path or repo_option or ".ckstore", chunk_size=chunk_size, zstd_level=zstd_level, max_delta_depth=max_delta_depth)
     click.echo(f"initialised empty ckstore repository in {repo.path}")
 
 
