@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import sys
 import threading
@@ -341,6 +342,47 @@ def test_local_batch_flushes_early_and_fails_on_an_early_flush_error(
             view.put_if_absent("objects/cd/two", b"y" * 150)
             view.put_if_absent("objects/cd/three", b"z" * 10)
     assert not backend.exists("objects/cd/two") and not backend.exists("objects/cd/three")
+    assert leftover_temp_files(tmp_path) == []
+
+
+def test_a_packing_batch_syncs_its_own_files_not_the_whole_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit's batch writes packs: its early flushes fdatasync the pack and its barriers fsync
+    its few files, so it never waits for other dirty files of the filesystem (the checkpoint a
+    training script has just saved without fsync); a batch of many loose files still syncfs."""
+    import ckstore.backend.local_batch as local_batch
+    import ckstore.backend.local as local
+    import ckstore.backend.fsio as fsio
+    monkeypatch.setattr(fsio, "EARLY_FLUSH_BYTES", 100)
+    filesystem_syncs: list[Path] = []
+    monkeypatch.setattr(local_batch, "syncfs", lambda root: filesystem_syncs.append(root) or True)
+    monkeypatch.setattr(local, "syncfs", lambda root: filesystem_syncs.append(root) or True)
+    early: list[int] = []
+    datasync = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: early.append(fd) or datasync(fd))
+    backend = LocalBackend(tmp_path)
+    backend.use_syncfs = True
+    backend.allow_packs = lambda: True  # a repository at a version with packs
+    from ckstore.codecs.objects import Kind, encode
+    from ckstore.format.ids import chunk_id, object_key
+
+    def stored(i: int) -> tuple[str, bytes]:
+        raw = i.to_bytes(2, "little") * 75
+        return object_key(chunk_id(raw)), encode(raw, Kind.CHUNK, 1)
+
+    objects = dict(stored(i) for i in range(1, 6))
+    with backend.batch(expected_bytes=backend.pack_min_bytes) as view:
+        for key, data in objects.items():
+            view.put_new(key, data)
+    assert early and filesystem_syncs == []
+    assert all(backend.get(key) == data for key, data in objects.items())
+
+    many = dict(stored(i) for i in range(16, 16 + local_batch.TARGETED_BARRIER_MAX + 1))
+    with backend.batch() as view:  # loose files, more than a targeted barrier takes
+        for key, data in many.items():
+            view.put_new(key, data)
+    assert filesystem_syncs and all(backend.get(key) == data for key, data in many.items())
     assert leftover_temp_files(tmp_path) == []
 
 

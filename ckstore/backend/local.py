@@ -433,11 +433,12 @@ class LocalBackend(StagingBackend):
             done += 1
         return done
 
-    def sync_barrier(self, paths: Iterable[Path]) -> None:
-        """Make everything written under the repository durable: one syncfs(2), or, where the
-        platform lacks it, an fsync of each of ``paths`` (files or folders), run concurrently so
-        the filesystem can commit them together."""
-        if self.use_syncfs:
+    def sync_barrier(self, paths: Iterable[Path], targeted: bool = False) -> None:
+        """Make ``paths`` (files or folders written under the repository) durable: one syncfs(2)
+        of the repository's filesystem, or, when ``targeted`` (a few files: local_batch.py) or
+        where the platform lacks syncfs, an fsync of each, run concurrently so the filesystem can
+        commit them together."""
+        if self.use_syncfs and not targeted:
             mutating_step()
             if syncfs(self.root):
                 return

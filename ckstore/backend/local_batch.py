@@ -13,13 +13,21 @@ this machine's ext4, 4 threads staging 2000 objects of 360 KB took 1.5 s in ``tm
 0.7 s spread over the 256 fan-out folders (1.8 s with one thread either way); a clone of 2000
 objects and a commit's ~600 were paying it per object.
 
-While a batch stages, a syncfs runs on a background thread every 16 MiB staged
+While a batch stages, an early flush runs on a background thread every 16 MiB staged
 (``fsio.EarlyFlush``): the final barrier's cost was not the guest's writeback (dirty pages were
 ~0 before it) but the device flush, proportional to the bytes since the last flush, and flushing
 as the batch goes overlaps it with hashing and compressing the next chunks (measured on 185 MB:
 final barrier 0.15-0.17 s -> 0.01 s). An early flush's error fails the batch, since a later
-syncfs on a new descriptor need not report a writeback error again.
+barrier on a new descriptor need not report a writeback error again.
+
+Which barrier: a batch that writes packs (a commit, a fetch) has a handful of files, and makes
+exactly those durable (an fdatasync of each pack as an early flush, an fsync of each file and
+folder at the barriers). syncfs(2) is kept for batches of many loose files (compaction's
+replacements), where it is one call instead of hundreds: it also waits for every other dirty page
+of the filesystem, and on a training script's path that includes the checkpoint files it has just
+written without fsync, which the commit does not need on disk.
 """
+
 
 from __future__ import annotations
 
@@ -37,6 +45,9 @@ from ckstore.format.pack import PackIndex
 from ckstore.backend.base import Backend, check_key, storage_error
 from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks, PackWriter
 from ckstore.backend.syscalls import move_if_absent, syncfs
+
+# At most this many files and folders are fsynced one by one at a barrier; more take a syncfs.
+TARGETED_BARRIER_MAX = 64
 
 class StagingBackend(Backend):
     """What a batch needs of the local backend beyond ``Backend`` (local.py implements it)."""
@@ -64,7 +75,7 @@ class StagingBackend(Backend):
         ...
 
     @abstractmethod
-    def sync_barrier(self, paths: Iterable[Path]) -> None:
+    def sync_barrier(self, paths: Iterable[Path], targeted: bool = False) -> None:
         ...
 
 
@@ -86,8 +97,26 @@ class LocalBatch(Backend):
         self._replaces: dict[str, tuple[Path, str | None]] = {}
         self._new_folders: set[Path] = set()  # made while staging; the second barrier covers them
         self._seen_folders: set[Path] = set()
-        root = backend.root
-        self._early = EarlyFlush(lambda: syncfs(root)) if backend.use_syncfs else None
+        self._early = EarlyFlush(self._flush_early)
+
+    def _syncfs_mode(self) -> bool:
+        """Whether this batch's barriers are syncfs calls (many loose files; module docstring)."""
+        return self.inner.use_syncfs and not self._pack_wanted
+
+    def _flush_early(self) -> bool:
+        if self._syncfs_mode():
+            return syncfs(self.inner.root)
+        if not self._pack_wanted:
+            return False  # loose files without syncfs: each started its own writeback when staged
+        with self._mutex:
+            writers = list(self._writers)
+        for writer in writers:
+            writer.datasync()
+        return True
+
+    def _barrier(self, paths: Iterable[Path]) -> None:
+        paths = set(paths)
+        self.inner.sync_barrier(paths, targeted=not self._syncfs_mode() or len(paths) <= TARGETED_BARRIER_MAX)
 
     def _staged(self, key: str) -> Path | None:
         with self._mutex:
@@ -144,13 +173,12 @@ class LocalBatch(Backend):
                 self.inner._ensure_dir(folder, self._new_folders)
                 with self._mutex:
                     self._seen_folders.add(folder)
-            # Its writeback starts with the batch's next early flush (a syncfs every 16 MiB), not
-            # with a sync_file_range per file: one system call less per object.
-            tmp = self.inner._write_temp(data, sync=False, folder=folder, writeback=self._early is None)
+            # In syncfs mode its writeback starts with the batch's next early flush (a syncfs every
+            # 16 MiB), not with a sync_file_range per file: one system call less per object.
+            tmp = self.inner._write_temp(data, sync=False, folder=folder, writeback=not self._syncfs_mode())
         except OSError as exc:
             raise storage_error(exc, f"staging {self.describe(key)}") from None
-        if self._early is not None:
-            self._early.wrote(len(data))
+        self._early.wrote(len(data))
         return tmp
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
@@ -194,7 +222,7 @@ class LocalBatch(Backend):
             except OSError as exc:
                 raise storage_error(exc, f"writing {writers[-1].path}") from None
             if added is not None:
-                if added and self._early is not None:
+                if added:
                     self._early.wrote(len(data))
                 return added
             with self._mutex:  # full (4 GiB): the next object starts another pack
@@ -263,8 +291,7 @@ class LocalBatch(Backend):
 
     def discard(self) -> None:
         """Drop everything staged (the batch failed): nothing becomes visible."""
-        if self._early is not None:
-            self._early.finish(quiet=True)  # nothing staged becomes visible
+        self._early.finish(quiet=True)  # nothing staged becomes visible (and no pack is synced as it closes)
         puts, replaces = self._take()
         for tmp in [t for _, t in puts] + [t for _, t, _ in replaces]:
             self._unlink(tmp)
@@ -284,10 +311,10 @@ class LocalBatch(Backend):
         leftovers = dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces] + [w.path for w in writers])
         installed: list[PackIndex] = []
         try:
+            # The early flush first: it syncs the packs' descriptors, which finishing them closes.
+            self._early.finish()  # a failed early flush fails the batch (module docstring)
             packs = [(w, w.finish()) for w in writers]
-            if self._early is not None:
-                self._early.finish()  # a failed early flush fails the batch (module docstring)
-            self.inner.sync_barrier(leftovers)  # every staged byte is durable before any link
+            self._barrier(leftovers)  # every staged byte is durable before any link
             lost: set[str] = set()
             folders = set(self._new_folders)
             for writer, index in packs:
@@ -311,7 +338,7 @@ class LocalBatch(Backend):
                     del leftovers[tmp]
             # New entries (and new folders' entries in their parents) are durable before the
             # caller writes a manifest naming them, and before a replacement can depend on them.
-            self.inner.sync_barrier(folders | {f.parent for f in folders})
+            self._barrier(folders | {f.parent for f in folders})
             for index in installed:
                 self.inner.packs.add(index)
             for key, tmp, after in replaces:

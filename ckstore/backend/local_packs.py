@@ -82,6 +82,11 @@ class PackWriter:
         with self._lock:
             return oid in self._builder
 
+    def datasync(self) -> None:
+        """Make the bytes written so far durable (an early flush of the batch: local_batch.py)."""
+        if self._fd >= 0:
+            os.fdatasync(self._fd)
+
     def read(self, oid: str, n: int | None = None) -> bytes | None:
         """The staged object's bytes (the first ``n``), once its writer has written them."""
         with self._lock:
