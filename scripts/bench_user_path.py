@@ -270,6 +270,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32_full", "bf16"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work", default=str(ROOT / "bench-work"))
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per run (at most 4: the real fine-tune's)")
     parser.add_argument("--readme-path", action="store_true",
                         help="also time `ckstore commit` right after a save_file without fsync, as the README's script runs it")
     args = parser.parse_args()
@@ -282,7 +283,7 @@ def main() -> None:
         for size in args.sizes:
             for dtype in args.dtypes:
                 label = f"{dtype} {size:g} GB" if size >= 1 else f"{dtype} MiniLM"
-                results[label] = bench_epochs(epochs_of(runs[dtype], size), work / "user_path", args.runs,
+                results[label] = bench_epochs(epochs_of(runs[dtype][:args.epochs], size), work / "user_path", args.runs,
                                               args.readme_path)
                 sizes[label] = int(results[label]["bytes"][-1])
                 print(epochs_table({label: results[label]}, sizes, args.runs), flush=True)
