@@ -6,16 +6,16 @@ a value moved depends on what the value is: an optimizer step moves a weight by 
 absolute amount whatever its magnitude, so in the bit pattern the difference is large for small
 exponents and small for large ones, and a low residual byte is near zero where the byte above it
 is zero and near random where it is not. Both facts are known to a decoder before it decodes a
-plane: the base's top byte (sign and exponent) and the residual plane above (decoded first). So
-each plane is stored *sorted by that context*: elements of one context become neighbours, and
-zstd's entropy tables and matches adapt to each context's distribution. A decoder computes the
-same keys from what it already has and scatters the plane back.
+plane: the base's exponent and the residual plane above (decoded first). So a plane may be
+stored *sorted by that context*: elements of one context become neighbours, and zstd's entropy
+tables and matches adapt to each context's distribution. A decoder computes the same keys from
+what it already has and scatters the plane back. objects.py decides per plane whether sorting
+pays (``SORT_GAIN``); this module only permutes.
 
 The sort and the scatter are counting sorts (a histogram of the 1,024 keys, its running sum, one
 pass placing each byte), compiled with numba where it is installed: numpy has no way to place
-elements of equal key in order without a full stable argsort, which made decoding this encoding
-3x slower than a plain delta (37-53 MB/s per core for checkout 3 epochs back, below the 100
-target; docs/benchmarks.md). numba is imported on the first encode or decode of this encoding
+elements of equal key in order without a full stable argsort, which made checkout 3 epochs back
+fall to 37-53 MB/s per core, below the 100 target (docs/benchmarks.md, issue 24). numba is imported on the first encode or decode of this encoding
 only, so commands that never meet one do not pay its import; without numba the same permutation
 is computed with numpy's stable argsort (slower, identical bytes).
 """
