@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -136,3 +137,19 @@ def encodings(repo: Repo) -> dict[str, int]:
     from ckstore.codecs.objects import parse_header
 
     return dict(Counter(parse_header(repo.store.read_raw(o)).encoding.name for o in repo.store.iter_ids()))
+
+
+def adam_like_epochs(root: Path, epochs: int, seed: int = 0) -> list[Path]:
+    """Folders of epochs of a model whose fp32 and bf16 weights each move by about the same
+    absolute amount per epoch (what an AdamW step does), so the move in units in the last place
+    depends on the exponent: where a context-sorted delta is smaller than a plain one."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(3 * 65536) * 0.05
+    out = []
+    for e in range(epochs):
+        w = w + 1e-4 * np.tanh(rng.standard_normal(w.size))
+        folder = root / f"e{e}"
+        save_st(folder / "model.safetensors", {"w32": torch.from_numpy(w.astype(np.float32)),
+                                               "w16": torch.from_numpy(w[:65536].astype(np.float32)).to(torch.bfloat16)})
+        out.append(folder)
+    return out

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 from ckstore.format.settings import CONFIG_KEY, PACKS_VERSION, PREDICTED_VERSION
-from ckstore.remote.fetch import _allow_predicted
+from ckstore.codecs.objects import Encoding
+from ckstore.remote.fetch import _allow_encoding
 from ckstore.repo import Repo
 from ckstore.repository.context import RepoContext, open_context
 from ckstore.write.compact import _Upgrade
 
 UPGRADES_TO_PREDICTED: dict[str, Callable[[RepoContext], object]] = {
     "compaction": lambda ctx: _Upgrade(ctx)(),
-    "fetch": _allow_predicted,
+    "fetch": lambda ctx: _allow_encoding(ctx, Encoding.PREDICTED),
 }
 
 

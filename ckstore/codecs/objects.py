@@ -5,8 +5,8 @@ Every stored object is a 16-byte header followed by an encoding-specific body:
     0  4  magic  b"CKSO"
     4  1  object format version (1)
     5  1  kind      1 = chunk, 2 = commit manifest
-    6  1  encoding  0 = raw, 1 = zstd, 2 = byte-grouped, 3 = delta, 4 = predicted delta
-                    (docs/format.md, section 4)
+    6  1  encoding  0 = raw, 1 = zstd, 2 = byte-grouped, 3 = delta, 4 = predicted delta,
+                    5 = context-sorted delta (docs/format.md, section 4)
     7  1  reserved, 0
     8  8  raw length, unsigned little-endian: the length of the decoded bytes
 
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import zstandard
 
+from ckstore.codecs import context
 from ckstore.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -62,6 +63,13 @@ PREDICTED_WIDTH = 4  # float32 elements only
 EXHAUSTIVE_MAX = 1 << 18
 _SAMPLE_WINDOWS = 8
 _SAMPLE_WINDOW = 1 << 14
+# A plane of a context-sorted delta is stored sorted only when that saves at least this many
+# bytes per element: each sorted plane costs the same counting sort to decode (~4 ns an element)
+# whatever it saves, and a small plane (fp32's top byte) saves little. Measured on the fp32 and
+# bf16 fine-tunes (60 steps, epoch 2 given 3, 60 chunks): 0.02 sorts 10% and 16% of the planes for
+# 1.58% and 2.41% fewer bytes than a plain delta; a size ratio of 0.96 instead sorted 19% and 42%
+# for 1.62% and 2.93%; sorting every plane gives 2.04% and 3.47% (docs/benchmarks.md, issue 24).
+SORT_GAIN = 0.02
 
 BaseFetcher = Callable[[str, int], "bytes | memoryview"]  # (base id hex, raw length) -> verified raw bytes
 
@@ -77,11 +85,13 @@ class Encoding(IntEnum):
     GROUPED = 2
     DELTA = 3
     PREDICTED = 4
+    CONTEXT = 5  # context.py
 
 
 class PlaneMode(IntEnum):
     RAW = 0
     ZSTD = 1
+    SORTED = 2  # flag, context-sorted deltas only: the plane is stored in context order
 
 
 class DeltaOp(IntEnum):
@@ -94,9 +104,15 @@ class DeltaOp(IntEnum):
 
 
 # Encodings a repository of each format version may contain (version 1 knew only raw and zstd;
-# version 3 changed link files, not objects; version 4 added the predicted delta).
-_PLAIN = frozenset(Encoding) - {Encoding.PREDICTED}
-ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: _PLAIN, 3: _PLAIN, 4: frozenset(Encoding), 5: frozenset(Encoding)}
+# version 3 changed link files, not objects; version 4 added the predicted delta, 5 changed packs,
+# 6 added the context-sorted delta).
+_PLAIN = frozenset(Encoding) - {Encoding.PREDICTED, Encoding.CONTEXT}
+_PREDICTED = _PLAIN | {Encoding.PREDICTED}
+ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: _PLAIN, 3: _PLAIN, 4: _PREDICTED,
+                             5: _PREDICTED, 6: frozenset(Encoding)}
+# Encodings only compaction and repack write (slower to encode; the training loop never waits).
+OFF_LOOP = frozenset({Encoding.CONTEXT})
+_DELTAS = (Encoding.DELTA, Encoding.CONTEXT)  # one base id and an operation, then a plane set
 _INT_DTYPES = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _SIGNED_DTYPES = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
@@ -137,7 +153,7 @@ def delta_bases(data: bytes | memoryview) -> tuple[str, ...]:
     decoding anything.
     """
     header = parse_header(data)
-    if header.encoding == Encoding.DELTA:
+    if header.encoding in _DELTAS:
         if len(data) < HEADER_SIZE + BASE_ID_SIZE:
             raise IntegrityError("delta object is too short to name its base")
         return (bytes(data[HEADER_SIZE:HEADER_SIZE + BASE_ID_SIZE]).hex(),)
@@ -215,22 +231,40 @@ def _planes(raw: bytes | memoryview | np.ndarray, width: int) -> np.ndarray:
 
 def _grouped_parts(raw: bytes | memoryview | np.ndarray, width: int, level: int) -> tuple[int, Parts]:
     """A plane set (format.md section 4) of ``raw``: its stored length and its pieces."""
-    planes = _planes(raw, width)
     compressor = _compressor(level)
-    table: Parts = [bytes([width])]
-    stored: Parts = []
-    for plane in planes:
-        packed = compressor.compress(plane)  # rows of a C-ordered array: contiguous buffers
-        # Low mantissa planes are close to random (zstd sees that quickly): storing them raw
-        # saves the frame overhead and makes decoding them a copy.
-        if len(packed) < plane.nbytes:
-            table.append(_PLANE.pack(PlaneMode.ZSTD, len(packed)))
-            stored.append(packed)
-        else:
-            table.append(_PLANE.pack(PlaneMode.RAW, plane.nbytes))
-            stored.append(memoryview(plane))
-    parts = table + stored
+    pieces = [_plane_piece(plane, compressor) for plane in _planes(raw, width)]
+    return _plane_set(width, pieces)
+
+
+def _plane_piece(plane: np.ndarray, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes | memoryview]:
+    """One plane as its mode and stored bytes."""
+    packed = compressor.compress(plane)  # rows of a C-ordered array: contiguous buffers
+    # Low mantissa planes are close to random (zstd sees that quickly): storing them raw
+    # saves the frame overhead and makes decoding them a copy.
+    if len(packed) < plane.nbytes:
+        return PlaneMode.ZSTD, packed
+    return PlaneMode.RAW, memoryview(plane)
+
+
+def _plane_set(width: int, pieces: list[tuple[int, bytes | memoryview]]) -> tuple[int, Parts]:
+    parts: Parts = [bytes([width]), *(_PLANE.pack(mode, len(piece)) for mode, piece in pieces), *(p for _, p in pieces)]
     return sum(len(x) for x in parts), parts
+
+
+def _context_parts(residual: np.ndarray, base: bytes | memoryview, width: int, level: int) -> tuple[int, Parts, bool]:
+    """The plane set of a context-sorted delta: each plane stored sorted by its context where
+    that saves at least ``SORT_GAIN`` bytes an element (the sort costs decode time); its stored
+    length, pieces, and whether any plane is sorted."""
+    compressor = _compressor(level)
+    sorted_plane = context.sorted_plane(residual, base, width)
+    pieces = []
+    for i, plane in enumerate(_planes(residual, width)):
+        mode, piece = _plane_piece(plane, compressor)
+        by_context, sorted_piece = _plane_piece(sorted_plane(i), compressor)
+        if len(piece) - len(sorted_piece) >= SORT_GAIN * plane.size:
+            mode, piece = by_context | PlaneMode.SORTED, sorted_piece
+        pieces.append((mode, piece))
+    return (*_plane_set(width, pieces), any(mode & PlaneMode.SORTED for mode, _ in pieces))
 
 
 def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int, op: DeltaOp) -> np.ndarray:
@@ -299,6 +333,10 @@ def candidates(
             out.append(Candidate(Encoding.DELTA, DeltaOp.XOR))
         if width in _INT_DTYPES:
             out.append(Candidate(Encoding.DELTA, DeltaOp.SUB))
+    if aligned and has_base and Encoding.CONTEXT in allowed and width in context.WIDTHS:
+        # The same residuals, each plane sorted by its context (context.py); the XOR residual is
+        # pruned for the same reason as above.
+        out += [Candidate(Encoding.CONTEXT, op) for op in (DeltaOp.XOR, DeltaOp.SUB) if not (prune and op == DeltaOp.XOR)]
     return out
 
 
@@ -311,12 +349,15 @@ def _body(
     if c.encoding == Encoding.GROUPED:
         return _grouped_parts(raw, width, level)
     assert base is not None and c.op is not None
-    return _grouped_parts(delta_residual(raw, base, width, c.op), width, level)
+    residual = delta_residual(raw, base, width, c.op)
+    if c.encoding == Encoding.CONTEXT:
+        return _context_parts(residual, base, width, level)[:2]
+    return _grouped_parts(residual, width, level)
 
 
 def encode_chunk(
     raw: bytes | memoryview, level: int, width: int = 1, base_id: str | None = None,
-    base: bytes | memoryview | None = None, allowed: frozenset[Encoding] = frozenset(Encoding),
+    base: bytes | memoryview | None = None, allowed: frozenset[Encoding] = frozenset(Encoding) - OFF_LOOP,
     exhaustive: bool = False, ops: tuple[DeltaOp, ...] = (DeltaOp.XOR, DeltaOp.SUB),
 ) -> bytes:
     """Encode a chunk with the smallest of the allowed encodings; never more than raw + header.
@@ -346,8 +387,10 @@ def encode_chunk(
             best = (size, parts, c)
     assert best is not None
     size, parts, chosen = best
+    if chosen.encoding == Encoding.CONTEXT and not any(_PLANE.unpack(parts[1 + i])[0] & PlaneMode.SORTED for i in range(width)):
+        chosen = Candidate(Encoding.DELTA, chosen.op)  # no plane sorted: the same bytes as a plain delta
     prefix = b""
-    if chosen.encoding == Encoding.DELTA:
+    if chosen.encoding in _DELTAS:
         assert base_id is not None and chosen.op is not None
         prefix = _DELTA.pack(bytes.fromhex(base_id), chosen.op)
     if len(prefix) + size >= len(raw):
@@ -357,9 +400,11 @@ def encode_chunk(
 
 def encode_delta(
     raw: bytes | memoryview, level: int, width: int, base_id: str, base: bytes | memoryview, than: int,
+    allowed: frozenset[Encoding] = frozenset({Encoding.DELTA}),
 ) -> bytes | None:
-    """The best delta encoding of ``raw`` against ``base`` if it stores in fewer than ``than``
-    bytes (the chunk's current encoding), else None.
+    """The best delta encoding of ``raw`` against ``base`` (a plain delta, or a context-sorted one
+    when ``allowed``) if it stores in fewer than ``than`` bytes (the chunk's current encoding),
+    else None.
 
     Deltas that cannot pay are common (AdamW's first moment changes too much between epochs:
     269 of 439 optimizer chunks of the fp32 run), so a long chunk is first tried on the sample
@@ -368,20 +413,22 @@ def encode_delta(
     """
     if len(base) != len(raw) or not raw:
         return None
-    found = candidates(len(raw), width, True, frozenset({Encoding.DELTA}), prune=True)
+    kinds = allowed & set(_DELTAS)
+    found = candidates(len(raw), width, True, kinds, prune=True)
     if not found:
         return None
-    if len(raw) > EXHAUSTIVE_MAX:
-        sample, base_sample = _sample(raw, width), _sample(base, width)
+    long = len(raw) > EXHAUSTIVE_MAX
+    if long or len(found) > 1:
+        sample, base_sample = (_sample(raw, width), _sample(base, width)) if long else (raw, base)
         sized = [(_body(sample, c, width, level, base_sample)[0], c) for c in found]
         size, best = min(sized, key=lambda x: x[0])
         whole = _grouped_parts(sample, width, level)[0] if width > 1 else len(_compressor(level).compress(sample))
-        if size >= 0.97 * min(whole, len(sample)):
+        if long and size >= 0.97 * min(whole, len(sample)):
             return None
         found = [best]
-    data = encode_chunk(raw, level, width, base_id, base, allowed=frozenset({Encoding.DELTA}),
+    data = encode_chunk(raw, level, width, base_id, base, allowed=frozenset(c.encoding for c in found),
                         ops=tuple(c.op for c in found if c.op is not None))
-    return data if len(data) < than and parse_header(data).encoding == Encoding.DELTA else None
+    return data if len(data) < than and parse_header(data).encoding in kinds else None
 
 
 def encode_predicted(
@@ -443,7 +490,7 @@ def decode_view(
         return memoryview(_decode_grouped(body, header.raw_len, out))
     if header.encoding == Encoding.PREDICTED:
         return _decode_predicted(data, body, header.raw_len, fetch_base, out)
-    return _decode_delta(body, header.raw_len, fetch_base, out)
+    return _decode_delta(body, header.raw_len, fetch_base, out, header.encoding == Encoding.CONTEXT)
 
 
 def decode(
@@ -496,7 +543,11 @@ def _decode_predicted(
     return memoryview(residual)
 
 
-def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None) -> memoryview:
+def _decode_delta(
+    body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None, sorted_planes: bool = False,
+) -> memoryview:
+    """A delta (encoding 3) or, with ``sorted_planes``, a context-sorted delta (encoding 5)."""
+    import numpy as np
     if len(body) < _DELTA.size:
         raise IntegrityError("delta body is too short")
     base_raw, op = _DELTA.unpack_from(body)
@@ -504,19 +555,43 @@ def _decode_delta(body: memoryview, raw_len: int, fetch_base: BaseFetcher | None
         raise IntegrityError(f"unknown delta operation {op}")
     if fetch_base is None:
         raise IntegrityError("delta object read without access to its base")
-    residual = _decode_grouped(body[_DELTA.size:], raw_len, out)
-    width = body[_DELTA.size] if len(body) > _DELTA.size else 0
+    if sorted_planes:
+        # Every plane is decoded (so a malformed body fails) before the base is fetched.
+        width, entries = _plane_table(body[_DELTA.size:], raw_len, sorted_ok=True)
+        if width not in context.WIDTHS:
+            raise IntegrityError(f"context-sorted delta with element width {width}")
+        residual = _buffer(out, raw_len)
+        columns, by_context = residual.reshape(-1, width), {}
+        for i, (mode, frame) in enumerate(entries):
+            plane = np.frombuffer(_plane(i, mode & ~PlaneMode.SORTED, frame, raw_len // width), np.uint8)
+            if mode & PlaneMode.SORTED:
+                by_context[i] = plane
+            else:
+                columns[:, i] = plane
+    else:
+        width = body[_DELTA.size] if len(body) > _DELTA.size else 0
+        residual = _decode_grouped(body[_DELTA.size:], raw_len, out)
     if op == DeltaOp.SUB and width not in _INT_DTYPES:
         raise IntegrityError(f"integer-difference delta with element width {width}")
     base = fetch_base(base_raw.hex(), raw_len)
     if len(base) != raw_len:
         raise IntegrityError(f"delta base decoded to {len(base)} bytes, expected {raw_len}")
+    if sorted_planes:
+        context.unsort_planes(by_context, base, width, residual)
     return _undo_residual(residual, base, width, DeltaOp(op))
 
 
-def _decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = None) -> np.ndarray:
-    """Bytes of a byte-grouped body, as a uint8 array of ``raw_len`` elements (``into`` when given)."""
+def _buffer(into: np.ndarray | None, raw_len: int) -> np.ndarray:
+    """``into`` (checked) or a new uint8 array of ``raw_len`` bytes, to decode a chunk into."""
     import numpy as np
+    if into is not None and (into.dtype != np.uint8 or into.size != raw_len):
+        raise ValueError(f"decode buffer of {into.size} {into.dtype} elements for {raw_len} bytes")
+    return np.empty(raw_len, dtype=np.uint8) if into is None else into
+
+
+def _plane_table(body: memoryview, raw_len: int, sorted_ok: bool = False) -> tuple[int, list[tuple[int, memoryview]]]:
+    """A plane set's element width and its planes' (mode, stored bytes), checked against the body;
+    ``sorted_ok``: a context-sorted delta's (modes may carry the SORTED flag)."""
     if len(body) < 1:
         raise IntegrityError("byte-grouped body is empty")
     width = body[0]
@@ -530,26 +605,36 @@ def _decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = No
     entries = [_PLANE.unpack_from(body, 1 + i * _PLANE.size) for i in range(width)]
     if table_end + sum(n for _, n in entries) != len(body):
         raise IntegrityError("byte-grouped plane lengths do not add up to the body length")
+    frames = []
+    offset = table_end
+    for i, (mode, stored) in enumerate(entries):
+        if mode & ~(PlaneMode.SORTED if sorted_ok else 0) not in (PlaneMode.RAW, PlaneMode.ZSTD):
+            raise IntegrityError(f"unknown plane mode {mode} (plane {i})")
+        frames.append((mode, body[offset:offset + stored]))
+        offset += stored
+    return width, frames
+
+
+def _plane(i: int, mode: int, frame: memoryview, n: int) -> bytes | memoryview:
+    """Plane ``i`` of a plane set (``mode`` without flags), decoded to its ``n`` bytes."""
+    if mode == PlaneMode.RAW:
+        if len(frame) != n:
+            raise IntegrityError(f"raw plane {i} is {len(frame)} bytes, expected {n}")
+        return frame
+    return _decode_zstd(frame, n)
+
+
+def _decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = None) -> np.ndarray:
+    """Bytes of a byte-grouped body, as a uint8 array of ``raw_len`` elements (``into`` when given)."""
+    import numpy as np
+    width, entries = _plane_table(body, raw_len)
     n = raw_len // width
     # Interleave by strided column writes: measured (numpy 2, x86_64) about 5x faster than
     # shifting each plane into whole little-endian integers and OR-ing them, which costs a
     # widening cast and two passes a plane; decoding was most of a clone's and a push's CPU.
-    if into is not None and (into.dtype != np.uint8 or into.size != raw_len):
-        raise ValueError(f"decode buffer of {into.size} {into.dtype} elements for {raw_len} bytes")
-    out = (np.empty(raw_len, dtype=np.uint8) if into is None else into).reshape(n, width)
-    offset = table_end
-    for i, (mode, stored) in enumerate(entries):
-        frame = body[offset:offset + stored]
-        offset += stored
-        if mode == PlaneMode.RAW:
-            if stored != n:
-                raise IntegrityError(f"raw plane {i} is {stored} bytes, expected {n}")
-            plane = frame
-        elif mode == PlaneMode.ZSTD:
-            plane = memoryview(_decode_zstd(frame, n))
-        else:
-            raise IntegrityError(f"unknown plane mode {mode}")
-        out[:, i] = np.frombuffer(plane, dtype=np.uint8)
+    out = _buffer(into, raw_len).reshape(n, width)
+    for i, (mode, frame) in enumerate(entries):
+        out[:, i] = np.frombuffer(_plane(i, mode, frame, n), dtype=np.uint8)
     return out.reshape(-1)
 
 

@@ -6,18 +6,20 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ckstore.codecs.objects import ENCODINGS_BY_REPO_VERSION, Encoding
+from ckstore.codecs.objects import ENCODINGS_BY_REPO_VERSION, OFF_LOOP, Encoding
 from ckstore.errors import IntegrityError, InvalidInputError, UnsupportedFormatError
 
 CONFIG_KEY = "config.json"
-REPO_FORMAT_VERSION = 5  # the newest this ckstore reads (docs/format.md): 2 added byte-grouped and
-# delta chunk encodings, 3 relative link entries, 4 the predicted delta encoding, 5 local packs.
-# New repositories start at 2 and are upgraded when they first record a relative link (3), a
-# predicted delta (4) or a pack (5), so an older ckstore keeps reading every repository without one.
+REPO_FORMAT_VERSION = 6  # the newest this ckstore reads (docs/format.md): 2 added byte-grouped and
+# delta chunk encodings, 3 relative link entries, 4 the predicted delta encoding, 5 local packs,
+# 6 the context-sorted delta encoding. New repositories start at 2 and are upgraded when they
+# first record a relative link (3), a predicted delta (4), a pack (5) or a context-sorted delta
+# (6), so an older ckstore keeps reading every repository without one.
 NEW_REPO_VERSION = 2
 RELATIVE_LINKS_VERSION = 3
 PREDICTED_VERSION = 4
 PACKS_VERSION = 5
+CONTEXT_VERSION = 6
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and faster (docs/benchmarks.md)
 DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
@@ -43,7 +45,20 @@ class EncodingSettings:
 
     @property
     def allowed(self) -> frozenset[Encoding]:
-        return ENCODINGS_BY_REPO_VERSION[self.repo_version]
+        """What a commit may write: the repository's encodings but those kept off the loop."""
+        return ENCODINGS_BY_REPO_VERSION[self.repo_version] - OFF_LOOP
+
+    @property
+    def allowed_off_loop(self) -> frozenset[Encoding]:
+        """What compaction and repack may write: every encoding of the newest repository version
+        (they upgrade the repository before staging an object its version lacks); a version-1
+        repository keeps its own (repack upgrades it first)."""
+        return ENCODINGS_BY_REPO_VERSION[REPO_FORMAT_VERSION] if self.repo_version >= 2 else self.allowed
+
+
+def version_for(encoding: Encoding) -> int:
+    """The oldest repository format version whose objects may use ``encoding``."""
+    return min(v for v, allowed in ENCODINGS_BY_REPO_VERSION.items() if encoding in allowed)
 
 
 @dataclass(frozen=True)

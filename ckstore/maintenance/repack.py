@@ -24,8 +24,8 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ckstore.codecs.objects import delta_bases, encode_chunk
-from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH
+from ckstore.codecs.objects import delta_bases, encode_chunk, parse_header
+from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH, version_for
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError
 from ckstore.repository.graph import CommitGraph
@@ -139,7 +139,7 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
             except CkstoreError:
                 base_raw = None  # a damaged base: store this one whole instead
         data = encode_chunk(raw, settings.zstd_level, p.width, p.base if base_raw else None, base_raw,
-                            allowed=settings.allowed)
+                            allowed=settings.allowed_off_loop)
         # Never store more than before: the current encoding (a predicted delta, a delta against
         # another commit's chunk) stays when it is no larger and safe to keep.
         if keep is not None and len(current) <= len(data):
@@ -147,6 +147,8 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
         depth = 1 + final[p.base] if p.base is not None and delta_bases(data) else 0  # type: ignore[index]
         # Prove the new encoding before it replaces a good one: decode it and re-hash.
         store.check_encoded(oid, data, p.size)
+        # Upgraded (durably) before the first object the repository's version lacks is written.
+        ctx.upgrade(version_for(parse_header(data).encoding))
         store.replace_chunk(oid, data)
         return len(current), len(data), True, depth
 

@@ -28,8 +28,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckstore.codecs.objects import Encoding, delta_bases, parse_header
-from ckstore.format.settings import PREDICTED_VERSION, RepoConfig
+from ckstore.codecs.objects import ENCODINGS_BY_REPO_VERSION, Encoding, delta_bases, parse_header
+from ckstore.format.settings import NEW_REPO_VERSION, RepoConfig, version_for
 from ckstore.repository.context import RepoContext, init_context
 from ckstore.errors import (
     CkstoreError,
@@ -176,7 +176,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         batches = _Batches(store)
         try:
             lander = _Lander(store, batches, remote, where, pool, report)
-            lander.on_predicted = lambda: _allow_predicted(ctx)
+            lander.on_newer_encoding = lambda encoding: _allow_encoding(ctx, encoding)
             for oid in order:
                 lander.want_commit(oid, commits[oid])
             lander.run()
@@ -324,7 +324,8 @@ class _Lander:
         self.futures: list[Future[None]] = []
         self.in_flight = 0  # stored and decoded bytes handed to workers and not yet done (memory bound)
         self.failed = False
-        self.on_predicted: Callable[[], None] = lambda: None  # before a predicted delta is staged
+        # Before an object in an encoding newer than format 2 (a predicted or context-sorted delta) is staged.
+        self.on_newer_encoding: Callable[[Encoding], None] = lambda encoding: None
 
     def want_commit(self, oid: ObjectId, commit: Commit) -> None:
         chunks = {c.id for c in commit.all_chunks()} - self.queued.keys()
@@ -383,8 +384,9 @@ class _Lander:
         if not bases:
             self._submit(o, pack_id, data, wait=True)
             return []
-        if parse_header(data).encoding == Encoding.PREDICTED:
-            self.on_predicted()
+        encoding = parse_header(data).encoding
+        if encoding not in ENCODINGS_BY_REPO_VERSION[NEW_REPO_VERSION]:
+            self.on_newer_encoding(encoding)
         absent = [b for b in bases if b not in self.origin and not self.view.has_durable(b)]
         for base in absent:
             self.queued.setdefault(base, self.queued.get(o, "?"))
@@ -473,9 +475,10 @@ class _Lander:
                     raise
 
 
-def _allow_predicted(ctx: RepoContext) -> None:
-    """A repository of format 2 or 3 becomes 4 before it holds a predicted delta (docs/format.md)."""
-    ctx.upgrade(PREDICTED_VERSION)
+def _allow_encoding(ctx: RepoContext, encoding: Encoding) -> None:
+    """A repository of format 2 or newer is upgraded before it holds an object whose encoding its
+    version lacks: 4 for a predicted delta, 6 for a context-sorted one (docs/format.md)."""
+    ctx.upgrade(version_for(encoding))
 
 
 def _missing_bases(view: ObjectStore, present: set[str]) -> list[str]:

@@ -56,7 +56,7 @@ from ckstore.codecs.objects import (
     decode_view,
     parse_header,
 )
-from ckstore.format.settings import PREDICTED_VERSION
+from ckstore.format.settings import PREDICTED_VERSION, version_for
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
@@ -214,8 +214,9 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
 
 
 class _Upgrade:
-    """Whether predicted deltas may be written, upgrading a version 2 or 3 repository to 4
-    (config.json, durable) before the first one is staged (docs/format.md, compatibility)."""
+    """Whether predicted (or context-sorted) deltas may be written, upgrading a version 2 or newer
+    repository to the version that allows them (config.json, durable) before the first one is
+    staged (docs/format.md, compatibility)."""
 
     def __init__(self, ctx: RepoContext) -> None:
         self.ctx = ctx
@@ -223,8 +224,8 @@ class _Upgrade:
     def possible(self) -> bool:
         return self.ctx.config.version >= 2 and self.ctx.store.settings.max_delta_depth > 0
 
-    def __call__(self) -> bool:
-        return self.ctx.upgrade(PREDICTED_VERSION)
+    def __call__(self, version: int = PREDICTED_VERSION) -> bool:
+        return self.ctx.upgrade(version)
 
 
 def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends: bool, upgrade: _Upgrade,
@@ -381,7 +382,7 @@ def _reverse_delta(
     if current is None:
         return "", 0
     header = parse_header(current)
-    if header.kind != Kind.CHUNK or header.encoding in (Encoding.DELTA, Encoding.PREDICTED) or header.raw_len != job.slot.size:
+    if header.kind != Kind.CHUNK or header.encoding in (Encoding.DELTA, Encoding.PREDICTED, Encoding.CONTEXT) or header.raw_len != job.slot.size:
         return "", 0
     settings = store.settings
     raw = bytes(store.reader().chunk(oid, job.slot.size, "", current))  # whole: no base read
@@ -404,8 +405,8 @@ def _reverse_delta(
     if height + 1 <= depth:
         # Kept only when smaller than the predicted delta (when there is one).
         data = encode_delta(raw, settings.zstd_level, job.slot.width, job.slot.id, base_raw,
-                            len(predicted) if predicted is not None else than)
-        if data is not None:
+                            len(predicted) if predicted is not None else than, settings.allowed_off_loop)
+        if data is not None and upgrade(version_for(parse_header(data).encoding)):
             _check(oid, data, raw, {job.slot.id: base_raw})
             store.stage_replace(oid, data)
             return "delta", len(current) - len(data)

@@ -1,0 +1,144 @@
+"""The context-sorted delta (chunk encoding 5, docs/format.md section 4): pure, no I/O.
+
+A plain delta (encoding 3) codes each byte plane of the residual (XOR or zigzag difference
+against the base) on its own, so zstd sees one mixture of every element's statistics. But how far
+a value moved depends on what the value is: an optimizer step moves a weight by roughly the same
+absolute amount whatever its magnitude, so in the bit pattern the difference is large for small
+exponents and small for large ones, and a low residual byte is near zero where the byte above it
+is zero and near random where it is not. Both facts are known to a decoder before it decodes a
+plane: the base's exponent and the residual plane above (decoded first). So a plane may be
+stored *sorted by that context*: elements of one context become neighbours, and zstd's entropy
+tables and matches adapt to each context's distribution. A decoder computes the same keys from
+what it already has and scatters the plane back. objects.py decides per plane whether sorting
+pays (``SORT_GAIN``); this module only permutes.
+
+The sort and the scatter are counting sorts (a histogram of the 1,024 keys, its running sum, one
+pass placing each byte), compiled with numba where it is installed: numpy has no way to place
+elements of equal key in order without a full stable argsort, which made checkout 3 epochs back
+fall to 37-53 MB/s per core, below the 100 target (docs/benchmarks.md, issue 24). numba is imported on the first encode or decode of this encoding
+only, so commands that never meet one do not pay its import; without numba the same permutation
+is computed with numpy's stable argsort (slower, identical bytes).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckstore.codecs.context_keys import HIGHER_CAP, KEYS, WIDTHS
+from ckstore.errors import IntegrityError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["HIGHER_CAP", "KEYS", "WIDTHS", "sort_key", "sorted_plane", "unsort_planes"]
+
+
+def sort_key(base: np.ndarray, width: int, higher: np.ndarray | None) -> np.ndarray:
+    """The context of each element of one plane (format.md): the 8 bits below the sign bit of
+    the base element (a float's exponent, or its top 8 exponent bits), times 4, plus for every
+    plane but the top one the residual byte of the plane above, capped at ``HIGHER_CAP``."""
+    import numpy as np
+    elements = base.reshape(-1, width)
+    key = elements[:, width - 1].astype(np.uint16)
+    np.left_shift(key, 1, out=key)
+    np.bitwise_or(key, elements[:, width - 2] >> 7, out=key, casting="unsafe")
+    np.bitwise_and(key, 0xFF, out=key)
+    np.left_shift(key, 2, out=key)
+    if higher is not None:
+        np.bitwise_or(key, np.minimum(higher, HIGHER_CAP), out=key, casting="unsafe")
+    return key
+
+
+# ---- the compiled counting sorts ---------------------------------------------------------------
+
+_KERNELS: list[Any] = []  # [module or None], set on first use
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernels() -> Any:
+    """context_kernels, or None when numba is not installed (imported once, on first use)."""
+    if not _KERNELS:
+        with _KERNELS_LOCK:
+            if not _KERNELS:
+                try:
+                    from ckstore.codecs import context_kernels
+                except ImportError:
+                    context_kernels = None  # type: ignore[assignment]
+                _KERNELS.append(context_kernels)
+    return _KERNELS[0]
+
+
+def _order(residual: np.ndarray, base: np.ndarray, width: int, plane: int) -> np.ndarray:
+    """The numpy fallback: element indices in ascending key order, ties in element order."""
+    import numpy as np
+    elements = residual.reshape(-1, width)
+    higher = elements[:, plane + 1] if plane < width - 1 else None
+    return np.argsort(sort_key(base, width, higher), kind="stable")
+
+
+_LOCAL = threading.local()
+_KEEP_MAX = 4 << 20  # elements: a thread keeps at most 16 MiB of key arrays
+
+
+def _exponents(kernels: Any, base: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every element's exponent key (the top plane's key, the major part of the others') and a
+    work array for one plane's keys: the thread's own arrays, reused. Why: two fresh 512 KiB
+    arrays a chunk cost 256 page faults, measured at 3-5 us each on a loaded VM, as much as the
+    counting sorts themselves."""
+    import numpy as np
+    n = base.size // width
+    held = getattr(_LOCAL, "keys", None)
+    if n > _KEEP_MAX:
+        held = np.empty((2, n), np.uint16)  # a rare huge chunk: not kept
+    elif held is None or held.shape[1] < n:
+        held = _LOCAL.keys = np.empty((2, max(n, 1 << 18)), np.uint16)
+    exponents, keys = held[0, :n], held[1, :n]
+    kernels.exponent_keys(base.view(f"<u{width}"), exponents)
+    return exponents, keys
+
+
+# ---- encoding and decoding ---------------------------------------------------------------------
+
+
+def sorted_plane(residual: np.ndarray, base: bytes | memoryview, width: int) -> Callable[[int], np.ndarray]:
+    """A function of a plane number: that plane of the residual (byte i of every element),
+    permuted into the order of its context (``sort_key``)."""
+    import numpy as np
+    if width not in WIDTHS:
+        raise ValueError(f"no context-sorted delta for element width {width}")
+    base_bytes = np.frombuffer(base, dtype=np.uint8)
+    kernels = _kernels()
+    if kernels is not None:
+        exponents, keys = _exponents(kernels, base_bytes, width)
+
+    def plane_of(plane: int) -> np.ndarray:
+        if kernels is None:
+            return residual.reshape(-1, width)[:, plane][_order(residual, base_bytes, width, plane)]
+        out = np.empty(residual.size // width, np.uint8)
+        kernels.sort_plane(residual, exponents, width, plane, keys, out)
+        return out
+    return plane_of
+
+
+def unsort_planes(stored: dict[int, np.ndarray], base: bytes | memoryview, width: int, out: np.ndarray) -> np.ndarray:
+    """Inverse of ``sorted_plane``: ``out`` (uint8, ``n * width``: the interleaved residual, every
+    plane not in ``stored`` filled already) gets each plane of ``stored`` (plane -> its sorted
+    bytes) put back in element order; returned."""
+    import numpy as np
+    if width not in WIDTHS:
+        raise IntegrityError(f"context-sorted delta with element width {width}")
+    base_bytes = np.frombuffer(base, dtype=np.uint8)
+    if base_bytes.size != out.size or any(p.size != base_bytes.size // width for p in stored.values()):
+        raise IntegrityError("context-sorted planes and the base differ in length")
+    kernels = _kernels()
+    if kernels is not None and stored:
+        exponents, keys = _exponents(kernels, base_bytes, width)
+    elements = out.reshape(-1, width)
+    for plane in sorted(stored, reverse=True):  # each plane's key needs the plane above it
+        if kernels is not None:
+            kernels.unsort_plane(stored[plane], exponents, width, plane, keys, out)
+        else:
+            elements[_order(out, base_bytes, width, plane), plane] = stored[plane]
+    return out
