@@ -318,14 +318,16 @@ def test_local_batch_replacement_dropped_when_its_put_lost(tmp_path: Path) -> No
 def test_local_batch_flushes_early_and_fails_on_an_early_flush_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every EARLY_FLUSH_BYTES staged, a syncfs starts in the background; if one fails, the batch
-    fails and links nothing (a later syncfs need not report the writeback error again)."""
+    """Every EARLY_FLUSH_BYTES staged, a batch of many loose files starts a syncfs in the
+    background; if one fails, the batch fails and links nothing (a later syncfs need not report
+    the writeback error again)."""
     import ckstore.backend.local_batch as local_batch
     import ckstore.backend.fsio as fsio
 
     if not LocalBackend.use_syncfs:
         pytest.skip("no syncfs on this platform: the batch fsyncs file by file")
     monkeypatch.setattr(fsio, "EARLY_FLUSH_BYTES", 100)
+    monkeypatch.setattr(local_batch, "TARGETED_BARRIER_MAX", 0)  # every loose file counts as many
     flushed: list[Path] = []
     monkeypatch.setattr(local_batch, "syncfs", lambda root: flushed.append(root) or True)
     backend = LocalBackend(tmp_path)

@@ -20,12 +20,13 @@ as the batch goes overlaps it with hashing and compressing the next chunks (meas
 final barrier 0.15-0.17 s -> 0.01 s). An early flush's error fails the batch, since a later
 barrier on a new descriptor need not report a writeback error again.
 
-Which barrier: a batch that writes packs (a commit, a fetch) has a handful of files, and makes
-exactly those durable (an fdatasync of each pack as an early flush, an fsync of each file and
-folder at the barriers). syncfs(2) is kept for batches of many loose files (compaction's
-replacements), where it is one call instead of hundreds: it also waits for every other dirty page
-of the filesystem, and on a training script's path that includes the checkpoint files it has just
-written without fsync, which the commit does not need on disk.
+Which barrier: a batch of a few files (a commit or a fetch writes packs: a handful) makes exactly
+those durable: an fdatasync of each pack as its early flush (each loose file starts its own
+writeback when staged), an fsync of each file and folder at the barriers. Beyond
+TARGETED_BARRIER_MAX files (compaction's loose replacements, a repository without packs), one
+syncfs(2) instead of hundreds of fsyncs. syncfs also waits for every other dirty page of the
+filesystem, and on a training script's path that includes the checkpoint it has just saved
+without fsync, which the commit does not need on disk.
 """
 
 
@@ -97,18 +98,17 @@ class LocalBatch(Backend):
         self._replaces: dict[str, tuple[Path, str | None]] = {}
         self._new_folders: set[Path] = set()  # made while staging; the second barrier covers them
         self._seen_folders: set[Path] = set()
+        self._loose = 0  # loose files staged
         self._early = EarlyFlush(self._flush_early)
 
-    def _syncfs_mode(self) -> bool:
-        """Whether this batch's barriers are syncfs calls (many loose files; module docstring)."""
-        return self.inner.use_syncfs and not self._pack_wanted
+    def _many_loose(self) -> bool:
+        """Whether this batch stages more loose files than a targeted barrier takes."""
+        return self._loose > TARGETED_BARRIER_MAX
 
     def _flush_early(self) -> bool:
-        if self._syncfs_mode():
+        if self.inner.use_syncfs and self._many_loose():
             return syncfs(self.inner.root)
-        if not self._pack_wanted:
-            return False  # loose files without syncfs: each started its own writeback when staged
-        with self._mutex:
+        with self._mutex:  # loose files started their own writeback when staged
             writers = list(self._writers)
         for writer in writers:
             writer.datasync()
@@ -116,7 +116,7 @@ class LocalBatch(Backend):
 
     def _barrier(self, paths: Iterable[Path]) -> None:
         paths = set(paths)
-        self.inner.sync_barrier(paths, targeted=not self._syncfs_mode() or len(paths) <= TARGETED_BARRIER_MAX)
+        self.inner.sync_barrier(paths, targeted=len(paths) <= TARGETED_BARRIER_MAX)
 
     def _staged(self, key: str) -> Path | None:
         with self._mutex:
@@ -173,11 +173,11 @@ class LocalBatch(Backend):
                 self.inner._ensure_dir(folder, self._new_folders)
                 with self._mutex:
                     self._seen_folders.add(folder)
-            # In syncfs mode its writeback starts with the batch's next early flush (a syncfs every
-            # 16 MiB), not with a sync_file_range per file: one system call less per object.
-            tmp = self.inner._write_temp(data, sync=False, folder=folder, writeback=not self._syncfs_mode())
+            tmp = self.inner._write_temp(data, sync=False, folder=folder)
         except OSError as exc:
             raise storage_error(exc, f"staging {self.describe(key)}") from None
+        with self._mutex:
+            self._loose += 1
         self._early.wrote(len(data))
         return tmp
 
