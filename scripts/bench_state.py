@@ -143,7 +143,7 @@ def table(rows: list[dict[str, Any]], reps: int) -> str:
         " into the page cache and fsyncs one file; load_file maps the file, so touching the tensors is"
         " all it pays. commit_state hashes every byte (blake3), encodes every new chunk (byte planes +"
         " zstd) and makes the objects durable with two syncfs barriers; load_state decodes and re-hashes"
-        " every chunk (every read is verified) and copies it into the tensor, on 2 cores. What ckstore"
+        " every chunk (every read is verified), decoding it straight into the tensor, on 2 cores. What ckstore"
         " buys for that time: the re-commit column (an unchanged state costs a hash, no write), smaller"
         " storage, and reads that cannot return corrupt data. The machine was shared with other runs,"
         " so absolute times vary between runs.",
