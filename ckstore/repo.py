@@ -286,6 +286,7 @@ class Repo:
         self, state: object, message: str = "", branch: str | None = None,
         metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
         base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: Literal[False] = False,
+        start: str | None = None,
     ) -> ObjectId: ...
 
     @overload
@@ -293,14 +294,18 @@ class Repo:
         self, state: object, message: str = "", branch: str | None = None,
         metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
         base: str | None = None, base_repo: str | os.PathLike[str] | None = None, *, background: Literal[True],
+        start: str | None = None,
     ) -> CommitHandle: ...
 
     def commit_state(
         self, state: object, message: str = "", branch: str | None = None,
         metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
         base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: bool = False,
+        start: str | None = None,
     ) -> ObjectId | CommitHandle:
         """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id.
+
+        A ``branch`` that does not exist yet starts at ``start``, as in ``commit``.
 
         With ``background`` the tensors are copied and a ``CommitHandle`` is returned at once;
         hashing, encoding and writing go on in the background (see write/background.py).
@@ -310,7 +315,7 @@ class Repo:
         from ckstore.training.state import STATE_TENSORS, STATE_VALUES, state_files
         from ckstore.write.commit import commit_sources, prepare_commit
 
-        request = prepare_commit(message, branch, metadata).on_branch(self._ctx)
+        request = self._start_new_branch(prepare_commit(message, branch, metadata).on_branch(self._ctx), start)
         based = resolve_base(self._ctx, base, base_repo)
 
         def write(sources: Sequence[MemoryFile]) -> ObjectId:
@@ -387,20 +392,27 @@ class Repo:
     def import_checkpoint(
         self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
         branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, object] | None = None,
+        start: str | None = None,
     ) -> list[ImportResult]:
-        """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py."""
+        """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py.
+
+        A ``branch`` that does not exist yet starts at ``start``, as in ``commit``."""
         return list(self.iter_import(path, recursive=recursive, message=message, branch=branch,
-                                     delete_source=delete_source, metadata=metadata))
+                                     delete_source=delete_source, metadata=metadata, start=start))
 
     def iter_import(
         self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
         branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, object] | None = None,
+        start: str | None = None,
     ) -> Iterator[ImportResult]:
         """Like ``import_checkpoint``, yielding each file's result as its commit lands."""
+        from functools import partial
+
         from ckstore.training.legacy import import_checkpoints
 
-        yield from import_checkpoints(self.commit_state, self.load_state, path, exclude=self.path,
-                                      recursive=recursive, message=message, branch=branch,
+        # Only the first file's commit can find its branch new; the later ones follow it.
+        yield from import_checkpoints(partial(self.commit_state, start=start), self.load_state, path,
+                                      exclude=self.path, recursive=recursive, message=message, branch=branch,
                                       delete_source=delete_source, metadata=metadata)
 
     def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> LazyTensors:

@@ -3,6 +3,7 @@
 
     python scripts/bench_state.py                      # ~100 MB and ~500 MB states, print a table
     python scripts/bench_state.py --sizes 100 --reps 3 --write-docs docs/benchmarks.md
+    python scripts/bench_state.py --sizes --real-gb 3 --reps 3   # a multi-GB state of real tensors
 
 Each state is what a training loop holds after an AdamW step: model weights plus the optimizer's
 two moments (3 x params float32) and step counters, already in memory. Each repetition writes
@@ -10,12 +11,25 @@ into a fresh directory under /tmp (a fresh repository for ckstore, so nothing de
 an earlier repetition), and the median of the repetitions is reported. Both sides run in this one
 process, side by side, with the page cache warm for the loads. Ratios are ckstore / safetensors:
 below 1 means ckstore is faster. A benchmark, not a test: it asserts nothing.
+
+``--real-gb N``: a state of N GB built from real all-MiniLM-L6-v2 fine-tune tensors (epoch 4 of
+scripts/bench_data.py's fp32 run, model + AdamW moments, repeated under new names and rotated like
+scripts/bench_user_path.py's ``enlarge``, so it compresses like a real state). Each operation runs
+in its own process (save_file + fsync, commit_state, load_file + touch, load_state + touch,
+interleaved per repetition), which reports its wall time and its peak memory above what it held
+before the operation (VmHWM, reset through /proc/self/clear_refs): for a save, above the
+interpreter with the state built; for a load, above the interpreter less the loaded state's own
+bytes. commit_state's compaction is waited for untimed, so load_state reads the state as it is
+stored once compaction has run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import time
 import platform
 import shutil
 import statistics
@@ -129,7 +143,7 @@ def table(rows: list[dict[str, Any]], reps: int) -> str:
         " into the page cache and fsyncs one file; load_file maps the file, so touching the tensors is"
         " all it pays. commit_state hashes every byte (blake3), encodes every new chunk (byte planes +"
         " zstd) and makes the objects durable with two syncfs barriers; load_state decodes and re-hashes"
-        " every chunk (every read is verified) and copies it into the tensor, on 2 cores. What ckstore"
+        " every chunk (every read is verified), decoding it straight into the tensor, on 2 cores. What ckstore"
         " buys for that time: the re-commit column (an unchanged state costs a hash, no write), smaller"
         " storage, and reads that cannot return corrupt data. The machine was shared with other runs,"
         " so absolute times vary between runs.",
@@ -137,21 +151,136 @@ def table(rows: list[dict[str, Any]], reps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def real_state(gb: float) -> dict[str, Any]:
+    """A training state of about ``gb`` GB from the real fine-tune's last epoch (see module doc)."""
+    from bench_data import ensure_checkpoints
+    from bench_user_path import enlarge
+
+    root = Path(__file__).resolve().parent.parent / "bench-work" / "checkpoints"
+    epoch = ensure_checkpoints(root, epochs=4, steps=60, runs=("fp32_full",))["fp32_full"][-1]
+    files = {f: load_file(str(epoch / f)) for f in ("model.safetensors", "optimizer.safetensors")}
+    big = enlarge(files, int(gb * 1e9))
+    return {"model": big["model.safetensors"], "optimizer": big["optimizer.safetensors"], "epoch": 4}
+
+
+def _peak_mib_since_reset() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _rss_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker(op: str, gb: float, folder: Path) -> dict[str, float]:
+    """One operation of the --real-gb part, in this (fresh) process: wall seconds, peak MiB above
+    what the process held before it (a load's own result not counted)."""
+    state = real_state(gb) if op in ("save", "commit") else None
+    repo = Repo(folder / "repo") if op == "load_ck" else None
+    os.sync()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    base = _rss_mib()
+    started = time.perf_counter()
+    result: Any = None
+    if op == "save":
+        assert state is not None
+        save_st({f"{k}.{n}": t for k, tensors in state.items() if isinstance(tensors, dict) for n, t in tensors.items()},
+                folder / "state.safetensors")
+    elif op == "commit":
+        repo = Repo.init(folder / "repo")
+        repo.commit_state(state, metadata={"epoch": 4})
+    elif op == "load_st":
+        result = load_file(str(folder / "state.safetensors"))
+        touch(result)
+    else:
+        assert repo is not None
+        result = repo.load_state("HEAD")
+        touch(result)
+    wall = time.perf_counter() - started
+    own = 0.0
+    if result is not None:
+        tensors = result.values() if op == "load_st" else [t for part in ("model", "optimizer") for t in result[part].values()]
+        own = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    peak = _peak_mib_since_reset() - base - own
+    if op == "commit":
+        assert repo is not None
+        repo.wait()  # compaction, untimed: load_state reads what compaction leaves
+    nbytes = sum(t.numel() * t.element_size() for part in ("model", "optimizer") for t in state[part].values()) if state else 0
+    return {"wall": wall, "peak_mib": peak, "bytes": nbytes}
+
+
+def bench_real(gb: float, reps: int, root: Path) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {}
+    size = 0
+    for rep in range(reps):
+        folder = Path(tempfile.mkdtemp(prefix=f"bench-state-real-{rep}-", dir=root))
+        try:
+            for op in ("save", "commit", "load_st", "load_ck"):
+                out = subprocess.run([sys.executable, __file__, "--worker", op, "--real-gb", str(gb), "--tmp", str(folder)],
+                                     capture_output=True, text=True, check=True)
+                figures = json.loads(out.stdout.splitlines()[-1])
+                size = max(size, int(figures["bytes"]))
+                samples.setdefault(op, []).append(figures["wall"])
+                samples.setdefault(op + "_peak", []).append(figures["peak_mib"])
+            print(f"  {gb:g} GB run {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in samples.items()),
+                  file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {"gb": size / 1e9, **med, "commit_ratio": med["commit"] / med["save"],
+            "load_ratio": med["load_ck"] / med["load_st"]}
+
+
+def real_table(rows: list[dict[str, Any]], reps: int, load_before: str, load_after: str) -> str:
+    lines = [
+        f"Multi-GB states of real tensors (`--real-gb`, each operation in its own process, median of {reps}"
+        f" interleaved repetitions; load average {load_before} → {load_after}). Peak: memory above what the"
+        " process held before the operation (a load's result not counted).",
+        "",
+        "| state | save_file+fsync | commit_state | ratio | peak MiB | load_file+touch | load_state+touch | ratio | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['gb']:.2f} GB (real MiniLM tensors) | {r['save']:.2f} s | {r['commit']:.2f} s | **{r['commit_ratio']:.2f}**"
+            f" | {r['commit_peak']:.0f} | {r['load_st']:.2f} s | {r['load_ck']:.2f} s | **{r['load_ratio']:.2f}**"
+            f" | {r['load_ck_peak']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[100, 500], help="state sizes in MB")
+    p.add_argument("--sizes", type=int, nargs="*", default=[100, 500], help="state sizes in MB")
+    p.add_argument("--real-gb", type=float, nargs="*", default=[], help="states of real tensors, in GB")
+    p.add_argument("--worker", choices=["save", "commit", "load_st", "load_ck"], help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Training state' section of FILE")
     args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.real_gb[0], args.tmp)))
+        return 0
+    load_before = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"load average at start {load_before}", file=sys.stderr)
+    real = [bench_real(gb, args.reps, args.tmp) for gb in args.real_gb]
+    if real:
+        print(real_table(real, args.reps, load_before, " / ".join(f"{x:.1f}" for x in os.getloadavg())))
     rows = []
     for mb in args.sizes:
         row = bench(mb, args.reps, args.tmp)
         rows.append(row)
         print(f"{mb} MB: commit {row['commit_ratio']:.2f}x save_file, load {row['load_ratio']:.2f}x load_file",
               file=sys.stderr)
+    if not rows:
+        return 0
     section = table(rows, args.reps)
     print(section)
+    print("load average at the end " + " / ".join(f"{x:.1f}" for x in os.getloadavg()), file=sys.stderr)
     if args.write_docs:
         write_section(args.write_docs, SECTION, section.split("\n", 2)[2])
     return 0

@@ -280,7 +280,7 @@ def test_consolidated_checkout_reassembles_any_grid_of_pieces(grid: Any, whole_r
 
     import numpy as np
 
-    from ckstore.read.checkout import _fetch
+    from ckstore.read.checkout import _get
     from ckstore.read.consolidate import plan_consolidated
     from ckstore.format.dcp_record import DcpPiece, DcpRecord, DcpTensor, piece_name, stored_dtype
     from ckstore.format.dtypes import TORCH_DTYPES as DTYPES
@@ -315,7 +315,7 @@ def test_consolidated_checkout_reassembles_any_grid_of_pieces(grid: Any, whole_r
     commit = Commit(parents=(), time="2026-01-01T00:00:00Z", message="", branch="main", files=tuple(files),
                     dcp=record)
     [output] = plan_consolidated(repo.store, commit)
-    written = b"".join(_fetch(repo.store, output.pieces))
+    written = b"".join(_get(repo.store, piece) for piece in output.pieces)
     assert len(written) == output.size
     layout = parse_header(written[: 8 + int.from_bytes(written[:8], "little")], len(written))
     assert [(t.name, t.dtype, tuple(t.shape)) for t in layout.tensors] == [("t", DTYPES[dtype][1], shape)]

@@ -328,3 +328,30 @@ def test_old_torch_is_refused(repo: Repo, tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(MissingDependencyError):
         repo.import_checkpoint(tmp_path / "m.pt")
     assert repo.branches() == {}
+
+
+def test_import_to_a_new_branch_starts_at_head_as_commit_does(cli: Cli, tmp_path: Path) -> None:  # noqa: F811
+    """``import --branch NEW`` started an unrelated root; like ``commit --branch NEW`` it starts at HEAD."""
+    cli("init", str(tmp_path / "repo"), repo=False)
+    src = tmp_path / "ckpts"
+    src.mkdir()
+    torch.save(model_state(1), src / "a.pt")
+    torch.save(model_state(2), src / "b.pt")
+    [head] = [line.split()[0] for line in cli("import", str(src / "a.pt")).stdout.splitlines()]
+    out = cli("import", str(src), "--recursive", "--branch", "ft").stdout.splitlines()
+    first, second = (line.split()[0] for line in out)
+    repo = Repo(tmp_path / "repo")
+    assert repo.read_commit(first).parents == (head,) and repo.read_commit(second).parents == (first,)
+    assert repo.resolve("HEAD") == head  # the current branch stays where it was
+    root = cli("import", str(src / "b.pt"), "--branch", "fresh", "--orphan").stdout.split()[0]
+    assert repo.read_commit(root).parents == ()
+    error = cli("import", str(src / "b.pt"), "--branch", "ft", "--orphan", code=5).stderr
+    assert error == "ckstore: --orphan starts a new branch: name one that does not exist with --branch NEW\n"
+
+
+def test_api_import_and_commit_state_take_a_start(repo: Repo, tmp_path: Path) -> None:
+    first = repo.commit_state({"w": torch.zeros(2)})
+    side = repo.commit_state({"w": torch.ones(2)}, branch="side", start="HEAD")
+    torch.save(model_state(1), tmp_path / "a.pt")
+    [imported] = repo.import_checkpoint(tmp_path / "a.pt", branch="imp", start="side")
+    assert repo.read_commit(side).parents == (first,) and repo.read_commit(imported.commit).parents == (side,)

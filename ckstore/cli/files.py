@@ -40,13 +40,25 @@ def init(path: str | None, chunk_size: int | None, zstd_level: int | None, max_d
     click.echo(f"initialised empty ckstore repository in {repo.path}")
 
 
+_branch_option = click.option(
+    "--branch", help="Branch to commit to (default: the current branch); a branch that does not exist yet starts at "
+    "HEAD, as after 'git checkout -b' (the commit's parent is HEAD's commit).")
+_orphan_option = click.option(
+    "--orphan", is_flag=True, help="With --branch NEW: start NEW with a root commit, a history unrelated to HEAD's.")
+
+
+def _new_branch_start(repo: Repo, branch: str | None, orphan: bool) -> str | None:
+    """Where a new ``--branch`` starts: HEAD (git's checkout -b), or nowhere with ``--orphan``."""
+    if orphan and (branch is None or branch in repo.branches()):
+        raise InvalidInputError("--orphan starts a new branch: name one that does not exist with --branch NEW")
+    return None if orphan else "HEAD"
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option("-m", "--message", default="", help="Commit message.")
-@click.option("--branch", help="Branch to commit to (default: the current branch); a branch that does not exist yet "
-              "starts at HEAD, as after 'git checkout -b' (the commit's parent is HEAD's commit).")
-@click.option("--orphan", is_flag=True, help="With --branch NEW: start NEW with a root commit, a history unrelated "
-              "to HEAD's.")
+@_branch_option
+@_orphan_option
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Typed metadata (repeatable).")
 @click.option("--base", metavar="REF", help="Record the commit as an overlay on this base commit.")
 @click.option("--base-repo", metavar="PATH", help="Repository holding --base (referenced, not copied).")
@@ -58,12 +70,10 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
     """Record safetensors files or directories as one commit; print its id."""
     if base_repo and not base:
         base = "HEAD"
-    if orphan and (branch is None or branch in repo.branches()):
-        raise InvalidInputError("--orphan starts a new branch: name one that does not exist with --branch NEW")
     try:
         oid = repo.commit(list(paths), message=message, branch=branch, metadata=parse_meta(meta),
                           progress=progress_factory(), base=base, base_repo=base_repo, raw=raw,
-                          start=None if orphan else "HEAD")
+                          start=_new_branch_start(repo, branch, orphan))
     except PickleCheckpointError as exc:
         raise PickleCheckpointError(f"{exc.path} is a PyTorch pickle checkpoint: 'ckstore import {exc.path}' stores "
                                     "its tensors safely; --raw commits it as one opaque file") from None
@@ -145,20 +155,21 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
 @click.argument("path")
 @click.option("--recursive", is_flag=True, help="Import every .pth/.pt/.bin/.ckpt file under the folder PATH.")
 @click.option("-m", "--message", default=None, help="Commit message (default: the file's name).")
-@click.option("--branch", help="Branch to commit to (default: the current branch); a branch that does not exist yet "
-              "starts a new history with no parent: 'ckstore switch -c NAME' first branches from HEAD.")
+@_branch_option
+@_orphan_option
 @click.option("--delete-source", is_flag=True, help="Delete each file once its commit is verified.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, delete_source: bool,
-            as_json: bool) -> None:
+def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, orphan: bool,
+            delete_source: bool, as_json: bool) -> None:
     """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle)."""
     # Printed as each file lands: if a later file is refused, the commits made so far are known
     # (with --json, the document lists them before the error line reaches stderr).
     done = []
+    start = _new_branch_start(repo, branch, orphan)
     try:
         for result in repo.iter_import(path, recursive=recursive, message=message, branch=branch,
-                                       delete_source=delete_source):
+                                       delete_source=delete_source, start=start):
             done.append({"commit": result.commit, "source": str(result.source), "deleted": result.deleted})
             if not as_json:
                 click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")

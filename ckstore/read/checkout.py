@@ -18,7 +18,7 @@ import re
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -136,11 +136,6 @@ def _same_file(target: Path, output: Output) -> bool:
             if f.read(len(expected)) != expected:
                 return False
     return True
-
-
-def _fetch(store: ObjectStore, outputs: Iterable[tuple[Piece, str]]) -> Iterator[bytes | memoryview]:
-    """The bytes of ``outputs`` in order, read and decoded in parallel."""
-    return ordered_map(lambda item: _get(store, item), outputs)
 
 
 def _get(store: ObjectStore, item: tuple[Piece, str]) -> bytes | memoryview:

