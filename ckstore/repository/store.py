@@ -206,10 +206,10 @@ class ObjectStore:
         return delta_closure_many(chunks, self.bases_of_many)
 
     @contextmanager
-    def batch(self, expected_bytes: int = 0) -> Iterator[ObjectStore]:
+    def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[ObjectStore]:
         """A view of this store whose writes become durable together when the block ends
         (``Backend.batch``): a commit's chunks go through it, its manifest after it."""
-        with self.backend.batch(expected_bytes) as staged:
+        with self.backend.batch(expected_bytes, expected_objects) as staged:
             view = ObjectStore(staged, settings=self.settings)
             view.alternates = self.alternates
             yield view
