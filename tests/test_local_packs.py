@@ -291,3 +291,61 @@ def test_reads_while_a_small_pack_is_rewritten_never_fail(tmp_path: Path, monkey
 
     assert read_errors_while(reader, oid, rewrite) == []
     assert len(packs_of(repo)) == 1 and loose_ids(repo) == {oid}
+
+
+class _Stop(BaseException):
+    """Raised at a chosen mutating step: the gc stops there, as a crash would stop it."""
+
+
+def test_gc_stopped_at_any_step_of_a_pack_rewrite_loses_nothing_kept(tmp_path: Path) -> None:
+    """Every mutating step of a gc that drops packed garbage and rewrites the pack (fsio's seam,
+    in process: finally blocks still run, unlike a kill; tests/reliability kills processes)."""
+    import shutil
+
+    from ckstore.backend import fsio
+
+    template = fresh(tmp_path / "t")
+    keep = template.commit(many_files(tmp_path, "keep", 70), message="keep")
+    template.create_branch("scratch", keep)
+    template.switch("scratch")
+    dropped = template.commit(many_files(tmp_path, "drop", 70, start=1000), message="drop")
+    template.switch("main")
+    template.delete_branch("scratch", force=True)
+    steps = 0
+
+    def count() -> None:
+        nonlocal steps
+        steps += 1
+
+    probe = Repo(shutil.copytree(template.path, tmp_path / "probe"))
+    fsio.observe_steps(count)
+    try:
+        probe.gc(prune_now=True)
+    finally:
+        fsio.observe_steps(None)
+    assert steps > 70  # the rewrite's writes, renames, deletes and barriers are all steps
+    # Every 7th step through the object writes, every step from the pack's install on.
+    for stop_at in sorted({*range(0, steps, 7), *range(steps - 16, steps)}):
+        work = Repo(shutil.copytree(template.path, tmp_path / f"w{stop_at}"))
+        seen = 0
+
+        def stop() -> None:
+            nonlocal seen
+            seen += 1
+            if seen > stop_at:
+                raise _Stop
+
+        fsio.observe_steps(stop)
+        try:
+            with pytest.raises(_Stop):
+                work.gc(prune_now=True)
+        finally:
+            fsio.observe_steps(None)
+        after = Repo(work.path)
+        assert after.fsck(read_data=True) == [], stop_at
+        after.checkout(keep, tmp_path / f"o{stop_at}")
+        assert tree_digest(tmp_path / f"o{stop_at}") == tree_digest(tmp_path / "keep"), stop_at
+        after.gc(prune_now=True)  # the next gc finishes the job
+        assert not after.store.has(dropped) and after.fsck(read_data=True) == [], stop_at
+        shutil.rmtree(work.path)  # type: ignore[arg-type]
+        shutil.rmtree(tmp_path / f"o{stop_at}")
