@@ -44,8 +44,19 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def object_file(repo: Repo, oid: str) -> Path:
+    """The loose file of an object, for tests that damage or remove one: an object resting in a
+    pack (small ones do, backend/local_settle.py) is spread loose first, with every other."""
     assert repo.path is not None
-    return repo.path / object_key(oid)
+    path = repo.path / object_key(oid)
+    packs = getattr(repo.backend, "packs", None)
+    if not path.exists() and packs is not None and packs.locate(oid) is not None:
+        from unittest.mock import patch
+
+        from ckstore.backend import local_settle
+
+        with patch.object(local_settle, "SMALL_OBJECT", 0):
+            repo.backend.unpack()
+    return path
 
 
 def flip_bit(path: Path, offset: int = -1, bit: int = 0) -> None:

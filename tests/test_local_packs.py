@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from ckstore.backend import local_settle
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.local_packs import PACK_FOLDER
 from ckstore.format.ids import key_object_id
@@ -27,6 +29,12 @@ def packing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LocalBackend, "pack_min_bytes", 0)
 
 
+@pytest.fixture
+def spreading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settling spreads every object loose, however small (the default keeps small ones packed)."""
+    monkeypatch.setattr(local_settle, "SMALL_OBJECT", 0)
+
+
 def packs_of(repo: Repo) -> list[Path]:
     folder = repo.path / PACK_FOLDER  # type: ignore[operator]
     return sorted(folder.glob("*.pack")) if folder.is_dir() else []
@@ -35,6 +43,31 @@ def packs_of(repo: Repo) -> list[Path]:
 def loose_ids(repo: Repo) -> set[str]:
     root = repo.path / "objects"  # type: ignore[operator]
     return {p.parent.name + p.name for p in root.glob("[0-9a-f][0-9a-f]/*") if not p.name.startswith(".")}
+
+
+def read_errors_while(reader: Repo, oid: str, action: Callable[[], object]) -> list[BaseException]:
+    """What reading every chunk of ``oid`` over and over raised while ``action`` ran."""
+    ids = [c.id for c in reader.read_commit(oid).all_chunks()]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def read_all() -> None:
+        while not stop.is_set():
+            try:
+                for chunk in ids:
+                    reader.backend.get(object_key(chunk))
+            except BaseException as exc:  # noqa: BLE001 (collected and returned)
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=read_all)
+    thread.start()
+    try:
+        action()
+    finally:
+        stop.set()
+        thread.join()
+    return errors
 
 
 def commit_epoch(repo: Repo, root: Path, seed: int) -> tuple[str, dict[str, str]]:
@@ -71,7 +104,7 @@ def test_a_commit_writes_one_pack_that_reads_back_bit_exact(packing: None, tmp_p
     assert not leftover_temp_files(repo.path)  # type: ignore[arg-type]
 
 
-def test_compaction_spreads_the_pack_into_loose_objects(packing: None, tmp_path: Path) -> None:
+def test_compaction_spreads_the_pack_into_loose_objects(packing: None, spreading: None, tmp_path: Path) -> None:
     repo = fresh(tmp_path, compact=True)
     first, d1 = commit_epoch(repo, tmp_path, 1)
     second, d2 = commit_epoch(repo, tmp_path, 2)
@@ -85,7 +118,7 @@ def test_compaction_spreads_the_pack_into_loose_objects(packing: None, tmp_path:
     assert repo.fsck(read_data=True) == []
 
 
-def test_gc_unpacks_then_deletes_what_no_commit_needs(packing: None, tmp_path: Path) -> None:
+def test_gc_unpacks_then_deletes_what_no_commit_needs(packing: None, spreading: None, tmp_path: Path) -> None:
     repo = fresh(tmp_path)
     keep, digest = commit_epoch(repo, tmp_path, 1)
     repo.create_branch("scratch", keep)
@@ -103,7 +136,7 @@ def test_gc_unpacks_then_deletes_what_no_commit_needs(packing: None, tmp_path: P
     assert repo.fsck(read_data=True) == []
 
 
-def test_a_reader_whose_pack_vanished_finds_the_loose_copy(packing: None, tmp_path: Path) -> None:
+def test_a_reader_whose_pack_vanished_finds_the_loose_copy(packing: None, spreading: None, tmp_path: Path) -> None:
     repo = fresh(tmp_path)
     oid, digest = commit_epoch(repo, tmp_path, 1)
     reader = Repo(repo.path)
@@ -115,31 +148,11 @@ def test_a_reader_whose_pack_vanished_finds_the_loose_copy(packing: None, tmp_pa
     assert tree_digest(tmp_path / "out") == digest
 
 
-def test_reads_during_an_unpack_never_fail(packing: None, tmp_path: Path) -> None:
+def test_reads_during_an_unpack_never_fail(packing: None, spreading: None, tmp_path: Path) -> None:
     repo = fresh(tmp_path)
     oid, digest = commit_epoch(repo, tmp_path, 1)
     reader = Repo(repo.path)
-    ids = [c.id for c in reader.read_commit(oid).all_chunks()]
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def read_all() -> None:
-        while not stop.is_set():
-            try:
-                for chunk in ids:
-                    reader.backend.get(object_key(chunk))
-            except BaseException as exc:  # noqa: BLE001 (collected and asserted below)
-                errors.append(exc)
-                return
-
-    thread = threading.Thread(target=read_all)
-    thread.start()
-    try:
-        Repo(repo.path).backend.unpack()
-    finally:
-        stop.set()
-        thread.join()
-    assert errors == []
+    assert read_errors_while(reader, oid, lambda: Repo(repo.path).backend.unpack()) == []
     reader.checkout(oid, tmp_path / "out")
     assert tree_digest(tmp_path / "out") == digest
 
@@ -193,3 +206,146 @@ def test_a_version_1_repository_never_gets_a_pack(packing: None, tmp_path: Path)
     assert packs_of(repo) == [] and Repo(tmp_path / "old").config.version == 1
     repo.checkout(oid, tmp_path / "out")
     assert tree_digest(tmp_path / "out") == digest
+
+
+def many_files(root: Path, name: str, count: int, start: int = 0) -> Path:
+    """A folder of ``count`` tiny files (each its own small object)."""
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(start, start + count):
+        (folder / f"f{i:05d}.txt").write_text(f"{name} file {i}\n")
+    return folder
+
+
+def test_a_commit_of_many_small_files_rests_in_one_pack(tmp_path: Path) -> None:
+    repo = fresh(tmp_path, compact=True)
+    src = many_files(tmp_path, "small", 300)
+    checkpoint(src / "model.safetensors", 1, n=1 << 16)  # 256 KiB tensors: chunks too large to rest packed
+    oid = repo.commit(src, message="many files")
+    repo.wait()
+    chunks = {c.id for c in repo.read_commit(oid).all_chunks()}
+    large = {c for c in chunks if (repo.store.stored_size(c) or 0) >= local_settle.SMALL_OBJECT}
+    assert large and large <= loose_ids(repo)  # compaction and repack work on these in place
+    assert len(packs_of(repo)) == 1 and len(chunks - large) >= 300
+    assert not (chunks - large) & loose_ids(repo)  # 300 small objects: no file each
+    repo.checkout(oid, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == tree_digest(src)
+    assert repo.fsck(read_data=True) == []
+
+
+def test_settled_packs_are_merged_so_they_never_pile_up(tmp_path: Path) -> None:
+    repo = fresh(tmp_path, compact=True)
+    commits = []
+    for epoch in range(local_settle.MERGE_AT + 2):
+        commits.append(repo.commit(many_files(tmp_path, f"e{epoch}", 70), message=f"epoch {epoch}"))
+        repo.wait()
+        assert 1 <= len(packs_of(repo)) < local_settle.MERGE_AT
+    for i, oid in enumerate(commits):
+        repo.checkout(oid, tmp_path / f"out{i}")
+        assert tree_digest(tmp_path / f"out{i}") == tree_digest(tmp_path / f"e{i}")
+    assert repo.fsck(read_data=True) == []
+
+
+def test_gc_drops_packed_garbage_and_keeps_the_rest_packed(tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    keep = repo.commit(many_files(tmp_path, "keep", 100), message="keep")
+    repo.create_branch("scratch", keep)
+    repo.switch("scratch")
+    dropped = repo.commit(many_files(tmp_path, "drop", 100, start=1000), message="drop")
+    dropped_chunks = {c.id for c in repo.read_commit(dropped).all_chunks()}
+    repo.switch("main")
+    repo.delete_branch("scratch", force=True)
+    before = sum(p.stat().st_size for p in packs_of(repo))
+    report = repo.gc(prune_now=True)
+    assert report.deleted_objects >= 101
+    assert not repo.store.has(dropped) and not any(repo.store.has(c) for c in dropped_chunks)
+    assert len(packs_of(repo)) == 1 and sum(p.stat().st_size for p in packs_of(repo)) < before
+    assert len(loose_ids(repo)) <= 2  # the kept commit's own objects, too few to gather
+    repo.checkout(keep, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "keep")
+    assert repo.fsck(read_data=True) == [] and not leftover_temp_files(repo.path)  # type: ignore[arg-type]
+
+
+def test_gc_gathers_loose_small_objects_into_a_pack(tmp_path: Path) -> None:
+    repo = fresh(tmp_path)
+    folder = tmp_path / "one"
+    folder.mkdir()
+    for step in range(40):  # one tiny file a commit: each batch stays loose
+        (folder / "metrics.json").write_text(json.dumps({"step": step}))
+        repo.commit(folder, message=f"step {step}")
+    assert packs_of(repo) == [] and len(loose_ids(repo)) >= local_settle.GATHER_AT
+    repo.gc()
+    assert len(packs_of(repo)) == 1 and loose_ids(repo) == set()
+    assert len(repo.log()) == 40 and repo.fsck(read_data=True) == []
+
+
+def test_reads_while_a_small_pack_is_rewritten_never_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local_settle, "MERGE_AT", 1)  # every settle rewrites every pack
+    repo = fresh(tmp_path)
+    oid = repo.commit(many_files(tmp_path, "small", 200), message="small")
+    reader = Repo(repo.path)
+
+    def rewrite() -> None:
+        for _ in range(20):
+            assert Repo(repo.path).backend.unpack() == 1  # the pack is rewritten into a new one
+
+    assert read_errors_while(reader, oid, rewrite) == []
+    assert len(packs_of(repo)) == 1 and loose_ids(repo) == {oid}
+
+
+class _Stop(BaseException):
+    """Raised at a chosen mutating step: the gc stops there, as a crash would stop it."""
+
+
+def test_gc_stopped_at_any_step_of_a_pack_rewrite_loses_nothing_kept(tmp_path: Path) -> None:
+    """Every mutating step of a gc that drops packed garbage and rewrites the pack (fsio's seam,
+    in process: finally blocks still run, unlike a kill; tests/reliability kills processes)."""
+    import shutil
+
+    from ckstore.backend import fsio
+
+    template = fresh(tmp_path / "t")
+    keep = template.commit(many_files(tmp_path, "keep", 70), message="keep")
+    template.create_branch("scratch", keep)
+    template.switch("scratch")
+    dropped = template.commit(many_files(tmp_path, "drop", 70, start=1000), message="drop")
+    template.switch("main")
+    template.delete_branch("scratch", force=True)
+    steps = 0
+
+    def count() -> None:
+        nonlocal steps
+        steps += 1
+
+    probe = Repo(shutil.copytree(template.path, tmp_path / "probe"))
+    fsio.observe_steps(count)
+    try:
+        probe.gc(prune_now=True)
+    finally:
+        fsio.observe_steps(None)
+    assert steps > 70  # the rewrite's writes, renames, deletes and barriers are all steps
+    # Every 7th step through the object writes, every step from the pack's install on.
+    for stop_at in sorted({*range(0, steps, 7), *range(steps - 16, steps)}):
+        work = Repo(shutil.copytree(template.path, tmp_path / f"w{stop_at}"))
+        seen = 0
+
+        def stop() -> None:
+            nonlocal seen
+            seen += 1
+            if seen > stop_at:
+                raise _Stop
+
+        fsio.observe_steps(stop)
+        try:
+            with pytest.raises(_Stop):
+                work.gc(prune_now=True)
+        finally:
+            fsio.observe_steps(None)
+        after = Repo(work.path)
+        assert after.fsck(read_data=True) == [], stop_at
+        after.checkout(keep, tmp_path / f"o{stop_at}")
+        assert tree_digest(tmp_path / f"o{stop_at}") == tree_digest(tmp_path / "keep"), stop_at
+        after.gc(prune_now=True)  # the next gc finishes the job
+        assert not after.store.has(dropped) and after.fsck(read_data=True) == [], stop_at
+        shutil.rmtree(work.path)  # type: ignore[arg-type]
+        shutil.rmtree(tmp_path / f"o{stop_at}")

@@ -212,3 +212,77 @@ def test_random_json_mutations_raise_only_ckstore_errors(data: st.DataObject) ->
             list(decode_commit(canonical_json(doc), lazy_files=lazy).files)
         except CkstoreError:
             pass
+
+
+# The plain-blob fast path (manifest._plain_blob) must accept exactly a subset of what the
+# general parser accepts, and build the same entry: validation stays as strict. Documents are
+# well-formed blob entries with one or two fields replaced by near misses.
+_ID = "ab" * 32
+_near_misses: dict[str, Any] = {
+    "path": st.one_of(
+        st.sampled_from(["a.txt", "d/e/f.bin", ".hidden", "x+y@z=1-2_3.txt", "a/.../b", "..a/b..", "a/./b", "a/../b",
+                         "..", ".", "/abs", "a//b", "C:x", "a\\b", "a\x00b", "ü/ß", "a/", "./a", ""]),
+        st.text(alphabet="ab./\\:\x01-_", max_size=8), st.integers(), st.none()),
+    "kind": st.sampled_from(["safetensors", "other", 1, None]),
+    "size": st.sampled_from([-1, 0, True, False, 1 << 63, (1 << 63) - 1, 1.0, "3", None]),
+    "chunks": st.one_of(
+        st.lists(st.one_of(
+            st.tuples(st.sampled_from([_ID, "AB" * 32, "ab" * 31, _ID + "0", 5]),
+                      st.sampled_from([0, -1, 1, 2, True, 1 << 63, (1 << 63) - 1, 1.0, None])).map(list),
+            st.sampled_from([[_ID], [_ID, 1, 2], (_ID, 1), "x", None])), max_size=3),
+        st.sampled_from([None, "x", {}, ()])),
+    "extra": st.just(1),
+}
+
+
+@settings(max_examples=300)
+@given(sizes=st.lists(st.integers(1, 5), max_size=3),
+       changes=st.dictionaries(st.sampled_from(sorted(_near_misses)), st.none(), max_size=2), data=st.data())
+def test_plain_blob_path_accepts_only_what_the_general_parser_accepts(
+        sizes: list[int], changes: dict[str, None], data: st.DataObject) -> None:
+    from ckstore.format.manifest import _parse_any_file, _plain_blob
+
+    doc: dict[str, Any] = {"path": "d/f.bin", "kind": "blob", "size": sum(sizes), "chunks": [[_ID, n] for n in sizes]}
+    for field_name in changes:
+        doc[field_name] = data.draw(_near_misses[field_name], label=field_name)
+    if "size" not in changes and isinstance(doc["chunks"], list):  # sizes that add up, whatever the chunks hold
+        doc["size"] = sum(c[1] for c in doc["chunks"] if isinstance(c, list) and len(c) == 2 and isinstance(c[1], int))
+    dropped = data.draw(st.booleans(), label="drop a field")
+    if dropped:
+        del doc[data.draw(st.sampled_from(sorted(doc)), label="dropped")]
+    plain = _plain_blob(doc)
+    try:
+        general: FileEntry | None = _parse_any_file(doc, 0, 3)
+    except IntegrityError:
+        general = None
+    if plain is not None:
+        assert general == plain
+    assert plain is not None or changes or dropped  # an untouched entry takes the fast path
+
+
+_GOOD = {"path": "d/f.bin", "kind": "blob", "size": 3, "chunks": [[_ID, 1], [_ID, 2]]}
+
+
+@pytest.mark.parametrize("change", [
+    {"chunks": [["AB" * 32, 1], [_ID, 2]]}, {"chunks": [["ab" * 31, 1], [_ID, 2]]}, {"chunks": [[_ID, 0], [_ID, 3]]},
+    {"chunks": [[_ID, True], [_ID, 2]]}, {"chunks": [[_ID, 1.0], [_ID, 2]]}, {"chunks": [[_ID, 1, 0], [_ID, 2]]},
+    {"size": 1 << 63, "chunks": [[_ID, (1 << 63) - 1], [_ID, 1]]}, {"size": True, "chunks": [[_ID, 1]]},
+    {"path": "a/../b"}, {"path": "./b"}, {"path": ""}, {"path": "/abs"}, {"path": "C:x"}, {"path": "a\\b"},
+    {"path": "a\x00b"}, {"path": "a//b"}, {"path": "a/"}, {"kind": "safetensors"}, {"extra": 1},
+])
+def test_plain_blob_path_refuses_near_misses(change: dict[str, Any]) -> None:
+    """Each is refused by the general parser (or, for ``extra``, by its field check)."""
+    from ckstore.format.manifest import _parse_any_file, _plain_blob
+
+    doc = {**_GOOD, **change}
+    assert _plain_blob(doc) is None
+    with pytest.raises(IntegrityError):
+        _parse_any_file(doc, 0, 3)
+
+
+def test_plain_blob_path_takes_the_common_entry() -> None:
+    from ckstore.format.manifest import _plain_blob
+
+    doc = {"path": "0000/0000001.txt", "kind": "blob", "size": 5, "chunks": [[_ID, 2], [_ID, 3]]}
+    assert _plain_blob(doc) == FileEntry("0000/0000001.txt", "blob", 5, chunks=(ChunkRef(_ID, 2), ChunkRef(_ID, 3)))
+    assert _plain_blob({**doc, "size": 6}) is None and _plain_blob({**doc, "path": "a/../b"}) is None

@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from ckstore.errors import InvalidPathError, LockedError, StorageError
@@ -166,13 +166,14 @@ class Backend(ABC):
         self.replace(key, old[: old.rfind(b"\n") + 1] + line)
 
     @contextmanager
-    def batch(self, expected_bytes: int = 0) -> Iterator[Backend]:
+    def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[Backend]:
         """A view whose object writes become durable together when the block ends.
 
         Backends where durability costs per write (fsync per file) override this to stage
         writes and pay one barrier for the whole batch; this default writes immediately.
-        ``expected_bytes`` (how much the caller is about to store, 0 when unknown) lets a backend
-        choose how: the local one writes a large batch's objects into one pack.
+        ``expected_bytes`` and ``expected_objects`` (how much the caller is about to store, 0 when
+        unknown) let a backend choose how: the local one writes a large batch's objects into one
+        pack.
         """
         yield self
 
@@ -181,9 +182,12 @@ class Backend(ABC):
         unreadable), one line each, for fsck."""
         return []
 
-    def unpack(self) -> int:
-        """Turn objects a backend holds in packs into plain keys (the local backend's intake
-        packs, local_packs.py); return how many packs. Backends without packs have none."""
+    def unpack(self, drop: Collection[str] = (), gather: bool = False) -> int:
+        """Settle the objects a backend holds in packs (the local backend's, local_settle.py):
+        large ones become plain keys, small ones stay packed, the object ids in ``drop`` are
+        removed from packs (gc; their plain keys are deleted with ``delete``), and ``gather``
+        lets plain small objects join a pack. Return how many packs were removed. Backends
+        without packs have none."""
         return 0
 
     def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:

@@ -29,14 +29,14 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from ckstore.errors import IntegrityError, InvalidInputError, LockedError, OutputExistsError, RefExistsError, StorageError
 from ckstore.backend.fsio import fsync_path, mutating_step, start_writeback
 from ckstore.format.ids import key_object_id, object_key
-from ckstore.format.pack import check_read
+from ckstore.format.pack import MAX_PACK_SIZE
 from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
 from ckstore.backend.local_batch import LocalBatch, StagingBackend
 from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks
@@ -99,6 +99,9 @@ class LocalBackend(StagingBackend):
     # A batch expected to store at least this many bytes writes its new objects into a pack
     # (local_packs.py); smaller ones stay loose, where one file per object costs little.
     pack_min_bytes: int = 8 << 20
+    # Or this many objects: a commit of many small files writes one file, not one per object
+    # (their small objects then stay packed: local_settle.py).
+    pack_min_objects: int = 64
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -128,15 +131,16 @@ class LocalBackend(StagingBackend):
         return self._read(key, n)
 
     def _read(self, key: str, n: int | None) -> bytes:
-        """A loose object, else a packed one, else (a pack unpacked meanwhile) the loose copy."""
+        """A loose object, else a packed one, else (a pack settled meanwhile) the loose copy or
+        the new pack's."""
         oid = key_object_id(key)
-        for attempt in (0, 1):
+        for _ in (0, 1):
             try:
                 with open(self._file(key), "rb", buffering=0) as f:
                     return f.readall() if n is None else f.read(n)
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 # A folder is not a key, and no key lies below a file ("a/b" when "a" is a ref).
-                if oid is None or attempt:
+                if oid is None:
                     raise KeyError(key) from None
             except OSError as exc:
                 raise storage_error(exc, f"reading {self.describe(key)}") from None
@@ -379,8 +383,9 @@ class LocalBackend(StagingBackend):
             os.close(fd)  # closing drops the flock
 
     @contextmanager
-    def batch(self, expected_bytes: int = 0) -> Iterator[Backend]:
-        staged = LocalBatch(self, pack=expected_bytes >= self.pack_min_bytes)
+    def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[Backend]:
+        many = expected_bytes >= self.pack_min_bytes or expected_objects >= self.pack_min_objects
+        staged = LocalBatch(self, pack_below=MAX_PACK_SIZE if many else 0)
         try:
             yield staged
         except BaseException:
@@ -393,45 +398,18 @@ class LocalBackend(StagingBackend):
         return [f"pack {self.packs.path_of(pid)} is damaged and was left out: {why}"
                 for pid, why in sorted(self.packs.damaged.items())]
 
-    def unpack(self) -> int:
-        """Spread every installed pack into loose objects, then delete it (local_packs.py);
-        return how many packs. Each pack's loose copies are durable before the pack goes, so a
-        reader that finds the pack gone finds them. A pack whose objects do not match their
-        recorded digests stays (fsck names the damage); the caller holds a repository lock that
-        keeps other unpackers out (compaction's, or gc's exclusive one)."""
-        done = 0
-        for index in sorted(self.packs.indexes(), key=lambda ix: ix.pack_id):
-            path = self.packs.path_of(index.pack_id)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                staged = LocalBatch(self)
-                try:
-                    for entry in index.in_pack_order():
-                        key = object_key(entry.id)
-                        if self._path(key).exists():
-                            continue  # already loose (a replacement, or an earlier unpack)
-                        data = os.pread(fd, entry.length, entry.offset)
-                        check_read(data, entry, index.pack_id)
-                        staged.put_new(key, data)
-                except BaseException:
-                    staged.discard()
-                    raise
-                staged.flush()
-            except IntegrityError:
-                continue
-            except OSError as exc:
-                raise storage_error(exc, f"unpacking {path}") from None
-            finally:
-                os.close(fd)
-            mutating_step()
-            path.unlink(missing_ok=True)
-            self.packs.forget(index.pack_id)
-            self._fsync_dir(path.parent)
-            done += 1
-        return done
+    def unpack(self, drop: Collection[str] = (), gather: bool = False) -> int:
+        """Settle the installed packs (local_settle.py): large objects spread into loose ones,
+        small ones kept in (at most one new) pack, ``drop``'s objects left out; ``gather`` also
+        packs loose small objects. Return how many packs were removed. Every kept object is
+        durable in its new place before an old copy goes; the caller holds a repository lock
+        that keeps other settlers out (compaction's, or gc's exclusive one)."""
+        from ckstore.backend.local_settle import settle  # writers only
+
+        try:
+            return settle(self, drop, gather)
+        except OSError as exc:
+            raise storage_error(exc, f"settling the packs of {self.root}") from None
 
     def sync_barrier(self, paths: Iterable[Path], targeted: bool = False) -> None:
         """Make ``paths`` (files or folders written under the repository) durable: one syncfs(2)

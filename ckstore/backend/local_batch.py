@@ -88,12 +88,13 @@ class LocalBatch(Backend):
     commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
     """
 
-    def __init__(self, backend: StagingBackend, pack: bool = False) -> None:
+    def __init__(self, backend: StagingBackend, pack_below: int = 0) -> None:
         self.inner = backend
         self._mutex = threading.Lock()
         self._puts: dict[str, Path] = {}
-        # New objects go into packs (local_packs.py) when the caller expects many bytes.
-        self._pack_wanted = pack
+        # New objects shorter than this go into packs (local_packs.py): every object of a batch
+        # that expects many bytes or objects, the small ones when packs are settled; 0: none.
+        self._pack_below = pack_below
         self._writers: list[PackWriter] = []
         self._replaces: dict[str, tuple[Path, str | None]] = {}
         self._new_folders: set[Path] = set()  # made while staging; the second barrier covers them
@@ -191,7 +192,7 @@ class LocalBatch(Backend):
         # list of absent objects), and flush's no-replace move settles a race with another writer.
         if self._staged(key) is not None:
             return False
-        oid = key_object_id(key) if self._pack_wanted else None
+        oid = key_object_id(key) if len(data) < self._pack_below else None
         if oid is not None:
             packed = self._put_packed(oid, data)
             if packed is not None:
@@ -211,7 +212,7 @@ class LocalBatch(Backend):
             with self._mutex:
                 if not self._writers:
                     if not self.inner.may_pack():
-                        self._pack_wanted = False
+                        self._pack_below = 0
                         return None
                     self._start_pack()
                 writers = list(self._writers)

@@ -8,12 +8,12 @@ batch that expects many bytes (a commit of an epoch, a fetch) appends its new ob
 installs it with one rename once its bytes are durable. The commit's critical path creates one
 file instead of hundreds.
 
-Packs are an intake, not the resting place: the compaction that follows every commit, and gc,
-``unpack`` them into loose objects (off the training loop's path) and delete them, so gc, repack
-and every tool that handles one object at a time keep working on loose objects. Until then every
-read finds a packed object through ``LocalPacks``: a loose object is looked for first, then the
-packs, and a pack that vanished under a reader (unpacked meanwhile) sends it back to the loose
-copy, which unpacking makes durable before it deletes the pack.
+For large objects packs are an intake: the compaction that follows every commit, and gc,
+settle them (local_settle.py, off the training loop's path): objects of 64 KiB or more become
+loose, where compaction and repack re-encode them in place; small ones rest in one new pack.
+Every read finds a packed object through ``LocalPacks``: a loose object is looked for first, then
+the packs, and a pack that vanished under a reader (settled meanwhile) sends it back to the loose
+copy or the new pack, which settling makes durable before it deletes the old one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import blake3
 from ckstore.errors import IntegrityError
 from ckstore.backend.fsio import mutating_step
 from ckstore.format.ids import is_object_id
-from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, index_from_tail, tail_length
+from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, PackTable, table_from_tail, tail_length
 
 PACK_FOLDER = "objects/pack"
 PACK_SUFFIX = ".pack"
@@ -132,18 +132,20 @@ class _Located:
 
 
 class LocalPacks:
-    """The installed packs of one repository, as an index from object id to pack and entry.
+    """The installed packs of one repository, each as its table (sorted ids, searched).
 
     Loaded lazily and refreshed when the pack folder changes (another process installed or
     removed a pack). A pack whose table cannot be read is left out and named by ``damaged``,
-    so its objects read as missing (fsck reports them) instead of failing every read.
+    so its objects read as missing (fsck reports them) instead of failing every read. Tables
+    stay arrays (format/pack.py ``PackTable``): loading a pack of 10^5 objects costs no Python
+    object per object, and a lookup is a binary search in each pack (a handful: settling
+    merges them, local_settle.py).
     """
 
     def __init__(self, root: Path) -> None:
         self.folder = root / PACK_FOLDER
         self._lock = threading.Lock()
-        self._indexes: dict[str, PackIndex] = {}
-        self._where: dict[str, str] = {}  # object id -> pack id
+        self._indexes: dict[str, PackIndex | PackTable] = {}
         self._seen: tuple[int, int] | None = None  # the folder's (mtime_ns, inode) last loaded
         self.damaged: dict[str, str] = {}  # pack id -> why it was left out
 
@@ -155,7 +157,7 @@ class LocalPacks:
             st = self.folder.stat()
         except FileNotFoundError:
             with self._lock:
-                self._indexes, self._where, self._seen = {}, {}, None
+                self._indexes, self._seen = {}, None
             return
         stamp = (st.st_mtime_ns, st.st_ino)
         with self._lock:
@@ -167,29 +169,25 @@ class LocalPacks:
             damaged = {pid: why for pid, why in self.damaged.items() if pid in names}
             for pid in sorted(names - indexes.keys() - damaged.keys()):
                 try:
-                    indexes[pid] = _read_index(self.path_of(pid), pid)
+                    indexes[pid] = _read_table(self.path_of(pid), pid)
                 except FileNotFoundError:
-                    continue  # unpacked meanwhile
+                    continue  # settled meanwhile
                 except (IntegrityError, OSError) as exc:
                     damaged[pid] = str(exc)
             self._indexes, self.damaged, self._seen = indexes, damaged, stamp
-            self._where = {e.id: pid for pid, ix in indexes.items() for e in ix.entries}
 
     def add(self, index: PackIndex) -> None:
         """A pack this process just installed (saves re-reading its table)."""
         with self._lock:
             self._indexes[index.pack_id] = index
-            for e in index.entries:
-                self._where[e.id] = index.pack_id
 
     def locate(self, oid: str) -> _Located | None:
         for attempt in (0, 1):
             with self._lock:
-                pid = self._where.get(oid)
-                if pid is not None:
-                    entry = self._indexes[pid].find(oid)
-                    assert entry is not None
-                    return _Located(self.path_of(pid), entry)
+                for pid, index in self._indexes.items():
+                    entry = index.find(oid)
+                    if entry is not None:
+                        return _Located(self.path_of(pid), entry)
             if attempt == 0:
                 self.refresh()
         return None
@@ -221,24 +219,25 @@ class LocalPacks:
     def ids(self) -> list[str]:
         self.refresh()
         with self._lock:
-            return list(self._where)
+            indexes = list(self._indexes.values())
+        return list(dict.fromkeys(oid for ix in indexes for oid in _ids(ix)))
 
-    def indexes(self) -> list[PackIndex]:
+    def indexes(self) -> list[PackIndex | PackTable]:
         self.refresh()
         with self._lock:
             return list(self._indexes.values())
 
     def forget(self, pack_id: str) -> None:
         with self._lock:
-            index = self._indexes.pop(pack_id, None)
-            if index is not None:
-                for e in index.entries:
-                    if self._where.get(e.id) == pack_id:
-                        del self._where[e.id]
+            self._indexes.pop(pack_id, None)
 
 
-def _read_index(path: Path, pack_id: str) -> PackIndex:
-    """A pack's index from its own tail (two reads at most)."""
+def _ids(index: PackIndex | PackTable) -> list[str]:
+    return index.ids() if isinstance(index, PackTable) else [e.id for e in index.entries]
+
+
+def _read_table(path: Path, pack_id: str) -> PackTable:
+    """A pack's table from its own tail (two reads at most)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -249,6 +248,6 @@ def _read_index(path: Path, pack_id: str) -> PackIndex:
         needed = tail_length(tail, size, pack_id)
         if needed > len(tail):
             tail = os.pread(fd, needed, size - needed)
-        return index_from_tail(tail[len(tail) - needed:], size, pack_id)
+        return table_from_tail(tail[len(tail) - needed:], size, pack_id)
     finally:
         os.close(fd)

@@ -106,7 +106,7 @@ def collect_garbage(
     graph, store = ctx.graph, ctx.store
     with ctx.backend.exclusive_lock():
         if not dry_run:
-            ctx.backend.unpack()  # what gc deletes and repack rewrites are loose objects (backend/local_packs.py)
+            ctx.backend.unpack()  # repack rewrites large objects, which rest loose (backend/local_settle.py)
         kept = kept_commits(ctx, policy, prune_now)
         report.pruned_commits = sorted(kept.reachable - kept.commits)
         report.reflog_commits = sorted(kept.logged - kept.reachable)
@@ -134,6 +134,9 @@ def collect_garbage(
         for ref, entries in kept.alive.items():
             if len(entries) != len(kept.logs[ref]):
                 ctx.refs.logs.rewrite(ref, entries)
+        # Packed victims leave with their packs' rewrite, before the loose ones are deleted; the
+        # loose small objects that stay are gathered into that pack (backend/local_settle.py).
+        ctx.backend.unpack(drop=victims.keys(), gather=True)
         bar = progress(report.freed_bytes - report.temp_bytes, "gc") if progress and victims else None
         try:
             for oid, size in victims.items():

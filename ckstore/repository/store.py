@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 _PREFIX = BASES_PREFIX_SIZE
 # Object headers read at once by the batch readers (``bases_of_many``).
 HEADER_READERS = 4
-_HEADER_BATCH = 128  # objects per task: a task per object cost more than its read
+HEADER_BATCH = 128  # objects per task: a task per object cost more than its read
 
 
 @dataclass(frozen=True)
@@ -191,10 +191,10 @@ class ObjectStore:
             except ObjectMissingError:
                 return oid, ()
 
-        if len(oids) < 2 * _HEADER_BATCH:
+        if len(oids) < 2 * HEADER_BATCH:
             yield from map(read, oids)
             return
-        batches = [oids[i:i + _HEADER_BATCH] for i in range(0, len(oids), _HEADER_BATCH)]
+        batches = [oids[i:i + HEADER_BATCH] for i in range(0, len(oids), HEADER_BATCH)]
         from concurrent.futures import ThreadPoolExecutor  # only batched header reads: log/status start without
 
         with ThreadPoolExecutor(HEADER_READERS, thread_name_prefix="headers") as pool:
@@ -206,10 +206,10 @@ class ObjectStore:
         return delta_closure_many(chunks, self.bases_of_many)
 
     @contextmanager
-    def batch(self, expected_bytes: int = 0) -> Iterator[ObjectStore]:
+    def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[ObjectStore]:
         """A view of this store whose writes become durable together when the block ends
         (``Backend.batch``): a commit's chunks go through it, its manifest after it."""
-        with self.backend.batch(expected_bytes) as staged:
+        with self.backend.batch(expected_bytes, expected_objects) as staged:
             view = ObjectStore(staged, settings=self.settings)
             view.alternates = self.alternates
             yield view

@@ -90,7 +90,7 @@ def commit_sources(
         try:
             # One durability barrier for all of the commit's chunks; they are durable under
             # their names when the block ends, before the manifest is written (format.md §8).
-            with ctx.store.batch(sum(s.size for s in sources)) as staged:
+            with ctx.store.batch(sum(s.size for s in sources), len(sources)) as staged:
                 files, added = ingest(
                     staged, sources, ctx.config.chunk_size, bar.update if bar else None, parent=hints,
                     fast=base_commit is None, stats=stats,

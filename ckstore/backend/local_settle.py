@@ -1,0 +1,146 @@
+"""Settling local packs: large objects spread into loose files, small ones kept packed.
+
+A commit's (or a fetch's, or a DCP save's) pack is an intake (local_packs.py). The objects that
+the object-by-object machinery works on are the large ones: chunks that compaction and repack
+re-encode in place, whose damage should stay confined to one file. They are spread into loose
+objects, as before. Small objects (under ``SMALL_OBJECT`` stored bytes: manifests of small
+commits, tiny files, small chunks) stay packed: one file per object cost more than the objects
+(a commit of 10^5 small files left 10^5 files; listing a cold folder of them took 51 s, and
+10^4 of them held 42 MB on disk for 2.1 MB of objects, docs/benchmarks.md), and nothing
+re-encodes them in place often enough to matter (a re-encoded object is written loose and the
+loose copy wins, docs/format.md 15.9).
+
+One pass (``settle``) rewrites the packs that need it into at most one new pack: packs that hold
+a large object, an object that also lies loose (a replacement, or a copy a crash left), or an
+object gc drops; and, once ``MERGE_AT`` packs have accumulated, all of them. ``gather`` (gc)
+also moves loose small objects into the new pack when there are at least ``GATHER_AT`` of them.
+Order, for crash safety: the new pack and the spread loose objects are made durable (a batch's
+two barriers) before any old pack or gathered loose file is deleted, so at every instant each
+kept object has a durable copy; a crash leaves duplicates, which readers accept and the next
+pass removes. The caller holds a lock that keeps other settlers out (compaction's, or gc's
+exclusive one); readers that lose a pack under them look again (local.py ``_read``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from pathlib import Path
+
+from ckstore.backend.fsio import mutating_step
+from ckstore.backend.local_batch import LocalBatch, StagingBackend
+from ckstore.errors import IntegrityError
+from ckstore.format.ids import object_key
+from ckstore.format.pack import PackIndex, PackTable, check_read
+
+# Objects shorter than this (stored bytes) rest in packs; longer ones are spread loose.
+SMALL_OBJECT = 64 << 10
+# Settling merges every pack once there are this many (each settle otherwise adds one).
+MERGE_AT = 8
+# gc gathers loose small objects into a pack once there are at least this many.
+GATHER_AT = 64
+
+
+def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = False) -> int:
+    """Rewrite the packs that need it (module docstring); return how many were removed."""
+    indexes = sorted(backend.packs.indexes(), key=lambda ix: ix.pack_id)
+    if not indexes and not gather:
+        return 0
+    loose = _loose_objects(backend)  # one listing, not a stat per packed object
+    loose_small = [(oid, path) for oid, path in _small(loose) if oid not in drop] if gather else []
+    if len(loose_small) < GATHER_AT:
+        loose_small = []
+    if len(indexes) + bool(loose_small) >= MERGE_AT:
+        targets = indexes
+    else:
+        targets = [ix for ix in indexes if _needs_rewrite(ix, drop, loose)]
+    if not targets and not loose_small:
+        return 0
+    staged = LocalBatch(backend, pack_below=SMALL_OBJECT)
+    damaged: set[str] = set()
+    gathered: list[Path] = []
+    try:
+        for oid, path in loose_small:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            staged.put_new(object_key(oid), data)
+            gathered.append(path)
+        for index in targets:
+            if not _copy_pack(backend, staged, index, drop, loose):
+                damaged.add(index.pack_id)
+    except BaseException:
+        staged.discard()
+        raise
+    staged.flush()  # every kept object durable in its new place before an old copy goes
+    for path in gathered:
+        mutating_step()
+        path.unlink(missing_ok=True)
+    removed = 0
+    for index in targets:
+        if index.pack_id in damaged:
+            continue  # left for fsck to name; its good objects were copied
+        mutating_step()
+        backend.packs.path_of(index.pack_id).unlink(missing_ok=True)
+        backend.packs.forget(index.pack_id)
+        removed += 1
+    if removed:
+        mutating_step()
+        from ckstore.backend.fsio import fsync_path
+
+        fsync_path(backend.packs.folder)
+    return removed
+
+
+def _needs_rewrite(index: PackIndex | PackTable, drop: Collection[str], loose: Collection[str]) -> bool:
+    """Whether a pack holds a large object, one gc drops, or one that also lies loose."""
+    longest = index.longest() if isinstance(index, PackTable) else max(e.length for e in index.entries)
+    return longest >= SMALL_OBJECT or any(oid in index for oid in drop) or any(oid in index for oid in loose)
+
+
+def _loose_objects(backend: StagingBackend) -> dict[str, Path]:
+    """Every loose object, by id (names only: no stat)."""
+    found = {}
+    for folder in sorted((backend.root / "objects").glob("[0-9a-f][0-9a-f]")):
+        try:
+            with os.scandir(folder) as entries:
+                found.update((folder.name + e.name, Path(e.path)) for e in entries if not e.name.startswith("."))
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def _small(loose: dict[str, Path]) -> list[tuple[str, Path]]:
+    """The loose objects shorter than ``SMALL_OBJECT``."""
+    found = []
+    for oid, path in loose.items():
+        try:
+            if path.stat().st_size < SMALL_OBJECT:
+                found.append((oid, path))
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def _copy_pack(backend: StagingBackend, staged: LocalBatch, index: PackIndex | PackTable, drop: Collection[str],
+               loose: Collection[str]) -> bool:
+    """Stage every kept object of one pack that has no loose copy (small ones into the batch's
+    pack, large ones loose); False when the pack is damaged or gone (it is not deleted then)."""
+    path = backend.packs.path_of(index.pack_id)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        for entry in index.in_pack_order():
+            if entry.id in drop or entry.id in loose:
+                continue  # dropped, or the loose copy wins (a replacement, an earlier spread)
+            data = os.pread(fd, entry.length, entry.offset)
+            check_read(data, entry, index.pack_id)
+            staged.put_new(object_key(entry.id), data)
+    except IntegrityError:
+        return False
+    finally:
+        os.close(fd)
+    return True
