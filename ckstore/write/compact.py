@@ -49,6 +49,7 @@ from ckstore.codecs.objects import (
     EXHAUSTIVE_MAX,
     Encoding,
     Kind,
+    ObjectHeader,
     delta_bases,
     encode_chunk,
     encode_delta,
@@ -79,6 +80,13 @@ COMPACTION_LOCK_TIMEOUT = 60.0
 # most half of them, each thread at this much lower priority (Linux nice values are per thread).
 COMPACTION_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 COMPACTION_NICENESS = 10
+# A position where a delta was refused (the parent's chunk and its own parent's both settled
+# whole) is not decoded and tried again, except one chunk in this many (by name), so that deltas
+# that begin to pay there later in training are still found.
+REFUSED_RETRY_ONE_IN = 8
+# What a fast commit stores (``ObjectStore.put_chunk(fast=True)``); any other whole encoding was
+# chosen by compaction or repack. Raw is also some chunks' best encoding: those stay "fast".
+_FAST = frozenset({Encoding.RAW, Encoding.ZSTD})
 
 
 def _yield_to_training() -> None:
@@ -120,6 +128,7 @@ class _Job:
     # parameter's piece, at its siblings' (weight, moments): what may depend on the parent's chunk.
     older: tuple[tuple[ObjectId | None, ...], ...]
     history_ends: bool  # ``older`` reaches the branch's first commit
+    grandparent: ObjectId | None = None  # ``older``'s first commit's chunk at this very position
     prediction: _Prediction | None = None
     tip: bool = True  # the child is the branch tip (not the pair below it)
     settle: bool = False  # re-encode the child's chunk in its best whole encoding if stored fast
@@ -244,7 +253,8 @@ def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends:
         parent = found[where][0] if found[where] and where[0][1] != HEADER else None
         group = siblings.get(where, {"": where})
         older_ids = tuple(tuple(found[p][k] for p in group.values()) for k in range(1, len(found[where])))
-        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends, tip=tip)
+        grandparent = found[where][1] if len(found[where]) > 1 else None
+        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends, grandparent, tip=tip)
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
@@ -321,13 +331,19 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
                 return 0, 0, 0, 0
             raw = store.get_chunk(slot.id, slot.size)
             return 0, 0, 1, _recompress(store, slot.id, raw, slot.width, even_if_larger=True)
-        if job.parent is not None and not _whole_here(store, job.parent, slot.size):
+        parent_header = _whole_header(store, job.parent, slot.size) if job.parent is not None else None
+        if parent_header is None:
             # Already a delta (an earlier run, another branch, the same state saved again) or
             # not this repository's: nothing to do for it, decided from its header alone.
             job = replace(job, parent=None, prediction=None)
+        refused = parent_header is not None and job.prediction is None and _refused_before(store, job, parent_header.encoding)
+        if refused:
+            job = replace(job, parent=None)
         prediction = job.prediction if job.prediction is not None and _claim_prediction(store, job.parent, job.prediction, roles) else None
         parent = job.parent if prediction is not None or (job.parent is not None and roles.pair(job.parent, slot.id)) else None
-        provisional = job.settle and store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
+        # A refused position's tip chunk settles now, as it would have after trying (below).
+        settle = job.settle or (refused and job.tip)
+        provisional = settle and store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
         if not provisional and parent is None:
             return 0, 0, 0, 0
         raw = store.get_chunk(slot.id, slot.size)  # decoded and verified: the base of any delta
@@ -350,13 +366,33 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         return 0, 0, 0, 0  # a damaged or missing chunk only costs compression; fsck reports it
 
 
-def _whole_here(store: ObjectStore, oid: ObjectId, size: int) -> bool:
-    """Whether ``oid`` is a whole chunk object of ``size`` bytes in this repository (its header)."""
+def _whole_header(store: ObjectStore, oid: ObjectId, size: int) -> ObjectHeader | None:
+    """The header of ``oid`` when it is a whole chunk object of ``size`` bytes in this repository."""
     prefix = store.header_local(oid)
     if prefix is None or delta_bases(prefix):
-        return False
+        return None
     header = parse_header(prefix)
-    return header.kind == Kind.CHUNK and header.raw_len == size
+    return header if header.kind == Kind.CHUNK and header.raw_len == size else None
+
+
+def _retry_refused(oid: str) -> bool:
+    """Whether a refused position's parent chunk is tried again this time (see REFUSED_RETRY_ONE_IN)."""
+    return int(oid[:8], 16) % REFUSED_RETRY_ONE_IN == 0
+
+
+def _refused_before(store: ObjectStore, job: _Job, encoding: Encoding) -> bool:
+    """Whether a delta of the parent's chunk was tried when it was the tip's, and refused: it
+    settled whole then (only a refusal settles a tip's changed chunk, step 2 of the module
+    docstring), and its own parent's chunk at this position is whole and settled as well. Then
+    the same kind of tensor (an AdamW first moment, mostly) is most likely refused again: decoding
+    it and sample-testing a delta was a fifth of every run's CPU (docs/benchmarks.md)."""
+    older = job.grandparent
+    if older is None or older == job.parent or _retry_refused(job.parent or ""):
+        return False
+    if encoding in _FAST:
+        return False
+    header = _whole_header(store, older, job.slot.size)
+    return header is not None and header.encoding not in _FAST
 
 
 def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Prediction, roles: _Roles) -> bool:
