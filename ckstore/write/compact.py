@@ -58,6 +58,8 @@ from ckstore.codecs.objects import (
     parse_header,
 )
 from ckstore.format.settings import PREDICTED_VERSION
+from ckstore.format.tensor_stats import difference_sums, item_size
+from ckstore.repository.change_record import Sums, TensorKey, comparable, write_changes
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
@@ -131,6 +133,8 @@ class _Job:
     grandparent: ObjectId | None = None  # ``older``'s first commit's chunk at this very position
     prediction: _Prediction | None = None
     tip: bool = True  # the child is the branch tip (not the pair below it)
+    # The tensor's dtype when the parent has it at the same path and name (its change is recorded).
+    dtype: str | None = None
     settle: bool = False  # re-encode the child's chunk in its best whole encoding if stored fast
 
 
@@ -211,11 +215,16 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         if len(pairs) > 1:
             pairs[1] = [replace(j, settle=j.slot.id not in tip_reaches) for j in pairs[1]]
         pool = ThreadPoolExecutor(COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training)
+        sums: dict[tuple[str, str], Sums] = {}  # (child's chunk, parent's): the tip pair's decoded ones
         with pool:
             for i in reversed(range(len(pairs))):
                 newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
                 with ctx.store.batch() as staged:
-                    _run_pair(staged, pairs[i], depth, _Roles(newer), report, upgrade, pool)
+                    _run_pair(staged, pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
+        if len(commits) > 1:
+            # The relative change against the parent, from the chunks decoded above (format.md 5.2).
+            write_changes(ctx.backend, tip, commits[0], commits[0].parents[0], commits[1],
+                          _tensor_sums(commits[0], commits[1], sums))
         # The commit's pack (if it wrote one) is spread into loose objects here, off the
         # training loop's path (backend/local_packs.py).
         ctx.backend.unpack()
@@ -248,13 +257,15 @@ def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends:
     found: dict[tuple[Position, int], list[ObjectId | None]] = {
         where: [chunk_at(ix, where[0], where[1], slot.size) for ix in indexes] for where, slot in child_slots.items()}
     siblings = _siblings(child, child_slots) if indexes and upgrade.possible() else {}
+    recorded: dict[Position, str] = {k: new.dtype for k, (new, _) in comparable(child, older[0]).items()} if tip and older else {}
     jobs = []
     for where, slot in child_slots.items():
         parent = found[where][0] if found[where] and where[0][1] != HEADER else None
         group = siblings.get(where, {"": where})
         older_ids = tuple(tuple(found[p][k] for p in group.values()) for k in range(1, len(found[where])))
         grandparent = found[where][1] if len(found[where]) > 1 else None
-        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends, grandparent, tip=tip)
+        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends, grandparent, tip=tip,
+                   dtype=recorded.get(where[0]))
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
@@ -262,13 +273,13 @@ def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends:
 
 
 def _run_pair(store: ObjectStore, jobs: list[_Job], depth: int, roles: _Roles, report: CompactReport,
-              upgrade: _Upgrade, pool: ThreadPoolExecutor) -> None:
+              upgrade: _Upgrade, pool: ThreadPoolExecutor, sums: dict[tuple[str, str], Sums]) -> None:
     # The coefficients that fitted the last chunk of this pair, per predictor: one optimizer step,
     # so the next chunk usually takes them as they are (predict.fit's hint).
     fits: dict[object, tuple[float, ...]] = {}
 
     def run(job: _Job) -> tuple[int, int, int, int]:
-        return _compact_chunk(store, job, depth, roles, upgrade, fits)
+        return _compact_chunk(store, job, depth, roles, upgrade, fits, sums)
 
     for delta, predicted, recompressed, saved in ordered_map(run, jobs, workers=COMPACTION_WORKERS, pool=pool):
         report.deltas += delta
@@ -312,7 +323,7 @@ def _prediction(
 
 
 def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade,
-                   fits: dict[object, tuple[float, ...]]) -> tuple[int, int, int, int]:
+                   fits: dict[object, tuple[float, ...]], sums: dict[tuple[str, str], Sums]) -> tuple[int, int, int, int]:
     """Re-encode one position's parent chunk and the child's own; (deltas, predicted, recompressed,
     saved)."""
     slot = job.slot
@@ -349,7 +360,7 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         raw = store.get_chunk(slot.id, slot.size)  # decoded and verified: the base of any delta
         deltas = predicted = recompressed = saved = 0
         if parent is not None:
-            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits)
+            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits, sums)
             deltas, saved = deltas + (made in ("delta", "predicted")), saved + freed
             recompressed += made.startswith("whole") and freed > 0
             predicted += made == "predicted"
@@ -364,6 +375,26 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         return deltas, predicted, recompressed, saved
     except CkstoreError:
         return 0, 0, 0, 0  # a damaged or missing chunk only costs compression; fsck reports it
+
+
+def _tensor_sums(child: Commit, parent: Commit, sums: dict[tuple[str, str], Sums]) -> dict[TensorKey, Sums]:
+    """Per tensor at the same path and name in both commits, (‖new − old‖², ‖old‖²) added up in
+    chunk order from ``sums`` (as magnitude.tensor_sums adds them), when every chunk pair is
+    there: a chunk both share, or a pair this run did not decode, leaves the tensor to readers."""
+    out: dict[TensorKey, Sums] = {}
+    for key, (new, old) in comparable(child, parent).items():
+        if len(new.chunks) != len(old.chunks):
+            continue  # cut differently (another chunk size): readers pair them element by element
+        diff_sq = base_sq = 0.0
+        for c, p in zip(new.chunks, old.chunks):
+            found = sums.get((c.id, p.id)) if c.size == p.size else None
+            if found is None:
+                break
+            diff_sq += found[0]
+            base_sq += found[1]
+        else:
+            out[key] = (diff_sq, base_sq)
+    return out
 
 
 def _whole_header(store: ObjectStore, oid: ObjectId, size: int) -> ObjectHeader | None:
@@ -408,7 +439,7 @@ def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Predictio
 
 def _reverse_delta(
     store: ObjectStore, oid: ObjectId, job: _Job, base_raw: bytes, depth: int, prediction: _Prediction | None,
-    upgrade: _Upgrade, fits: dict[object, tuple[float, ...]],
+    upgrade: _Upgrade, fits: dict[object, tuple[float, ...]], sums: dict[tuple[str, str], Sums],
 ) -> tuple[str, int]:
     """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
     when it was stored provisionally and no delta pays, by its best whole encoding); (what was
@@ -421,6 +452,8 @@ def _reverse_delta(
         return "", 0
     settings = store.settings
     raw = bytes(store.reader().chunk(oid, job.slot.size, "", current))  # whole: no base read
+    if job.dtype is not None and len(raw) % item_size(job.dtype) == 0:
+        sums[(job.slot.id, oid)] = difference_sums(raw, base_raw, job.dtype)  # both bytes in hand
     # A delta must beat the chunk's best whole encoding. A fast-stored chunk longer than
     # EXHAUSTIVE_MAX gets that encoding only when no delta replaces it (most are replaced):
     # encode_delta weighs the delta against it on a sample first (fp32 MiniLM: every delta
