@@ -122,3 +122,19 @@ def test_the_record_covers_changed_tensors_at_the_same_path_only(tmp_path: Path)
     repo.wait()
     with pytest.raises(KeyError):
         repo.store.backend.get(record_key(ids[1], ids[0]))
+
+
+def test_gc_deletes_the_records_of_the_commits_it_deletes() -> None:
+    repo = Repo.memory(chunk_size=CHUNK)
+    first, second = _two_commits(repo)
+    repo.create_branch("side", first)
+    side = repo.commit_state(_state(5), branch="side")
+    repo.wait()
+    repo.diff(first, side)  # first's chunks are deltas (of second's) now: diff records what it computes
+    backend = repo.store.backend
+    assert backend.get(record_key(side, first))
+    repo.delete_branch("side", force=True)
+    repo.gc(prune_now=True)
+    with pytest.raises(KeyError):
+        backend.get(record_key(side, first))
+    assert backend.get(record_key(second, first))  # a kept commit's stays

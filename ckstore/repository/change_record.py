@@ -15,14 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 from ckstore.backend.base import Backend
 from ckstore.errors import CkstoreError
 from ckstore.format.manifest import Commit, TensorEntry
 
 FOLDER = "cache/change"
-MARK = "ckstore change record"
+MARK = "change record"
 VERSION = 1
 
 TensorKey = tuple[str, str]  # (file path, tensor name)
@@ -108,3 +108,13 @@ def change_from_sums(sums: Sums) -> float:
     if base_sq == 0.0:
         return 0.0 if diff_sq == 0.0 else math.inf
     return math.sqrt(diff_sq / base_sq)
+
+
+def prune_records(backend: Backend, kept: Container[str]) -> int:
+    """Delete the records of commits not in ``kept`` (gc, after deleting them); how many."""
+    gone = 0
+    for key in list(backend.list(FOLDER + "/")):
+        commit = key.rsplit("/", 1)[-1].split("-", 1)[0]
+        if commit not in kept and backend.delete(key):
+            gone += 1
+    return gone
