@@ -281,3 +281,25 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp
     assert {_encoding(repo, o) for o in chunks(commit, "exp_avg")} == {Encoding.GROUPED}
     assert all(torch.equal(repo.load_state(tip)[k], v) for k, v in _moment_state(3).items())
     assert repo.fsck(read_data=True) == []
+
+
+def test_a_position_where_a_delta_paid_last_time_skips_the_sample_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_delta's sample test (is a delta worth a full encode?) is skipped where the last run
+    made a delta: it would pass, at a quarter of a full encode; the deltas made are the same."""
+    import ckstore.write.compact as compact
+
+    calls: list[bool] = []
+    original = compact.encode_delta
+    monkeypatch.setattr(compact, "encode_delta", lambda *a, **k: (calls.append(k.get("sample_test", True)), original(*a, **k))[1])
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1 << 18, generator=g)
+    states = [{"w": w + 1e-4 * torch.randn(1 << 18, generator=torch.Generator().manual_seed(s))} for s in range(3)]
+    repo = Repo.memory(chunk_size=1 << 19)  # two chunks, each longer than EXHAUSTIVE_MAX
+    repo.compact_after_commit = False
+    ids = [repo.commit_state(states[0]), repo.commit_state(states[1])]
+    assert repo.compact().deltas == 2 and calls == [True, True]  # nothing known yet: sample-tested
+    calls.clear()
+    ids.append(repo.commit_state(states[2]))
+    assert repo.compact().deltas == 2 and calls == [False, False]
+    for oid, state in zip(ids, states):
+        assert torch.equal(repo.load_state(oid)["w"], state["w"])

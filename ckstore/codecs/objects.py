@@ -357,6 +357,7 @@ def encode_chunk(
 
 def encode_delta(
     raw: bytes | memoryview, level: int, width: int, base_id: str, base: bytes | memoryview, than: int,
+    sample_test: bool = True,
 ) -> bytes | None:
     """The best delta encoding of ``raw`` against ``base`` if it stores in fewer than ``than``
     bytes (the chunk's current encoding), else None.
@@ -364,14 +365,15 @@ def encode_delta(
     Deltas that cannot pay are common (AdamW's first moment changes too much between epochs:
     269 of 439 optimizer chunks of the fp32 run), so a long chunk is first tried on the sample
     used for ranking: when the delta there is not at least 3% smaller than the chunk grouped
-    whole, the full encode is skipped.
+    whole, the full encode is skipped. ``sample_test=False`` skips that test (a caller that knows
+    a delta paid at this place last time: the test would pass, at a quarter of a full encode).
     """
     if len(base) != len(raw) or not raw:
         return None
     found = candidates(len(raw), width, True, frozenset({Encoding.DELTA}), prune=True)
     if not found:
         return None
-    if len(raw) > EXHAUSTIVE_MAX:
+    if len(raw) > EXHAUSTIVE_MAX and (sample_test or len(found) > 1):
         sample, base_sample = _sample(raw, width), _sample(base, width)
         sized = [(_body(sample, c, width, level, base_sample)[0], c) for c in found]
         size, best = min(sized, key=lambda x: x[0])

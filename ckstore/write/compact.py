@@ -406,6 +406,15 @@ def _whole_header(store: ObjectStore, oid: ObjectId, size: int) -> ObjectHeader 
     return header if header.kind == Kind.CHUNK and header.raw_len == size else None
 
 
+def _paid_before(store: ObjectStore, oid: ObjectId, job: _Job) -> bool:
+    """Whether the last run made a delta at this position: the chunk below ``oid`` there is a
+    delta of it (the same kind of tensor, one step further: its delta most likely pays too)."""
+    try:
+        return job.grandparent is not None and oid in store.bases_of(job.grandparent)
+    except CkstoreError:
+        return False
+
+
 def _retry_refused(oid: str) -> bool:
     """Whether a refused position's parent chunk is tried again this time (see REFUSED_RETRY_ONE_IN)."""
     return int(oid[:8], 16) % REFUSED_RETRY_ONE_IN == 0
@@ -473,7 +482,7 @@ def _reverse_delta(
     if height + 1 <= depth:
         # Kept only when smaller than the predicted delta (when there is one).
         data = encode_delta(raw, settings.zstd_level, job.slot.width, job.slot.id, base_raw,
-                            len(predicted) if predicted is not None else than)
+                            len(predicted) if predicted is not None else than, sample_test=not _paid_before(store, oid, job))
         if data is not None:
             _check(oid, data, raw, {job.slot.id: base_raw})
             store.stage_replace(oid, data)
