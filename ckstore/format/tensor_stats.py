@@ -240,8 +240,9 @@ def difference_sums(old: bytes | memoryview, new: bytes | memoryview, dtype: str
     anyway (the change record, format.md 5.2): the same function, so the same figures."""
     import numpy as np
 
-    a, b = as_float64(old, dtype), as_float64(new, dtype)
-    np.subtract(b, a, out=b)
-    # einsum: no temporary for the squares, single-threaded (np.dot may hand it to a threaded
-    # BLAS); 1.5x faster than np.sum(d ** 2) on 1 MiB float32 chunks.
-    return float(np.einsum("i,i->", b, b)), float(np.einsum("i,i->", a, a))
+    a, b = as_numbers(old, dtype), as_numbers(new, dtype)
+    # Widened to float64 inside the ufunc and einsum's buffers rather than as whole arrays first,
+    # and no temporary for the squares: 0.7 against 4.8 ms (np.sum of squares of float64 copies)
+    # per 1 MiB float32 chunk. einsum, not np.dot, which may hand the sum to a threaded BLAS.
+    d = np.subtract(b, a, dtype=np.float64)
+    return float(np.einsum("i,i->", d, d)), float(np.einsum("i,i->", a, a, dtype=np.float64))
