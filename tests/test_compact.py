@@ -303,3 +303,26 @@ def test_a_position_where_a_delta_paid_last_time_skips_the_sample_test(monkeypat
     assert repo.compact().deltas == 2 and calls == [False, False]
     for oid, state in zip(ids, states):
         assert torch.equal(repo.load_state(oid)["w"], state["w"])
+
+
+def test_a_state_saved_again_on_the_same_branch_is_a_no_op_that_reads_only_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same state committed again (a re-saved checkpoint): its first compaction settles the
+    tip's chunks that the commit left fast (they outlived a commit: step 2 of compact.py); saved
+    once more, every chunk is compacted already, and compaction reads no object body."""
+    repo = Repo.memory(chunk_size=CHUNK)
+    for step in range(3):
+        repo.commit_state(_moment_state(step))
+        repo.wait()
+    repo.commit_state(_moment_state(2), message="saved again")
+    repo.wait()
+    repo.compact_after_commit = False
+    again = repo.commit_state(_moment_state(2), message="and again")
+    reads: list[str] = []
+    for name in ("get_chunk", "read_local", "read_raw"):
+        original = getattr(ObjectStore, name)
+        monkeypatch.setattr(ObjectStore, name, lambda self, oid, *a, _f=original, _n=name, **k: (reads.append(_n), _f(self, oid, *a, **k))[1])
+    report = repo.compact()
+    assert (report.deltas, report.recompressed, report.saved) == (0, 0, 0)
+    assert reads == []
+    monkeypatch.undo()
+    assert all(torch.equal(repo.load_state(again)[k], v) for k, v in _moment_state(2).items())
