@@ -274,9 +274,10 @@ def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends:
 
 def _run_pair(store: ObjectStore, jobs: list[_Job], depth: int, roles: _Roles, report: CompactReport,
               upgrade: _Upgrade, pool: ThreadPoolExecutor, sums: dict[tuple[str, str], Sums]) -> None:
-    # The coefficients that fitted the last chunk of this pair, per predictor: one optimizer step,
-    # so the next chunk usually takes them as they are (predict.fit's hint).
-    fits: dict[object, tuple[float, ...]] = {}
+    # The coefficients that fitted the last chunk of this pair, per predictor, and how much of its
+    # sample they predicted exactly: one optimizer step, so the next chunk usually takes them as
+    # they are (predict.fit_scored's hint).
+    fits: dict[object, tuple[tuple[float, ...], float]] = {}
 
     def run(job: _Job) -> tuple[int, int, int, int]:
         return _compact_chunk(store, job, depth, roles, upgrade, fits, sums)
@@ -323,7 +324,7 @@ def _prediction(
 
 
 def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade,
-                   fits: dict[object, tuple[float, ...]], sums: dict[tuple[str, str], Sums]) -> tuple[int, int, int, int]:
+                   fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums]) -> tuple[int, int, int, int]:
     """Re-encode one position's parent chunk and the child's own; (deltas, predicted, recompressed,
     saved)."""
     slot = job.slot
@@ -448,7 +449,7 @@ def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Predictio
 
 def _reverse_delta(
     store: ObjectStore, oid: ObjectId, job: _Job, base_raw: bytes, depth: int, prediction: _Prediction | None,
-    upgrade: _Upgrade, fits: dict[object, tuple[float, ...]], sums: dict[tuple[str, str], Sums],
+    upgrade: _Upgrade, fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums],
 ) -> tuple[str, int]:
     """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
     when it was stored provisionally and no delta pays, by its best whole encoding); (what was
@@ -503,16 +504,17 @@ def _reverse_delta(
 
 
 def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int,
-               fits: dict[object, tuple[float, ...]], known: dict[str, bytes]) -> bytes | None:
+               fits: dict[object, tuple[tuple[float, ...], float]], known: dict[str, bytes]) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise. ``known``: bases decoded already (the child's chunk here)."""
-    from ckstore.codecs.predict import fit
+    from ckstore.codecs.predict import fit_scored
 
     bases = {b: known[b] if b in known else store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
-    coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
-    if coefficients is None:
+    found = fit_scored(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
+    if found is None:
         return None
-    fits[p.predictor] = coefficients
+    fits[p.predictor] = found
+    coefficients = found[0]
     level = store.settings.zstd_level
     data = encode_predicted(raw, level, p.bases, [bases[b] for b in p.bases], p.predictor, coefficients, than)
     if data is not None:
