@@ -20,13 +20,15 @@ two chunks are equal).
 from ``getrusage``) of the last epoch's compaction (``Repo.compact`` after committing epochs 1..n
 with compaction off, each earlier one compacted), against ``save_file`` + fsync of the same state
 (wall and CPU), both after an ``os.sync()``; the stored bytes after it and after ``repack``;
-fp32 and bf16. (DCP: scripts/bench_dcp.py.)
+fp32 and bf16, files named per epoch and files keeping one name (``--names``: then the parent
+has each tensor under the same path, and compaction writes the change record, format.md 5.2).
+(DCP: scripts/bench_dcp.py.)
 
 The scaling table (how each command's cost grows with history and objects) is
 scripts/bench_scaling.py.
 
     python scripts/bench_user_path.py [--parts epochs compaction] [--sizes 0.27 3 10]
-        [--runs 3] [--work DIR]
+        [--runs 3] [--names epoch same] [--work DIR]
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
             gc.collect()
             started = time.perf_counter()
             for f, tensors in state.items():
-                save_synced(tensors, folder / f.replace(".safetensors", f"_epoch_{n + 1}.safetensors"))
+                save_synced(tensors, folder / (f if same_names else f.replace(".safetensors", f"_epoch_{n + 1}.safetensors")))
             fsync_path(folder)
             add("save_file", n, time.perf_counter() - started)
             pt = work / "pt"
@@ -222,11 +224,12 @@ def epochs_table(results: dict[str, dict[str, list[float]]], sizes: dict[str, in
     return "\n".join(lines)
 
 
-def bench_compaction(epochs: list[Callable[[], State]], work: Path, runs: int) -> dict[str, float]:
+def bench_compaction(epochs: list[Callable[[], State]], work: Path, runs: int, same_names: bool = False) -> dict[str, float]:
     """Medians over runs, for the last epoch: ``save`` (save_file + fsync wall s) and ``save_cpu``;
     its compaction's ``cpu`` (process CPU s, every thread), ``user``, ``sys``, ``wall``; the
     repository's stored bytes after it (``stored``: the newest epoch as its commit stored it)
-    and after ``repack`` (``repacked``)."""
+    and after ``repack`` (``repacked``). ``same_names``: every epoch's files keep one name (the
+    change record is written: format.md 5.2), not one per epoch."""
     samples: dict[str, list[float]] = {}
     for _ in range(runs):
         shutil.rmtree(work, ignore_errors=True)
@@ -241,7 +244,7 @@ def bench_compaction(epochs: list[Callable[[], State]], work: Path, runs: int) -
             os.sync()
             started, cpu = time.perf_counter(), time.process_time()
             for f, tensors in state.items():
-                save_synced(tensors, folder / f.replace(".safetensors", f"_epoch_{n + 1}.safetensors"))
+                save_synced(tensors, folder / (f if same_names else f.replace(".safetensors", f"_epoch_{n + 1}.safetensors")))
             fsync_path(folder)
             wall, cpu = time.perf_counter() - started, time.process_time() - cpu
             repo.commit(folder, message=f"epoch {n + 1}")
@@ -269,6 +272,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=float, default=[0.27])
     parser.add_argument("--dtypes", nargs="+", default=["fp32_full", "bf16"])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--names", nargs="+", default=["epoch", "same"], choices=["epoch", "same"],
+                        help="compaction: files named per epoch, or one name (relative change recorded)")
     parser.add_argument("--work", default=str(ROOT / "bench-work"))
     parser.add_argument("--epochs", type=int, default=4, help="epochs per run (at most 4: the real fine-tune's)")
     parser.add_argument("--readme-path", action="store_true",
@@ -291,10 +296,11 @@ def main() -> None:
     if "compaction" in args.parts:
         lines = ["| state | save_file + fsync s (its CPU s) | compaction CPU s (user + sys) | ratio to save wall | ratio to save CPU "
                  "| stored MB after compaction / after repack | load |", "|---|---|---|---|---|---|---|"]
-        for dtype in args.dtypes:
+        for dtype, names in ((d, n) for d in args.dtypes for n in args.names):
             before = load()
-            r = bench_compaction(epochs_of(runs[dtype], 0.27), work / "compaction", args.runs)
-            lines.append(f"| {dtype} MiniLM epoch 4 ({args.runs} runs) | {r['save']:.2f} ({r['save_cpu']:.2f}) "
+            r = bench_compaction(epochs_of(runs[dtype], 0.27), work / "compaction", args.runs, same_names=names == "same")
+            label = "files named per epoch" if names == "epoch" else "one name, change recorded"
+            lines.append(f"| {dtype} MiniLM epoch 4, {label} ({args.runs} runs) | {r['save']:.2f} ({r['save_cpu']:.2f}) "
                          f"| {r['cpu']:.2f} ({r['user']:.2f} + {r['sys']:.2f}) | {r['cpu'] / r['save']:.1f}× "
                          f"| {r['cpu'] / r['save_cpu']:.0f}× | {r['stored'] / 1e6:.1f} / {r['repacked'] / 1e6:.1f} "
                          f"| {before} → {load()} |")

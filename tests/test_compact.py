@@ -236,3 +236,93 @@ def test_compaction_runs_on_bounded_threads_at_lower_priority(tmp_path: Path, mo
     assert len({tid for tid, _ in seen}) <= compact.COMPACTION_WORKERS
     assert threading.get_native_id() not in {tid for tid, _ in seen}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's thread untouched
+
+
+def _moment_state(step: int) -> dict[str, torch.Tensor]:
+    """A drifting weight (a delta between steps pays) beside a first moment that is new noise at
+    every step, as AdamW's exp_avg is 60 steps apart (no delta pays)."""
+    state = _state(step)
+    state["exp_avg"] = torch.randn(64, 256, generator=torch.Generator().manual_seed(1000 + step)) * 1e-3
+    return state
+
+
+def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a parent's chunk took no delta and settled whole, and the tip's chunk at its position
+    settled too, the next compaction neither decodes that chunk nor tries a delta of it again
+    (neither as the tip's parent nor in the pair below), except the one chunk in
+    REFUSED_RETRY_ONE_IN that is retried in case deltas begin to pay there; the tip's chunk at
+    that position still settles into its best whole encoding."""
+    import ckstore.write.compact as compact
+
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    for step in range(3):
+        repo.commit_state(_moment_state(step))
+        repo.wait()
+    repo.compact_after_commit = False
+    tip = repo.commit_state(_moment_state(3))
+    commit = repo.read_commit(tip)
+    parent = repo.read_commit(commit.parents[0])
+
+    def chunks(c: object, name: str) -> list[str]:
+        return [ch.id for f in c.files for t in f.tensors if t.name == name for ch in t.chunks]  # type: ignore[attr-defined]
+
+    refused = chunks(parent, "exp_avg")
+    assert {_encoding(repo, o) for o in refused} == {Encoding.GROUPED}  # settled when it was the tip
+    tried: list[str] = []
+    original = compact._reverse_delta
+    monkeypatch.setattr(compact, "_reverse_delta", lambda store, oid, *a, **k: (tried.append(oid), original(store, oid, *a, **k))[1])
+    report = repo.compact()
+    assert report.deltas > 0  # the weight's chunks still become deltas
+    retried = [o for o in refused if compact._retry_refused(o)]
+    assert len(retried) < len(refused)
+    assert [o for o in tried if o in refused] == retried
+    below = chunks(repo.read_commit(parent.parents[0]), "exp_avg")
+    assert [o for o in tried if o in below] == [o for o in below if compact._retry_refused(o)]  # the pair below
+    assert {_encoding(repo, o) for o in chunks(commit, "exp_avg")} == {Encoding.GROUPED}
+    assert all(torch.equal(repo.load_state(tip)[k], v) for k, v in _moment_state(3).items())
+    assert repo.fsck(read_data=True) == []
+
+
+def test_a_position_where_a_delta_paid_last_time_skips_the_sample_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_delta's sample test (is a delta worth a full encode?) is skipped where the last run
+    made a delta: it would pass, at a quarter of a full encode; the deltas made are the same."""
+    import ckstore.write.compact as compact
+
+    calls: list[bool] = []
+    original = compact.encode_delta
+    monkeypatch.setattr(compact, "encode_delta", lambda *a, **k: (calls.append(k.get("sample_test", True)), original(*a, **k))[1])
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1 << 18, generator=g)
+    states = [{"w": w + 1e-4 * torch.randn(1 << 18, generator=torch.Generator().manual_seed(s))} for s in range(3)]
+    repo = Repo.memory(chunk_size=1 << 19)  # two chunks, each longer than EXHAUSTIVE_MAX
+    repo.compact_after_commit = False
+    ids = [repo.commit_state(states[0]), repo.commit_state(states[1])]
+    assert repo.compact().deltas == 2 and calls == [True, True]  # nothing known yet: sample-tested
+    calls.clear()
+    ids.append(repo.commit_state(states[2]))
+    assert repo.compact().deltas == 2 and calls == [False, False]
+    for oid, state in zip(ids, states):
+        assert torch.equal(repo.load_state(oid)["w"], state["w"])
+
+
+def test_a_state_saved_again_on_the_same_branch_is_a_no_op_that_reads_only_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same state committed again (a re-saved checkpoint): its first compaction settles the
+    tip's chunks that the commit left fast (they outlived a commit: step 2 of compact.py); saved
+    once more, every chunk is compacted already, and compaction reads no object body."""
+    repo = Repo.memory(chunk_size=CHUNK)
+    for step in range(3):
+        repo.commit_state(_moment_state(step))
+        repo.wait()
+    repo.commit_state(_moment_state(2), message="saved again")
+    repo.wait()
+    repo.compact_after_commit = False
+    again = repo.commit_state(_moment_state(2), message="and again")
+    reads: list[str] = []
+    for name in ("get_chunk", "read_local", "read_raw"):
+        original = getattr(ObjectStore, name)
+        monkeypatch.setattr(ObjectStore, name, lambda self, oid, *a, _f=original, _n=name, **k: (reads.append(_n), _f(self, oid, *a, **k))[1])
+    report = repo.compact()
+    assert (report.deltas, report.recompressed, report.saved) == (0, 0, 0)
+    assert reads == []
+    monkeypatch.undo()
+    assert all(torch.equal(repo.load_state(again)[k], v) for k, v in _moment_state(2).items())

@@ -400,7 +400,7 @@ def encode_chunk(
 
 def encode_delta(
     raw: bytes | memoryview, level: int, width: int, base_id: str, base: bytes | memoryview, than: int,
-    allowed: frozenset[Encoding] = frozenset({Encoding.DELTA}),
+    allowed: frozenset[Encoding] = frozenset({Encoding.DELTA}), sample_test: bool = True,
 ) -> bytes | None:
     """The best delta encoding of ``raw`` against ``base`` (a plain delta, or a context-sorted one
     when ``allowed``) if it stores in fewer than ``than`` bytes (the chunk's current encoding),
@@ -409,7 +409,8 @@ def encode_delta(
     Deltas that cannot pay are common (AdamW's first moment changes too much between epochs:
     269 of 439 optimizer chunks of the fp32 run), so a long chunk is first tried on the sample
     used for ranking: when the delta there is not at least 3% smaller than the chunk grouped
-    whole, the full encode is skipped.
+    whole, the full encode is skipped. ``sample_test=False`` skips that test (a caller that knows
+    a delta paid at this place last time: the test would pass, at a quarter of a full encode).
     """
     if len(base) != len(raw) or not raw:
         return None
@@ -418,13 +419,15 @@ def encode_delta(
     if not found:
         return None
     long = len(raw) > EXHAUSTIVE_MAX
-    if long or len(found) > 1:
+    test = long and sample_test
+    if test or len(found) > 1:
         sample, base_sample = (_sample(raw, width), _sample(base, width)) if long else (raw, base)
         sized = [(_body(sample, c, width, level, base_sample)[0], c) for c in found]
         size, best = min(sized, key=lambda x: x[0])
-        whole = _grouped_parts(sample, width, level)[0] if width > 1 else len(_compressor(level).compress(sample))
-        if long and size >= 0.97 * min(whole, len(sample)):
-            return None
+        if test:
+            whole = _grouped_parts(sample, width, level)[0] if width > 1 else len(_compressor(level).compress(sample))
+            if size >= 0.97 * min(whole, len(sample)):
+                return None
         found = [best]
     data = encode_chunk(raw, level, width, base_id, base, allowed=frozenset(c.encoding for c in found),
                         ops=tuple(c.op for c in found if c.op is not None))

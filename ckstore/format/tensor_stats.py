@@ -231,3 +231,18 @@ def stats_json(stats: TensorStats) -> dict[str, float | int | None]:
     """The manifest's ``stats`` object; a float64 sum that overflowed is written as null (JSON has no inf)."""
     return {"l2": _finite_or_none(stats.l2), "absmax": _finite_or_none(stats.absmax), "nonfinite": stats.nonfinite,
             "change": _finite_or_none(stats.change)}
+
+
+def difference_sums(old: bytes | memoryview, new: bytes | memoryview, dtype: str) -> tuple[float, float]:
+    """(‖new − old‖², ‖old‖²) of two equal-length, element-aligned blocks of a tensor of
+    ``dtype``, in float64: the partial sums of the relative change (format.md 5.1), added up
+    block by block. Diff computes them chunk by chunk, compaction for the chunks it decodes
+    anyway (the change record, format.md 5.2): the same function, so the same figures."""
+    import numpy as np
+
+    a, b = as_numbers(old, dtype), as_numbers(new, dtype)
+    # Widened to float64 inside the ufunc and einsum's buffers rather than as whole arrays first,
+    # and no temporary for the squares: 0.7 against 4.8 ms (np.sum of squares of float64 copies)
+    # per 1 MiB float32 chunk. einsum, not np.dot, which may hand the sum to a threaded BLAS.
+    d = np.subtract(b, a, dtype=np.float64)
+    return float(np.einsum("i,i->", d, d)), float(np.einsum("i,i->", a, a, dtype=np.float64))

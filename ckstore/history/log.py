@@ -166,6 +166,7 @@ def diff_commits(store: ObjectStore, a_id: ObjectId, old: Commit, b_id: ObjectId
         cost[where] = cost.get(where, 0) + (store.stored_size(oid) or 0)
     headers = sum(n for (_, part), n in cost.items() if part == HEADER)
     out = []
+    changes = None
     for key, chunks in new_items.items():
         rel_l2 = None
         if key not in old_items:
@@ -175,10 +176,15 @@ def diff_commits(store: ObjectStore, a_id: ObjectId, old: Commit, b_id: ObjectId
         else:
             status = "changed"
             if key in old_tensors:
-                from ckstore.history.magnitude import relative_l2  # numpy, only when a diff needs it
+                if changes is None:
+                    from ckstore.history.magnitude import RecordedChanges  # numpy, only when a diff needs it
 
-                rel_l2 = relative_l2(store, old_tensors[key], new_tensors[key])
+                    # The change record holds a commit's changes against its first parent only.
+                    changes = RecordedChanges(store, b_id, new, a_id, old, use_record=new.parents[:1] == (a_id,))
+                rel_l2 = changes.change(key, old_tensors[key], new_tensors[key])
         out.append(TensorChange(key[0], key[1], status, cost.pop(key, 0), rel_l2))
+    if changes is not None:
+        changes.save()
     out.extend(TensorChange(k[0], k[1], "removed", 0) for k in old_items if k not in new_items)
     return Diff(a_id, b_id, out, headers)
 

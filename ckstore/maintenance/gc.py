@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckstore.codecs.objects import Kind
+from ckstore.repository.change_record import prune_records
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError, ForceRequiredError
 from ckstore.format.ids import ObjectId
@@ -146,6 +147,7 @@ def collect_garbage(
         finally:
             if bar:
                 bar.close()
+        prune_records(ctx.backend, kept.commits)  # the change records of deleted commits (format.md 5.2)
         ctx.backend.clean_temporary()
     return report
 

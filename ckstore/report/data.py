@@ -172,7 +172,8 @@ def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
         parent_commit = ctx.graph.read_commit(parent) if parent else None
         rows.append(CommitRow(
             e.id, e.commit, parent, sizes[e.id], stored_bytes(ctx.store, {c.id for c in e.commit.all_chunks()}),
-            torch_save_estimate(e.commit), commit_stats(ctx.store, e.commit, parent_commit)))
+            torch_save_estimate(e.commit),
+            commit_stats(ctx.store, e.commit, parent_commit, (e.id, parent) if parent else None)))
     groups: dict[str, list[TensorKey]] = {}
     for row in rows:
         for key in row.stats:

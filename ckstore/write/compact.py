@@ -49,6 +49,7 @@ from ckstore.codecs.objects import (
     EXHAUSTIVE_MAX,
     Encoding,
     Kind,
+    ObjectHeader,
     delta_bases,
     encode_chunk,
     encode_delta,
@@ -57,6 +58,8 @@ from ckstore.codecs.objects import (
     parse_header,
 )
 from ckstore.format.settings import PREDICTED_VERSION, version_for
+from ckstore.format.tensor_stats import difference_sums, item_size
+from ckstore.repository.change_record import Sums, TensorKey, comparable, write_changes
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
@@ -79,6 +82,13 @@ COMPACTION_LOCK_TIMEOUT = 60.0
 # most half of them, each thread at this much lower priority (Linux nice values are per thread).
 COMPACTION_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 COMPACTION_NICENESS = 10
+# A position where a delta was refused (the parent's chunk and its own parent's both settled
+# whole) is not decoded and tried again, except one chunk in this many (by name), so that deltas
+# that begin to pay there later in training are still found.
+REFUSED_RETRY_ONE_IN = 8
+# What a fast commit stores (``ObjectStore.put_chunk(fast=True)``); any other whole encoding was
+# chosen by compaction or repack. Raw is also some chunks' best encoding: those stay "fast".
+_FAST = frozenset({Encoding.RAW, Encoding.ZSTD})
 
 
 def _yield_to_training() -> None:
@@ -120,8 +130,11 @@ class _Job:
     # parameter's piece, at its siblings' (weight, moments): what may depend on the parent's chunk.
     older: tuple[tuple[ObjectId | None, ...], ...]
     history_ends: bool  # ``older`` reaches the branch's first commit
+    grandparent: ObjectId | None = None  # ``older``'s first commit's chunk at this very position
     prediction: _Prediction | None = None
     tip: bool = True  # the child is the branch tip (not the pair below it)
+    # The tensor's dtype when the parent has it at the same path and name (its change is recorded).
+    dtype: str | None = None
     settle: bool = False  # re-encode the child's chunk in its best whole encoding if stored fast
 
 
@@ -202,13 +215,18 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         if len(pairs) > 1:
             pairs[1] = [replace(j, settle=j.slot.id not in tip_reaches) for j in pairs[1]]
         pool = ThreadPoolExecutor(COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training)
+        sums: dict[tuple[str, str], Sums] = {}  # (child's chunk, parent's): the tip pair's decoded ones
         with pool:
             for i in reversed(range(len(pairs))):
                 newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
                 with ctx.store.batch() as staged:
-                    _run_pair(staged, pairs[i], depth, _Roles(newer), report, upgrade, pool)
-        # The commit's pack (if it wrote one) is spread into loose objects here, off the
-        # training loop's path (backend/local_packs.py).
+                    _run_pair(staged, pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
+        if len(commits) > 1:
+            # The relative change against the parent, from the chunks decoded above (format.md 5.2).
+            write_changes(ctx.backend, tip, commits[0], commits[0].parents[0], commits[1],
+                          _tensor_sums(commits[0], commits[1], sums))
+        # The commit's pack (if it wrote one) is settled here, off the training loop's path: its
+        # large objects spread into loose files, its small ones kept packed (backend/local_settle.py).
         ctx.backend.unpack()
     return report
 
@@ -240,12 +258,15 @@ def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends:
     found: dict[tuple[Position, int], list[ObjectId | None]] = {
         where: [chunk_at(ix, where[0], where[1], slot.size) for ix in indexes] for where, slot in child_slots.items()}
     siblings = _siblings(child, child_slots) if indexes and upgrade.possible() else {}
+    recorded: dict[Position, str] = {k: new.dtype for k, (new, _) in comparable(child, older[0]).items()} if tip and older else {}
     jobs = []
     for where, slot in child_slots.items():
         parent = found[where][0] if found[where] and where[0][1] != HEADER else None
         group = siblings.get(where, {"": where})
         older_ids = tuple(tuple(found[p][k] for p in group.values()) for k in range(1, len(found[where])))
-        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends, tip=tip)
+        grandparent = found[where][1] if len(found[where]) > 1 else None
+        job = _Job(slot, parent if parent != slot.id else None, older_ids, history_ends, grandparent, tip=tip,
+                   dtype=recorded.get(where[0]))
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
@@ -253,13 +274,14 @@ def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends:
 
 
 def _run_pair(store: ObjectStore, jobs: list[_Job], depth: int, roles: _Roles, report: CompactReport,
-              upgrade: _Upgrade, pool: ThreadPoolExecutor) -> None:
-    # The coefficients that fitted the last chunk of this pair, per predictor: one optimizer step,
-    # so the next chunk usually takes them as they are (predict.fit's hint).
-    fits: dict[object, tuple[float, ...]] = {}
+              upgrade: _Upgrade, pool: ThreadPoolExecutor, sums: dict[tuple[str, str], Sums]) -> None:
+    # The coefficients that fitted the last chunk of this pair, per predictor, and how much of its
+    # sample they predicted exactly: one optimizer step, so the next chunk usually takes them as
+    # they are (predict.fit_scored's hint).
+    fits: dict[object, tuple[tuple[float, ...], float]] = {}
 
     def run(job: _Job) -> tuple[int, int, int, int]:
-        return _compact_chunk(store, job, depth, roles, upgrade, fits)
+        return _compact_chunk(store, job, depth, roles, upgrade, fits, sums)
 
     for delta, predicted, recompressed, saved in ordered_map(run, jobs, workers=COMPACTION_WORKERS, pool=pool):
         report.deltas += delta
@@ -303,7 +325,7 @@ def _prediction(
 
 
 def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade,
-                   fits: dict[object, tuple[float, ...]]) -> tuple[int, int, int, int]:
+                   fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums]) -> tuple[int, int, int, int]:
     """Re-encode one position's parent chunk and the child's own; (deltas, predicted, recompressed,
     saved)."""
     slot = job.slot
@@ -322,19 +344,25 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
                 return 0, 0, 0, 0
             raw = store.get_chunk(slot.id, slot.size)
             return 0, 0, 1, _recompress(store, slot.id, raw, slot.width, even_if_larger=True)
-        if job.parent is not None and not _whole_here(store, job.parent, slot.size):
+        parent_header = _whole_header(store, job.parent, slot.size) if job.parent is not None else None
+        if parent_header is None:
             # Already a delta (an earlier run, another branch, the same state saved again) or
             # not this repository's: nothing to do for it, decided from its header alone.
             job = replace(job, parent=None, prediction=None)
+        refused = parent_header is not None and job.prediction is None and _refused_before(store, job, parent_header.encoding)
+        if refused:
+            job = replace(job, parent=None)
         prediction = job.prediction if job.prediction is not None and _claim_prediction(store, job.parent, job.prediction, roles) else None
         parent = job.parent if prediction is not None or (job.parent is not None and roles.pair(job.parent, slot.id)) else None
-        provisional = job.settle and store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
+        # A refused position's tip chunk settles now, as it would have after trying (below).
+        settle = job.settle or (refused and job.tip)
+        provisional = settle and store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
         if not provisional and parent is None:
             return 0, 0, 0, 0
         raw = store.get_chunk(slot.id, slot.size)  # decoded and verified: the base of any delta
         deltas = predicted = recompressed = saved = 0
         if parent is not None:
-            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits)
+            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits, sums)
             deltas, saved = deltas + (made in ("delta", "predicted")), saved + freed
             recompressed += made.startswith("whole") and freed > 0
             predicted += made == "predicted"
@@ -351,13 +379,62 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         return 0, 0, 0, 0  # a damaged or missing chunk only costs compression; fsck reports it
 
 
-def _whole_here(store: ObjectStore, oid: ObjectId, size: int) -> bool:
-    """Whether ``oid`` is a whole chunk object of ``size`` bytes in this repository (its header)."""
+def _tensor_sums(child: Commit, parent: Commit, sums: dict[tuple[str, str], Sums]) -> dict[TensorKey, Sums]:
+    """Per tensor at the same path and name in both commits, (‖new − old‖², ‖old‖²) added up in
+    chunk order from ``sums`` (as magnitude.tensor_sums adds them), when every chunk pair is
+    there: a chunk both share, or a pair this run did not decode, leaves the tensor to readers."""
+    out: dict[TensorKey, Sums] = {}
+    for key, (new, old) in comparable(child, parent).items():
+        if len(new.chunks) != len(old.chunks):
+            continue  # cut differently (another chunk size): readers pair them element by element
+        diff_sq = base_sq = 0.0
+        for c, p in zip(new.chunks, old.chunks):
+            found = sums.get((c.id, p.id)) if c.size == p.size else None
+            if found is None:
+                break
+            diff_sq += found[0]
+            base_sq += found[1]
+        else:
+            out[key] = (diff_sq, base_sq)
+    return out
+
+
+def _whole_header(store: ObjectStore, oid: ObjectId, size: int) -> ObjectHeader | None:
+    """The header of ``oid`` when it is a whole chunk object of ``size`` bytes in this repository."""
     prefix = store.header_local(oid)
     if prefix is None or delta_bases(prefix):
-        return False
+        return None
     header = parse_header(prefix)
-    return header.kind == Kind.CHUNK and header.raw_len == size
+    return header if header.kind == Kind.CHUNK and header.raw_len == size else None
+
+
+def _paid_before(store: ObjectStore, oid: ObjectId, job: _Job) -> bool:
+    """Whether the last run made a delta at this position: the chunk below ``oid`` there is a
+    delta of it (the same kind of tensor, one step further: its delta most likely pays too)."""
+    try:
+        return job.grandparent is not None and oid in store.bases_of(job.grandparent)
+    except CkstoreError:
+        return False
+
+
+def _retry_refused(oid: str) -> bool:
+    """Whether a refused position's parent chunk is tried again this time (see REFUSED_RETRY_ONE_IN)."""
+    return int(oid[:8], 16) % REFUSED_RETRY_ONE_IN == 0
+
+
+def _refused_before(store: ObjectStore, job: _Job, encoding: Encoding) -> bool:
+    """Whether a delta of the parent's chunk was tried when it was the tip's, and refused: it
+    settled whole then (only a refusal settles a tip's changed chunk, step 2 of the module
+    docstring), and its own parent's chunk at this position is whole and settled as well. Then
+    the same kind of tensor (an AdamW first moment, mostly) is most likely refused again: decoding
+    it and sample-testing a delta was a fifth of every run's CPU (docs/benchmarks.md)."""
+    older = job.grandparent
+    if older is None or older == job.parent or _retry_refused(job.parent or ""):
+        return False
+    if encoding in _FAST:
+        return False
+    header = _whole_header(store, older, job.slot.size)
+    return header is not None and header.encoding not in _FAST
 
 
 def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Prediction, roles: _Roles) -> bool:
@@ -373,7 +450,7 @@ def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Predictio
 
 def _reverse_delta(
     store: ObjectStore, oid: ObjectId, job: _Job, base_raw: bytes, depth: int, prediction: _Prediction | None,
-    upgrade: _Upgrade, fits: dict[object, tuple[float, ...]],
+    upgrade: _Upgrade, fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums],
 ) -> tuple[str, int]:
     """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
     when it was stored provisionally and no delta pays, by its best whole encoding); (what was
@@ -386,6 +463,8 @@ def _reverse_delta(
         return "", 0
     settings = store.settings
     raw = bytes(store.reader().chunk(oid, job.slot.size, "", current))  # whole: no base read
+    if job.dtype is not None and len(raw) % item_size(job.dtype) == 0:
+        sums[(job.slot.id, oid)] = difference_sums(raw, base_raw, job.dtype)  # both bytes in hand
     # A delta must beat the chunk's best whole encoding. A fast-stored chunk longer than
     # EXHAUSTIVE_MAX gets that encoding only when no delta replaces it (most are replaced):
     # encode_delta weighs the delta against it on a sample first (fp32 MiniLM: every delta
@@ -405,7 +484,8 @@ def _reverse_delta(
     if height + 1 <= depth:
         # Kept only when smaller than the predicted delta (when there is one).
         data = encode_delta(raw, settings.zstd_level, job.slot.width, job.slot.id, base_raw,
-                            len(predicted) if predicted is not None else than, settings.allowed_off_loop)
+                            len(predicted) if predicted is not None else than, settings.allowed_off_loop,
+                            sample_test=not _paid_before(store, oid, job))
         if data is not None and upgrade(version_for(parse_header(data).encoding)):
             _check(oid, data, raw, {job.slot.id: base_raw})
             store.stage_replace(oid, data)
@@ -426,16 +506,17 @@ def _reverse_delta(
 
 
 def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: _Prediction, size: int, than: int,
-               fits: dict[object, tuple[float, ...]], known: dict[str, bytes]) -> bytes | None:
+               fits: dict[object, tuple[tuple[float, ...], float]], known: dict[str, bytes]) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise. ``known``: bases decoded already (the child's chunk here)."""
-    from ckstore.codecs.predict import fit
+    from ckstore.codecs.predict import fit_scored
 
     bases = {b: known[b] if b in known else store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
-    coefficients = fit(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
-    if coefficients is None:
+    found = fit_scored(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
+    if found is None:
         return None
-    fits[p.predictor] = coefficients
+    fits[p.predictor] = found
+    coefficients = found[0]
     level = store.settings.zstd_level
     data = encode_predicted(raw, level, p.bases, [bases[b] for b in p.bases], p.predictor, coefficients, than)
     if data is not None:
