@@ -1,5 +1,5 @@
-"""Context-sorted deltas in a repository: compaction writes them (never a commit), upgrading the
-repository to format 6 first; every epoch reads back bit-exact; fsck, gc and repack handle them;
+"""Context-sorted deltas in a repository: repack writes them (never a commit, nor the compaction
+that runs beside training every epoch), upgrading the repository to format 6 first; every epoch reads back bit-exact; fsck, gc and repack handle them;
 an older ckstore refuses the repository and the encoding with a clear message."""
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ def compacted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tupl
     for folder in adam_like_epochs(root, 4):
         runs.append((repo.commit(folder, message=folder.name), folder))
         repo.wait()
+    assert _context_objects(repo) == []  # compaction leaves them to repack
+    assert json.loads((root / "repo" / "config.json").read_text())["version"] < config.CONTEXT_VERSION
+    repo.repack()
     return root / "repo", runs
 
 
-def test_compaction_writes_context_deltas_that_read_back(compacted, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_repack_writes_context_deltas_that_read_back(compacted, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, runs = compacted
     repo = Repo(path)
     found = _context_objects(repo)
@@ -58,6 +61,7 @@ def test_context_deltas_store_less_than_plain_deltas(compacted, tmp_path: Path, 
     for _, folder in runs:
         plain.commit(folder)
         plain.wait()
+    plain.repack()
     assert "CONTEXT" not in encodings(plain)
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["version"] < config.CONTEXT_VERSION
     assert Repo(path).stats().stored_bytes < 0.97 * plain.stats().stored_bytes

@@ -484,7 +484,7 @@ def _reverse_delta(
     if height + 1 <= depth:
         # Kept only when smaller than the predicted delta (when there is one).
         data = encode_delta(raw, settings.zstd_level, job.slot.width, job.slot.id, base_raw,
-                            len(predicted) if predicted is not None else than, settings.allowed_off_loop,
+                            len(predicted) if predicted is not None else than, settings.allowed_in_compaction,
                             sample_test=not _paid_before(store, oid, job))
         if data is not None and upgrade(version_for(parse_header(data).encoding)):
             _check(oid, data, raw, {job.slot.id: base_raw})

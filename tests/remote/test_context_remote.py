@@ -17,6 +17,7 @@ def _pushed(tmp_path: Path, url: str, endpoint: str | None) -> tuple[Repo, list[
     for folder in adam_like_epochs(tmp_path / "epochs", 3):
         runs.append((a.commit(folder), folder))
         a.wait()
+    a.repack()  # writes context-sorted deltas (compaction does not)
     assert encodings(a).get("CONTEXT", 0) > 0
     a.add_remote("origin", url, endpoint_url=endpoint)
     a.push()
