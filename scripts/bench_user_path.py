@@ -165,7 +165,7 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
             gc.collect()
             started = time.perf_counter()
             for f, tensors in state.items():
-                save_synced(tensors, folder / (f if same_names else f.replace(".safetensors", f"_epoch_{n + 1}.safetensors")))
+                save_synced(tensors, folder / f.replace(".safetensors", f"_epoch_{n + 1}.safetensors"))
             fsync_path(folder)
             add("save_file", n, time.perf_counter() - started)
             pt = work / "pt"
