@@ -266,7 +266,7 @@ def test_gc_drops_packed_garbage_and_keeps_the_rest_packed(tmp_path: Path) -> No
     assert repo.fsck(read_data=True) == [] and not leftover_temp_files(repo.path)  # type: ignore[arg-type]
 
 
-def test_gc_gathers_loose_small_objects_into_a_pack(tmp_path: Path) -> None:
+def test_gc_repack_gathers_loose_small_objects_into_a_pack(tmp_path: Path) -> None:
     repo = fresh(tmp_path)
     folder = tmp_path / "one"
     folder.mkdir()
@@ -274,7 +274,9 @@ def test_gc_gathers_loose_small_objects_into_a_pack(tmp_path: Path) -> None:
         (folder / "metrics.json").write_text(json.dumps({"step": step}))
         repo.commit(folder, message=f"step {step}")
     assert packs_of(repo) == [] and len(loose_ids(repo)) >= local_settle.GATHER_AT
-    repo.gc()
+    repo.gc()  # plain gc frees exactly what its dry run announced: no gather (tests/test_cli_output.py)
+    assert packs_of(repo) == []
+    repo.gc(repack=True)
     assert len(packs_of(repo)) == 1 and loose_ids(repo) == set()
     assert len(repo.log()) == 40 and repo.fsck(read_data=True) == []
 

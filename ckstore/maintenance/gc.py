@@ -137,7 +137,7 @@ def collect_garbage(
                 ctx.refs.logs.rewrite(ref, entries)
         # Packed victims leave with their packs' rewrite, before the loose ones are deleted; the
         # loose small objects that stay are gathered into that pack (backend/local_settle.py).
-        ctx.backend.unpack(drop=victims.keys(), gather=True)
+        ctx.backend.unpack(drop=victims.keys(), gather=repack)
         bar = progress(report.freed_bytes - report.temp_bytes, "gc") if progress and victims else None
         try:
             for oid, size in victims.items():
