@@ -29,6 +29,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_env import installed_like_env  # noqa: E402
 from bench_sections import write_section  # noqa: E402
 
 from ckstore.repo import Repo  # noqa: E402
@@ -97,10 +98,7 @@ def main() -> None:
             commands[f"ckstore {' '.join(what)}, baseline ({args.baseline.name})"] = (
                 [py, "-m", "ckstore.cli", *what], str(args.baseline.resolve()))
     with tempfile.TemporaryDirectory() as tmp:
-        # Bytecode as an installed package has it: compiled once, then read from a cache (kept out
-        # of the source tree). With PYTHONDONTWRITEBYTECODE every start would compile every module.
-        env = {**os.environ, "CKSTORE_REPO": str(make_repo(Path(tmp))), "PYTHONPYCACHEPREFIX": str(Path(tmp, "pyc"))}
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env = installed_like_env(Path(tmp, "pyc"), {**os.environ, "CKSTORE_REPO": str(make_repo(Path(tmp)))})
         envs = {name: {**env, "PYTHONPATH": path} for name, (_, path) in commands.items()}
         for name, (argv, _) in commands.items():  # warm the page cache and write the .pyc files
             timed(argv, envs[name], tmp)

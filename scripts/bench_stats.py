@@ -36,12 +36,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import ensure_checkpoints  # noqa: E402
+from bench_env import installed_like_env  # noqa: E402
 from bench_sections import write_section  # noqa: E402
 
 import ckstore.write.commit as commit_module  # noqa: E402
 from ckstore.repo import Repo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+CLI_ENV: dict[str, str] | None = None  # main sets it: bytecode compiled, as installed (bench_env.py)
 _INGEST = commit_module.ingest
 # The CLI with compaction off (see run_cli), and for "without" the statistics switched off the
 # same way as in this process.
@@ -108,7 +110,7 @@ def run_cli(folders: list[Path], repo_path: Path, record: bool) -> tuple[float, 
     for folder in folders:
         start, cpu = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
         proc = subprocess.run([sys.executable, "-c", script, "--repo", str(repo_path), "commit", str(folder),
-                               "-m", folder.name], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               "-m", folder.name], env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         times.append(time.perf_counter() - start)
         cpus.append(_cpu(resource.RUSAGE_CHILDREN) - cpu)
         if proc.returncode:
@@ -144,6 +146,8 @@ def main() -> None:
     work = args.work / "stats"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    global CLI_ENV
+    CLI_ENV = installed_like_env(args.work / "pyc")
     rows = []
     for dtype in args.dtypes:
         folders = runs[dtype][: args.epochs]

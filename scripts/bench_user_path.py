@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import ensure_checkpoints  # noqa: E402
+from bench_env import installed_like_env  # noqa: E402
 
 from ckstore import Repo  # noqa: E402
 from ckstore.backend.fsio import fsync_path  # noqa: E402
@@ -68,6 +69,7 @@ _PEAK = ("import atexit, sys\n"
          "sys.argv[0] = 'ckstore'\n"
          "main()\n")
 CKSTORE = [sys.executable, "-c", _PEAK]
+CLI_ENV: dict[str, str] | None = None  # main sets it: bytecode compiled, as installed (bench_env.py)
 
 
 def load() -> str:
@@ -77,7 +79,7 @@ def load() -> str:
 def run_cli(args: list[str], cwd: Path | None = None) -> tuple[float, float]:
     """Run ``ckstore ARGS``; (wall seconds, peak RSS MiB of that process)."""
     started = time.perf_counter()
-    proc = subprocess.run([*CKSTORE, *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run([*CKSTORE, *args], cwd=cwd, env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wall = time.perf_counter() - started
     err = proc.stderr.decode()
     if proc.returncode != 0:
@@ -280,6 +282,8 @@ def main() -> None:
                         help="also time `ckstore commit` right after a save_file without fsync, as the README's script runs it")
     args = parser.parse_args()
     work = Path(args.work)
+    global CLI_ENV
+    CLI_ENV = installed_like_env(work / "pyc")
     print(f"load average at start {load()}", flush=True)
     if "epochs" in args.parts or "compaction" in args.parts:
         runs = ensure_checkpoints(work / "checkpoints", epochs=4, steps=60, runs=tuple(args.dtypes))

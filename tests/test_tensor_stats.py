@@ -168,3 +168,17 @@ def test_chunk_figures_across_blocks_match_float64(dtype: torch.dtype, code: str
         assert figures.nonfinite == (0 if special == "none" else 1)
         assert figures.absmax == 40.0 == finite.abs().max().item()
         assert figures.sum_sq == pytest.approx((finite * finite).sum().item(), rel=1e-5)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=0xFFFF), min_size=1, max_size=300))
+def test_bf16_figures_of_any_bit_patterns_match_float64(patterns: list[int]) -> None:
+    """bf16 elements are read two to a word: every length (the odd last element alone), every
+    bit pattern (NaN, ±inf, ±0, subnormals), and the largest magnitude anywhere."""
+    bits = np.array(patterns, dtype=np.uint16)
+    figures = chunk_stats(bits.tobytes(), "BF16")
+    wide = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    finite = wide[np.isfinite(wide)]
+    assert figures.nonfinite == len(wide) - len(finite)
+    assert figures.absmax == (float(np.max(np.abs(finite))) if len(finite) else 0.0)
+    assert figures.sum_sq == pytest.approx(float(np.sum(finite**2)), rel=1e-5)

@@ -142,13 +142,14 @@ def _blocks(values: np.ndarray) -> Iterator[np.ndarray]:
         yield values[start : start + _BLOCK]
 
 
-def _buffer() -> np.ndarray:
+def _buffer(which: int = 0) -> np.ndarray:
+    """This thread's scratch buffer number ``which`` (0 or 1), ``_BLOCK`` uint32 elements."""
     import numpy as np
 
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None:
-        buffer = _scratch.buffer = np.empty(_BLOCK, dtype=np.uint32)
-    return buffer
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = (np.empty(_BLOCK, dtype=np.uint32), np.empty(_BLOCK, dtype=np.uint32))
+    return buffers[which]
 
 
 def _float32_block(block: np.ndarray) -> tuple[float, float]:
@@ -162,20 +163,29 @@ def _float32_block(block: np.ndarray) -> tuple[float, float]:
 def _bf16_sum_sq_absmax(bits: np.ndarray) -> tuple[float, float]:
     """Sum of squares and largest magnitude of bf16 elements (``bits``: their uint16 patterns).
 
-    Each block is widened into the scratch buffer with its sign cleared, so the largest magnitude
-    is the largest bit pattern (IEEE order; NaN and inf make the sum non-finite and are handled by
-    the caller): one pass for it instead of a max and a min over float32 copies."""
+    Read as uint32 words, each holding two elements (little-endian: the later one in the high
+    half), masking the high half and shifting the low one up gives both as float32 with no
+    widening copy; signs are cleared, so the largest magnitude is the largest bit pattern (IEEE
+    order; NaN and inf make the sum non-finite and are handled by the caller): 0.5 against 0.7
+    ms per MiB for widening each element (one odd element is widened alone)."""
     import numpy as np
 
     sum_sq, top = 0.0, 0
-    scratch = _buffer()
-    for block in _blocks(bits):
-        wide = scratch[: block.size]
-        np.left_shift(block, 16, out=wide, dtype=np.uint32)
-        np.bitwise_and(wide, 0x7FFF0000, out=wide)
-        floats = wide.view(np.float32)
-        sum_sq += float(np.einsum("i,i->", floats, floats))
-        top = max(top, int(wide.max()))
+    if bits.size % 2:
+        last = np.array([int(bits[-1]) << 16 & 0x7FFF0000], dtype=np.uint32)
+        sum_sq, top = float(np.einsum("i,i->", last.view(np.float32), last.view(np.float32))), int(last[0])
+        bits = bits[:-1]
+    words = bits.view(np.uint32)
+    high, low = _buffer(), _buffer(1)
+    for block in _blocks(words):
+        h, lo = high[: block.size], low[: block.size]
+        np.bitwise_and(block, 0x7FFF0000, out=h)
+        np.left_shift(block, 16, out=lo)
+        np.bitwise_and(lo, 0x7FFF0000, out=lo)
+        hf, lf = h.view(np.float32), lo.view(np.float32)
+        sum_sq += float(np.einsum("i,i->", hf, hf)) + float(np.einsum("i,i->", lf, lf))
+        np.maximum(h, lo, out=h)
+        top = max(top, int(h.max()))
     return sum_sq, float(np.array(top, dtype=np.uint32).view(np.float32))
 
 
