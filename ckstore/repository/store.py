@@ -99,7 +99,7 @@ class ObjectStore:
         """Store a chunk of elements ``width`` bytes wide; ``base_id`` is a delta base candidate
         (the same chunk in the parent commit), used when its chain leaves room for one more.
 
-        ``fast`` stores a multi-byte chunk with plain zstd at ``fast_level`` (a commit on the
+        ``fast`` stores a multi-byte chunk with plain zstd at its fast level (a commit on the
         training loop's critical path); ``is_provisional`` tells compaction to re-encode it.
         """
         oid = chunk_id(raw)
@@ -107,7 +107,7 @@ class ObjectStore:
         if self.has_durable(oid):
             return PutResult(oid, 0)
         if fast and width > 1:
-            data = encode(raw, Kind.CHUNK, self.settings.fast_level)
+            data = encode(raw, Kind.CHUNK, self.settings.fast_level_for(width))
         else:
             data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
         return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
