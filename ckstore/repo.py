@@ -353,23 +353,25 @@ class Repo:
     def checkout(
         self, ref: str, out_dir: str | os.PathLike[str], *, force: bool = False,
         only: Sequence[str] | None = None, progress: ProgressFactory | None = None,
-        shard_size: int | str | None = None, merge_lora: bool = False,
+        shard_size: int | str | None = None, merge_lora: bool = False, fsync: bool = False,
     ) -> CheckoutResult:
         """Write the files of ``ref`` into ``out_dir``, byte-identical (or only matching tensors).
 
         ``shard_size`` ("500MB", "2GiB", bytes) writes the tensors as Hugging Face shards instead;
-        ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in.
+        ``merge_lora`` writes the base model with a committed PEFT LoRA adapter merged in;
+        ``fsync`` makes the files durable before returning (by default they are written as git's
+        checkout or cp writes them: the repository holds the durable copy).
         """
         from ckstore.read.checkout import write_with_progress
         from ckstore.read.export import plan_checkout
 
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
-        return write_with_progress(self.store, outputs, Path(out_dir), force, progress)
+        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, durable=fsync)
 
     def export(
         self, ref: str, out_dir: str | os.PathLike[str], *, prefix: str | None = None,
         weights: Sequence[str] | None = None, files_from: str | None = None, shard_size: int | str | None = None,
-        force: bool = False, progress: ProgressFactory | None = None,
+        force: bool = False, progress: ProgressFactory | None = None, fsync: bool = False,
     ) -> CheckoutResult:
         """Write exactly the model of ``ref`` as a folder ``from_pretrained`` loads (see export.py).
 
@@ -377,7 +379,8 @@ class Repo:
         state: "model" by default); ``weights``: globs of the safetensors files holding the model
         (a commit of files: model.safetensors and its shards by default); ``files_from``: a commit
         whose config, tokenizer and other files are copied instead of ``ref``'s own. A commit
-        holding a PEFT LoRA adapter exports the base model with the adapter merged in.
+        holding a PEFT LoRA adapter exports the base model with the adapter merged in. ``fsync``
+        as for ``checkout``.
         """
         from ckstore.read.checkout import write_with_progress
         from ckstore.read.export import plan_export
@@ -385,7 +388,7 @@ class Repo:
         source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
         plan = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
                            files_from=source, shard_size=shard_size)
-        result = write_with_progress(self.store, plan.outputs, Path(out_dir), force, progress, "export")
+        result = write_with_progress(self.store, plan.outputs, Path(out_dir), force, progress, "export", durable=fsync)
         result.merged_adapter = plan.merged_adapter
         return result
 

@@ -105,6 +105,8 @@ def test_main_workflow(cli: Cli, tmp_path: Path) -> None:
     cli("checkout", "main", "-o", str(tmp_path / "out"), code=6)  # files differ: refused
     cli("checkout", "main", "-o", str(tmp_path / "out"), "--force")
     assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "ep2")
+    cli("checkout", "main", "-o", str(tmp_path / "durable"), "--fsync")
+    assert tree_digest(tmp_path / "durable") == tree_digest(tmp_path / "ep2")
     cli("checkout", "main", "-o", str(tmp_path / "only"), "--only", "model.*")
     stats = json.loads(cli("stats", "--json").stdout)
     assert stats["commits"] == 3 and stats["logical_bytes"] > 0 and stats["stored_bytes"] > 0

@@ -336,8 +336,40 @@ def test_checkout_fails_cleanly_when_an_early_flush_fails(
     monkeypatch.setattr(os, "fdatasync", failing)
     failed = tmp_path / "failed"
     with pytest.raises(StorageError, match="Input/output error"):
-        repo.checkout(oid, failed)
+        repo.checkout(oid, failed, fsync=True)
     assert [p for p in failed.rglob("*") if p.is_file()] == []
+
+
+def test_checkout_with_fsync_makes_every_file_and_folder_durable_and_without_it_none(
+    repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--fsync`` (``fsync=True``) syncs each output before it is renamed into place, then the
+    folders; the default writes the same bytes and leaves writeback to the kernel, as cp does."""
+    src = hf_folder(tmp_path / "m")
+    (src / "sub").mkdir()
+    (src / "sub" / "notes.txt").write_text("nested")
+    oid = repo.commit(src)
+    synced: list[str] = []
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+
+    def record(real):  # type: ignore[no-untyped-def]
+        def call(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+        return call
+
+    monkeypatch.setattr(os, "fsync", record(real_fsync))
+    monkeypatch.setattr(os, "fdatasync", record(real_fdatasync))
+    plain = tmp_path / "plain"
+    repo.checkout(oid, plain)
+    assert [p for p in synced if p.startswith(str(plain))] == []
+    assert tree_digest(plain) == tree_digest(src)
+    durable = tmp_path / "durable"
+    result = repo.checkout(oid, durable, fsync=True)
+    assert tree_digest(durable) == tree_digest(src)
+    files = {p for p in synced if ".ckstore-tmp" in p}
+    assert len({p.rsplit(".", 3)[0] for p in files}) == len(result.written)  # one temporary per output
+    assert {str(durable), str(durable / "sub")} <= set(synced)
 
 
 def test_checkout_skips_identical_files(repo: Repo, tmp_path: Path) -> None:

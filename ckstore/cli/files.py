@@ -96,17 +96,19 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
 @click.option("--merge-lora", is_flag=True, help="Write the base model with the commit's PEFT LoRA adapter merged in.")
 @click.option("--remote", "remote_name", metavar="NAME",
               help="Read what this repository lacks from remote NAME, only the chunks needed (REF may be NAME/BRANCH).")
+@click.option("--fsync", is_flag=True,
+              help="Make the files durable before returning (by default they are written as cp or git writes them).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
 def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None,
-             merge_lora: bool, remote_name: str | None, as_json: bool) -> None:
+             merge_lora: bool, remote_name: str | None, fsync: bool, as_json: bool) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
     if merge_lora and (shard_size is not None or only):
         raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
     if remote_name is not None:
         repo.use_remote(remote_name)
     result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=progress_factory(),
-                           shard_size=shard_size, merge_lora=merge_lora)
+                           shard_size=shard_size, merge_lora=merge_lora, fsync=fsync)
     if as_json:
         print_json({"commit": repo.resolve(ref), "output": out_dir, "written": result.written, "unchanged": result.unchanged,
                     "bytes_written": result.bytes_written})
@@ -131,9 +133,11 @@ def _report_written(result: CheckoutResult) -> None:
 @click.option("--files-from", metavar="REF", help="Copy config and tokenizer files from REF instead (e.g. the base model).")
 @click.option("--shard-size", metavar="SIZE", help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes).")
 @click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
+@click.option("--fsync", is_flag=True,
+              help="Make the files durable before returning (by default they are written as cp or git writes them).")
 @pass_repo
 def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tuple[str, ...], files_from: str | None,
-           shard_size: str | None, force: bool) -> None:
+           shard_size: str | None, force: bool, fsync: bool) -> None:
     """Write exactly the model of REF as a folder that from_pretrained loads.
 
     The model's tensors (not the optimizer's) go into model.safetensors or shards, with the
@@ -142,7 +146,7 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
     --merge-lora writes them; the adapter's files are not copied.
     """
     result = repo.export(ref, out_dir, prefix=prefix, weights=list(weights) or None, files_from=files_from,
-                         shard_size=shard_size, force=force, progress=progress_factory())
+                         shard_size=shard_size, force=force, progress=progress_factory(), fsync=fsync)
     _report_written(result)
     if result.merged_adapter:
         click.echo(f"merged the LoRA adapter {result.merged_adapter} into the model (not copied)")

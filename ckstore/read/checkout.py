@@ -1,8 +1,11 @@
 """Writing a commit's files back out (the read path of checkout).
 
-Each output file is written to a temporary file beside its target, fsynced, then renamed into
-place, so no file under its final name is ever partially written. A checkout killed outright
-(SIGKILL, power loss) can leave its hidden temporary ``.NAME.PID.HEX.ckstore-tmp``; the next
+Each output file is written to a temporary file beside its target, then renamed into place, so
+no file under its final name is ever partially written by a checkout that fails or is killed.
+The files are not made durable unless asked (``durable``: each fsynced before the renames, then
+their folders), as git's checkout, cp, tar and restic's restore leave them: the repository holds
+the durable copy, and a checkout can be made again (docs/design.md, "Checkout"). A checkout
+killed outright (SIGKILL, power loss) can leave its hidden temporary ``.NAME.PID.HEX.ckstore-tmp``; the next
 checkout writing into that folder removes the temporaries of processes that no longer run.
 Before anything is written every target is checked: a different existing file is refused unless
 ``force``; an identical one (same size, and every chunk region hashing to its chunk's name) is
@@ -190,27 +193,30 @@ class _Buffers:
 class _Staged:
     """One output being written to a hidden temporary beside its target."""
 
-    def __init__(self, target: Path) -> None:
+    def __init__(self, target: Path, durable: bool) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         self.target = target
+        self.durable = durable
         self.tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
         mutating_step()
         self.file = open(self.tmp, "xb")
         fd = self.file.fileno()
-        self.early = EarlyFlush(lambda: os.fdatasync(fd))  # keeps the final fsync short (fsio.py)
+        # Keeps the final fsync short (fsio.py); without one, writeback is left to the kernel.
+        self.early = EarlyFlush(lambda: os.fdatasync(fd) if durable else None)
 
     def write(self, data: bytes | memoryview) -> None:
         self.file.write(data)
         self.early.wrote(len(data))
 
     def sync(self) -> None:
-        """Durable, then closed. An early flush's error is reported once per descriptor, so the
-        fsync would not see it again: finish raises it."""
+        """Written out (durable when asked), then closed. An early flush's error is reported once
+        per descriptor, so the fsync would not see it again: finish raises it."""
         try:
             self.file.flush()
             self.early.finish()
-            mutating_step()
-            os.fsync(self.file.fileno())
+            if self.durable:
+                mutating_step()
+                os.fsync(self.file.fileno())
         finally:
             self.file.close()
 
@@ -220,11 +226,11 @@ class _Staged:
         self.tmp.unlink(missing_ok=True)
 
 
-def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Progress | None) -> None:
+def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Progress | None, durable: bool) -> None:
     """Write every output: all of them through one pipeline (no drain and refill between files),
-    each file's fsync on a background thread while the next one is written, then each renamed
-    over its target once every file is durable, then the folders fsynced. A failure leaves the
-    targets as they were."""
+    each file closed (``durable``: fsynced) on a background thread while the next one is
+    written, then each renamed over its target once every file is written (durable), then
+    (``durable``) the folders fsynced. A failure leaves the targets as they were."""
     staged: list[_Staged] = []
     syncs: list[Future[None]] = []
     buffers = _Buffers()
@@ -235,7 +241,7 @@ def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Pr
                 while len(staged) <= to:
                     if staged:
                         syncs.append(syncer.submit(staged[-1].sync))
-                    staged.append(_Staged(todo[len(staged)][0]))
+                    staged.append(_Staged(todo[len(staged)][0], durable))
 
             for i, (data, buf) in ordered_map(lambda item: (item[0], _get_reusing(store, item[1], buffers)), items):
                 advance(i)
@@ -262,9 +268,10 @@ def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Pr
         for s in staged:
             s.tmp.unlink(missing_ok=True)
         raise
-    for folder in sorted({s.target.parent for s in staged}):
-        mutating_step()
-        fsync_path(folder)
+    if durable:
+        for folder in sorted({s.target.parent for s in staged}):
+            mutating_step()
+            fsync_path(folder)
 
 
 def remove_dead_temporaries(folder: Path) -> int:
@@ -286,7 +293,8 @@ def remove_dead_temporaries(folder: Path) -> int:
 
 
 def write_outputs(
-    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: Progress | None = None
+    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: Progress | None = None,
+    durable: bool = False,
 ) -> CheckoutResult:
     result = CheckoutResult()
     todo: list[tuple[Path, Output]] = []
@@ -314,7 +322,7 @@ def write_outputs(
     try:
         for folder in sorted({target.parent for target, _ in todo}):
             remove_dead_temporaries(folder)
-        _write_all(store, todo, progress)
+        _write_all(store, todo, progress, durable)
         for _, output in todo:
             result.written.append(output.path)
             result.bytes_written += output.size
@@ -329,12 +337,12 @@ def total_size(outputs: list[Output]) -> int:
 
 def write_with_progress(
     store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: ProgressFactory | None,
-    desc: str = "checkout",
+    desc: str = "checkout", durable: bool = False,
 ) -> CheckoutResult:
     """``write_outputs`` with a progress bar over the bytes to write (when a factory is given)."""
     bar = progress(total_size(outputs), desc) if progress else None
     try:
-        return write_outputs(store, outputs, out_dir, force, bar.update if bar else None)
+        return write_outputs(store, outputs, out_dir, force, bar.update if bar else None, durable)
     finally:
         if bar:
             bar.close()
