@@ -71,6 +71,7 @@ def commit_sources(
     progress: ProgressFactory | None = None, state: StateFiles | None = None, base: BaseRef | None = None,
 ) -> ObjectId:
     """Store ``sources`` and record them as one commit; return its id."""
+    origin = provenance.start()
     with writing(ctx):
         # Read under the base's lock: a base gc that ran before it has deleted it or kept it.
         base_commit = _base_commit(ctx, base) if base is not None else None
@@ -100,7 +101,7 @@ def commit_sources(
                 bar.close()
         if base_commit is not None:
             files = merge_files(base_commit, files)
-        return record_commit(ctx, files, added, request, state, base, stats_parent=tip)
+        return record_commit(ctx, files, added, request, state, base, stats_parent=tip, origin=origin)
 
 
 def without_change(files: Sequence[FileEntry]) -> list[FileEntry]:
@@ -124,16 +125,17 @@ def _reflog_reason(parent: str | None, message: str) -> str:
 def record_commit(
     ctx: RepoContext, files: Sequence[FileEntry], added: int, request: CommitRequest,
     state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
-    stats_parent: str | None = None,
+    stats_parent: str | None = None, origin: provenance.Pending | None = None,
 ) -> ObjectId:
     """Write the manifest and move the request's branch to it (objects must be stored already).
 
-    ``stats_parent``: the commit the tensors' recorded relative change was measured against.
+    ``stats_parent``: the commit the tensors' recorded relative change was measured against;
+    ``origin``: the provenance, collected meanwhile (``provenance.start``).
     """
     branch = request.on_branch(ctx).branch
     assert branch is not None  # on_branch decided it
     ref = HEADS + branch
-    origin = provenance.collect()  # runs git: once, not on every retry
+    recorded = origin.result() if origin is not None else provenance.collect()  # runs git: once, not per retry
     for _ in range(MAX_CAS_ATTEMPTS):
         current = ctx.refs.read(ref)
         parent = current or request.start  # a new branch starts at ``start`` (git's checkout -b)
@@ -141,7 +143,7 @@ def record_commit(
             files = without_change(files)
         commit = Commit(
             parents=(parent,) if parent else (), time=_now(), message=request.message, branch=branch,
-            files=tuple(files), metadata=request.metadata, provenance=origin,
+            files=tuple(files), metadata=request.metadata, provenance=recorded,
             logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
             dcp=dcp,
         )
