@@ -76,6 +76,40 @@ def test_change_is_recorded_when_free_and_computed_like_diff_otherwise(two_commi
     assert figures["frozen"].change == 0.0
 
 
+def test_an_unchanged_tensor_takes_its_parents_figures_without_computing_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen tensor costs a commit its hashing only: its figures are the parent's. A tensor
+    where only some chunks changed gets its figures from every chunk, unchanged ones included."""
+    import ckstore.write.ingest as ingest
+    from ckstore.format.ids import chunk_id
+
+    repo = Repo.init(tmp_path / "r", chunk_size=4096)
+    g = torch.Generator().manual_seed(5)
+    first = {"frozen": torch.randn(4000, generator=g), "mixed": torch.randn(5000, generator=g)}
+    save_st(tmp_path / "ck" / "model.safetensors", first)
+    repo.commit([tmp_path / "ck"])
+    second = {"frozen": first["frozen"], "mixed": first["mixed"].clone()}
+    second["mixed"][-100:] *= 3.0  # the last chunk changes
+    save_st(tmp_path / "ck" / "model.safetensors", second)
+    computed: list[str] = []
+    real = ingest.chunk_stats
+
+    def counting(data, dtype, same_as_parent=False):  # type: ignore[no-untyped-def]
+        computed.append(chunk_id(data))
+        return real(data, dtype, same_as_parent=same_as_parent)
+
+    monkeypatch.setattr(ingest, "chunk_stats", counting)
+    repo.commit([tmp_path / "ck"])
+    before, after = _tensors(repo, "HEAD~1"), _tensors(repo, "HEAD")
+    assert not {c.id for c in after["frozen"].chunks} & set(computed)
+    assert after["frozen"].stats == replace(before["frozen"].stats, change=0.0)
+    mixed = second["mixed"].double()
+    assert after["mixed"].stats.l2 == pytest.approx(float(mixed.norm()), rel=1e-6)
+    assert after["mixed"].stats.absmax == pytest.approx(float(mixed.abs().max()), rel=1e-12)
+    assert after["mixed"].stats.change is None  # its changed chunk's difference needs the parent's bytes
+
+
 def test_non_finite_values_are_counted_and_norms_stay_finite(tmp_path: Path) -> None:
     repo = Repo.init(tmp_path / ".ckstore")
     values = torch.tensor([3.0, float("nan"), 4.0, float("inf"), -float("inf")])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -64,7 +64,12 @@ class TensorStats:
 
 @dataclass
 class StatsAccumulator:
-    """Partial sums for one tensor, fed one chunk at a time (``ChunkStats`` of each chunk)."""
+    """Partial sums for one tensor, fed one chunk at a time (``ChunkStats`` of each chunk).
+
+    A chunk that is the parent's chunk at the same index may be left out (``skip``): a tensor
+    whose chunks were all left out has its parent's figures (``result``); where only some were,
+    the caller adds their figures before asking (``skipped`` names them).
+    """
 
     sum_sq: float = 0.0
     absmax: float = 0.0
@@ -72,8 +77,16 @@ class StatsAccumulator:
     diff_sq: float = 0.0
     parent_sq: float = 0.0
     comparable: bool = True  # every chunk's difference from the parent's is known
+    counted: int = 0  # chunks added
+    skipped: list[tuple[str, int]] = field(default_factory=list)  # (id, length) of chunks left out
+    parent: TensorStats | None = None  # the parent's figures, when chunks were left out
+
+    def skip(self, chunk_id: str, length: int, parent: TensorStats) -> None:
+        self.skipped.append((chunk_id, length))
+        self.parent = parent
 
     def add(self, chunk: ChunkStats) -> None:
+        self.counted += 1
         self.sum_sq += chunk.sum_sq
         self.absmax = max(self.absmax, chunk.absmax)
         self.nonfinite += chunk.nonfinite
@@ -84,6 +97,11 @@ class StatsAccumulator:
             self.parent_sq += chunk.parent_sq
 
     def result(self) -> TensorStats:
+        if self.skipped and not self.counted and self.parent is not None:
+            # Every chunk is the parent's: its figures, and no change (a sum that overflowed has
+            # no finite relative change, as relative_change says).
+            return replace(self.parent, change=0.0 if self.parent.l2 is not None else None)
+        assert not self.skipped, "figures of the skipped chunks must be added first"
         return TensorStats(math.sqrt(self.sum_sq), self.absmax, self.nonfinite,
                            relative_change(self.diff_sq, self.parent_sq) if self.comparable else None)
 

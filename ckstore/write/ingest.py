@@ -27,7 +27,9 @@ from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry, check_rela
 from ckstore.write.pipeline import grouped, ordered_map
 from ckstore.format.positions import HEADER, ChunkIndex, Position, chunk_at, element_width
 from ckstore.format.safetensors import SafetensorsLayout, header_length, parse_header
-from ckstore.format.tensor_stats import NUMERIC_DTYPES, ChunkStats, StatsAccumulator, chunk_stats, item_size
+from ckstore.format.tensor_stats import (
+    NUMERIC_DTYPES, ChunkStats, StatsAccumulator, TensorStats, chunk_stats, item_size,
+)
 from ckstore.repository.store import ObjectStore, PutResult
 
 Progress = Callable[[int], None]
@@ -229,13 +231,33 @@ def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
     return element_width(tensor.dtype), (plan.source.path, tensor.name)
 
 
+@dataclass(frozen=True)
+class _ParentFigures:
+    """A chunk that is the parent's chunk at its index, whose tensor entry has its figures: they
+    are not computed again (a frozen tensor costs its hashing only)."""
+
+    parent: TensorStats
+
+
 def _tensor_stats(piece: bytes | memoryview, dtype: str, previous: TensorEntry | None, c_index: int,
-                  chunk_id: str) -> ChunkStats | None:
+                  chunk_id: str) -> ChunkStats | _ParentFigures | None:
     """One chunk's statistics, computed where its bytes already are (a pipeline worker)."""
     if len(piece) % item_size(dtype):
         return None  # a chunk size that splits elements: left to the on-demand path
     same = previous is not None and c_index < len(previous.chunks) and previous.chunks[c_index].id == chunk_id
+    if same and previous is not None and previous.stats is not None:
+        return _ParentFigures(previous.stats)
     return chunk_stats(piece, dtype, same_as_parent=same)
+
+
+def _finish(store: ObjectStore, accumulator: StatsAccumulator, dtype: str) -> TensorStats:
+    """A tensor's figures; the chunks left to the parent's figures are read back where only some
+    of the tensor's were (the rest changed, so the parent's tensor figures do not apply)."""
+    if accumulator.skipped and accumulator.counted:
+        for chunk_id, length in accumulator.skipped:
+            accumulator.add(chunk_stats(store.get_chunk(chunk_id, length), dtype, same_as_parent=True))
+        accumulator.skipped.clear()
+    return accumulator.result()
 
 
 def _import_numpy_meanwhile() -> None:
@@ -290,7 +312,7 @@ def ingest(
     new_files = {p.source.path: [t.name for t in p.layout.tensors] for p in plans if p.layout is not None}
     base_index = ChunkIndex(parent, new_files) if parent is not None else None
 
-    Result = tuple[int, int, int, PutResult, ChunkStats | None]
+    Result = tuple[int, int, int, PutResult, ChunkStats | _ParentFigures | None]
 
     def put(job: tuple[int, int, int, bytes | memoryview]) -> Result:
         p_index, s_index, c_index, piece = job
@@ -323,19 +345,21 @@ def ingest(
             if accumulator is not None:
                 if figures is None:
                     plans[p_index].stats[s_index] = None
+                elif isinstance(figures, _ParentFigures):
+                    accumulator.skip(result.id, length, figures.parent)
                 else:
                     accumulator.add(figures)
             added += result.stored
             if progress:
                 progress(length)
-    return [_entry(plan) for plan in plans], added
+    return [_entry(store, plan) for plan in plans], added
 
 
-def _entry(plan: _Plan) -> FileEntry:
+def _entry(store: ObjectStore, plan: _Plan) -> FileEntry:
     if plan.layout is None:
         return FileEntry(plan.source.path, "blob", plan.source.size, chunks=tuple(plan.segments[0]))
     tensors = tuple(
-        TensorEntry(t.name, t.dtype, tuple(t.shape), tuple(chunks), figures.result() if figures else None)
+        TensorEntry(t.name, t.dtype, tuple(t.shape), tuple(chunks), _finish(store, figures, t.dtype) if figures else None)
         for t, chunks, figures in zip(plan.layout.tensors, plan.segments[1:], plan.stats[1:])
     )
     return FileEntry(plan.source.path, "safetensors", plan.source.size, header=tuple(plan.segments[0]), tensors=tensors)
