@@ -158,8 +158,13 @@ def main() -> None:
         for path in ("api", "cli"):
             without, with_, cpu_without, cpu_with = (statistics.median(samples[f"{path}-{k}"])
                                                      for k in ("without", "with", "without-cpu", "with-cpu"))
+            spread = {k: (min(samples[f"{path}-{k}"]), max(samples[f"{path}-{k}"])) for k in ("without", "with")}
+            # Paired: each repetition ran both, one right after the other.
+            paired = sorted(w - o for w, o in zip(samples[f"{path}-with"], samples[f"{path}-without"]))
             rows.append(f"| {dtype} MiniLM, {size:.0f} MB | {'`ckstore commit`' if path == 'cli' else '`Repo.commit`'} "
-                        f"| {without:.3f} | {with_:.3f} | **{with_ / without:.2f}×** "
+                        f"| {without:.3f} ({spread['without'][0]:.2f}–{spread['without'][1]:.2f}) "
+                        f"| {with_:.3f} ({spread['with'][0]:.2f}–{spread['with'][1]:.2f}) | **{with_ / without:.2f}×** "
+                        f"| {' '.join(f'{d:+.2f}' for d in paired)} "
                         f"| {cpu_without:.3f} | {cpu_with:.3f} | **{cpu_with / cpu_without:.2f}×** "
                         f"| {before} → {after} |")
             print(rows[-1], flush=True)
@@ -170,16 +175,20 @@ def main() -> None:
         " epochs (model + AdamW state, scripts/bench_data.py); seconds per commit of epochs 2.."
         f"{args.epochs} (epoch 1 has no parent), median of {args.runs} interleaved repetitions; \"without\" is"
         " the same code with ingest's `stats` argument dropped (the commit of before); the CLI row times the"
-        " whole `ckstore commit` process (start-up included). Compaction is off on both sides: it runs after the"
+        " whole `ckstore commit` process (start-up included; bytecode cached, as an installed package has it:"
+        " scripts/bench_env.py). Compaction is off on both sides: it runs after the"
         " commit is durable and does not change what the next commit computes."
         " Statistics are computed on the worker that hashes each chunk, in 64K-element blocks (float32 sums"
-        " added in float64; bf16 and float16 widened into a reused per-thread buffer, bf16's largest magnitude"
-        " read from its sign-cleared bit patterns: format/tensor_stats.py). Recording the relative change of"
+        " added in float64; bf16 read two elements per 32-bit word, its largest magnitude from the"
+        " sign-cleared bit patterns: format/tensor_stats.py); a tensor whose chunks are all its parent's"
+        " takes the parent's figures; the CLI imports numpy on a thread while the first chunks are hashed."
+        " Recording the relative change of"
         " changed tensors too would need the parent's chunks, so commit records the change only for unchanged"
         " tensors (0) and readers compute the rest (history/magnitude.py).",
         "",
-        "| state | path | wall without stats (s) | wall with (s) | ratio | CPU without (s) | CPU with (s) | ratio | load |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| state | path | wall without stats s (min–max) | wall with s (min–max) | ratio | paired differences, with − without (s, sorted) "
+        "| CPU without (s) | CPU with (s) | ratio | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])
     print(body)
