@@ -60,10 +60,11 @@ _CLI_WITHOUT = (_NO_COMPACTION + "import sys\n"
                 "    k.pop('stats', None)\n"
                 "    return real(*a, **k)\n"
                 "c.ingest = ingest\n"
-                "from ckstore.cli import main\n"
+                "from ckstore.cli import run\n"
                 "sys.argv[0] = 'ckstore'\n"
-                "main()\n")
-_CLI_WITH = _NO_COMPACTION + "import sys\nimport ckstore.write.commit\nfrom ckstore.cli import main\nsys.argv[0] = 'ckstore'\nmain()\n"
+                "run()\n")
+# run(): what the ckstore command's entry point calls.
+_CLI_WITH = _NO_COMPACTION + "import sys\nimport ckstore.write.commit\nfrom ckstore.cli import run\nsys.argv[0] = 'ckstore'\nrun()\n"
 
 
 def _without_stats(*args: Any, **kwargs: Any) -> Any:

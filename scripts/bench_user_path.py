@@ -66,9 +66,9 @@ _PEAK = ("import atexit, sys\n"
          "        if line.startswith('VmHWM:'):\n"
          "            sys.stderr.write('\\nPEAK ' + line.split()[1] + '\\n')\n"
          "atexit.register(peak)\n"
-         "from ckstore.cli import main\n"
+         "from ckstore.cli import run\n"  # what the ckstore command's entry point calls
          "sys.argv[0] = 'ckstore'\n"
-         "main()\n")
+         "run()\n")
 CKSTORE = [sys.executable, "-c", _PEAK]
 CLI_ENV: dict[str, str] | None = None  # main sets it: bytecode compiled, as installed (bench_env.py)
 
