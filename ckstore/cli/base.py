@@ -338,7 +338,10 @@ def run() -> None:
     # The command is over: everything it wrote is flushed, closed or durable, and its background
     # work waited for (pass_repo) or detached. Tearing down the interpreter (every module and
     # object freed one by one) would add 0.05-0.1 s to every command, a tenth of a small commit;
-    # the exit hooks others registered (coverage, profilers, a wrapper's report) still run.
+    # the exit hooks others registered (a wrapper's report) still run. Under a profiler or a
+    # tracer (cProfile, coverage), which report after the program returns, it exits as usual.
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
     atexit._run_exitfuncs()
     try:
         sys.stdout.flush()
