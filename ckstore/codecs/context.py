@@ -117,7 +117,7 @@ def sorted_plane(residual: np.ndarray, base: bytes | memoryview, width: int) -> 
         if kernels is None:
             return residual.reshape(-1, width)[:, plane][_order(residual, base_bytes, width, plane)]
         out = np.empty(residual.size // width, np.uint8)
-        kernels.sort_plane(residual, exponents, width, plane, keys, out)
+        kernels.sort_plane(residual, residual.view(f"<u{width}"), exponents, width, plane, keys, out)
         return out
     return plane_of
 
@@ -135,10 +135,10 @@ def unsort_planes(stored: dict[int, np.ndarray], base: bytes | memoryview, width
     kernels = _kernels()
     if kernels is not None and stored:
         exponents, keys = _exponents(kernels, base_bytes, width)
-    elements = out.reshape(-1, width)
+    elements, words = out.reshape(-1, width), out.view(f"<u{width}")
     for plane in sorted(stored, reverse=True):  # each plane's key needs the plane above it
         if kernels is not None:
-            kernels.unsort_plane(stored[plane], exponents, width, plane, keys, out)
+            kernels.unsort_plane(stored[plane], exponents, width, plane, keys, out, words)
         else:
             elements[_order(out, base_bytes, width, plane), plane] = stored[plane]
     return out
