@@ -1,7 +1,7 @@
 """Compiled counting sorts of the context-sorted delta (context.py explains the encoding).
 
-Imported only when a chunk of that encoding is encoded or decoded (it imports numba), and only
-where numba is installed; context.py falls back to numpy's stable argsort otherwise. The kernels
+Imported by an encoder of that encoding, and by a decoder once it has un-sorted enough with numpy
+to pay for numba's set-up (context.py), and only where numba is installed. The kernels
 are cached on disk (``cache=True``: later processes load the machine code instead of compiling
 it) and release the GIL (checkout decodes chunks on several threads at once).
 
