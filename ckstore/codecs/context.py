@@ -20,9 +20,9 @@ encoding, the same permutation comes from numpy: one SIMD sort of key * 2^b + el
 (identical bytes, about 5x the kernels' CPU a plane). Why not numba always: its first use in a
 process costs about 1.2 s of CPU (its import, its compiler's set-up, loading the cached
 kernels), more than numpy's extra cost over a whole checkout of a few hundred MB. So a decoder
-starts with numpy and switches to the kernels once the planes it un-sorted would have paid for
-that set-up (``NUMPY_DECODE_ELEMENTS``: never more than about twice the CPU of the better choice
-in hindsight); an encoder (repack, a long job) uses them from the start.
+starts with numpy and switches to the kernels once it has un-sorted ``NUMPY_DECODE_ELEMENTS``
+(a short read never pays numba's set-up; a long one loses little to numpy first); an encoder (repack, a long job) uses them from
+the start.
 """
 
 from __future__ import annotations
@@ -75,10 +75,14 @@ def _kernels() -> Any:
     return _KERNELS[0]
 
 
-# Elements a process un-sorts with numpy before it loads the kernels: numba's first use (1.0-1.3 s
-# of CPU in a fresh process, load 7) over numpy's extra cost (17 against 3 ns an element, load
-# 8-10). docs/benchmarks.md, issue 24.
-NUMPY_DECODE_ELEMENTS = 80_000_000
+# Elements a process un-sorts with numpy before it loads the kernels. numba's first use costs
+# 1.0-1.3 s of CPU (fresh process, load 7); numpy costs 17 ns an element against the kernels' 3
+# (one thread, load 8-10), so break-even is ~80 M elements, but with that budget a fresh
+# `ckstore checkout` of an fp32 commit three deltas back (271 MB, 104 M elements un-sorted) took
+# 7.9-10.5 s of CPU against 5.8 for numba from the start (load 13: numpy's sorts on parallel
+# threads of a loaded machine cost far more). 16 M bounds what a large read loses to ~0.3 s and
+# keeps reads of a few tens of MB of an old commit free of numba. docs/benchmarks.md, issue 24.
+NUMPY_DECODE_ELEMENTS = 16_000_000
 _NUMPY_DECODED = [0]  # elements un-sorted with numpy so far (a lost update between threads only delays the switch)
 
 
