@@ -19,10 +19,10 @@ its stable argsort made checkout 3 epochs back fall to 37-53 MB/s per core, belo
 encoding, the same permutation comes from numpy: one SIMD sort of key * 2^b + element index
 (identical bytes, about 5x the kernels' CPU a plane). Why not numba always: its first use in a
 process costs about 1.2 s of CPU (its import, its compiler's set-up, loading the cached
-kernels), more than numpy's extra cost over a whole checkout of a few hundred MB. So a decoder
-starts with numpy and switches to the kernels once it has un-sorted ``NUMPY_DECODE_ELEMENTS``
-(a short read never pays numba's set-up; a long one loses little to numpy first); an encoder (repack, a long job) uses them from
-the start.
+kernels), more than a read of a few old tensors costs in all. So a decoder starts with numpy and
+switches to the kernels once it has un-sorted ``NUMPY_DECODE_ELEMENTS`` (a short read never pays
+numba's set-up; a long one loses little to numpy first); an encoder (repack, a long job) uses
+them from the start.
 """
 
 from __future__ import annotations
