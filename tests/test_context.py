@@ -214,7 +214,8 @@ def test_a_short_read_decodes_with_numpy_and_never_loads_numba(tmp_path: Path) -
         "out = decode(d, Kind.CHUNK, 1 << 28, len(r), lambda oid, n: b)\n"
         "print(out == r, 'numba' in sys.modules)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(context.__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    tree = str(Path(context.__file__).parents[2])  # this checkout's ckstore, not another install
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.split() == ["True", "False"]
 
