@@ -28,7 +28,8 @@ epoch's byte alone), or the plane coded whole when that is smaller. ckstore's fi
 compaction. Also printed: compaction of an epoch (mean of epochs 2-4, worst naming) against
 ``save_file`` + fsync of it, and checkout of epoch 1 (the newest is whole, so epoch 1's chunks
 that changed are three deltas deep) as MB of files per CPU-second of the process (all its
-threads: MB/s per core) and per wall second, median of 3, with the 1-minute load average.
+threads: MB/s per core) and per wall second, median of 3, with the 1-minute load average: after
+compaction (plain deltas) and after repack (which alone writes context-sorted deltas).
 
     python scripts/bench_residuals.py [--runs bf16 fp32_frozen] [--steps 25 60] [--level19]
 """
@@ -166,13 +167,16 @@ def checkout_rates(repo: Repo, commit: str, out: Path, size: int, repeats: int =
     return size / 1e6 / statistics.median(cpu), size / 1e6 / statistics.median(wall), os.getloadavg()[0]
 
 
-def ckstore_stored(dirs: list[Path], work: Path) -> tuple[dict[str, int], float, tuple[float, float, float]]:
+Rates = tuple[float, float, float]
+
+
+def ckstore_stored(dirs: list[Path], work: Path) -> tuple[dict[str, int], float, Rates, Rates]:
     """Stored bytes over the epochs by naming; compaction of an epoch / save_file + fsync (worst
-    naming, means of epochs 2 to 4); checkout of the oldest epoch (3 links behind the newest):
-    ``checkout_rates``."""
+    naming, means of epochs 2 to 4); checkout of the oldest epoch (3 links behind the newest),
+    ``checkout_rates``, after compaction (plain deltas) and after repack (context-sorted ones)."""
     stored: dict[str, int] = {}
     compaction: dict[str, float] = {}
-    checkout = (0.0, 0.0, 0.0)
+    plain = checkout = (0.0, 0.0, 0.0)
     for layout, name in LAYOUTS.items():
         folders = stage(dirs, work / "staged", name)
         shutil.rmtree(work / "repo", ignore_errors=True)
@@ -183,11 +187,13 @@ def ckstore_stored(dirs: list[Path], work: Path) -> tuple[dict[str, int], float,
             waits.append(timed(repo.wait, settle=False))
         stored[layout] = repo.stats().stored_bytes
         compaction[layout] = statistics.mean(waits[1:])
+        size = sum((dirs[0] / f).stat().st_size for f in FILES)
+        if layout == "one name":  # three links of plain deltas (compaction writes no context-sorted ones)
+            plain = checkout_rates(repo, repo.log()[-1].id, work / "out", size)
         # Context-sorted deltas are written by repack only (compaction stays cheap beside training).
         repo.repack()
         stored[f"{layout}, repacked"] = repo.stats().stored_bytes
         if layout == "one name":  # decoding three links of repacked deltas, context-sorted ones included
-            size = sum((dirs[0] / f).stat().st_size for f in FILES)
             checkout = checkout_rates(repo, repo.log()[-1].id, work / "out", size)
     shutil.rmtree(work / "repo", ignore_errors=True)
     repo = Repo.init(work / "repo")
@@ -208,7 +214,7 @@ def ckstore_stored(dirs: list[Path], work: Path) -> tuple[dict[str, int], float,
         saves.append(timed(save))
     stored["state"] = repo.stats().stored_bytes
     shutil.rmtree(work, ignore_errors=True)
-    return stored, max(compaction.values()) / statistics.mean(saves[1:]), checkout
+    return stored, max(compaction.values()) / statistics.mean(saves[1:]), plain, checkout
 
 
 def kind_of(name: str) -> str:
@@ -246,8 +252,9 @@ def main() -> None:
     print("| steps/epoch | run | raw MB | ZipNN MB | best zstd per tensor / ZipNN | best of zstd and order-0 "
           "entropy per plane / ZipNN | epochs 1 / 2 / 3 / 4 MB | weights / exp_avg / exp_avg_sq MB | "
           "conditional-entropy limit / ZipNN | ckstore one name / epoch names / state / ZipNN (after repack) | "
-          "compaction / save_file + fsync | checkout of epoch 1: MB/s per core / wall (load) | target |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "compaction / save_file + fsync | checkout of epoch 1 after compaction: MB/s per core / wall (load) | "
+          "after repack | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for run in args.runs:
             dirs = cached_checkpoints(args.work / "checkpoints", steps=steps).get(run)
@@ -259,7 +266,7 @@ def main() -> None:
             t = measure(dirs, args.level19)
             compressors = [zstandard.ZstdCompressor(level=3)] + ([zstandard.ZstdCompressor(level=19)] if args.level19 else [])
             limit = conditional_limit(dirs, compressors)
-            stored, compaction, (per_core, per_wall, load) = ckstore_stored(dirs, Path(tempfile.mkdtemp(prefix="ckstore-residuals-", dir=args.work)))
+            stored, compaction, plain, (per_core, per_wall, load) = ckstore_stored(dirs, Path(tempfile.mkdtemp(prefix="ckstore-residuals-", dir=args.work)))
             zipnn, _ = zipnn_files(dirs, "bfloat16" if run == "bf16" else "float32")
             mb = 1e6
             epochs = " / ".join(f"{t[f'epoch {n}'] / mb:.0f}" for n in range(1, len(dirs) + 1))
@@ -268,7 +275,7 @@ def main() -> None:
                               else f"{stored[k] / zipnn:.3f}" for k in ("one name", "epoch names", "state"))
             print(f"| {steps} | {run} | {t['raw'] / mb:.0f} | {zipnn / mb:.0f} | {t['zstd'] / zipnn:.3f} | "
                   f"{t['best'] / zipnn:.3f} | {epochs} | {kinds} | {limit / zipnn:.3f} | {ours} | {compaction:.2f}x | "
-                  f"{per_core:.0f} / {per_wall:.0f} ({load:.1f}) | "
+                  f"{plain[0]:.0f} / {plain[1]:.0f} ({plain[2]:.1f}) | {per_core:.0f} / {per_wall:.0f} ({load:.1f}) | "
                   f"≤ {TARGETS[run]:.2f} |", flush=True)
             print(f"({run}, {steps} steps: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
 

@@ -6,7 +6,11 @@ hostile bodies refused; only compaction and repack may write it."""
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,6 +198,43 @@ def test_context_is_smaller_than_a_plain_delta_where_the_exponent_tells(kernels:
     assert _decode(sorted_, base) == raw
     # Only planes whose sorted form saves at least SORT_GAIN bytes an element are sorted.
     assert 0 < len(_sorted_planes(sorted_)) <= width
+
+
+def test_a_short_read_decodes_with_numpy_and_never_loads_numba(tmp_path: Path) -> None:
+    """numba's first use in a process costs about a second of CPU (its import and compiler set-up),
+    more than a read of a few old chunks takes: such a process decodes them with numpy."""
+    raw, base = _adam_like(np.float32, 1 << 16, 3)
+    data = encode_chunk(raw, 1, 4, BASE_ID, base, allowed=ONLY_CONTEXT)
+    assert _sorted_planes(data)
+    for name, content in [("chunk", data), ("base", base), ("raw", raw)]:
+        (tmp_path / name).write_bytes(content)
+    script = (
+        "import sys; from pathlib import Path; from ckstore.codecs.objects import Kind, decode\n"
+        f"d, b, r = (Path({str(tmp_path)!r}, n).read_bytes() for n in ('chunk', 'base', 'raw'))\n"
+        "out = decode(d, Kind.CHUNK, 1 << 28, len(r), lambda oid, n: b)\n"
+        "print(out == r, 'numba' in sys.modules)\n"
+    )
+    tree = str(Path(context.__file__).parents[2])  # this checkout's ckstore, not another install
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == ["True", "False"]
+
+
+def test_a_long_decode_switches_to_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a process has un-sorted as many elements with numpy as numba's set-up is worth, it
+    loads the kernels (and later chunks decode with them, to the same bytes)."""
+    raw, base = _adam_like(np.float32, 1 << 12, 5)
+    data = encode_chunk(raw, 1, 4, BASE_ID, base, allowed=ONLY_CONTEXT)
+    planes = len(_sorted_planes(data))
+    assert planes
+    monkeypatch.setattr(context, "_KERNELS", [])  # a process that has not loaded them
+    monkeypatch.setattr(context, "_NUMPY_DECODED", [0])
+    monkeypatch.setattr(context, "NUMPY_DECODE_ELEMENTS", 2 * planes * (1 << 12))
+    for _ in range(2):
+        assert _decode(data, base) == raw
+        assert context._KERNELS == []
+    assert _decode(data, base) == raw
+    assert context._KERNELS and context._KERNELS[0] is not None
 
 
 def test_a_plane_is_sorted_only_where_that_pays() -> None:

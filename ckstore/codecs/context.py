@@ -13,11 +13,16 @@ what it already has and scatters the plane back. objects.py decides per plane wh
 pays (``SORT_GAIN``); this module only permutes.
 
 The sort and the scatter are counting sorts (a histogram of the 1,024 keys, its running sum, one
-pass placing each byte), compiled with numba where it is installed: numpy has no way to place
-elements of equal key in order without a full stable argsort, which made checkout 3 epochs back
-fall to 37-53 MB/s per core, below the 100 target (docs/benchmarks.md, issue 24). numba is imported on the first encode or decode of this encoding
-only, so commands that never meet one do not pay its import; without numba the same permutation
-is computed with numpy's stable argsort (slower, identical bytes).
+pass placing each byte), compiled with numba (context_kernels.py): numpy has no counting sort, and
+its stable argsort made checkout 3 epochs back fall to 37-53 MB/s per core, below the 100 target
+(docs/benchmarks.md, issue 24). Without numba, and in a process that has decoded little of this
+encoding, the same permutation comes from numpy: one SIMD sort of key * 2^b + element index
+(identical bytes, about 5x the kernels' CPU a plane). Why not numba always: its first use in a
+process costs about 1.2 s of CPU (its import, its compiler's set-up, loading the cached
+kernels), more than a read of a few old tensors costs in all. So a decoder starts with numpy and
+switches to the kernels once it has un-sorted ``NUMPY_DECODE_ELEMENTS`` (a short read never pays
+numba's set-up; a long one loses little to numpy first); an encoder (repack, a long job) uses
+them from the start.
 """
 
 from __future__ import annotations
@@ -70,12 +75,50 @@ def _kernels() -> Any:
     return _KERNELS[0]
 
 
-def _order(residual: np.ndarray, base: np.ndarray, width: int, plane: int) -> np.ndarray:
-    """The numpy fallback: element indices in ascending key order, ties in element order."""
+# Elements a process un-sorts with numpy before it loads the kernels. numba's first use costs
+# 1.0-1.3 s of CPU (fresh process, load 7); numpy costs 17 ns an element against the kernels' 3
+# (one thread, load 8-10), so break-even is ~80 M elements, but with that budget a fresh
+# `ckstore checkout` of an fp32 commit three deltas back (271 MB, 104 M elements un-sorted) took
+# 7.9-10.5 s of CPU against 5.8 for numba from the start (load 13: numpy's sorts on parallel
+# threads of a loaded machine cost far more). 16 M bounds what a large read loses to ~0.3 s and
+# keeps reads of a few tens of MB of an old commit free of numba. docs/benchmarks.md, issue 24.
+NUMPY_DECODE_ELEMENTS = 16_000_000
+_NUMPY_DECODED = [0]  # elements un-sorted with numpy so far (a lost update between threads only delays the switch)
+
+
+def _decode_kernels(elements: int) -> Any:
+    """The kernels to un-sort ``elements`` elements (all planes of a chunk), or None to use numpy: the kernels
+    once loaded (by an encode, a test, or this rule) or once this process has un-sorted
+    ``NUMPY_DECODE_ELEMENTS`` with numpy."""
+    if _KERNELS:
+        return _KERNELS[0]
+    if _NUMPY_DECODED[0] < NUMPY_DECODE_ELEMENTS:
+        _NUMPY_DECODED[0] += elements
+        return None
+    return _kernels()
+
+
+def _order(keys: np.ndarray) -> np.ndarray:
+    """Element indices in ascending key order, ties in element order: one sort of key * 2^b +
+    index, whose values are unique, so any sort is stable. numpy sorts 32-bit integers with
+    SIMD (x86-simd-sort): 2.4-2.8 ms a 256 Ki-element plane against 9.6 for its stable argsort."""
     import numpy as np
+    n = keys.size
+    bits = max(n - 1, 1).bit_length()
+    dtype = np.uint32 if bits + (KEYS - 1).bit_length() <= 32 else np.uint64
+    packed = keys.astype(dtype)
+    np.left_shift(packed, bits, out=packed)
+    np.bitwise_or(packed, np.arange(n, dtype=dtype), out=packed)
+    packed.sort()
+    np.bitwise_and(packed, (1 << bits) - 1, out=packed)
+    return packed
+
+
+def _numpy_order(residual: np.ndarray, base: np.ndarray, width: int, plane: int) -> np.ndarray:
+    """The permutation of one plane without the kernels (``sort_key``, ``_order``)."""
     elements = residual.reshape(-1, width)
     higher = elements[:, plane + 1] if plane < width - 1 else None
-    return np.argsort(sort_key(base, width, higher), kind="stable")
+    return _order(sort_key(base, width, higher))
 
 
 _LOCAL = threading.local()
@@ -115,9 +158,9 @@ def sorted_plane(residual: np.ndarray, base: bytes | memoryview, width: int) -> 
 
     def plane_of(plane: int) -> np.ndarray:
         if kernels is None:
-            return residual.reshape(-1, width)[:, plane][_order(residual, base_bytes, width, plane)]
+            return residual.reshape(-1, width)[:, plane][_numpy_order(residual, base_bytes, width, plane)]
         out = np.empty(residual.size // width, np.uint8)
-        kernels.sort_plane(residual, exponents, width, plane, keys, out)
+        kernels.sort_plane(residual, residual.view(f"<u{width}"), exponents, width, plane, keys, out)
         return out
     return plane_of
 
@@ -132,13 +175,13 @@ def unsort_planes(stored: dict[int, np.ndarray], base: bytes | memoryview, width
     base_bytes = np.frombuffer(base, dtype=np.uint8)
     if base_bytes.size != out.size or any(p.size != base_bytes.size // width for p in stored.values()):
         raise IntegrityError("context-sorted planes and the base differ in length")
-    kernels = _kernels()
-    if kernels is not None and stored:
+    kernels = _decode_kernels(len(stored) * (base_bytes.size // width)) if stored else None
+    if kernels is not None:
         exponents, keys = _exponents(kernels, base_bytes, width)
-    elements = out.reshape(-1, width)
+    elements, words = out.reshape(-1, width), out.view(f"<u{width}")
     for plane in sorted(stored, reverse=True):  # each plane's key needs the plane above it
         if kernels is not None:
-            kernels.unsort_plane(stored[plane], exponents, width, plane, keys, out)
+            kernels.unsort_plane(stored[plane], exponents, width, plane, keys, out, words)
         else:
-            elements[_order(out, base_bytes, width, plane), plane] = stored[plane]
+            elements[_numpy_order(out, base_bytes, width, plane), plane] = stored[plane]
     return out
