@@ -490,7 +490,7 @@ def decode_view(
     into, not copied into bytes: a caller that only hashes or writes it saves a copy of every
     chunk (about as much CPU as interleaving the planes). Such a chunk is decoded into ``out``
     when given (a uint8 array of the raw length the caller reuses: a delta chain's bases), else
-    into a new array.
+    into a new array. A raw chunk, when ``out`` is given, comes back as a view of ``data``.
     """
     header = parse_header(data)
     if header.kind != kind:
@@ -503,7 +503,9 @@ def decode_view(
     if header.encoding == Encoding.RAW:
         if len(body) != header.raw_len:
             raise IntegrityError(f"raw object body is {len(body)} bytes, header says {header.raw_len}")
-        return bytes(body)
+        # A caller that offers ``out`` writes or copies the result on (checkout, load_state):
+        # the body itself, not a copy of it in bytes first (a third of load_state's copies).
+        return body if out is not None else bytes(body)
     if header.encoding == Encoding.ZSTD:
         return _decode_zstd(body, header.raw_len)
     if kind != Kind.CHUNK:
