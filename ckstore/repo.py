@@ -314,6 +314,7 @@ class Repo:
         from ckstore.repository.overlay import resolve_base
         from ckstore.training.state import STATE_TENSORS, STATE_VALUES, state_files
         from ckstore.write.commit import commit_sources, prepare_commit
+        from ckstore.write.pipeline import collection_paused
 
         request = self._start_new_branch(prepare_commit(message, branch, metadata).on_branch(self._ctx), start)
         based = resolve_base(self._ctx, base, base_repo)
@@ -326,7 +327,8 @@ class Repo:
         if background:
             return work.submit_commit(lambda: state_files(state, snapshot=True), write)
         work.wait_commits()
-        return write(state_files(state))  # refuses unencodable values before anything is stored
+        with collection_paused():
+            return write(state_files(state))  # refuses unencodable values before anything is stored
 
     def wait(self) -> None:
         """Wait for background commits and this process's compaction after them; raise the error
@@ -347,8 +349,10 @@ class Repo:
     ) -> object:
         """The state committed at ``ref``, bit-exact; ``only`` filters by key prefix or glob."""
         from ckstore.training.state import load_state
+        from ckstore.write.pipeline import collection_paused
 
-        return load_state(self._ctx.graph, ref, only=only, device=device, lazy=lazy)
+        with collection_paused():
+            return load_state(self._ctx.graph, ref, only=only, device=device, lazy=lazy)
 
     def checkout(
         self, ref: str, out_dir: str | os.PathLike[str], *, force: bool = False,

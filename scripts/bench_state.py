@@ -26,11 +26,13 @@ stored once compaction has run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import time
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -47,6 +49,19 @@ from ckstore.repo import Repo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_epochs import timed, touch  # noqa: E402
 from bench_sections import write_section  # noqa: E402
+
+def read_every_byte(tree: Any) -> int:
+    """Read every byte of every tensor, at memory speed (numpy's uint8 max). bench_epochs.touch's
+    int64 sum of uint8 costs ~12 CPU ms/MiB here, ten times a load_state, so it hid what the
+    loads themselves cost; a lazy or mapped load still pays for its data here."""
+    if isinstance(tree, torch.Tensor):
+        return int(tree.reshape(-1).view(torch.uint8).numpy().max()) if tree.numel() else 0
+    if isinstance(tree, dict):
+        return sum(read_every_byte(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(read_every_byte(v) for v in tree)
+    return 0
+
 
 MATRIX = 1024 * 1024  # params per weight matrix (4 MiB of float32)
 SECTION = "Training state"
@@ -177,14 +192,21 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def worker(op: str, gb: float, folder: Path) -> dict[str, float]:
-    """One operation of the --real-gb part, in this (fresh) process: wall seconds, peak MiB above
-    what the process held before it (a load's own result not counted)."""
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+def worker(op: str, gb: float, folder: Path, repo_name: str = "repo") -> dict[str, float]:
+    """One operation of the --real-gb part, in this (fresh) process: wall and CPU seconds, peak
+    MiB above what the process held before it (a load's own result not counted)."""
     state = real_state(gb) if op in ("save", "commit") else None
-    repo = Repo(folder / "repo") if op == "load_ck" else None
+    repo = Repo(folder / repo_name) if op == "load_ck" else None
     os.sync()
+    gc.collect()  # what building the state left to collect is not the operation's to pay
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     base = _rss_mib()
+    cpu = _cpu_seconds()
     started = time.perf_counter()
     result: Any = None
     if op == "save":
@@ -192,16 +214,17 @@ def worker(op: str, gb: float, folder: Path) -> dict[str, float]:
         save_st({f"{k}.{n}": t for k, tensors in state.items() if isinstance(tensors, dict) for n, t in tensors.items()},
                 folder / "state.safetensors")
     elif op == "commit":
-        repo = Repo.init(folder / "repo")
+        repo = Repo.init(folder / repo_name)
         repo.commit_state(state, metadata={"epoch": 4})
     elif op == "load_st":
         result = load_file(str(folder / "state.safetensors"))
-        touch(result)
+        read_every_byte(result)
     else:
         assert repo is not None
         result = repo.load_state("HEAD")
-        touch(result)
+        read_every_byte(result)
     wall = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu
     own = 0.0
     if result is not None:
         tensors = result.values() if op == "load_st" else [t for part in ("model", "optimizer") for t in result[part].values()]
@@ -211,45 +234,68 @@ def worker(op: str, gb: float, folder: Path) -> dict[str, float]:
         assert repo is not None
         repo.wait()  # compaction, untimed: load_state reads what compaction leaves
     nbytes = sum(t.numel() * t.element_size() for part in ("model", "optimizer") for t in state[part].values()) if state else 0
-    return {"wall": wall, "peak_mib": peak, "bytes": nbytes}
+    return {"wall": wall, "cpu": cpu, "peak_mib": peak, "bytes": nbytes}
 
 
-def bench_real(gb: float, reps: int, root: Path) -> dict[str, Any]:
+def _run_worker(op: str, gb: float, folder: Path, tree: str | None, label: str) -> dict[str, float]:
+    """``worker`` in a fresh process; with ``tree``, ckstore is imported from that checkout (the
+    main branch's and this one's alternate within each repetition, so both see the same load)."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    out = subprocess.run([sys.executable, __file__, "--worker", op, "--real-gb", str(gb), "--tmp", str(folder),
+                          "--repo-name", f"repo-{label}"], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def bench_real(gb: float, reps: int, root: Path, trees: list[str | None]) -> dict[str, Any]:
+    """Medians over ``reps`` of each operation; ckstore's columns once per tree (labels t0, t1…)."""
     samples: dict[str, list[float]] = {}
     size = 0
+    labels = [f"t{i}" for i in range(len(trees))]
     for rep in range(reps):
         folder = Path(tempfile.mkdtemp(prefix=f"bench-state-real-{rep}-", dir=root))
+        runs = [("save", None, "st")] + [("commit", t, lab) for t, lab in zip(trees, labels)]
+        runs += [("load_st", None, "st")] + [("load_ck", t, lab) for t, lab in zip(trees, labels)]
         try:
-            for op in ("save", "commit", "load_st", "load_ck"):
-                out = subprocess.run([sys.executable, __file__, "--worker", op, "--real-gb", str(gb), "--tmp", str(folder)],
-                                     capture_output=True, text=True, check=True)
-                figures = json.loads(out.stdout.splitlines()[-1])
+            for op, tree, label in runs:
+                figures = _run_worker(op, gb, folder, tree, label)
                 size = max(size, int(figures["bytes"]))
-                samples.setdefault(op, []).append(figures["wall"])
-                samples.setdefault(op + "_peak", []).append(figures["peak_mib"])
-            print(f"  {gb:g} GB run {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in samples.items()),
-                  file=sys.stderr, flush=True)
+                key = op if op in ("save", "load_st") else f"{op}_{label}"
+                for what in ("wall", "cpu", "peak_mib"):
+                    samples.setdefault(key if what == "wall" else f"{key}_{what}", []).append(figures[what])
+            print(f"  {gb:g} GB run {rep + 1} (load {os.getloadavg()[0]:.1f}): "
+                  + ", ".join(f"{k} {v[-1]:.2f}" for k, v in samples.items()), file=sys.stderr, flush=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
-    return {"gb": size / 1e9, **med, "commit_ratio": med["commit"] / med["save"],
-            "load_ratio": med["load_ck"] / med["load_st"]}
+    for label in labels:
+        med[f"commit_ratio_{label}"] = med[f"commit_{label}"] / med["save"]
+        med[f"commit_cpu_ratio_{label}"] = med[f"commit_{label}_cpu"] / med["save_cpu"]
+        med[f"load_ratio_{label}"] = med[f"load_ck_{label}"] / med["load_st"]
+        med[f"load_cpu_ratio_{label}"] = med[f"load_ck_{label}_cpu"] / med["load_st_cpu"]
+    return {"gb": size / 1e9, "labels": labels, **med}
 
 
-def real_table(rows: list[dict[str, Any]], reps: int, load_before: str, load_after: str) -> str:
+def real_table(rows: list[dict[str, Any]], reps: int, load_before: str, load_after: str, trees: list[str]) -> str:
+    names = ", ".join(f"{label} = {tree}" for label, tree in zip(rows[0]["labels"], trees))
     lines = [
         f"Multi-GB states of real tensors (`--real-gb`, each operation in its own process, median of {reps}"
-        f" interleaved repetitions; load average {load_before} → {load_after}). Peak: memory above what the"
-        " process held before the operation (a load's result not counted).",
+        f" interleaved repetitions; load average {load_before} → {load_after}; {names}). Wall s (CPU s of"
+        " every thread); ratios to safetensors, wall (CPU). Peak: MiB above what the process held before"
+        " the operation (a load's result not counted).",
         "",
-        "| state | save_file+fsync | commit_state | ratio | peak MiB | load_file+touch | load_state+touch | ratio | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| state | tree | save_file+fsync | commit_state | ratio | peak | load_file+touch | load_state+touch | ratio | peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(
-            f"| {r['gb']:.2f} GB (real MiniLM tensors) | {r['save']:.2f} s | {r['commit']:.2f} s | **{r['commit_ratio']:.2f}**"
-            f" | {r['commit_peak']:.0f} | {r['load_st']:.2f} s | {r['load_ck']:.2f} s | **{r['load_ratio']:.2f}**"
-            f" | {r['load_ck_peak']:.0f} |")
+        for label in r["labels"]:
+            lines.append(
+                f"| {r['gb']:.2f} GB | {label} | {r['save']:.2f} ({r['save_cpu']:.2f}) | {r[f'commit_{label}']:.2f}"
+                f" ({r[f'commit_{label}_cpu']:.2f}) | **{r[f'commit_ratio_{label}']:.2f}** ({r[f'commit_cpu_ratio_{label}']:.2f})"
+                f" | {r[f'commit_{label}_peak_mib']:.0f} | {r['load_st']:.2f} ({r['load_st_cpu']:.2f})"
+                f" | {r[f'load_ck_{label}']:.2f} ({r[f'load_ck_{label}_cpu']:.2f}) | **{r[f'load_ratio_{label}']:.2f}**"
+                f" ({r[f'load_cpu_ratio_{label}']:.2f}) | {r[f'load_ck_{label}_peak_mib']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -258,18 +304,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="*", default=[100, 500], help="state sizes in MB")
     p.add_argument("--real-gb", type=float, nargs="*", default=[], help="states of real tensors, in GB")
     p.add_argument("--worker", choices=["save", "commit", "load_st", "load_ck"], help=argparse.SUPPRESS)
+    p.add_argument("--repo-name", default="repo", help=argparse.SUPPRESS)
+    p.add_argument("--trees", nargs="*", default=[], metavar="DIR",
+                   help="--real-gb: time ckstore from each of these checkouts in turn (e.g. /work/main .)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Training state' section of FILE")
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.real_gb[0], args.tmp)))
+        print(json.dumps(worker(args.worker, args.real_gb[0], args.tmp, args.repo_name)))
         return 0
     load_before = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"load average at start {load_before}", file=sys.stderr)
-    real = [bench_real(gb, args.reps, args.tmp) for gb in args.real_gb]
+    trees: list[str | None] = [str(Path(t).resolve()) for t in args.trees] or [None]
+    real = [bench_real(gb, args.reps, args.tmp, trees) for gb in args.real_gb]
     if real:
-        print(real_table(real, args.reps, load_before, " / ".join(f"{x:.1f}" for x in os.getloadavg())))
+        print(real_table(real, args.reps, load_before, " / ".join(f"{x:.1f}" for x in os.getloadavg()),
+                         [t or "this tree" for t in trees]))
     rows = []
     for mb in args.sizes:
         row = bench(mb, args.reps, args.tmp)

@@ -45,3 +45,26 @@ def test_ordered_map_bounds_the_items_in_flight() -> None:
         assert n == consumed - 1
         ahead.append(pulled - consumed)
     assert max(ahead) <= 3 and len(ahead) == 50
+
+
+def test_collection_paused_nests_and_restores_the_interpreters_setting() -> None:
+    import gc
+
+    from ckstore.write.pipeline import collection_paused
+
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            with collection_paused():
+                with collection_paused():
+                    assert not gc.isenabled()
+                assert not gc.isenabled()  # the outer block still runs
+            assert gc.isenabled() == enabled
+            try:
+                with collection_paused():
+                    raise KeyError("x")
+            except KeyError:
+                pass
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()

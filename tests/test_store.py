@@ -128,3 +128,21 @@ def test_delta_bases_of_many_objects_match_one_at_a_time(local_store: ObjectStor
     assert dict(batched) == {**{oid: local_store.bases_of(oid) for oid in deltas + whole}, missing: ()}
     assert sum(1 for oid in deltas if local_store.bases_of(oid)) > 250  # most are deltas indeed
     assert local_store.with_delta_bases(deltas) == set(deltas) | {b for d in deltas for b in local_store.bases_of(d)}
+
+
+@pytest.mark.parametrize("kind", ["zeros", "random", "random head, zeros after"])
+def test_fast_put_stores_raw_only_what_does_not_compress(kind: str) -> None:
+    """A commit's fast encoding skips zstd on chunks whose sample does not compress (fp32
+    weights), yet every chunk reads back bit-exact and a compressible one is still compressed."""
+    from ckstore.codecs.objects import SAMPLE_BYTES, Encoding, parse_header
+
+    n = 1 << 20
+    noise = os.urandom(n)
+    raw = {"zeros": bytes(n), "random": noise, "random head, zeros after": noise[:SAMPLE_BYTES] + bytes(n - SAMPLE_BYTES)}[kind]
+    store = ObjectStore(MemoryBackend())
+    result = store.put_chunk(raw, width=4, fast=True)
+    encoding = parse_header(store.read_raw(result.id)).encoding
+    # The sample decides: a chunk whose head is noise is stored raw even if its tail is zeros.
+    assert encoding == (Encoding.ZSTD if kind == "zeros" else Encoding.RAW)
+    assert result.stored < n // 100 if kind == "zeros" else result.stored > n
+    assert store.get_chunk(result.id, n) == raw

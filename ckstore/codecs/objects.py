@@ -216,6 +216,25 @@ def encode(raw: bytes | memoryview, kind: Kind, level: int) -> bytes:
     return _raw_object(kind, raw)
 
 
+# The fast (commit-time) encoding compresses a sample before the whole chunk. At the fast level,
+# fp32 weights and an Adam first moment that is not zero do not compress (0.98-1.0 of their
+# size) and zstd spends as long failing on them as succeeding (1.2-1.5 ms/MiB), while the chunks
+# that do compress are mostly zeros or small exponents throughout. Measured on the real MiniLM
+# fp32 epoch (model + AdamW, 1 MiB chunks): 0.556 -> 0.276 CPU ms/MiB, stored 0.8326 -> 0.8326.
+SAMPLE_BYTES = 1 << 16
+SAMPLE_MIN_SAVING = 0.02  # a sample that saves less than this: the chunk is stored raw
+
+
+def encode_sampled(raw: bytes | memoryview, kind: Kind, level: int) -> bytes:
+    """``encode``, but a chunk whose first ``SAMPLE_BYTES`` do not compress is stored raw without
+    compressing the rest (both decode alike: only the stored size can differ)."""
+    if len(raw) >= 4 * SAMPLE_BYTES:
+        sample = _compressor(level).compress(memoryview(raw)[:SAMPLE_BYTES])
+        if len(sample) >= (1 - SAMPLE_MIN_SAVING) * SAMPLE_BYTES:
+            return _raw_object(kind, raw)
+    return encode(raw, kind, level)
+
+
 # An encoded body as the pieces it is made of, joined once into the object (no copy per layer).
 Parts = list[bytes | memoryview]
 
@@ -471,7 +490,7 @@ def decode_view(
     into, not copied into bytes: a caller that only hashes or writes it saves a copy of every
     chunk (about as much CPU as interleaving the planes). Such a chunk is decoded into ``out``
     when given (a uint8 array of the raw length the caller reuses: a delta chain's bases), else
-    into a new array.
+    into a new array. A raw chunk, when ``out`` is given, comes back as a view of ``data``.
     """
     header = parse_header(data)
     if header.kind != kind:
@@ -484,7 +503,9 @@ def decode_view(
     if header.encoding == Encoding.RAW:
         if len(body) != header.raw_len:
             raise IntegrityError(f"raw object body is {len(body)} bytes, header says {header.raw_len}")
-        return bytes(body)
+        # A caller that offers ``out`` writes or copies the result on (checkout, load_state):
+        # the body itself, not a copy of it in bytes first (a third of load_state's copies).
+        return body if out is not None else bytes(body)
     if header.encoding == Encoding.ZSTD:
         return _decode_zstd(body, header.raw_len)
     if kind != Kind.CHUNK:
