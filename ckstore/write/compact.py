@@ -65,6 +65,7 @@ from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.optstate import FIRST, SECOND, WEIGHT, float32_members
+from ckstore.write.compacted_pairs import is_finished, record_finished
 from ckstore.write.pipeline import ordered_map
 from ckstore.format.positions import HEADER, ChunkIndex, Position, Slot, chunk_at, slots
 from ckstore.repository.refs import HEADS
@@ -214,6 +215,12 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         pairs[0] = [replace(j, settle=j.slot.id in parent_chunks) for j in pairs[0]]
         if len(pairs) > 1:
             pairs[1] = [replace(j, settle=j.slot.id not in tip_reaches) for j in pairs[1]]
+        # A pair an earlier run finished is not visited again (compacted_pairs.py): the pair
+        # below keeps only the chunks that it alone settles; the tip pair, compacted twice, none.
+        ids = [tip] + [c.parents[0] for c in commits[:2] if c.parents]
+        for i in range(len(pairs)):
+            if i + 1 < len(ids) and is_finished(ctx.backend, ids[i], ids[i + 1]):
+                pairs[i] = [j for j in pairs[i] if j.settle] if i else []
         pool = ThreadPoolExecutor(COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training)
         sums: dict[tuple[str, str], Sums] = {}  # (child's chunk, parent's): the tip pair's decoded ones
         with pool:
@@ -222,6 +229,7 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
                 with ctx.store.batch() as staged:
                     _run_pair(staged, pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
         if len(commits) > 1:
+            record_finished(ctx.backend, tip, commits[0].parents[0])  # its replacements are durable
             # The relative change against the parent, from the chunks decoded above (format.md 5.2).
             write_changes(ctx.backend, tip, commits[0], commits[0].parents[0], commits[1],
                           _tensor_sums(commits[0], commits[1], sums))
