@@ -227,7 +227,7 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
             for i in reversed(range(len(pairs))):
                 newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
                 with ctx.store.batch() as staged:
-                    _run_pair(staged, pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
+                    _run_pair(_HeaderCache(staged), pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
         if len(commits) > 1:
             record_finished(ctx.backend, tip, commits[0].parents[0])  # its replacements are durable
             # The relative change against the parent, from the chunks decoded above (format.md 5.2).
@@ -237,6 +237,33 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         # large objects spread into loose files, its small ones kept packed (backend/local_settle.py).
         ctx.backend.unpack()
     return report
+
+
+class _HeaderCache(ObjectStore):
+    """A pair's batch view of the store that reads each object's header once: a position's
+    chunks are asked for theirs up to four times (is it whole, did the last run make a delta
+    here, how long is the chain above), half of a run's reads. Within a batch an object's header
+    cannot change: replacements are applied when the batch ends, and the compaction lock keeps
+    every other writer of existing objects out (new objects never change either)."""
+
+    def __init__(self, staged: ObjectStore) -> None:
+        super().__init__(staged.backend, settings=staged.settings)
+        self.alternates = staged.alternates
+        self._headers: dict[str, bytes | None] = {}
+
+    def header_local(self, oid: str) -> bytes | None:
+        if oid not in self._headers:
+            self._headers[oid] = super().header_local(oid)  # a race only reads it twice
+        return self._headers[oid]
+
+    def bases_of(self, oid: str) -> tuple[ObjectId, ...]:
+        prefix = self.header_local(oid)
+        if prefix is None:
+            return super().bases_of(oid)  # a base repository's object, or a missing one (raises)
+        try:
+            return tuple(ObjectId(b) for b in delta_bases(prefix))
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
 
 
 class _Upgrade:
