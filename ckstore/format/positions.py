@@ -107,6 +107,7 @@ class ChunkIndex(Mapping[Position, Sequence[ChunkRef]]):
                 self._holders.setdefault(t.name, []).append(f.path)
         self._new_files = new_files or {}
         self._chosen: dict[tuple[str, str], str | None] = {}
+        self._overlaps: dict[tuple[str, str], int] = {}
 
     def __getitem__(self, position: Position) -> Sequence[ChunkRef]:
         found = self._by_position.get(position)
@@ -124,13 +125,23 @@ class ChunkIndex(Mapping[Position, Sequence[ChunkRef]]):
         return self._by_position[(holder, name)]
 
     def _choose(self, path: str, holders: list[str]) -> str | None:
-        names = set(self._new_files.get(path, ()))
+        if len(holders) < 2:
+            return holders[0] if holders else None
 
         def rank(holder: str) -> tuple[bool, int, list[object]]:
-            overlap = sum(t.name in names for t in self._files[holder].tensors)
-            return (holder not in self._new_files, overlap, _natural_key(holder))
+            return (holder not in self._new_files, self._overlap(path, holder), _natural_key(holder))
 
-        return max(holders, key=rank) if holders else None
+        return max(holders, key=rank)
+
+    def _overlap(self, path: str, holder: str) -> int:
+        """How many tensor names the new file ``path`` shares with the earlier file ``holder``:
+        counted once per pair of files, not once per tensor (a commit of n tensors paired by
+        name would otherwise count n times over n names)."""
+        key = (path, holder)
+        if key not in self._overlaps:
+            names = set(self._new_files.get(path, ()))
+            self._overlaps[key] = sum(t.name in names for t in self._files[holder].tensors)
+        return self._overlaps[key]
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self._by_position)

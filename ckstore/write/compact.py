@@ -65,6 +65,7 @@ from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.optstate import FIRST, SECOND, WEIGHT, float32_members
+from ckstore.write.compacted_pairs import is_finished, record_finished
 from ckstore.write.pipeline import ordered_map
 from ckstore.format.positions import HEADER, ChunkIndex, Position, Slot, chunk_at, slots
 from ckstore.repository.refs import HEADS
@@ -214,14 +215,21 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         pairs[0] = [replace(j, settle=j.slot.id in parent_chunks) for j in pairs[0]]
         if len(pairs) > 1:
             pairs[1] = [replace(j, settle=j.slot.id not in tip_reaches) for j in pairs[1]]
+        # A pair an earlier run finished is not visited again (compacted_pairs.py): the pair
+        # below keeps only the chunks that it alone settles; the tip pair, compacted twice, none.
+        ids = [tip] + [c.parents[0] for c in commits[:2] if c.parents]
+        for i in range(len(pairs)):
+            if i + 1 < len(ids) and is_finished(ctx.backend, ids[i], ids[i + 1]):
+                pairs[i] = [j for j in pairs[i] if j.settle] if i else []
         pool = ThreadPoolExecutor(COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training)
         sums: dict[tuple[str, str], Sums] = {}  # (child's chunk, parent's): the tip pair's decoded ones
         with pool:
             for i in reversed(range(len(pairs))):
                 newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
                 with ctx.store.batch() as staged:
-                    _run_pair(staged, pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
+                    _run_pair(_HeaderCache(staged), pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
         if len(commits) > 1:
+            record_finished(ctx.backend, tip, commits[0].parents[0])  # its replacements are durable
             # The relative change against the parent, from the chunks decoded above (format.md 5.2).
             write_changes(ctx.backend, tip, commits[0], commits[0].parents[0], commits[1],
                           _tensor_sums(commits[0], commits[1], sums))
@@ -229,6 +237,33 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         # large objects spread into loose files, its small ones kept packed (backend/local_settle.py).
         ctx.backend.unpack()
     return report
+
+
+class _HeaderCache(ObjectStore):
+    """A pair's batch view of the store that reads each object's header once: a position's
+    chunks are asked for theirs up to four times (is it whole, did the last run make a delta
+    here, how long is the chain above), half of a run's reads. Within a batch an object's header
+    cannot change: replacements are applied when the batch ends, and the compaction lock keeps
+    every other writer of existing objects out (new objects never change either)."""
+
+    def __init__(self, staged: ObjectStore) -> None:
+        super().__init__(staged.backend, settings=staged.settings)
+        self.alternates = staged.alternates
+        self._headers: dict[str, bytes | None] = {}
+
+    def header_local(self, oid: str) -> bytes | None:
+        if oid not in self._headers:
+            self._headers[oid] = super().header_local(oid)  # a race only reads it twice
+        return self._headers[oid]
+
+    def bases_of(self, oid: str) -> tuple[ObjectId, ...]:
+        prefix = self.header_local(oid)
+        if prefix is None:
+            return super().bases_of(oid)  # a base repository's object, or a missing one (raises)
+        try:
+            return tuple(ObjectId(b) for b in delta_bases(prefix))
+        except IntegrityError as exc:
+            raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
 
 
 class _Upgrade:
