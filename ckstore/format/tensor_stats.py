@@ -147,11 +147,13 @@ def _sum_sq_absmax(values: np.ndarray, wide: bool = False) -> tuple[float, float
     return sum_sq, absmax
 
 
-# Elements per pass: a 256 KiB float32 block stays in the L2 cache between the passes over it
-# (sum of squares, max), and the per-thread scratch buffer bf16 and float16 are widened into is
-# reused: a fresh 2 MiB array per chunk cost more in page faults than the arithmetic (bf16 chunk
-# statistics 10 ms per MiB on a loaded machine before, docs/benchmarks.md).
-_BLOCK = 1 << 16
+# Elements per pass: a whole 1 MiB fp32 chunk (half a bf16 one). The commit computes figures on
+# two pipeline threads at once, and between numpy calls each thread needs the GIL: with 64K-element
+# blocks (L2-sized, the fastest on one thread) two threads spent 1.24 CPU ms per MiB of bf16 and
+# ran no faster than one, against 0.68 with these (fp32 0.45 -> 0.30; idle, 2 cores). The
+# per-thread scratch buffers bf16 and float16 are widened into are reused: a fresh array per
+# chunk cost more in page faults than the arithmetic.
+_BLOCK = 1 << 18
 _scratch = threading.local()
 
 
