@@ -229,8 +229,9 @@ class Repo:
         """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, or any of these + ``~N``/``^``."""
         return self._ctx.graph.resolve(spec)
 
-    def read_commit(self, oid: str) -> Commit:
-        return self._ctx.graph.read_commit(oid)
+    def read_commit(self, oid: str, files: bool = True) -> Commit:
+        """``files=False``: the header, its file list read on first use (graph.read_commit)."""
+        return self._ctx.graph.read_commit(oid, files=files)
 
     def pruned(self) -> dict[ObjectId, tuple[ObjectId, ...]]:
         return self._ctx.graph.pruned()

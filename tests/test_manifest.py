@@ -159,7 +159,7 @@ def test_newer_version_is_unsupported_not_corrupt() -> None:
     from ckstore.errors import UnsupportedFormatError
 
     with pytest.raises(UnsupportedFormatError):
-        decode_commit(edited(lambda d: d.update(ckstore=4)))
+        decode_commit(edited(lambda d: d.update(ckstore=5)))
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -126,6 +126,14 @@ class Backend(ABC):
     def clean_temporary(self) -> int:
         """Remove temporary files left by interrupted writers; only safe under the exclusive lock."""
 
+    def state_signature(self, settled_before: float) -> list[tuple[str, int, int]] | None:
+        """(name, mtime in ns, size) of every folder and file whose change may change what the
+        repository stores or keeps (object folders, packs, reflogs, pruned record, links, config),
+        or None when that cannot be told cheaply or one changed at ``settled_before`` or later
+        (a change in the same clock tick would not show). A cache keyed on it (sizes_cache.py)
+        is current while it is unchanged."""
+        return None
+
     def temporary_sizes(self) -> list[int]:
         """The sizes of the temporary files ``clean_temporary`` would remove now (a killed
         commit's half-written pack can be large: stats and gc count it). Under the exclusive

@@ -438,6 +438,29 @@ class LocalBackend(StagingBackend):
                 pass
         return removed
 
+    def state_signature(self, settled_before: float) -> list[tuple[str, int, int]] | None:
+        # Adding, replacing (rename) or deleting an object changes its fan-out folder's mtime;
+        # packs change in place, so each pack file counts with its own. About 260 stats.
+        # Not tmp/: writing the cache itself stages a file there.
+        paths = [self.root / name for name in ("config.json", "pruned", "dependents", "alternates", "objects",
+                                               PACK_FOLDER)]
+        paths += sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]"))
+        for folder in (self.root / PACK_FOLDER, self.root / "logs"):
+            if folder.is_dir():
+                paths += sorted(p for p in folder.rglob("*") if p.is_file())
+        out = []
+        limit = int(settled_before * 1e9) if settled_before < float("inf") else 1 << 63
+        for path in paths:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                out.append((path.relative_to(self.root).as_posix(), -1, -1))
+                continue
+            if st.st_mtime_ns >= limit:
+                return None
+            out.append((path.relative_to(self.root).as_posix(), st.st_mtime_ns, st.st_size))
+        return out
+
     def temporary_sizes(self) -> list[int]:
         sizes = []
         for entry in self._temporaries():

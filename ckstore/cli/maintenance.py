@@ -51,7 +51,7 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
                                         **({"grace": grace} if grace is not None else {})), as_json)
         return
     # Read before gc deletes them: the report names each commit by its message and metadata.
-    doomed = {oid: repo.read_commit(oid) for oid in repo.reachable_commits()}
+    doomed = {oid: repo.read_commit(oid, files=False) for oid in repo.reachable_commits()}
     report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
                      keep_every=keep_every, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
                      progress=progress_factory())

@@ -8,10 +8,11 @@ normative description of this schema.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, overload
@@ -30,8 +31,19 @@ if TYPE_CHECKING:
 # version 1, byte for byte as before, for every commit without a dcp record, so only DCP commits
 # are refused by readers that know version 1 alone. Version 3 adds per-tensor ``stats`` (section
 # 5.1) to a commit without a dcp record; writers emit it only when some tensor carries them.
-MANIFEST_VERSION = 3
+# Version 4 (section 5.3) moves a large file list out of the manifest into chunk objects the
+# manifest names, so reading a commit's header (log, status, ``~N``) costs what the header is.
+MANIFEST_VERSION = 4
 STATS_VERSION = 3
+FILE_LIST_VERSION = 4
+# A file list whose JSON text reaches this many bytes is stored apart (version 4): below it, the
+# whole manifest decodes and hashes in about a millisecond, and older readers read the commit.
+FILE_LIST_MIN_BYTES = 1 << 18
+# The file list's text is cut after an entry whose path's digest falls under this fraction of
+# 2^16 (a cut a change to other files does not move: consecutive commits share the pieces of the
+# files they share), and after PIECE_MAX_BYTES in any case.
+PIECE_CUT = 1 << 7  # about one cut per 512 entries
+PIECE_MAX_BYTES = 1 << 22
 MAX_MANIFEST_BYTES = 1 << 30
 # Beyond MAX_DENSE_CONTAINERS, a manifest holds at most one JSON list or object per
 # MIN_CONTAINER_BYTES bytes of text (a real one: one per 20 bytes or more; docs/format.md 10).
@@ -95,28 +107,51 @@ class BaseRef:
     repo: str | None = None
 
 
+# The verified raw bytes of a chunk, by reference (the store's get_chunk): how a version-4
+# manifest's file list is read. Raises CkstoreError when the chunk is missing or corrupt.
+ChunkReader = Callable[[ChunkRef], "bytes | memoryview"]
+
+
 class ManifestFiles(Sequence[FileEntry]):
     """A manifest's ``files``, parsed and validated on first use. ``log`` and ``status`` read a
-    commit's header only; parsing 10^4 file entries they never look at cost them seconds."""
+    commit's header only; parsing 10^4 file entries they never look at cost them seconds.
+    ``doc`` is the parsed JSON list, or (version 4) the pieces of its text and their reader."""
 
-    __slots__ = ("_doc", "_version", "_label", "_entries")
+    __slots__ = ("_doc", "_version", "_label", "_entries", "_pieces", "_read")
 
-    def __init__(self, doc: list[Any], version: int, label: str) -> None:
+    def __init__(self, doc: list[Any] | None, version: int, label: str,
+                 pieces: tuple[ChunkRef, ...] = (), read: ChunkReader | None = None) -> None:
         self._doc: list[Any] | None = doc
         self._version = version
         self._label = label  # names the commit in the error a damaged entry raises
         self._entries: tuple[FileEntry, ...] | None = None
+        self._pieces = pieces
+        self._read = read
 
     def load(self) -> tuple[FileEntry, ...]:
         """The parsed entries (IntegrityError, naming the commit, if any is malformed)."""
         if self._entries is None:
-            assert self._doc is not None
+            if self._doc is None:
+                self._doc = self._read_list()
             try:
                 self._entries = _parse_files(self._doc, self._version)
             except IntegrityError as exc:
                 raise IntegrityError(f"{self._label}: {exc}") from None
             self._doc = None  # the parsed entries replace the JSON they came from
         return self._entries
+
+    def _read_list(self) -> list[Any]:
+        if self._read is None:
+            raise ValueError(f"{self._label}: a version-4 manifest needs a chunk reader for its file list")
+        text = b"".join(self._read(ref) for ref in self._pieces)  # each piece verified by its reader
+        try:
+            check_shape(text)
+            doc = parse_json(text)
+        except IntegrityError as exc:
+            raise IntegrityError(f"{self._label}: file list: {exc}") from None
+        if not isinstance(doc, list):
+            raise IntegrityError(f"{self._label}: file list is not a JSON list")
+        return doc
 
     @overload
     def __getitem__(self, index: int) -> FileEntry: ...
@@ -157,8 +192,13 @@ class Commit:
     state: StateFiles | None = None  # training state
     base: BaseRef | None = None  # overlay
     dcp: DcpRecord | None = None  # distributed checkpoint (manifest version 2)
+    # Version 4: the chunks whose concatenated bytes are the file list's JSON text (section 5.3).
+    file_list: tuple[ChunkRef, ...] = ()
 
     def all_chunks(self) -> Iterator[ChunkRef]:
+        """Every chunk the commit needs: its file list's pieces first (gc keeps them, push sends
+        them, fetch receives them, fsck checks them like any chunk), then its files'."""
+        yield from self.file_list
         for f in self.files:
             yield from f.all_chunks()
 
@@ -214,11 +254,55 @@ def _version(commit: Commit) -> int:
     return STATS_VERSION if any(t.stats is not None for f in commit.files for t in f.tensors) else 1
 
 
+def _piece_cut(path: str) -> bool:
+    digest = hashlib.blake2b(path.encode("utf-8"), digest_size=2).digest()
+    return int.from_bytes(digest, "big") < PIECE_CUT
+
+
+def split_file_list(files: Sequence[FileEntry]) -> list[bytes]:
+    """The canonical JSON text of ``files`` cut into pieces at entry boundaries (section 5.3):
+    after an entry whose path's digest says so, or once a piece reaches PIECE_MAX_BYTES."""
+    pieces: list[bytes] = []
+    current: list[bytes] = [b"["]
+    size = 1
+    last = len(files) - 1
+    for i, f in enumerate(files):
+        text = canonical_json(_file_json(f)) + (b"," if i < last else b"]")
+        current.append(text)
+        size += len(text)
+        if i < last and (_piece_cut(f.path) or size >= PIECE_MAX_BYTES):
+            pieces.append(b"".join(current))
+            current, size = [], 0
+    if not files:
+        current.append(b"]")
+    pieces.append(b"".join(current))
+    return pieces
+
+
+def encode_commit_parts(commit: Commit) -> tuple[bytes, list[tuple[ChunkRef, bytes]]]:
+    """(manifest, file-list pieces with their references): no pieces unless the file list is
+    large enough to be stored apart (version 4). The caller stores the pieces as chunks before the
+    manifest that names them; ``commit.file_list`` is ignored (the pieces are its value)."""
+    if commit.dcp is None and commit.state is None:
+        pieces = split_file_list(commit.files)
+        if sum(map(len, pieces)) >= FILE_LIST_MIN_BYTES:
+            from ckstore.format.ids import chunk_id  # blake3: only large commits pay its import here
+
+            refs = [(ChunkRef(chunk_id(p), len(p)), p) for p in pieces]
+            return _encode(commit, FILE_LIST_VERSION, {"file_list": _chunks_json([r for r, _ in refs])}), refs
+    return encode_commit(commit), []
+
+
 def encode_commit(commit: Commit) -> bytes:
+    """The manifest of a commit whose file list is stored inside it (versions 1-3)."""
+    return _encode(commit, _version(commit), None)
+
+
+def _encode(commit: Commit, version: int, file_list: dict[str, Any] | None) -> bytes:
     if commit.dcp is not None and any(t.stats is not None for f in commit.files for t in f.tensors):
         raise ValueError("a distributed checkpoint's manifest (version 2) cannot carry tensor stats")
-    doc = {
-        "ckstore": _version(commit),
+    doc: dict[str, Any] = {
+        "ckstore": version,
         "parents": list(commit.parents),
         "time": commit.time,
         "branch": commit.branch,
@@ -229,8 +313,11 @@ def encode_commit(commit: Commit) -> bytes:
         "added_bytes": commit.added_bytes,
         "state": {"values": commit.state.values, "tensors": commit.state.tensors} if commit.state else None,
         "base": {"commit": commit.base.commit, "repo": commit.base.repo} if commit.base else None,
-        "files": [_file_json(f) for f in commit.files],
     }
+    if file_list is not None:
+        doc.update(file_list)
+    else:
+        doc["files"] = [_file_json(f) for f in commit.files]
     if commit.dcp is not None:
         files = doc.pop("files")
         from ckstore.format.dcp_record import record_json
@@ -467,6 +554,8 @@ _COMMIT_FIELDS = (
     "logical_bytes", "added_bytes", "state", "base", "files",
 )
 _COMMIT_FIELDS_V2 = (*_COMMIT_FIELDS[:-1], "dcp", "files")
+_COMMIT_FIELDS_V4 = (*_COMMIT_FIELDS[:-1], "file_list")
+_EXPECTED_FIELDS = {2: _COMMIT_FIELDS_V2, FILE_LIST_VERSION: _COMMIT_FIELDS_V4}
 
 
 def _parse_files(doc: list[Any], version: int) -> tuple[FileEntry, ...]:
@@ -481,10 +570,12 @@ def _parse_files(doc: list[Any], version: int) -> tuple[FileEntry, ...]:
     return files
 
 
-def decode_commit(data: bytes, lazy_files: str | None = None) -> Commit:
+def decode_commit(data: bytes, lazy_files: str | None = None, read: ChunkReader | None = None) -> Commit:
     """Parse and validate a manifest. With ``lazy_files`` (a label such as "commit <id>"), the
     file entries are validated on first use instead, and their errors name that label: every
-    other field is checked now (docs/format.md section 5, "Readers")."""
+    other field is checked now (docs/format.md section 5, "Readers"). ``read`` reads the file
+    list of a version-4 manifest (section 5.3): always on first use of ``files``, and then only
+    when ``lazy_files`` is not given."""
     check_shape(data)
     doc = parse_json(data)
     if not isinstance(doc, dict):
@@ -492,7 +583,7 @@ def decode_commit(data: bytes, lazy_files: str | None = None) -> Commit:
     version = _expect(doc, "ckstore", int, "manifest")
     if version > MANIFEST_VERSION:
         raise UnsupportedFormatError(f"manifest version {version} is newer than this ckstore reads")
-    if tuple(doc) != (_COMMIT_FIELDS_V2 if version == 2 else _COMMIT_FIELDS):
+    if tuple(doc) != _EXPECTED_FIELDS.get(version, _COMMIT_FIELDS):
         raise IntegrityError("manifest fields are missing, unexpected or out of order")
     parents = _expect(doc, "parents", list, "manifest")
     if not all(isinstance(p, str) and is_object_id(p) for p in parents):
@@ -500,13 +591,22 @@ def decode_commit(data: bytes, lazy_files: str | None = None) -> Commit:
     provenance = _expect(doc, "provenance", dict, "manifest")
     if not all(isinstance(v, str) for v in provenance.values()):
         raise IntegrityError("manifest: provenance values must be strings")
-    files_doc = _expect(doc, "files", list, "manifest")
     files: Sequence[FileEntry]
+    pieces: tuple[ChunkRef, ...] = ()
+    if version == FILE_LIST_VERSION:
+        pieces = _parse_chunks(doc["file_list"], "manifest: file_list")
+        if not pieces or sum(p.size for p in pieces) > MAX_MANIFEST_BYTES:
+            raise IntegrityError("manifest: file_list is empty or exceeds the manifest size limit")
+        if doc["state"] is not None:
+            raise IntegrityError("manifest: a version-4 manifest cannot hold a state record")
+        files = ManifestFiles(None, version, lazy_files or "manifest", pieces, read)
+        if lazy_files is None:
+            files.load()
     # The state and dcp records are checked against the files: a commit with one parses them now.
-    if lazy_files is not None and doc["state"] is None and version != 2:
-        files = ManifestFiles(files_doc, version, lazy_files)
+    elif lazy_files is not None and doc["state"] is None and version != 2:
+        files = ManifestFiles(_expect(doc, "files", list, "manifest"), version, lazy_files)
     else:
-        files = _parse_files(files_doc, version)
+        files = _parse_files(_expect(doc, "files", list, "manifest"), version)
     try:
         datetime.fromisoformat(_expect(doc, "time", str, "manifest"))
     except ValueError:
@@ -524,6 +624,7 @@ def decode_commit(data: bytes, lazy_files: str | None = None) -> Commit:
         state=_parse_state(doc["state"], files),
         base=_parse_base(doc["base"]),
         dcp=None if version != 2 else _parse_dcp(doc["dcp"], files),
+        file_list=pieces,
     )
     commit.decoded_metadata()  # validates the typed encoding now, not at first display
     return commit

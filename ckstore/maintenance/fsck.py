@@ -157,6 +157,8 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
         for parent in kept_parents(commit.parents, pruned):  # walk on to the older commits gc kept
             if parent not in seen:
                 todo.append((parent, f"commit {oid[:12]}"))
+        for chunk in commit.file_list:  # read (verified) with the commit already; kept as any chunk
+            needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, its file list"))
         for f in commit.files:
             for chunk in f.header + f.chunks:
                 needed.setdefault(chunk.id, (chunk.size, f"commit {oid[:12]}, file {f.path!r}"))

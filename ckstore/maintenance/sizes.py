@@ -28,12 +28,14 @@ usually holds little alone: its parent's deltas need its chunks as their bases.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from ckstore.repository.context import RepoContext
 from ckstore.errors import DependentNotFoundError
+from ckstore.maintenance import sizes_cache
 from ckstore.maintenance.gc import Kept, kept_commits, live_objects
 from ckstore.repository.graph import kept_parents
 from ckstore.history.log import new_objects, stored_bytes
@@ -68,6 +70,24 @@ class CommitSizes:
 
 
 def stats(ctx: RepoContext) -> Stats:
+    """The figures now; kept for ``status`` (sizes_cache.py) when the repository had settled."""
+    started = time.time()
+    key = sizes_cache.state_key(ctx, started - sizes_cache.SETTLE_SECONDS)
+    figures = _measure(ctx)
+    sizes_cache.record(ctx, key, started, asdict(figures))
+    return figures
+
+
+def last_stats(ctx: RepoContext) -> tuple[Stats, float, float, bool] | None:
+    """The last figures ``stats`` kept: (figures, when measured, seconds it took, whether
+    nothing changed since), or None."""
+    last = sizes_cache.read(ctx, Stats.__dataclass_fields__)
+    if last is None:
+        return None
+    return Stats(**last.figures), last.measured, last.seconds, last.key == sizes_cache.state_key(ctx)  # type: ignore[arg-type]
+
+
+def _measure(ctx: RepoContext) -> Stats:
     store = ctx.store
     # Each object's size once (one stat each): the unreferenced figure sums a subset of them.
     sizes = {oid: store.stored_size(oid) or 0 for oid in store.iter_ids()}

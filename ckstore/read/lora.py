@@ -196,7 +196,9 @@ def _base_card(store: ObjectStore, commit: Commit, adapter: FileEntry) -> tuple[
     mine = next((f for f in commit.files if f.path == README), None)
     if commit.base is None or _folder(adapter.path) or mine is None:
         return False, None
-    base = decode_commit(store.get_commit(commit.base.commit))
+    base_id = commit.base.commit
+    base = decode_commit(store.get_commit(base_id), read=lambda ref: store.get_chunk(ref.id, ref.size,
+                                                                                    f" (file list of commit {base_id})"))
     theirs = next((f for f in base.files if f.path == README), None)
     if theirs is not None and [c.id for c in theirs.all_chunks()] == [c.id for c in mine.all_chunks()]:
         return False, None

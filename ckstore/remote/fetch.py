@@ -37,11 +37,12 @@ from ckstore.errors import (
     IntegrityError,
     InvalidInputError,
     InvalidRefNameError,
+    ObjectMissingError,
     RefExistsError,
     RefNotFoundError,
 )
 from ckstore.format.ids import ObjectId
-from ckstore.format.manifest import Commit, decode_commit
+from ckstore.format.manifest import ChunkReader, Commit, decode_commit
 from ckstore.repository.refs import DEFAULT_BRANCH, HEADS, REMOTES, TAGS, check_ref_name
 from ckstore.repository.writing import writing
 from ckstore.remote.awsconfig import endpoint_problem
@@ -122,11 +123,27 @@ def read_objects(remote: RemoteRepo, where: dict[str, Located], oids: Iterable[s
                 yield oid, done_id, data
 
 
-def verify_commit(oid: str, data: bytes, where: str) -> Commit:
+def verify_commit(oid: str, data: bytes, where: str, read: ChunkReader | None = None) -> Commit:
+    """The commit, every field verified; ``read`` reads a version-4 file list (format.md 5.3)."""
     try:
-        return decode_commit(verified_commit(oid, data))
+        return decode_commit(verified_commit(oid, data), read=read)
     except IntegrityError as exc:
         raise IntegrityError(f"commit {oid} from {where} is corrupt: {exc}") from None
+
+
+def file_list_reader(store: ObjectStore, remote: RemoteRepo, where: dict[str, Located]) -> ChunkReader:
+    """Reads a fetched commit's file list pieces, verified: from here when held here (a piece
+    an earlier commit shares), else from the remote's packs. The pieces are then fetched with
+    the commit's other chunks (they are in its ``all_chunks``): read twice, stored once."""
+    def stored(oid: str, context: str) -> bytes:
+        if store.has_durable(oid):
+            return store.read_raw(oid)
+        if oid not in where:
+            raise ObjectMissingError(f"object {oid}{context} is in no pack on remote {remote.name}")
+        return next(iter(read_objects(remote, where, [oid])))[2]
+
+    reader = VerifiedReader(stored)
+    return lambda ref: reader.chunk(ref.id, ref.size, " (a file list piece)")
 
 
 def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId], report: FetchReport) -> set[ObjectId]:
@@ -146,12 +163,13 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
     missing = {t for t in wanted if t not in where}
     frontier = [t for t in wanted if t not in missing]
     named = set(frontier)
+    read_list = file_list_reader(store, remote, where)
     while frontier:
         # A pruned commit may still lie in a pack that holds live objects too: not fetched.
         present = [oid for oid in frontier if oid in where and (oid not in theirs or oid in named)]
         boundary.update(oid for oid in frontier if oid not in present)
         for oid, pack_id, data in read_objects(remote, where, present):
-            commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)))
+            commit = verify_commit(oid, data, remote.describe(pack_key(pack_id)), read_list)
             commits[ObjectId(oid)] = commit
             stored[ObjectId(oid)] = bytes(data)
             report.received(len(data))

@@ -25,7 +25,7 @@ from ckstore.errors import (
     RefNotFoundError,
 )
 from ckstore.format.ids import ObjectId, is_id_prefix, is_object_id
-from ckstore.format.manifest import Commit, ManifestFiles, decode_commit
+from ckstore.format.manifest import ChunkReader, Commit, ManifestFiles, decode_commit
 from ckstore.repository.reflog import HEAD_LOG, Entry, head_view, nth_value
 from ckstore.repository.refs import HEAD, HEADS, REMOTES, TAGS, RefStore, ref_candidates
 from ckstore.repository.store import ObjectStore
@@ -73,13 +73,19 @@ class CommitGraph:
         if commit is None:
             data = self.store.get_commit(oid)  # its errors already name the commit
             try:
-                commit = decode_commit(data, lazy_files=None if files else f"commit {oid}")
+                commit = decode_commit(data, lazy_files=None if files else f"commit {oid}",
+                                       read=self.file_list_reader(oid))
             except IntegrityError as exc:
                 raise IntegrityError(f"commit {oid}: {exc}") from None
             self.cache[oid] = commit
         if files and isinstance(commit.files, ManifestFiles):
             commit.files.load()  # a damaged entry is refused here, as if parsed whole
         return commit
+
+    def file_list_reader(self, oid: str) -> ChunkReader:
+        """How commit ``oid``'s file list is read when stored apart (format.md 5.3): verified
+        chunks of this store (or a base repository's)."""
+        return lambda ref: self.store.get_chunk(ref.id, ref.size, f" (file list of commit {oid})")
 
     def remember(self, oid: str, commit: Commit) -> None:
         self.cache[oid] = commit

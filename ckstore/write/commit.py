@@ -16,6 +16,7 @@ interrupted commit either did not happen or is known to have happened.
 
 from __future__ import annotations
 
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -29,7 +30,7 @@ from ckstore.format.dcp_record import DcpRecord
 from ckstore.errors import InvalidInputError, ObjectMissingError, RefChangedError, RefExistsError
 from ckstore.write.ingest import MemoryFile, SourceFile, ingest
 from ckstore.format.ids import ObjectId
-from ckstore.format.manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit
+from ckstore.format.manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit_parts
 from ckstore.repository.overlay import merge_files
 from ckstore.write.pipeline import ProgressFactory
 from ckstore.repository.refs import HEADS, check_ref_name
@@ -147,7 +148,13 @@ def record_commit(
             logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
             dcp=dcp,
         )
-        oid = ctx.store.put_commit(encode_commit(commit)).id
+        manifest, pieces = encode_commit_parts(commit)
+        if pieces:  # a large file list (format.md 5.3): its chunks are durable before the manifest
+            with ctx.store.batch(sum(len(p) for _, p in pieces), len(pieces)) as view:
+                for _, piece in pieces:
+                    view.put_chunk(piece)
+            commit = replace(commit, file_list=tuple(ref for ref, _ in pieces))
+        oid = ctx.store.put_commit(manifest).id
         with interrupts_deferred():
             try:
                 ctx.refs.update(ref, oid, expected=current, reason=_reflog_reason(parent, request.message))
