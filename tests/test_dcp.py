@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import ckstore
 from ckstore.errors import IntegrityError, UnsupportedFormatError
-from ckstore.format.manifest import decode_commit, encode_commit
+from ckstore.format.manifest import MANIFEST_VERSION, decode_commit, encode_commit
 
 WORKER = Path(__file__).parent / "dcp" / "worker.py"
 
@@ -237,7 +237,7 @@ def test_manifest_versions(tmp_path: Path) -> None:
     raw = encode_commit(commit)
     assert raw.startswith(b'{"ckstore":2,') and decode_commit(raw) == commit
     with pytest.raises(UnsupportedFormatError):
-        decode_commit(raw.replace(b'{"ckstore":2,', b'{"ckstore":4,', 1))
+        decode_commit(raw.replace(b'{"ckstore":2,', b'{"ckstore":%d,' % (MANIFEST_VERSION + 1), 1))
     # Old readers refuse version 2 as newer; this reader refuses a record that lies.
     bad = raw.replace(b'"world_size":1', b'"world_size":0', 1)
     with pytest.raises(IntegrityError, match="world_size"):
