@@ -65,21 +65,6 @@ def test_commit_stores_fast_and_compaction_makes_the_parent_deltas(tmp_path: Pat
     assert repo.compact().saved == 0  # nothing left to do: a second run only reads headers
 
 
-def test_a_bf16_commit_stores_its_exponent_bytes_entropy_coded(tmp_path: Path) -> None:
-    """A commit stores fast, but not so fast that a 2-byte float's redundancy is left on disk:
-    at zstd's negative levels literals are stored as they are, and bf16's exponent byte is
-    most of what compresses."""
-    repo = Repo.init(tmp_path / "repo", chunk_size=1 << 16)
-    repo.compact_after_commit = False
-    w = (torch.randn(512, 1024, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
-    oid = repo.commit_state({"w": w})
-    chunks = _tensor_chunks(repo, oid)
-    assert {_encoding(repo, o) for o in chunks} == {Encoding.ZSTD}
-    stored = sum(len(repo.store.read_raw(o)) for o in chunks)
-    assert stored < 0.85 * w.numel() * 2  # 0.78 at level 1; 1.0 at level -1
-    assert torch.equal(repo.load_state(oid)["w"], w)
-
-
 def test_each_chunk_is_re_encoded_at_most_once_and_settles_a_commit_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tip's new chunks are not encoded whole only to become deltas one commit later: over a
     run of epochs every object is replaced at most once, and every commit but the newest ends in

@@ -25,14 +25,10 @@ DEFAULT_ZSTD_LEVEL = 1  # measured: smaller than 3 on float byte planes, and fas
 DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
 # A commit stores multi-byte chunks with plain zstd at this level (about 3x faster than byte
 # grouping at level 1, for a 0.83 instead of 0.70 ratio on fp32 state); the compaction that runs
-# after the commit re-encodes them (docs/design.md, "Commit, then compact").
+# after the commit re-encodes them (docs/design.md, "Commit, then compact"). Level 1 for bf16 (0.65
+# instead of 0.83 of raw: negative levels leave literals without entropy coding) was measured and lost: its
+# CPU cost more than the bytes it saved (idle, 136 MB: 0.99 against 0.89 s a commit; 3 GB: even).
 FAST_ZSTD_LEVEL = -1
-# ... except 2-byte elements (bf16, fp16), at level 1: negative levels store literals without
-# entropy coding, and a 2-byte float's exponent byte is most of what compresses (real bf16
-# epochs: 0.65 of raw at level 1 against 0.83 at -1, for the same CPU of the whole commit, since
-# a fifth fewer bytes are written and synced; fp32 gains 0.77 against 0.83 for +25% CPU and was
-# slower: docs/benchmarks.md, "The user's path").
-FAST_ZSTD_LEVEL_2_BYTE = 1
 MAX_DELTA_DEPTH_LIMIT = 16
 # git's gc.reflogExpire and gc.reflogExpireUnreachable: how long the reflog keeps commits alive.
 DEFAULT_REFLOG_EXPIRE_DAYS = 90
@@ -48,11 +44,6 @@ class EncodingSettings:
     max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH  # 0: never a delta
     repo_version: int = NEW_REPO_VERSION
     fast_level: int = FAST_ZSTD_LEVEL
-    fast_level_2_byte: int = FAST_ZSTD_LEVEL_2_BYTE
-
-    def fast_level_for(self, width: int) -> int:
-        """The zstd level a commit stores a new chunk of ``width``-byte elements at."""
-        return self.fast_level_2_byte if width == 2 else self.fast_level
 
     @property
     def allowed(self) -> frozenset[Encoding]:

@@ -108,7 +108,7 @@ class ObjectStore:
         if self.has_durable(oid):
             return PutResult(oid, 0)
         if fast and width > 1:
-            data = encode_sampled(raw, Kind.CHUNK, self.settings.fast_level_for(width))
+            data = encode_sampled(raw, Kind.CHUNK, self.settings.fast_level)
         else:
             data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
         return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
