@@ -206,6 +206,7 @@ def test_disk_full_in_the_background_worker_fails_the_handle_and_keeps_the_repos
 
     repo = Repo.init(tmp_path / "repo", chunk_size=1 << 16)
     repo.commit_state({"w": torch.zeros(1 << 18)}, message="before")
+    repo.wait()  # its compaction's steps, if still running, would be counted below
     steps = [0]
 
     def observer() -> None:  # every step from here on is the background commit's
