@@ -127,7 +127,7 @@ class ChunkStats:
 def _sum_sq_absmax(values: np.ndarray, wide: bool = False) -> tuple[float, float]:
     """Sum of squares and largest magnitude of a chunk.
 
-    Floats of 32 bits or fewer are summed in float32 (einsum keeps several accumulators: about
+    Floats of 32 bits or fewer are summed in float32 (sdot keeps several SIMD accumulators: about
     1e-7 relative error per block), block by block (``_blocks``), without a float64 copy; blocks
     are added in float64. ``wide`` (and every other dtype) sums a float64 copy: for float64
     tensors, integers, and a float32 sum that overflowed.
@@ -173,40 +173,46 @@ def _buffer(which: int = 0) -> np.ndarray:
 
 
 def _float32_block(block: np.ndarray) -> tuple[float, float]:
-    # einsum, not dot: dot goes to a multithreaded BLAS, which on a busy machine took 15x longer
-    # than hashing the same chunk.
+    return _sum_sq32(block), float(max(block.max(), -block.min()))
+
+
+def _sum_sq32(block: np.ndarray) -> float:
+    """Sum of squares of a float32 block (at most ``_BLOCK`` elements), accumulated in float32.
+
+    vdot (BLAS sdot) runs in a third of einsum's time here (28 against 84 us for 256 Ki elements,
+    idle) with the same order of error (~1e-7 relative); at this size OpenBLAS computes it on the
+    calling thread (CPU time equals wall time, measured up to 4 Mi elements)."""
     import numpy as np
 
-    return float(np.einsum("i,i->", block, block)), float(max(block.max(), -block.min()))
+    return float(np.vdot(block, block))
 
 
 def _bf16_sum_sq_absmax(bits: np.ndarray) -> tuple[float, float]:
     """Sum of squares and largest magnitude of bf16 elements (``bits``: their uint16 patterns).
 
     Read as uint32 words, each holding two elements (little-endian: the later one in the high
-    half), masking the high half and shifting the low one up gives both as float32 with no
-    widening copy; signs are cleared, so the largest magnitude is the largest bit pattern (IEEE
-    order; NaN and inf make the sum non-finite and are handled by the caller): 0.5 against 0.7
-    ms per MiB for widening each element (one odd element is widened alone)."""
+    half), masking the low half away and shifting the low one up give both as float32 with no
+    widening copy (a square ignores the sign); with the signs cleared, the largest magnitude is the
+    largest 16-bit pattern (IEEE order; NaN and inf make the sum non-finite and are handled by the
+    caller). Six passes over the words, 0.36-0.45 ms per MiB against 0.5-0.6 for the eight this
+    took before (einsum and a separate maximum); one odd element is widened alone."""
     import numpy as np
 
     sum_sq, top = 0.0, 0
     if bits.size % 2:
         last = np.array([int(bits[-1]) << 16 & 0x7FFF0000], dtype=np.uint32)
-        sum_sq, top = float(np.einsum("i,i->", last.view(np.float32), last.view(np.float32))), int(last[0])
+        sum_sq, top = _sum_sq32(last.view(np.float32)), int(last[0]) >> 16
         bits = bits[:-1]
     words = bits.view(np.uint32)
     high, low = _buffer(), _buffer(1)
     for block in _blocks(words):
         h, lo = high[: block.size], low[: block.size]
-        np.bitwise_and(block, 0x7FFF0000, out=h)
+        np.bitwise_and(block, 0xFFFF0000, out=h)
         np.left_shift(block, 16, out=lo)
-        np.bitwise_and(lo, 0x7FFF0000, out=lo)
-        hf, lf = h.view(np.float32), lo.view(np.float32)
-        sum_sq += float(np.einsum("i,i->", hf, hf)) + float(np.einsum("i,i->", lf, lf))
-        np.maximum(h, lo, out=h)
-        top = max(top, int(h.max()))
-    return sum_sq, float(np.array(top, dtype=np.uint32).view(np.float32))
+        sum_sq += _sum_sq32(h.view(np.float32)) + _sum_sq32(lo.view(np.float32))
+        np.bitwise_and(block, 0x7FFF7FFF, out=h)
+        top = max(top, int(h.view(np.uint16).max()))
+    return sum_sq, float(np.array(top << 16, dtype=np.uint32).view(np.float32))
 
 
 def _float16_sum_sq_absmax(values: np.ndarray) -> tuple[float, float]:

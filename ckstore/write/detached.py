@@ -65,6 +65,9 @@ def start(path: Path, branch: str) -> bool:
     # runs in the repository folder, where no stray package can shadow it.
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    # Bounded threads: numpy's BLAS would start one spinning thread per core (the small solves
+    # of predicted deltas gain nothing from them); a user's own setting wins.
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         mode = "ab" if not log.exists() or log.stat().st_size < LOG_LIMIT else "wb"
         with open(log, mode) as out:
