@@ -25,6 +25,7 @@ from ckstore.errors import (
 )
 from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from ckstore.write.pipeline import grouped, ordered_map
+from ckstore.write.spans import OpenSource, Span, read_span, recycle
 from ckstore.format.positions import HEADER, ChunkIndex, Position, chunk_at, element_width
 from ckstore.format.safetensors import SafetensorsLayout, header_length, parse_header
 from ckstore.format.tensor_stats import (
@@ -154,22 +155,6 @@ def read_layout(f: BinaryIO, name: str, size: int) -> SafetensorsLayout:
         raise SafetensorsFormatError(f"{name} is not a valid safetensors file: {exc}") from None
 
 
-def _read_exact(f: BinaryIO, n: int, name: str) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise InvalidInputError(f"{name} changed while being committed (it got shorter)")
-    return data
-
-
-def _pieces(f: BinaryIO, offset: int, length: int, chunk_size: int, name: str) -> Iterator[bytes]:
-    f.seek(offset)
-    done = 0
-    while done < length:
-        n = min(chunk_size, length - done)
-        yield _read_exact(f, n, name)
-        done += n
-
-
 @dataclass(frozen=True)
 class MemoryFile:
     """A file built in memory (training state): its segments are already bytes-like.
@@ -195,30 +180,28 @@ class _Plan:
     layout: SafetensorsLayout | None
     segments: list[list[ChunkRef]]
     stats: list[StatsAccumulator | None] = field(default_factory=list)  # per segment; None: not recorded
+    opened: OpenSource | None = None  # a source file while its chunks are read
 
 
-def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, int, bytes | memoryview]]:
+def _jobs(plans: list[_Plan], chunk_size: int) -> Iterator[tuple[int, int, int, Span | memoryview]]:
+    """Every chunk of every file, in order: a memory file's as views of its buffers, a source
+    file's as spans its workers read (spans.py)."""
     for p_index, plan in enumerate(plans):
         if isinstance(plan.source, MemoryFile):
             for s_index, buffer in enumerate(plan.source.segments):
                 for c_index, offset in enumerate(range(0, len(buffer), chunk_size)):
                     yield p_index, s_index, c_index, buffer[offset : offset + chunk_size]
             continue
-        name = str(plan.source.source)
-        try:
-            with open(plan.source.source, "rb") as f:
-                if plan.layout is None:
-                    spans = [(0, plan.source.size)]
-                else:
-                    base = plan.layout.data_offset
-                    spans = [(0, base)] + [(base + t.begin, t.nbytes) for t in plan.layout.tensors]
-                for s_index, (offset, length) in enumerate(spans):
-                    for c_index, piece in enumerate(_pieces(f, offset, length, chunk_size, name)):
-                        yield p_index, s_index, c_index, piece
-                if f.read(1):
-                    raise InvalidInputError(f"{name} changed while being committed (it got longer)")
-        except OSError as exc:
-            raise StorageError(f"cannot read {name}: {exc.strerror}") from None
+        source = plan.opened = OpenSource(plan.source.source, plan.source.size)
+        if plan.layout is None:
+            spans = [(0, plan.source.size)]
+        else:
+            base = plan.layout.data_offset
+            spans = [(0, base)] + [(base + t.begin, t.nbytes) for t in plan.layout.tensors]
+        for s_index, (offset, length) in enumerate(spans):
+            for c_index, start in enumerate(range(offset, offset + length, chunk_size)):
+                yield p_index, s_index, c_index, source.span(start, min(chunk_size, offset + length - start))
+        source.all_listed()
 
 
 def _chunk_kind(plan: _Plan, s_index: int) -> tuple[int, Position]:
@@ -314,8 +297,17 @@ def ingest(
 
     Result = tuple[int, int, int, PutResult, ChunkStats | _ParentFigures | None]
 
-    def put(job: tuple[int, int, int, bytes | memoryview]) -> Result:
+    def put(job: tuple[int, int, int, Span | memoryview]) -> Result:
         p_index, s_index, c_index, piece = job
+        if isinstance(piece, Span):
+            view = read_span(piece)
+            try:
+                return store_piece(p_index, s_index, c_index, view)
+            finally:
+                recycle(view)
+        return store_piece(p_index, s_index, c_index, piece)
+
+    def store_piece(p_index: int, s_index: int, c_index: int, piece: memoryview) -> Result:
         plan = plans[p_index]
         width, position = _chunk_kind(plan, s_index)
         if position[1] == HEADER:
@@ -338,20 +330,28 @@ def ingest(
     added = 0
     # Small pieces travel to the workers together (pipeline.grouped), up to half a chunk's bytes.
     groups = grouped(_jobs(plans, chunk_size), lambda job: len(job[3]), chunk_size // 2)
-    for results in ordered_map(lambda group: [put(job) for job in group], groups):
-        for p_index, s_index, length, result, figures in results:
-            plans[p_index].segments[s_index].append(ChunkRef(result.id, length))
-            accumulator = plans[p_index].stats[s_index]
-            if accumulator is not None:
-                if figures is None:
-                    plans[p_index].stats[s_index] = None
-                elif isinstance(figures, _ParentFigures):
-                    accumulator.skip(result.id, length, figures.parent)
-                else:
-                    accumulator.add(figures)
-            added += result.stored
-            if progress:
-                progress(length)
+    try:
+        for results in ordered_map(lambda group: [put(job) for job in group], groups):
+            for p_index, s_index, length, result, figures in results:
+                plan = plans[p_index]
+                plan.segments[s_index].append(ChunkRef(result.id, length))
+                accumulator = plan.stats[s_index]
+                if accumulator is not None:
+                    if figures is None:
+                        plan.stats[s_index] = None
+                    elif isinstance(figures, _ParentFigures):
+                        accumulator.skip(result.id, length, figures.parent)
+                    else:
+                        accumulator.add(figures)
+                added += result.stored
+                if plan.opened is not None:
+                    plan.opened.finished()
+                if progress:
+                    progress(length)
+    finally:
+        for plan in plans:
+            if plan.opened is not None:
+                plan.opened.close()
     return [_entry(store, plan) for plan in plans], added
 
 
