@@ -206,7 +206,14 @@ class _Staged:
 
     def write(self, data: bytes | memoryview) -> None:
         self.file.write(data)
-        self.early.wrote(len(data))
+
+    def write_at(self, data: bytes | memoryview, offset: int) -> None:
+        """Write ``data`` at ``offset`` (a worker, while others write elsewhere in the file)."""
+        view = memoryview(data)
+        fd = self.file.fileno()
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
 
     def sync(self) -> None:
         """Written out (durable when asked), then closed. An early flush's error is reported once
@@ -226,32 +233,59 @@ class _Staged:
         self.tmp.unlink(missing_ok=True)
 
 
+def _positions(output: Output) -> list[int] | None:
+    """Where each piece of ``output`` starts, when every size is known before it is made (not for
+    computed pieces: merged LoRA weights)."""
+    starts, at = [], 0
+    for piece, _ in output.pieces:
+        if callable(piece):
+            return None
+        starts.append(at)
+        at += piece.size if isinstance(piece, ChunkRef) else len(piece)
+    return starts
+
+
 def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Progress | None, durable: bool) -> None:
-    """Write every output: all of them through one pipeline (no drain and refill between files),
-    each file closed (``durable``: fsynced) on a background thread while the next one is
-    written, then each renamed over its target once every file is written (durable), then
-    (``durable``) the folders fsynced. A failure leaves the targets as they were."""
+    """Write every output: all of them through one pipeline (no drain and refill between files).
+    The workers that decode the chunks write them at their offsets (a file whose pieces include
+    computed ones is written in order by this thread); each file is closed (``durable``: fsynced)
+    on a background thread once its last piece is written, while the next ones are; each is
+    renamed over its target once every file is written (durable), then (``durable``) the folders
+    are fsynced. A failure leaves the targets as they were."""
     staged: list[_Staged] = []
     syncs: list[Future[None]] = []
     buffers = _Buffers()
-    items = ((i, piece) for i, (_, output) in enumerate(todo) for piece in output.pieces)
+
+    def jobs() -> Iterable[tuple[int, int | None, tuple[Piece, str]]]:
+        for i, (target, output) in enumerate(todo):  # outputs without pieces (empty files) are opened too
+            staged.append(_Staged(target, durable))
+            starts = _positions(output)
+            for k, item in enumerate(output.pieces):
+                yield i, None if starts is None else starts[k], item
+
+    def write(job: tuple[int, int | None, tuple[Piece, str]]) -> tuple[int, bytes | memoryview | None, int]:
+        i, offset, item = job
+        data, buf = _get_reusing(store, item, buffers)
+        if offset is None:
+            return i, data, len(data)  # written in order by the caller
+        staged[i].write_at(data, offset)
+        buffers.give(buf)
+        return i, None, len(data)
+
     with ThreadPoolExecutor(1, thread_name_prefix="ckstore-fsync") as syncer:
         try:
-            def advance(to: int) -> None:  # outputs without pieces (empty files) are opened too
-                while len(staged) <= to:
-                    if staged:
-                        syncs.append(syncer.submit(staged[-1].sync))
-                    staged.append(_Staged(todo[len(staged)][0], durable))
+            def close_before(i: int) -> None:  # every piece of the outputs before i is written
+                while len(syncs) < i:
+                    syncs.append(syncer.submit(staged[len(syncs)].sync))
 
-            for i, (data, buf) in ordered_map(lambda item: (item[0], _get_reusing(store, item[1], buffers)), items):
-                advance(i)
-                staged[i].write(data)
-                buffers.give(buf)
+            for i, data, n in ordered_map(write, jobs()):
+                close_before(i)
+                if data is not None:
+                    staged[i].write(data)
+                staged[i].early.wrote(n)
                 if progress:
-                    progress(len(data))
-            if todo:
-                advance(len(todo) - 1)
-                syncs.append(syncer.submit(staged[-1].sync))
+                    progress(n)
+            close_before(len(staged))
             for future in syncs:
                 future.result()
         except BaseException:
