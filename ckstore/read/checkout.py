@@ -9,8 +9,8 @@ killed outright (SIGKILL, power loss) can leave its hidden temporary ``.NAME.PID
 checkout writing into that folder removes the temporaries of processes that no longer run.
 Before anything is written every target is checked: a different existing file is refused unless
 ``force``; an identical one (same size, and every chunk region hashing to its chunk's name) is
-left alone. Chunks are fetched, decoded and verified on a bounded thread pool and written in
-order.
+left alone. Chunks are fetched, decoded, verified and written at their offsets on a bounded
+thread pool.
 """
 
 from __future__ import annotations
