@@ -262,6 +262,7 @@ class Repo:
         from ckstore.repository.overlay import resolve_base
         from ckstore.write.commit import commit_sources, prepare_commit
         from ckstore.write.ingest import collect_sources
+        from ckstore.write.pipeline import collection_paused
 
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -270,7 +271,8 @@ class Repo:
         request = self._start_new_branch(prepare_commit(message, branch, metadata).on_branch(self._ctx), start)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
         based = resolve_base(self._ctx, base, base_repo)
-        return commit_sources(self._ctx, sources, request, progress, base=based)
+        with collection_paused():  # as commit_state: 11% of the pipeline thread's samples were collections
+            return commit_sources(self._ctx, sources, request, progress, base=based)
 
     def _start_new_branch(self, request: CommitRequest, start: str | None) -> CommitRequest:
         """``request`` with the commit ``start`` names as its parent if its branch is new."""
@@ -370,8 +372,11 @@ class Repo:
         from ckstore.read.checkout import write_with_progress
         from ckstore.read.export import plan_checkout
 
+        from ckstore.write.pipeline import collection_paused
+
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
-        return write_with_progress(self.store, outputs, Path(out_dir), force, progress, durable=fsync)
+        with collection_paused():
+            return write_with_progress(self.store, outputs, Path(out_dir), force, progress, durable=fsync)
 
     def export(
         self, ref: str, out_dir: str | os.PathLike[str], *, prefix: str | None = None,

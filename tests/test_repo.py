@@ -494,3 +494,42 @@ def test_commit_losing_the_race_to_create_a_branch_is_reparented(
     mine = repo.commit(checkpoint(tmp_path / "a" / "c.safetensors", 1), branch="new")
     assert repo.read_commit(mine).parents == (won[0],)
     assert repo.branches()["new"] == mine
+
+
+def test_commit_and_checkout_of_many_chunks_run_no_garbage_collection(tmp_path: Path) -> None:
+    """A collection traverses every object of the process (a training script's too): commit and
+    checkout of files create tens of objects per chunk and free them by reference counting, so
+    they run none, and leave the interpreter's collector as they found it."""
+    import gc
+    import threading
+
+    repo = Repo.init(tmp_path / "r", chunk_size=4096)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_st(folder / "model.safetensors", {f"w{i}": torch.randn(150_000) for i in range(8)})
+    repo.checkout(repo.commit([folder / "model.safetensors"], message="warm"), tmp_path / "warm")
+    repo.wait()
+    save_st(folder / "model.safetensors", {f"w{i}": torch.randn(150_000) for i in range(8)})
+    collections: list[str] = []
+    running = ""
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and running and threading.current_thread() is threading.main_thread():
+            collections.append(running)
+
+    gc.callbacks.append(note)
+    try:
+        gc.collect()
+        running = "commit"
+        oid = repo.commit([folder], message="many chunks")
+        running = ""
+        repo.wait()
+        gc.collect()
+        running = "checkout"
+        repo.checkout(oid, tmp_path / "out")
+        running = ""
+    finally:
+        gc.callbacks.remove(note)
+    assert collections.count("commit") <= 1 and collections.count("checkout") <= 1
+    assert gc.isenabled()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
