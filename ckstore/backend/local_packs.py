@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,6 +217,40 @@ class LocalPacks:
         found = self.locate(oid)
         return None if found is None else found.entry.length
 
+    def read_prefixes(self, oids: Collection[str], n: int) -> dict[str, bytes]:
+        """The first ``n`` stored bytes of each of ``oids`` that a pack holds, each pack opened
+        once and neighbouring objects read together (``_read_places``): at 10^5 packed objects
+        one open and read per object through ``read`` cost 6-15 s of gc's and fsck's header
+        reads. An object left out (in no pack, or its pack settled meanwhile) is read one by one
+        by the caller."""
+        wanted = set(oids)
+        out: dict[str, bytes] = {}
+        for index in self.indexes():
+            if not wanted:
+                break
+            if len(wanted) * 16 < len(index):  # a few of a large pack: look each up
+                places = [(e.offset, min(n, e.length), oid) for oid in wanted if (e := index.find(oid)) is not None]
+            else:
+                ids, offsets, lengths = index.columns()
+                places = [(o, min(n, k), i) for i, o, k in zip(ids, offsets, lengths) if i in wanted]
+            try:
+                found = _read_places(self.path_of(index.pack_id), places)
+            except FileNotFoundError:
+                self.refresh(force=True)
+                continue
+            out.update(found)
+            wanted.difference_update(found)
+        return out
+
+    def sizes(self) -> dict[str, int]:
+        """Every packed object's stored length (the first pack listing an object wins, as in
+        ``locate``)."""
+        out: dict[str, int] = {}
+        for index in reversed(self.indexes()):
+            ids, _, lengths = index.columns()
+            out.update(zip(ids, lengths))
+        return out
+
     def ids(self) -> list[str]:
         self.refresh()
         with self._lock:
@@ -230,6 +265,35 @@ class LocalPacks:
     def forget(self, pack_id: str) -> None:
         with self._lock:
             self._indexes.pop(pack_id, None)
+
+
+# Neighbouring objects are read with one pread while the bytes between them are at most GAP and
+# the read at most SPAN: small packed objects come in runs, large ones each alone.
+_GAP = 64 << 10
+_SPAN = 1 << 20
+
+
+def _read_places(path: Path, places: list[tuple[int, int, str]]) -> dict[str, bytes]:
+    """``{oid: bytes}`` of each (offset, length, oid) of the pack at ``path``."""
+    out: dict[str, bytes] = {}
+    if not places:
+        return out
+    places.sort()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        i = 0
+        while i < len(places):
+            start, end, j = places[i][0], places[i][0] + places[i][1], i + 1
+            while j < len(places) and places[j][0] - end <= _GAP and places[j][0] + places[j][1] - start <= _SPAN:
+                end = max(end, places[j][0] + places[j][1])
+                j += 1
+            data = os.pread(fd, end - start, start)
+            for offset, length, oid in places[i:j]:
+                out[oid] = data[offset - start:offset - start + length]
+            i = j
+    finally:
+        os.close(fd)
+    return out
 
 
 def _ids(index: PackIndex | PackTable) -> list[str]:

@@ -120,6 +120,10 @@ class PackIndex:
     def in_pack_order(self) -> list[PackEntry]:
         return sorted(self.entries, key=lambda e: e.offset)
 
+    def columns(self) -> tuple[list[str], list[int], list[int]]:
+        """(ids, offsets, lengths) of every entry, in table order (as ``PackTable.columns``)."""
+        return [e.id for e in self.entries], [e.offset for e in self.entries], [e.length for e in self.entries]
+
     def to_bytes(self) -> bytes:
         """The index file for this pack (section "Pack index" of docs/format.md)."""
         return encode_index(self.pack_id, self.pack_size, self.entries, self.version)
@@ -388,6 +392,11 @@ class PackTable:
 
     def ids(self) -> list[str]:
         return [i.hex() for i in self._arrays._raw_ids()]
+
+    def columns(self) -> tuple[list[str], list[int], list[int]]:
+        """(ids, offsets, lengths) of every entry, in table order, without a ``PackEntry`` each:
+        the bulk readers of every object (gc, stats, fsck at 10^6 objects) walk these lists."""
+        return self.ids(), self._arrays.offsets.tolist(), self._arrays.lengths.tolist()
 
     def longest(self) -> int:
         """The largest object's stored length."""
