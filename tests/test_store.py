@@ -229,3 +229,28 @@ def test_a_header_read_as_whole_is_what_the_codec_says(magic: bytes, version: in
     except IntegrityError as exc:
         expected = ("IntegrityError", f"object {'ab' * 32} is corrupt: {exc}")
     assert _outcome(got) == expected
+
+
+def test_commits_among_many_objects_read_together_or_one_by_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc names the commits it deletes from their headers, read together (packs) or one by one
+    (loose, damaged): the same answer either way."""
+    from ckstore.repo import Repo
+
+    repo = Repo.init(tmp_path / "r")
+    folder = tmp_path / "f"
+    folder.mkdir()
+    for i in range(80):  # 64 files or more: one pack
+        (folder / f"{i:03d}.txt").write_text(f"file {i}\n")
+    commit = repo.commit(folder, message="many files")
+    (folder / "000.txt").write_text("changed\n")
+    loose_commit = repo.commit(folder, message="one change")
+    repo.wait()
+    chunks = [c.id for c in repo.read_commit(commit).all_chunks()]
+    damaged = repo.backend.packs.locate(chunks[5])  # type: ignore[attr-defined]
+    flip_bit(damaged.path, damaged.entry.offset)  # its magic
+    asked = [*chunks, commit, loose_commit, chunk_id(b"never stored")]
+    monkeypatch.setattr(LocalBackend, "BULK_MIN", 0)
+    assert repo.backend.get_prefixes([object_key(c) for c in chunks], 16)  # read together indeed
+    together = repo.store.commits_among(asked)
+    monkeypatch.setattr(LocalBackend, "BULK_MIN", 10 ** 9)
+    assert together == repo.store.commits_among(asked) == {commit, loose_commit}

@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckstore.codecs.objects import Kind
-from ckstore.errors import CkstoreError, ForceRequiredError
+from ckstore.errors import ForceRequiredError
 from ckstore.format.ids import ObjectId
 from ckstore.maintenance import sizes
 from ckstore.maintenance.kept import kept_commits, live_objects
@@ -83,7 +82,7 @@ def collect_garbage(
         stored = store.stored_sizes()
         victims = {oid: size for oid, size in stored.items() if oid not in live}
         by_policy = set(report.pruned_commits)
-        report.unreachable_commits = sorted(v for v in victims if v not in by_policy and _is_commit(ctx, v))
+        report.unreachable_commits = sorted(store.commits_among([v for v in victims if v not in by_policy]))
         report.deletes_every_commit = not kept.commits and bool(report.pruned_commits or report.unreachable_commits)
         report.deleted_objects = len(victims)
         temporaries = ctx.backend.temporary_sizes()  # all leftovers: no writer holds the lock now
@@ -115,15 +114,8 @@ def collect_garbage(
     return report
 
 
-def _is_commit(ctx: RepoContext, oid: ObjectId) -> bool:
-    try:
-        return ctx.store.has(oid) and ctx.store.kind(oid) == Kind.COMMIT
-    except CkstoreError:
-        return False  # unreadable: not a commit anyone can restore
-
-
 def _refuse_deleting_every_commit(ctx: RepoContext, prune_now: bool) -> None:
-    commits = sum(1 for oid in ctx.store.iter_ids() if _is_commit(ctx, oid))
+    commits = len(ctx.store.commits_among(list(ctx.store.iter_ids())))
     if commits:
         why = "--prune-now expires the reflog entries that name them" if prune_now else \
             "no branch, tag or unexpired reflog entry names any of them"

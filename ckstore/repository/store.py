@@ -249,6 +249,22 @@ class ObjectStore:
         with ThreadPoolExecutor(HEADER_READERS, thread_name_prefix="headers") as pool:
             return [r for batch in pool.map(lambda batch: [read(oid) for oid in batch], batches) for r in batch]
 
+    def commits_among(self, oids: list[str]) -> set[str]:
+        """Those of ``oids`` that are commits (an object whose header cannot be read is not one:
+        nobody can restore it as a commit). Headers read together where the backend can (gc's
+        victims: 10^6 of them one read each cost more than the rest of gc)."""
+        keys = [object_key(oid) for oid in oids]
+        together = self.backend.get_prefixes(keys, HEADER_SIZE)
+        out = set()
+        for oid, key in zip(oids, keys):
+            try:
+                prefix = together.get(key) or self._read_prefix(oid, HEADER_SIZE)
+                if parse_header(prefix).kind == Kind.COMMIT:
+                    out.add(oid)
+            except CkstoreError:
+                continue
+        return out
+
     def stored_sizes(self) -> dict[ObjectId, int]:
         """Every object of this repository (not a base's) with its stored size, in one pass."""
         return self.backend.object_sizes()  # type: ignore[return-value]
