@@ -144,10 +144,10 @@ class Backend(ABC):
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 
-    def get_prefixes(self, keys: Collection[str], n: int) -> dict[str, bytes]:
-        """The first ``n`` bytes of those of ``keys`` that this backend reads together more
-        cheaply than one by one (a local repository's packed objects); the caller reads every
-        key left out with ``get_prefix``. The default reads none together."""
+    def object_prefixes(self, oids: Collection[str], n: int) -> dict[str, bytes]:
+        """The first ``n`` stored bytes of those objects of ``oids`` (by name) that this backend
+        reads together more cheaply than one by one (a local repository's packed objects); the
+        caller reads every one left out with ``get_prefix``. The default reads none together."""
         return {}
 
     def object_sizes(self) -> dict[str, int]:

@@ -133,19 +133,17 @@ class LocalBackend(StagingBackend):
     # Below this many keys, reading each is cheaper than listing the loose objects first.
     BULK_MIN = 1024
 
-    def get_prefixes(self, keys: Collection[str], n: int) -> dict[str, bytes]:
+    def object_prefixes(self, oids: Collection[str], n: int) -> dict[str, bytes]:
         """Packed objects' prefixes, each pack read once (local_packs.py ``read_prefixes``); a
         loose copy shadows a packed one (``_read`` looks there first: a replaced object), so
         loose objects are left to ``get_prefix``."""
-        if len(keys) < self.BULK_MIN:
+        if len(oids) < self.BULK_MIN:
             return {}
         loose = self._loose_ids()
-        oids = {oid: key for key in keys if (oid := key_object_id(key)) is not None and oid not in loose}
         try:
-            found = self.packs.read_prefixes(oids.keys(), n)
+            return self.packs.read_prefixes([oid for oid in oids if oid not in loose], n)
         except OSError as exc:
             raise storage_error(exc, f"reading the packs of {self.root}") from None
-        return {oids[oid]: data for oid, data in found.items()}
 
     def object_sizes(self) -> dict[str, int]:
         """Loose objects' sizes from their folders' listings (one stat each), packed ones' from
