@@ -2,8 +2,9 @@
 
 Repositories of 10, 100, 1,000 small commits (one tiny file each, compaction off) and of
 10^4..10^6 objects (one commit of that many tiny files). For each: ``log``, ``log -n 10``,
-``show``, ``stats``, ``fsck``, ``gc --dry-run``, ``gc``, then ``push`` of one new commit to a
-folder remote that holds all the rest and ``fetch`` of that commit into a clone; each as a
+``show``, ``stats``, ``status``, ``fsck``, ``gc --dry-run``, ``gc``, ``status`` right after it,
+``gc --repack`` and ``status`` again, then ``push`` of one new commit to a folder remote that
+holds all the rest and ``fetch`` of that commit into a clone (``--commands`` picks some); each as a
 subprocess (what a user waits for, start-up included) and in this process (no interpreter
 start-up or imports: what the command itself costs). The load average is printed with every
 row: on a shared machine only rows measured at a similar load compare.
@@ -14,7 +15,10 @@ with the same case, so a profile or a second measurement does not pay the build 
 nothing to delete after the first run, and each run adds the commits it pushes and fetches.
 
     python scripts/bench_scaling.py [--commits 10 100 1000] [--objects 10000 100000] [--work DIR]
-        [--profile CASE COMMAND]   # cProfile one in-process command (e.g. 100000o push)
+        [--in-process-only] [--commands stats "gc --dry-run" ...]
+        [--profile CASE COMMAND] [--sort tottime]   # cProfile one in-process command (e.g. 100000o push)
+
+The remote and the clone are built only when push or fetch are measured.
 """
 
 from __future__ import annotations
