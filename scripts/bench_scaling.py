@@ -2,8 +2,9 @@
 
 Repositories of 10, 100, 1,000 small commits (one tiny file each, compaction off) and of
 10^4..10^6 objects (one commit of that many tiny files). For each: ``log``, ``log -n 10``,
-``show``, ``stats``, ``fsck``, ``gc --dry-run``, ``gc``, then ``push`` of one new commit to a
-folder remote that holds all the rest and ``fetch`` of that commit into a clone; each as a
+``show``, ``stats``, ``status``, ``fsck``, ``gc --dry-run``, ``gc``, ``status`` right after it,
+``gc --repack`` and ``status`` again, then ``push`` of one new commit to a folder remote that
+holds all the rest and ``fetch`` of that commit into a clone (``--commands`` picks some); each as a
 subprocess (what a user waits for, start-up included) and in this process (no interpreter
 start-up or imports: what the command itself costs). The load average is printed with every
 row: on a shared machine only rows measured at a similar load compare.
@@ -14,7 +15,10 @@ with the same case, so a profile or a second measurement does not pay the build 
 nothing to delete after the first run, and each run adds the commits it pushes and fetches.
 
     python scripts/bench_scaling.py [--commits 10 100 1000] [--objects 10000 100000] [--work DIR]
-        [--profile CASE COMMAND]   # cProfile one in-process command (e.g. 100000o push)
+        [--in-process-only] [--commands stats "gc --dry-run" ...]
+        [--profile CASE COMMAND] [--sort tottime]   # cProfile one in-process command (e.g. 100000o push)
+
+The remote and the clone are built only when push or fetch are measured.
 """
 
 from __future__ import annotations
@@ -36,8 +40,16 @@ from ckstore import Repo
 ROOT = Path(__file__).resolve().parent.parent
 CKSTORE = [sys.executable, "-m", "ckstore.cli"]
 # status right after stats: it shows the figures stats measured while nothing changed (a status
-# with no measurement before it measures them itself, as stats; docs/design.md).
-COMMANDS = ("log", "log -n 10", "show", "stats", "status", "fsck", "gc --dry-run", "gc", "push", "fetch")
+# with no measurement before it measures them itself, as stats; docs/design.md). "status after
+# gc": gc leaves the figures current (maintenance/sizes_cache.py), so it shows them at once.
+# Each entry: (label, arguments after --repo); push and fetch are special (see measure).
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("log", "log"), ("log -n 10", "log -n 10"), ("show", "show"), ("stats", "stats"), ("status", "status"),
+    ("fsck", "fsck"), ("gc --dry-run", "gc --dry-run"), ("gc", "gc"), ("status after gc", "status"),
+    ("gc --repack", "gc --repack"), ("status after gc --repack", "status"), ("push", "push origin"),
+    ("fetch", "fetch origin"),
+)
+REMOTE_COMMANDS = ("push", "fetch")
 
 
 def load() -> str:
@@ -100,22 +112,30 @@ def many_objects(repo: Path, work: Path, count: int) -> None:
     r.wait()
 
 
-def build(work: Path, case: str) -> tuple[Path, float]:
-    """The built repository, its remote and a clone for ``case`` ("1000c", "100000o"), made
-    once and kept; (folder holding repo/remote/clone, seconds the build took, 0 when reused)."""
+def build(work: Path, case: str, remote: bool = True) -> tuple[Path, float]:
+    """The built repository for ``case`` ("1000c", "100000o") and, with ``remote``, its remote
+    and a clone, made once and kept; (folder holding repo/remote/clone, seconds the repository's
+    build took, 0 when reused). The remote is made on first need: at 10^6 objects pushing every
+    object took 864 s and cloning 2,104 s (load 9-14), which gc, fsck and stats do not need."""
     built = work / f"built-{case}"
-    if (built / "done").exists():
-        return built, 0.0
-    shutil.rmtree(built, ignore_errors=True)
-    built.mkdir(parents=True)
-    n, kind = int(case[:-1]), case[-1]
-    started = time.perf_counter()
-    (tiny_commits if kind == "c" else many_objects)(built / "repo", built, n)
-    seconds = time.perf_counter() - started
-    Repo(built / "repo").add_remote("origin", str(built / "remote"))
-    Repo(built / "repo").push("origin")
-    Repo.clone(str(built / "remote"), built / "clone")
-    (built / "done").write_text(f"{seconds:.1f}\n")
+    seconds = 0.0
+    if not (built / "done").exists():
+        shutil.rmtree(built, ignore_errors=True)
+        built.mkdir(parents=True)
+        n, kind = int(case[:-1]), case[-1]
+        started = time.perf_counter()
+        (tiny_commits if kind == "c" else many_objects)(built / "repo", built, n)
+        seconds = time.perf_counter() - started
+        (built / "done").write_text(f"{seconds:.1f}\n")
+    if remote and not (built / "cloned").exists():
+        shutil.rmtree(built / "remote", ignore_errors=True)
+        shutil.rmtree(built / "clone", ignore_errors=True)
+        repo = Repo(built / "repo")
+        if "origin" not in repo.remotes():
+            repo.add_remote("origin", str(built / "remote"))
+        repo.push("origin")
+        Repo.clone(str(built / "remote"), built / "clone")
+        (built / "cloned").write_text("")
     return built, seconds
 
 
@@ -128,43 +148,46 @@ def add_commit(repo: Path, text: str) -> None:
     r.commit(folder, message=text)
 
 
-def measure(built: Path, subprocesses: bool = True) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(subprocess seconds, in-process seconds, in-process CPU seconds) of every command on
-    ``built``; each of the two passes adds one commit there, pushes it and fetches it into the
-    clone. ``subprocesses=False``: the in-process pass only (10^6 objects: each pass is long)."""
+def measure(built: Path, commands: list[str], subprocesses: bool = True,
+            ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(subprocess seconds, in-process seconds, in-process CPU seconds) of each of ``commands``
+    (labels of COMMANDS) on ``built``; with push, each of the two passes adds one commit there,
+    pushes it and fetches it into the clone. ``subprocesses=False``: the in-process pass only
+    (10^6 objects: each pass is long)."""
     sub: dict[str, float] = {"start": statistics.median(run_cli(["--version"]) for _ in range(3))}
     inside: dict[str, float] = {}
     cpu: dict[str, float] = {}
-    repo, clone = str(built / "repo"), str(built / "clone")
     passes = ((run_cli, sub), (run_in_process, inside)) if subprocesses else ((run_in_process, inside),)
     for timer, out in passes:
-        for cmd, args in [(c, ["--repo", repo, *c.split()]) for c in COMMANDS[:-2]] + [
-                ("push", ["--repo", repo, "push", "origin"]), ("fetch", ["--repo", clone, "fetch", "origin"])]:
-            if cmd == "push":
+        for label, args in COMMANDS:
+            if label not in commands:
+                continue
+            target = built / ("clone" if label == "fetch" else "repo")
+            if label == "push":
                 add_commit(built / "repo", f"one more ({timer.__name__}, {time.time()})")
-            out[cmd] = timer(args)
+            out[label] = timer(["--repo", str(target), *args.split()])
             if timer is run_in_process:
-                cpu[cmd] = LAST_CPU[0]
+                cpu[label] = LAST_CPU[0]
     return sub, inside, cpu
 
 
-def profile(work: Path, case: str, command: str) -> None:
+def profile(work: Path, case: str, command: str, sort: str = "cumulative") -> None:
     import cProfile
     import pstats
 
-    built, _ = build(work, case)
-    if command in ("push", "fetch"):
+    built, _ = build(work, case, remote=command in REMOTE_COMMANDS)
+    if command in REMOTE_COMMANDS:
         add_commit(built / "repo", f"one more ({time.time()})")
         if command == "fetch":
             Repo(built / "repo").push("origin")
     target = built / ("clone" if command == "fetch" else "repo")
-    args = ["--repo", str(target), *command.split()] + (["origin"] if command in ("push", "fetch") else [])
+    args = ["--repo", str(target), *command.split()] + (["origin"] if command in REMOTE_COMMANDS else [])
     prof = cProfile.Profile()
     prof.enable()
     seconds = run_in_process(args)
     prof.disable()
     print(f"{case} {command}: {seconds:.2f} s, {LAST_CPU[0]:.2f} CPU s (load {load()})")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+    pstats.Stats(prof).sort_stats(sort).print_stats(40)
 
 
 def main() -> None:
@@ -174,26 +197,35 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "bench-work" / "scaling"))
     parser.add_argument("--profile", nargs=2, metavar=("CASE", "COMMAND"))
     parser.add_argument("--in-process-only", action="store_true", help="skip the subprocess pass")
+    parser.add_argument("--commands", nargs="*", default=[label for label, _ in COMMANDS],
+                        help="labels of the commands to run, in their fixed order (default: all)")
+    parser.add_argument("--sort", default="cumulative", help="the profile's sort key (cumulative, tottime)")
     args = parser.parse_args()
+    unknown = set(args.commands) - {label for label, _ in COMMANDS}
+    if unknown:
+        parser.error(f"unknown commands: {', '.join(sorted(unknown))}")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.profile:
-        profile(work, *args.profile)
+        profile(work, *args.profile, sort=args.sort)
         return
-    lines = ["| repository | load (1 min) | start-up (`--version`) s | " + " | ".join(f"`{c}` s" for c in COMMANDS) + " |",
-             "|---|---|---|" + "---|" * len(COMMANDS)]
+    commands = [label for label, _ in COMMANDS if label in args.commands]
+    lines = ["| repository | load (1 min) | start-up (`--version`) s | " + " | ".join(f"`{c}` s" for c in commands) + " |",
+             "|---|---|---|" + "---|" * len(commands)]
     print(lines[0] + "\n" + lines[1], flush=True)
     cases = [(f"{n}c", f"{n:,} commits") for n in args.commits] + [(f"{n}o", f"{n:,} objects") for n in args.objects]
     for case, label in cases:
-        built, seconds = build(work, case)
+        built, seconds = build(work, case, remote=any(c in REMOTE_COMMANDS for c in commands))
         took = f" (built in {seconds:.0f} s)" if seconds else ""
         before = os.getloadavg()[0]
-        sub, inside, cpu = measure(built, not args.in_process_only)
+        sub, inside, cpu = measure(built, commands, not args.in_process_only)
         during = f"{before:.1f}–{os.getloadavg()[0]:.1f}"
-        lines.append(f"| {label}{took} | {during} | {sub['start']:.2f} | " + " | ".join(f"{sub.get(c, 0):.2f}" for c in COMMANDS) + " |")
-        lines.append(f"| {label}, in process | | – | " + " | ".join(f"{inside[c]:.2f}" for c in COMMANDS) + " |")
-        lines.append(f"| {label}, in process, CPU | | – | " + " | ".join(f"{cpu[c]:.2f}" for c in COMMANDS) + " |")
-        print("\n".join(lines[-3:]), flush=True)
+        if not args.in_process_only:
+            lines.append(f"| {label}{took} | {during} | {sub['start']:.2f} | " + " | ".join(f"{sub[c]:.2f}" for c in commands) + " |")
+        lines.append(f"| {label}, in process{took if args.in_process_only else ''} | {during if args.in_process_only else ''} | – | "
+                     + " | ".join(f"{inside[c]:.2f}" for c in commands) + " |")
+        lines.append(f"| {label}, in process, CPU | | – | " + " | ".join(f"{cpu[c]:.2f}" for c in commands) + " |")
+        print("\n".join(lines[-3 if not args.in_process_only else -2:]), flush=True)
     print("\n" + "\n".join(lines))
 
 

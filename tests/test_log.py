@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckstore.cli import main
-from ckstore.format import manifest
+from ckstore.format import manifest_entries
 from ckstore.repo import Repo
 
 
@@ -27,13 +27,13 @@ def wide_history(tmp_path: Path) -> Path:
 
 def parses_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = manifest._parse_file
+    real = manifest_entries._parse_file
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(manifest, "_parse_file", counted)
+    monkeypatch.setattr(manifest_entries, "_parse_file", counted)
     return calls
 
 

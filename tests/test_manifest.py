@@ -214,7 +214,7 @@ def test_random_json_mutations_raise_only_ckstore_errors(data: st.DataObject) ->
             pass
 
 
-# The plain-blob fast path (manifest._plain_blob) must accept exactly a subset of what the
+# The plain-blob fast path (manifest_entries._plain_blob) must accept exactly a subset of what the
 # general parser accepts, and build the same entry: validation stays as strict. Documents are
 # well-formed blob entries with one or two fields replaced by near misses.
 _ID = "ab" * 32
@@ -240,7 +240,7 @@ _near_misses: dict[str, Any] = {
        changes=st.dictionaries(st.sampled_from(sorted(_near_misses)), st.none(), max_size=2), data=st.data())
 def test_plain_blob_path_accepts_only_what_the_general_parser_accepts(
         sizes: list[int], changes: dict[str, None], data: st.DataObject) -> None:
-    from ckstore.format.manifest import _parse_any_file, _plain_blob
+    from ckstore.format.manifest_entries import _parse_any_file, _plain_blob
 
     doc: dict[str, Any] = {"path": "d/f.bin", "kind": "blob", "size": sum(sizes), "chunks": [[_ID, n] for n in sizes]}
     for field_name in changes:
@@ -272,7 +272,7 @@ _GOOD = {"path": "d/f.bin", "kind": "blob", "size": 3, "chunks": [[_ID, 1], [_ID
 ])
 def test_plain_blob_path_refuses_near_misses(change: dict[str, Any]) -> None:
     """Each is refused by the general parser (or, for ``extra``, by its field check)."""
-    from ckstore.format.manifest import _parse_any_file, _plain_blob
+    from ckstore.format.manifest_entries import _parse_any_file, _plain_blob
 
     doc = {**_GOOD, **change}
     assert _plain_blob(doc) is None
@@ -281,7 +281,7 @@ def test_plain_blob_path_refuses_near_misses(change: dict[str, Any]) -> None:
 
 
 def test_plain_blob_path_takes_the_common_entry() -> None:
-    from ckstore.format.manifest import _plain_blob
+    from ckstore.format.manifest_entries import _plain_blob
 
     doc = {"path": "0000/0000001.txt", "kind": "blob", "size": 5, "chunks": [[_ID, 2], [_ID, 3]]}
     assert _plain_blob(doc) == FileEntry("0000/0000001.txt", "blob", 5, chunks=(ChunkRef(_ID, 2), ChunkRef(_ID, 3)))

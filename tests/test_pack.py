@@ -439,3 +439,19 @@ def test_fuzz_mutated_packs_and_indexes_raise_only_integrity_errors(ops: list[tu
         # The checksum covers every byte, so any change to an index is caught.
         with pytest.raises(IntegrityError):
             pack.parse_index(idx, _FUZZ.name)
+
+
+@given(st.lists(st.sampled_from(range(12)), max_size=30), st.lists(st.text("0123456789abcdefxz", max_size=66), max_size=4))
+def test_objects_located_together_are_where_find_puts_them(picks: list[int], odd: list[str]) -> None:
+    """gc's bulk header reads locate many objects at once (``locate_many``): in a table read
+    from the pack's tail (arrays) and in a built index alike, each found where ``find`` finds it,
+    in the order asked, absent and malformed ids left out."""
+    objects = make_objects(8)
+    (built,) = pack.pack_objects(objects)
+    table = pack.table_from_tail(built.data[-pack.TAIL_GUESS:], len(built.data), built.name)
+    candidates = [oid for oid, _ in objects] + [chunk_id(bytes([i])) for i in range(4)]
+    asked = [candidates[i] for i in picks] + odd
+    expected = [(i, e.offset, e.length) for i, oid in enumerate(asked) if (e := built.index.find(oid)) is not None]
+    for index in (table, built.index):
+        positions, offsets, lengths = index.locate_many(asked)
+        assert list(zip(positions.tolist(), offsets.tolist(), lengths.tolist())) == expected

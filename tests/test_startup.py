@@ -76,7 +76,7 @@ OPERATIONS = HEAVY + (
     "ckstore.read.export", "ckstore.remote.fetch", "ckstore.training.state", "ckstore.maintenance.repack",
 )
 # What status computes (gc's kept set, for what gc would free) is an operation the others skip.
-STATUS_ONLY = ("ckstore.maintenance.gc", "ckstore.maintenance.sizes", "ckstore.repository.overlay")
+STATUS_ONLY = ("ckstore.maintenance.gc", "ckstore.maintenance.kept", "ckstore.maintenance.sizes", "ckstore.repository.overlay")
 
 
 @pytest.mark.parametrize("args", [("--help",), ("log", "-n", "1"), ("wait",), ("branch",), ("status",)])

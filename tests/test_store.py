@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
@@ -146,3 +148,110 @@ def test_fast_put_stores_raw_only_what_does_not_compress(kind: str) -> None:
     assert encoding == (Encoding.ZSTD if kind == "zeros" else Encoding.RAW)
     assert result.stored < n // 100 if kind == "zeros" else result.stored > n
     assert store.get_chunk(result.id, n) == raw
+
+
+def _outcome(value: object) -> object:
+    return (type(value).__name__, str(value)) if isinstance(value, Exception) else value
+
+
+def test_headers_read_together_agree_with_one_by_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc, stats and fsck read every header at once (``Backend.object_prefixes``: each pack opened
+    once); what they find is what ``bases_of`` finds one object at a time: packed whole objects
+    and deltas, a loose copy shadowing a packed one, a damaged header in a pack, a missing object."""
+    import numpy as np
+
+    from ckstore.backend.local_packs import PACK_FOLDER
+    from ckstore.repo import Repo
+
+    monkeypatch.setattr(LocalBackend, "BULK_MIN", 0)
+    repo = Repo.init(tmp_path / "r")
+    store = repo.store
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(1024).astype(np.float32)
+    whole, deltas = [], []
+    with store.batch(expected_objects=400) as view:  # 64 objects or more: one pack
+        for i in range(150):
+            first = base + np.float32(i)
+            whole.append(view.put_chunk(first.tobytes(), width=4).id)
+            near = first.copy()
+            near[i] += 1
+            deltas.append(view.put_chunk(near.tobytes(), width=4, base_id=whole[-1]).id)
+    packs = sorted((repo.path / PACK_FOLDER).glob("*.pack"))  # type: ignore[operator]
+    assert len(packs) == 1 and not (repo.path / object_key(whole[0])).exists()  # type: ignore[operator]
+    shadowed = whole[0]  # a loose copy is read first (a replaced object): here a damaged one
+    (repo.path / object_key(shadowed)).parent.mkdir(parents=True, exist_ok=True)  # type: ignore[operator]
+    (repo.path / object_key(shadowed)).write_bytes(b"XXXX" + store.read_raw(shadowed)[4:])  # type: ignore[operator]
+    damaged = deltas[1]
+    entry = repo.backend.packs.locate(damaged).entry  # type: ignore[attr-defined]
+    flip_bit(packs[0], entry.offset + 4)  # its version byte
+    loose = store.put_chunk(os.urandom(3000)).id
+    missing = chunk_id(b"never stored")
+    asked = [*deltas, missing, *whole, loose]
+    repo = Repo(repo.path)  # tables read from the packs' tails (arrays), as another process reads them
+    store = repo.store
+
+    assert set(repo.backend.object_prefixes(asked, 64)) == {*deltas, *whole[1:]}  # packed only
+    together = [(oid, _outcome(v)) for oid, v in store.bases_or_errors(asked)]
+    monkeypatch.setattr(LocalBackend, "BULK_MIN", 10 ** 9)
+    assert repo.backend.object_prefixes(asked, 64) == {}
+    one_by_one = [(oid, _outcome(v)) for oid, v in store.bases_or_errors(asked)]
+    assert together == one_by_one
+    outcome = dict(together)
+    assert outcome[missing][0] == "ObjectMissingError" and outcome[shadowed][0] == "IntegrityError"
+    assert outcome[damaged][0] == "IntegrityError" and outcome[loose] == ()
+    assert sum(1 for oid in deltas if outcome[oid] == (whole[deltas.index(oid)],)) > 100  # deltas indeed
+
+
+def test_object_sizes_in_one_pass_are_each_objects_size(tmp_path: Path) -> None:
+    from ckstore.repo import Repo
+
+    repo = Repo.init(tmp_path / "r")
+    with repo.store.batch(expected_objects=100) as view:
+        packed = [view.put_chunk(os.urandom(100 + i)).id for i in range(100)]
+    loose = repo.store.put_chunk(os.urandom(5000)).id
+    sizes = repo.store.stored_sizes()
+    assert set(sizes) == set(repo.store.iter_ids()) == {*packed, loose}
+    assert sizes == {oid: repo.store.stored_size(oid) for oid in sizes}
+    assert sizes == {oid: n for oid, n in super(LocalBackend, repo.backend).object_sizes().items()}  # type: ignore[misc]
+
+
+@given(st.sampled_from([b"CKSO", b"CKSX"]), st.sampled_from([0, 1, 2]), st.sampled_from([0, 1, 2, 3]),
+       st.integers(0, 7), st.sampled_from([0, 1]), st.binary(max_size=150))
+def test_a_header_read_as_whole_is_what_the_codec_says(magic: bytes, version: int, kind: int, encoding: int,
+                                                        reserved: int, rest: bytes) -> None:
+    """The shortcut for whole objects' headers (store.bases_in) agrees with ``delta_bases``."""
+    from ckstore.codecs.objects import HEADER, delta_bases
+    from ckstore.repository.store import bases_in
+
+    prefix = (HEADER.pack(magic, version, kind, encoding, reserved, len(rest)) + rest)[:16 + len(rest) % 200]
+    got = bases_in("ab" * 32, prefix)
+    try:
+        expected: object = delta_bases(prefix)
+    except IntegrityError as exc:
+        expected = ("IntegrityError", f"object {'ab' * 32} is corrupt: {exc}")
+    assert _outcome(got) == expected
+
+
+def test_commits_among_many_objects_read_together_or_one_by_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc names the commits it deletes from their headers, read together (packs) or one by one
+    (loose, damaged): the same answer either way."""
+    from ckstore.repo import Repo
+
+    repo = Repo.init(tmp_path / "r")
+    folder = tmp_path / "f"
+    folder.mkdir()
+    for i in range(80):  # 64 files or more: one pack
+        (folder / f"{i:03d}.txt").write_text(f"file {i}\n")
+    commit = repo.commit(folder, message="many files")
+    (folder / "000.txt").write_text("changed\n")
+    loose_commit = repo.commit(folder, message="one change")
+    repo.wait()
+    chunks = [c.id for c in repo.read_commit(commit).all_chunks()]
+    damaged = repo.backend.packs.locate(chunks[5])  # type: ignore[attr-defined]
+    flip_bit(damaged.path, damaged.entry.offset)  # its magic
+    asked = [*chunks, commit, loose_commit, chunk_id(b"never stored")]
+    monkeypatch.setattr(LocalBackend, "BULK_MIN", 0)
+    assert repo.backend.object_prefixes(chunks, 16)  # read together indeed
+    together = repo.store.commits_among(asked)
+    monkeypatch.setattr(LocalBackend, "BULK_MIN", 10 ** 9)
+    assert together == repo.store.commits_among(asked) == {commit, loose_commit}

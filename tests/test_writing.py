@@ -125,7 +125,7 @@ def test_a_fetch_after_use_remote_lands_everything_its_refs_need(tmp_path: Path)
 def test_gc_cannot_run_between_a_fetch_landing_objects_and_moving_its_refs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """F2: gc run right after fetch landed its objects must not delete them."""
-    import ckstore.remote.fetch
+    import ckstore.remote.landing
 
     colleague = Repo.init(tmp_path / "colleague" / ".ckstore")
     theirs = colleague.commit([folder(tmp_path / "c1", 1)], message="theirs")
@@ -135,13 +135,13 @@ def test_gc_cannot_run_between_a_fetch_landing_objects_and_moving_its_refs(
     me.commit([folder(tmp_path / "m1", 2)], message="mine")
     me.add_remote("origin", str(tmp_path / "remote"))
     outcomes: list[str] = []
-    real_land_all = ckstore.remote.fetch._Batches.land_all
+    real_land_all = ckstore.remote.landing.Batches.land_all
 
     def land_then_gc(self: Any) -> None:
         real_land_all(self)
         outcomes.append(attempt(lambda: Repo(tmp_path / "me").gc()))
 
-    monkeypatch.setattr(ckstore.remote.fetch._Batches, "land_all", land_then_gc)
+    monkeypatch.setattr(ckstore.remote.landing.Batches, "land_all", land_then_gc)
     me.fetch()
     monkeypatch.undo()
     again = Repo(tmp_path / "me")

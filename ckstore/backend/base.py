@@ -39,6 +39,7 @@ from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from ckstore.errors import InvalidPathError, LockedError, StorageError
+from ckstore.format.ids import is_object_id, key_object_id
 
 # '%' carries the escapes of ref names (refs.encode_ref); no character here can change a path.
 # A key is parts joined by '/', none empty, '.' or '..': one match per key (every object access
@@ -142,6 +143,24 @@ class Backend(ABC):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    def object_prefixes(self, oids: Collection[str], n: int) -> dict[str, bytes]:
+        """The first ``n`` stored bytes of those objects of ``oids`` (by name) that this backend
+        reads together more cheaply than one by one (a local repository's packed objects); the
+        caller reads every one left out with ``get_prefix``. The default reads none together."""
+        return {}
+
+    def object_sizes(self) -> dict[str, int]:
+        """Every stored object's size, by object name (what ``size`` says of its key), in one
+        pass: ``stats`` and gc need all of them (10^6 objects: one ``size`` call each cost more
+        than the rest of gc's walk)."""
+        out: dict[str, int] = {}
+        for key in self.list("objects/"):
+            oid = key_object_id(key)
+            size = self.size(key) if oid is not None and is_object_id(oid) else None
+            if size is not None:
+                out[oid] = size  # type: ignore[index]
+        return out
 
     def get_prefix(self, key: str, n: int) -> bytes:
         """The first ``n`` bytes of a value (fewer if it is shorter); KeyError when absent.

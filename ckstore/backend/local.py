@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ckstore.errors import IntegrityError, InvalidInputError, LockedError, OutputExistsError, RefExistsError, StorageError
 from ckstore.backend.fsio import fsync_path, mutating_step, start_writeback
-from ckstore.format.ids import key_object_id, object_key
+from ckstore.format.ids import is_object_id, key_object_id, object_key
 from ckstore.format.pack import MAX_PACK_SIZE
 from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
 from ckstore.backend.local_batch import LocalBatch, StagingBackend
@@ -129,6 +129,57 @@ class LocalBackend(StagingBackend):
 
     def get_prefix(self, key: str, n: int) -> bytes:
         return self._read(key, n)
+
+    # Below this many keys, reading each is cheaper than listing the loose objects first.
+    BULK_MIN = 1024
+
+    def object_prefixes(self, oids: Collection[str], n: int) -> dict[str, bytes]:
+        """Packed objects' prefixes, each pack read once (local_packs.py ``read_prefixes``); a
+        loose copy shadows a packed one (``_read`` looks there first: a replaced object), so
+        loose objects are left to ``get_prefix``."""
+        if len(oids) < self.BULK_MIN:
+            return {}
+        loose = self._loose_ids()
+        try:
+            return self.packs.read_prefixes([oid for oid in oids if oid not in loose], n)
+        except OSError as exc:
+            raise storage_error(exc, f"reading the packs of {self.root}") from None
+
+    def object_sizes(self) -> dict[str, int]:
+        """Loose objects' sizes from their folders' listings (one stat each), packed ones' from
+        the pack tables; a loose copy counts, as ``size`` says."""
+        out = self.packs.sizes()
+        try:
+            for folder in self._fanout_folders():
+                with os.scandir(folder) as entries:
+                    for entry in entries:
+                        if _is_temporary(entry.name):
+                            continue
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue  # deleted or settled meanwhile
+                        if stat.S_ISREG(st.st_mode) and is_object_id(oid := folder.name + entry.name):
+                            out[oid] = st.st_size
+        except OSError as exc:
+            raise storage_error(exc, f"listing the objects of {self.root}") from None
+        return out
+
+    def _fanout_folders(self) -> list[Path]:
+        objects = self.root / "objects"
+        if not objects.is_dir():
+            return []
+        return sorted(p for p in objects.iterdir() if len(p.name) == 2 and p.is_dir())
+
+    def _loose_ids(self) -> set[str]:
+        """Names of the loose objects (listings only, no stat)."""
+        out: set[str] = set()
+        try:
+            for folder in self._fanout_folders():
+                out.update(folder.name + name for name in os.listdir(folder) if not _is_temporary(name))
+        except OSError as exc:
+            raise storage_error(exc, f"listing the objects of {self.root}") from None
+        return out
 
     def _read(self, key: str, n: int | None) -> bytes:
         """A loose object, else a packed one, else (a pack settled meanwhile) the loose copy or

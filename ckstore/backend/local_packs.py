@@ -18,10 +18,13 @@ copy or the new pack, which settling makes durable before it deletes the old one
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -216,6 +219,39 @@ class LocalPacks:
         found = self.locate(oid)
         return None if found is None else found.entry.length
 
+    def read_prefixes(self, oids: Collection[str], n: int) -> dict[str, bytes]:
+        """The first ``n`` stored bytes of each of ``oids`` that a pack holds, each pack opened
+        once, its objects located together (``locate_many``) and neighbouring ones read together
+        (``_read_places``): at 10^5 packed objects one open, lookup and read per object through
+        ``read`` cost 6-15 s of gc's and fsck's header reads. An object left out (in no pack, or
+        its pack settled meanwhile) is read one by one by the caller."""
+        todo = list(dict.fromkeys(oids))
+        out: dict[str, bytes] = {}
+        for index in self.indexes():
+            if not todo:
+                break
+            positions, offsets, lengths = index.locate_many(todo)
+            if not len(positions):
+                continue
+            try:
+                found = _read_places(self.path_of(index.pack_id), [todo[i] for i in positions.tolist()],
+                                     offsets, lengths.clip(max=n))
+            except FileNotFoundError:
+                self.refresh(force=True)
+                continue
+            out.update(found)
+            todo = [oid for oid in todo if oid not in out]
+        return out
+
+    def sizes(self) -> dict[str, int]:
+        """Every packed object's stored length (the first pack listing an object wins, as in
+        ``locate``)."""
+        out: dict[str, int] = {}
+        for index in reversed(self.indexes()):
+            ids, _, lengths = index.columns()
+            out.update(zip(ids, lengths))
+        return out
+
     def ids(self) -> list[str]:
         self.refresh()
         with self._lock:
@@ -230,6 +266,42 @@ class LocalPacks:
     def forget(self, pack_id: str) -> None:
         with self._lock:
             self._indexes.pop(pack_id, None)
+
+
+# Neighbouring objects are read with one pread while the bytes between them are at most GAP and
+# the read at most SPAN: small packed objects come in runs, large ones each alone.
+_GAP = 64 << 10
+_SPAN = 1 << 20
+
+
+def _read_places(path: Path, oids: list[str], offsets: Any, lengths: Any) -> dict[str, bytes]:
+    """``{oid: bytes}``: each of ``oids``'s ``lengths`` bytes at its ``offsets`` (arrays) in the
+    pack at ``path``, objects in runs read with one pread."""
+    import numpy as np
+
+    order = np.argsort(offsets, kind="stable")
+    starts = offsets[order]
+    # The furthest byte needed so far: a run ends where the next object starts more than _GAP
+    # after it, or would take the read past _SPAN.
+    reach = np.maximum.accumulate(starts + lengths[order])
+    breaks = [0, *(np.flatnonzero(starts[1:] - reach[:-1] > _GAP) + 1).tolist(), len(starts)]
+    names = [oids[i] for i in order.tolist()]
+    starts_l, ends_l, reach_l = starts.tolist(), (starts + lengths[order]).tolist(), reach.tolist()
+    out: dict[str, bytes] = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for first, stop in zip(breaks[:-1], breaks[1:]):
+            i = first
+            while i < stop:
+                start = starts_l[i]
+                j = max(i + 1, bisect.bisect_right(reach_l, start + _SPAN, i, stop))
+                data = os.pread(fd, reach_l[j - 1] - start, start)
+                for k in range(i, j):
+                    out[names[k]] = data[starts_l[k] - start:ends_l[k] - start]
+                i = j
+    finally:
+        os.close(fd)
+    return out
 
 
 def _ids(index: PackIndex | PackTable) -> list[str]:

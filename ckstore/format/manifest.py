@@ -1,4 +1,5 @@
-"""Commit manifests: the records, their canonical JSON, and strict parsing (pure, no I/O).
+"""Commit manifests: the records, their canonical JSON, and strict parsing (pure, no I/O); the
+file entries' records and parsing are in manifest_entries.py.
 
 A manifest is one JSON object (UTF-8, no insignificant whitespace, keys in the fixed order the
 writer emits). Parsing validates every field, every id, every size and every path, so a damaged
@@ -10,22 +11,30 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, overload
 
-from ckstore.errors import IntegrityError, InvalidInputError, InvalidPathError, UnsupportedFormatError
+from ckstore.errors import IntegrityError, InvalidInputError, UnsupportedFormatError
 from ckstore.format.ids import ObjectId, is_object_id
-from ckstore.format.dtypes import DTYPE_BITS
+from ckstore.format.manifest_entries import (  # noqa: F401  (the records are part of the manifest's face)
+    CONTROL,
+    STATS_VERSION,
+    ChunkRef,
+    FileEntry,
+    TensorEntry,
+    check_relative_path,
+    expect_field,
+    parse_chunks,
+    parse_files,
+    size_field,
+)
 from ckstore.format.values import JSONValue, decode_value
 
-# Loaded by the commits that carry them (DCP, tensor stats): log and status read neither.
+# Loaded by the commits that carry them (DCP): log and status read none.
 if TYPE_CHECKING:
     from ckstore.format.dcp_record import DcpRecord
-    from ckstore.format.tensor_stats import TensorStats
 
 # Version 2 adds the ``dcp`` field (distributed checkpoints, format.md section 16). Writers emit
 # version 1, byte for byte as before, for every commit without a dcp record, so only DCP commits
@@ -34,7 +43,6 @@ if TYPE_CHECKING:
 # Version 4 (section 5.3) moves a large file list out of the manifest into chunk objects the
 # manifest names, so reading a commit's header (log, status, ``~N``) costs what the header is.
 MANIFEST_VERSION = 4
-STATS_VERSION = 3
 FILE_LIST_VERSION = 4
 # A file list whose JSON text reaches this many bytes is stored apart (version 4): below it, the
 # whole manifest decodes and hashes in about a millisecond, and older readers read the commit.
@@ -49,46 +57,6 @@ MAX_MANIFEST_BYTES = 1 << 30
 # MIN_CONTAINER_BYTES bytes of text (a real one: one per 20 bytes or more; docs/format.md 10).
 MAX_DENSE_CONTAINERS = 1 << 16
 MIN_CONTAINER_BYTES = 8
-KINDS = ("safetensors", "blob")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_DRIVE = re.compile(r"^[A-Za-z]:")
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    id: ObjectId
-    size: int  # raw (decoded) length in bytes
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[ChunkRef, ...]
-    # Recorded at commit (manifest version 3); None in older manifests. Not part of equality:
-    # the same bytes are the same tensor whether or not a writer recorded figures about them.
-    stats: TensorStats | None = field(default=None, compare=False)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.size for c in self.chunks)
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str
-    kind: str  # "safetensors" or "blob"
-    size: int
-    header: tuple[ChunkRef, ...] = ()  # safetensors: the exact 8-byte length + JSON header
-    tensors: tuple[TensorEntry, ...] = ()  # safetensors: in file order
-    chunks: tuple[ChunkRef, ...] = ()  # blob: the file's bytes
-
-    def all_chunks(self) -> Iterator[ChunkRef]:
-        yield from self.header
-        for tensor in self.tensors:
-            yield from tensor.chunks
-        yield from self.chunks
 
 
 @dataclass(frozen=True)
@@ -134,7 +102,7 @@ class ManifestFiles(Sequence[FileEntry]):
             if self._doc is None:
                 self._doc = self._read_list()
             try:
-                self._entries = _parse_files(self._doc, self._version)
+                self._entries = parse_files(self._doc, self._version)
             except IntegrityError as exc:
                 raise IntegrityError(f"{self._label}: {exc}") from None
             self._doc = None  # the parsed entries replace the JSON they came from
@@ -212,17 +180,6 @@ class Commit:
         if not isinstance(value, dict):
             raise IntegrityError("commit metadata is not a mapping")
         return value
-
-
-def check_relative_path(path: str) -> str:
-    """Refuse any path that is absolute, climbs out of its root, or holds hostile characters."""
-    if not isinstance(path, str) or not path:
-        raise InvalidPathError(f"invalid file path {path!r}")
-    if _CONTROL.search(path) or "\\" in path or path.startswith("/") or _DRIVE.match(path):
-        raise InvalidPathError(f"file path {path!r} is absolute or holds forbidden characters")
-    if any(part in ("", ".", "..") for part in path.split("/")):
-        raise InvalidPathError(f"file path {path!r} has an empty, '.' or '..' component")
-    return path
 
 
 def _chunks_json(chunks: Sequence[ChunkRef]) -> list[list[Any]]:
@@ -376,146 +333,6 @@ def parse_json(data: bytes) -> Any:
         raise IntegrityError(f"manifest is not valid JSON: {exc}") from None
 
 
-def _expect(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in doc:
-        raise IntegrityError(f"{where}: missing field {key!r}")
-    value = doc[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise IntegrityError(f"{where}: field {key!r} has the wrong type")
-    return value
-
-
-def _size(value: Any, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 1 << 63:
-        raise IntegrityError(f"{where}: invalid size {value!r}")
-    return value
-
-
-def _parse_chunks(value: Any, where: str) -> tuple[ChunkRef, ...]:
-    if not isinstance(value, list):
-        raise IntegrityError(f"{where}: chunks are not a list")
-    out = []
-    for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and is_object_id(item[0])):
-            raise IntegrityError(f"{where}: malformed chunk reference {item!r:.80}")
-        size = _size(item[1], where)
-        if size == 0:
-            raise IntegrityError(f"{where}: empty chunk")
-        out.append(ChunkRef(ObjectId(item[0]), size))
-    return tuple(out)
-
-
-_TENSOR_FIELDS = {"name", "dtype", "shape", "chunks"}
-_STATS_FIELDS = ("l2", "absmax", "nonfinite", "change")
-
-
-def _optional_number(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise IntegrityError(f"{where}: malformed stats")
-    return float(value)
-
-
-def _parse_stats(doc: Any, where: str) -> TensorStats:
-    if not isinstance(doc, dict) or set(doc) != set(_STATS_FIELDS):
-        raise IntegrityError(f"{where}: malformed stats")
-    nonfinite = doc["nonfinite"]
-    if isinstance(nonfinite, bool) or not isinstance(nonfinite, int) or nonfinite < 0:
-        raise IntegrityError(f"{where}: malformed stats")
-    from ckstore.format.tensor_stats import TensorStats
-
-    return TensorStats(_optional_number(doc["l2"], where), _optional_number(doc["absmax"], where), nonfinite,
-                       _optional_number(doc["change"], where))
-
-
-def _parse_tensor(doc: Any, where: str, version: int) -> TensorEntry:
-    allowed = (_TENSOR_FIELDS, {*_TENSOR_FIELDS, "stats"}) if version >= STATS_VERSION else (_TENSOR_FIELDS,)
-    if not isinstance(doc, dict) or set(doc) not in allowed:
-        raise IntegrityError(f"{where}: malformed tensor entry")
-    name = _expect(doc, "name", str, where)
-    where = f"{where}, tensor {name!r}"
-    dtype = _expect(doc, "dtype", str, where)
-    if dtype not in DTYPE_BITS:
-        raise IntegrityError(f"{where}: unknown dtype {dtype!r}")
-    shape = _expect(doc, "shape", list, where)
-    if len(shape) > 64 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 63 for d in shape):
-        raise IntegrityError(f"{where}: invalid shape")
-    chunks = _parse_chunks(doc["chunks"], where)
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
-    if bits != 8 * sum(c.size for c in chunks):
-        raise IntegrityError(f"{where}: chunk sizes do not match dtype and shape")
-    stats = _parse_stats(doc["stats"], where) if "stats" in doc else None
-    return TensorEntry(name, dtype, tuple(shape), chunks, stats)
-
-
-# A path made of these characters, no component empty, "." or "..", passes check_relative_path.
-_PLAIN_PART = r"(?!\.\.?(?:/|$))[A-Za-z0-9_.+@=-]+"
-_PLAIN_PATH = re.compile(rf"{_PLAIN_PART}(?:/{_PLAIN_PART})*")
-_MAX_SIZE = 1 << 63
-
-
-def _plain_blob(doc: Any) -> FileEntry | None:
-    """A blob entry of the common shape (plain path, well-formed chunks adding up), parsed
-    without the general path's per-field bookkeeping (10^5-file manifests: most of a decode);
-    None for anything else, which ``_parse_file`` then accepts or refuses with its reason.
-    Accepts only entries ``_parse_file`` accepts, and builds the same FileEntry."""
-    if type(doc) is not dict or len(doc) != 4 or doc.get("kind") != "blob":
-        return None
-    path, size, chunks = doc.get("path"), doc.get("size"), doc.get("chunks")
-    if type(path) is not str or type(size) is not int or type(chunks) is not list or not _PLAIN_PATH.fullmatch(path):
-        return None
-    refs = []
-    total = 0
-    for item in chunks:
-        if type(item) is not list or len(item) != 2:
-            return None
-        oid, n = item
-        if type(oid) is not str or type(n) is not int or not 0 < n < _MAX_SIZE or not is_object_id(oid):
-            return None
-        total += n
-        refs.append(ChunkRef(ObjectId(oid), n))
-    if total != size or size >= _MAX_SIZE:  # chunks are positive, so 0 <= size
-        return None
-    return FileEntry(path, "blob", size, chunks=tuple(refs))
-
-
-def _parse_file(doc: Any, index: int, version: int) -> FileEntry:
-    plain = _plain_blob(doc)
-    return plain if plain is not None else _parse_any_file(doc, index, version)
-
-
-def _parse_any_file(doc: Any, index: int, version: int) -> FileEntry:
-    where = f"file #{index}"
-    if not isinstance(doc, dict):
-        raise IntegrityError(f"{where}: not an object")
-    try:
-        path = check_relative_path(_expect(doc, "path", str, where))
-    except InvalidPathError as exc:
-        raise IntegrityError(f"{where}: {exc}") from None
-    where = f"file {path!r}"
-    kind = _expect(doc, "kind", str, where)
-    size = _size(doc.get("size"), where)
-    if kind == "safetensors":
-        if set(doc) != {"path", "kind", "size", "header", "tensors"}:
-            raise IntegrityError(f"{where}: unexpected fields")
-        header = _parse_chunks(doc["header"], where)
-        tensors_doc = _expect(doc, "tensors", list, where)
-        tensors = tuple(_parse_tensor(t, where, version) for t in tensors_doc)
-        if len({t.name for t in tensors}) != len(tensors):
-            raise IntegrityError(f"{where}: duplicate tensor names")
-        entry = FileEntry(path, kind, size, header=header, tensors=tensors)
-    elif kind == "blob":
-        if set(doc) != {"path", "kind", "size", "chunks"}:
-            raise IntegrityError(f"{where}: unexpected fields")
-        entry = FileEntry(path, kind, size, chunks=_parse_chunks(doc["chunks"], where))
-    else:
-        raise IntegrityError(f"{where}: unknown kind {kind!r}")
-    if sum(c.size for c in entry.all_chunks()) != size:
-        raise IntegrityError(f"{where}: chunk sizes do not add up to the file size {size}")
-    return entry
-
-
 def _parse_state(value: Any, files: Sequence[FileEntry]) -> StateFiles | None:
     if value is None:
         return None
@@ -536,7 +353,7 @@ def _parse_base(value: Any) -> BaseRef | None:
         not isinstance(value, dict) or set(value) != {"commit", "repo"}
         or not isinstance(value["commit"], str) or not is_object_id(value["commit"])
         or not (value["repo"] is None or (isinstance(value["repo"], str) and value["repo"].startswith("/")
-                                          and not _CONTROL.search(value["repo"])))
+                                          and not CONTROL.search(value["repo"])))
     ):
         raise IntegrityError("manifest: malformed base record")
     return BaseRef(ObjectId(value["commit"]), value["repo"])
@@ -558,18 +375,6 @@ _COMMIT_FIELDS_V4 = (*_COMMIT_FIELDS[:-1], "file_list")
 _EXPECTED_FIELDS = {2: _COMMIT_FIELDS_V2, FILE_LIST_VERSION: _COMMIT_FIELDS_V4}
 
 
-def _parse_files(doc: list[Any], version: int) -> tuple[FileEntry, ...]:
-    files = tuple(_parse_file(f, i, version) for i, f in enumerate(doc))
-    paths = {f.path for f in files}
-    if len(paths) != len(files):
-        raise IntegrityError("manifest: duplicate file paths")
-    for path in paths:  # "a" and "a/b" cannot both be files
-        parts = path.split("/")
-        if any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
-            raise IntegrityError(f"manifest: {path!r} lies below another file")
-    return files
-
-
 def decode_commit(data: bytes, lazy_files: str | None = None, read: ChunkReader | None = None) -> Commit:
     """Parse and validate a manifest. With ``lazy_files`` (a label such as "commit <id>"), the
     file entries are validated on first use instead, and their errors name that label: every
@@ -580,21 +385,21 @@ def decode_commit(data: bytes, lazy_files: str | None = None, read: ChunkReader 
     doc = parse_json(data)
     if not isinstance(doc, dict):
         raise IntegrityError("manifest is not a JSON object")
-    version = _expect(doc, "ckstore", int, "manifest")
+    version = expect_field(doc, "ckstore", int, "manifest")
     if version > MANIFEST_VERSION:
         raise UnsupportedFormatError(f"manifest version {version} is newer than this ckstore reads")
     if tuple(doc) != _EXPECTED_FIELDS.get(version, _COMMIT_FIELDS):
         raise IntegrityError("manifest fields are missing, unexpected or out of order")
-    parents = _expect(doc, "parents", list, "manifest")
+    parents = expect_field(doc, "parents", list, "manifest")
     if not all(isinstance(p, str) and is_object_id(p) for p in parents):
         raise IntegrityError("manifest: malformed parent id")
-    provenance = _expect(doc, "provenance", dict, "manifest")
+    provenance = expect_field(doc, "provenance", dict, "manifest")
     if not all(isinstance(v, str) for v in provenance.values()):
         raise IntegrityError("manifest: provenance values must be strings")
     files: Sequence[FileEntry]
     pieces: tuple[ChunkRef, ...] = ()
     if version == FILE_LIST_VERSION:
-        pieces = _parse_chunks(doc["file_list"], "manifest: file_list")
+        pieces = parse_chunks(doc["file_list"], "manifest: file_list")
         if not pieces or sum(p.size for p in pieces) > MAX_MANIFEST_BYTES:
             raise IntegrityError("manifest: file_list is empty or exceeds the manifest size limit")
         if doc["state"] is not None:
@@ -604,23 +409,23 @@ def decode_commit(data: bytes, lazy_files: str | None = None, read: ChunkReader 
             files.load()
     # The state and dcp records are checked against the files: a commit with one parses them now.
     elif lazy_files is not None and doc["state"] is None and version != 2:
-        files = ManifestFiles(_expect(doc, "files", list, "manifest"), version, lazy_files)
+        files = ManifestFiles(expect_field(doc, "files", list, "manifest"), version, lazy_files)
     else:
-        files = _parse_files(_expect(doc, "files", list, "manifest"), version)
+        files = parse_files(expect_field(doc, "files", list, "manifest"), version)
     try:
-        datetime.fromisoformat(_expect(doc, "time", str, "manifest"))
+        datetime.fromisoformat(expect_field(doc, "time", str, "manifest"))
     except ValueError:
         raise IntegrityError("manifest: time is not an ISO 8601 timestamp") from None
     commit = Commit(
         parents=tuple(ObjectId(p) for p in parents),
-        time=_expect(doc, "time", str, "manifest"),
-        message=_expect(doc, "message", str, "manifest"),
-        branch=_expect(doc, "branch", str, "manifest"),
+        time=expect_field(doc, "time", str, "manifest"),
+        message=expect_field(doc, "message", str, "manifest"),
+        branch=expect_field(doc, "branch", str, "manifest"),
         files=files,
-        metadata=_expect(doc, "metadata", (dict, list), "manifest"),
+        metadata=expect_field(doc, "metadata", (dict, list), "manifest"),
         provenance=provenance,
-        logical_bytes=_size(doc["logical_bytes"], "manifest"),
-        added_bytes=_size(doc["added_bytes"], "manifest"),
+        logical_bytes=size_field(doc["logical_bytes"], "manifest"),
+        added_bytes=size_field(doc["added_bytes"], "manifest"),
         state=_parse_state(doc["state"], files),
         base=_parse_base(doc["base"]),
         dcp=None if version != 2 else _parse_dcp(doc["dcp"], files),

@@ -16,25 +16,13 @@ from ckstore.repository.graph import ROOT_PREFIXES, kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.repository.overlay import link_problems, unreachable_bases
 from ckstore.write.pipeline import ProgressFactory, ordered_map
-from ckstore.repository.store import HEADER_BATCH, HEADER_READERS, MAX_CHAIN_DEPTH, ObjectStore
+from ckstore.repository.store import MAX_CHAIN_DEPTH, ObjectStore
 
 
 def _read_headers(store: ObjectStore, oids: list[str]) -> dict[str, tuple[str, ...] | CkstoreError]:
-    """Each object's delta bases, or why they cannot be read; ``HEADER_READERS`` reads at once
-    (store.bases_of_many says why)."""
-    def read(batch: list[str]) -> list[tuple[str, ...] | CkstoreError]:
-        out: list[tuple[str, ...] | CkstoreError] = []
-        for oid in batch:
-            try:
-                out.append(store.bases_of(oid))
-            except CkstoreError as exc:
-                out.append(exc)
-        return out
-
-    # In batches, as bases_of_many reads them: one task per object cost more than the read
-    # (10^5 packed objects: 30 s of 74 under cProfile, mostly thread hand-offs).
-    batches = [oids[i:i + HEADER_BATCH] for i in range(0, len(oids), HEADER_BATCH)]
-    return dict(zip(oids, (r for batch in ordered_map(read, batches, workers=HEADER_READERS) for r in batch)))
+    """Each object's delta bases, or why they cannot be read (store.bases_or_errors: packs read
+    whole, loose objects ``HEADER_READERS`` at a time)."""
+    return dict(store.bases_or_errors(oids))
 
 
 def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]],

@@ -16,18 +16,17 @@ leave no commit at all refuses without ``force``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckstore.codecs.objects import Kind
+from ckstore.errors import ForceRequiredError
+from ckstore.format.ids import ObjectId
+from ckstore.maintenance import sizes
+from ckstore.maintenance.kept import kept_commits, live_objects
+from ckstore.maintenance.retention import RetentionPolicy
 from ckstore.repository.change_record import prune_records
 from ckstore.repository.context import RepoContext
-from ckstore.errors import CkstoreError, ForceRequiredError
-from ckstore.format.ids import ObjectId
-from ckstore.repository.overlay import external_needs
-from ckstore.repository.reflog import HEAD_LOG, Entry, Expiry, surviving
-from ckstore.repository.refs import HEADS
-from ckstore.maintenance.retention import RetentionPolicy, select_kept
 
 if TYPE_CHECKING:
     from ckstore.write.pipeline import ProgressFactory
@@ -48,48 +47,6 @@ class GcReport:
     temp_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class Kept:
-    """The commits gc keeps, and why; what they need is ``live_objects``."""
-
-    reachable: set[ObjectId]  # from branches and tags
-    chosen: set[ObjectId]  # kept by the policy (without one: every reachable commit)
-    pinned: set[ObjectId]  # needed by dependent (overlay) repositories, whatever the policy
-    logged: set[ObjectId]  # named by unexpired reflog entries, with their history
-    commits: set[ObjectId]  # chosen + reflog-only + pinned + the in-repository bases of kept overlays
-    external: set[str]  # local objects that dependent repositories need
-    logs: dict[str, list[Entry]] = field(default_factory=dict)  # every reflog, as read
-    alive: dict[str, list[Entry]] = field(default_factory=dict)  # the entries that survive expiry
-
-
-def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = False) -> Kept:
-    graph, store = ctx.graph, ctx.store
-    reachable = graph.reachable_from(graph.tips())
-    logs = ctx.refs.logs.read_all()
-    alive = _surviving_reflogs(ctx, logs, prune_now)
-    # An entry keeps both its values while they exist; its old one may be gone (pruned earlier).
-    named, pruned = {i for entries in alive.values() for e in entries for i in e.ids}, graph.pruned()
-    logged = graph.reachable_from({i for i in named if i not in pruned and store.has(i)})
-    chosen = select_kept(graph, policy) if policy.active else set(reachable)
-    needed_commits, needed_objects = external_needs(ctx)
-    pinned = {c for c in needed_commits if store.has_local(c)}
-    # A retention policy thins branches, not what only the reflog holds.
-    commits = graph.with_overlay_bases(chosen | (logged - reachable) | pinned)
-    # An entry whose value this run deletes (a policy pruned it) goes with it; one whose old
-    # value alone goes stays, as in git (the surviving tip keeps its reflog).
-    alive = {ref: [e for e in entries if e.value in commits] for ref, entries in alive.items()}
-    return Kept(reachable, chosen, pinned, logged, commits, {c for c in needed_objects if store.has_local(c)},
-                logs, alive)
-
-
-def live_objects(ctx: RepoContext, kept: Kept) -> set[str]:
-    """Every object the kept commits need: themselves, their chunks, and kept deltas' bases."""
-    chunks = set(kept.external)
-    for oid in kept.commits:
-        chunks.update(c.id for c in ctx.graph.read_commit(oid).all_chunks())
-    return ctx.store.with_delta_bases(chunks) | kept.commits
-
-
 def collect_garbage(
     ctx: RepoContext, policy: RetentionPolicy | None = None, dry_run: bool = False, repack: bool = False,
     prune_now: bool = False, force: bool = False, progress: ProgressFactory | None = None,
@@ -104,6 +61,7 @@ def collect_garbage(
     policy = policy or RetentionPolicy()
     policy.validate()
     report = GcReport(dry_run)
+    started = time.time()
     graph, store = ctx.graph, ctx.store
     with ctx.backend.exclusive_lock():
         if not dry_run:
@@ -121,9 +79,10 @@ def collect_garbage(
             repack_locked(ctx, kept.commits, progress)
         pruned = graph.pruned_after(kept.commits, kept.reachable | kept.logged)
         live = live_objects(ctx, kept)
-        victims = {oid: store.stored_size(oid) or 0 for oid in store.iter_ids() if oid not in live}
+        stored = store.stored_sizes()
+        victims = {oid: size for oid, size in stored.items() if oid not in live}
         by_policy = set(report.pruned_commits)
-        report.unreachable_commits = sorted(v for v in victims if v not in by_policy and _is_commit(ctx, v))
+        report.unreachable_commits = sorted(store.commits_among([v for v in victims if v not in by_policy]))
         report.deletes_every_commit = not kept.commits and bool(report.pruned_commits or report.unreachable_commits)
         report.deleted_objects = len(victims)
         temporaries = ctx.backend.temporary_sizes()  # all leftovers: no writer holds the lock now
@@ -149,50 +108,14 @@ def collect_garbage(
                 bar.close()
         prune_records(ctx.backend, kept.commits)  # the change records of deleted commits (format.md 5.2)
         ctx.backend.clean_temporary()
+        # status right after shows exact figures at once (sizes.record_after_gc), still under the
+        # lock: nothing else can change the store before they are keyed to its state.
+        sizes.record_after_gc(ctx, kept, live, {oid: n for oid, n in stored.items() if oid not in victims}, started)
     return report
 
 
-def _surviving_reflogs(ctx: RepoContext, logs: dict[str, list[Entry]], prune_now: bool) -> dict[str, list[Entry]]:
-    """Each ref's reflog entries that survive expiry (reflog.surviving): reachability is judged
-    from the ref's current value, as git does; a deleted ref reaches nothing."""
-    config, graph, refs = ctx.config, ctx.graph, ctx.refs
-    expiry = Expiry.from_days(config.reflog_expire_days, config.reflog_expire_unreachable_days, prune_now)
-    pruned = graph.pruned()
-    history: dict[ObjectId | None, set[ObjectId]] = {None: set()}
-    present: dict[ObjectId, bool] = {}
-
-    def exists(oid: ObjectId) -> bool:
-        # Presence only: a commit that is there but unreadable stops gc when its history is
-        # walked, as any kept commit would, rather than being dropped as stale.
-        if oid not in present:
-            present[oid] = oid not in pruned and ctx.store.has(oid)
-        return present[oid]
-
-    out = {}
-    for ref, entries in logs.items():
-        tip = _head_commit(ctx) if ref == HEAD_LOG else refs.read(ref)
-        if tip not in history:
-            history[tip] = graph.reachable_from([tip]) if tip is not None else set()
-        out[ref] = surviving(entries, history[tip].__contains__, exists, expiry)
-    return out
-
-
-def _head_commit(ctx: RepoContext) -> ObjectId | None:
-    try:
-        return ctx.refs.read(HEADS + ctx.refs.head_branch())
-    except CkstoreError:
-        return None  # a damaged HEAD reaches nothing: its entries expire as unreachable ones
-
-
-def _is_commit(ctx: RepoContext, oid: ObjectId) -> bool:
-    try:
-        return ctx.store.has(oid) and ctx.store.kind(oid) == Kind.COMMIT
-    except CkstoreError:
-        return False  # unreadable: not a commit anyone can restore
-
-
 def _refuse_deleting_every_commit(ctx: RepoContext, prune_now: bool) -> None:
-    commits = sum(1 for oid in ctx.store.iter_ids() if _is_commit(ctx, oid))
+    commits = len(ctx.store.commits_among(list(ctx.store.iter_ids())))
     if commits:
         why = "--prune-now expires the reflog entries that name them" if prune_now else \
             "no branch, tag or unexpired reflog entry names any of them"

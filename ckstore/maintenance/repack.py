@@ -21,6 +21,7 @@ far more). Runs under the exclusive repository lock, like gc.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -29,8 +30,8 @@ from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH, version_for
 from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError
 from ckstore.repository.graph import CommitGraph
-from ckstore.history.log import stored_bytes
 from ckstore.format.ids import ObjectId
+from ckstore.maintenance import sizes
 from ckstore.write.pipeline import ProgressFactory, ordered_map
 from ckstore.format.manifest import FileEntry
 from ckstore.format.positions import ChunkIndex, chunk_at, slots
@@ -98,13 +99,16 @@ def _tensor_names(files: Iterable[FileEntry]) -> dict[str, list[str]]:
 
 def repack(ctx: RepoContext, progress: ProgressFactory | None = None) -> RepackReport:
     with ctx.backend.exclusive_lock():
+        started = time.time()
         ctx.backend.unpack()  # repack re-encodes loose objects in place (backend/local_packs.py)
-        return repack_locked(ctx, ctx.graph.reachable_commits(), progress)
+        report = repack_locked(ctx, ctx.graph.reachable_commits(), progress)
+        sizes.record_measured(ctx, started)  # status right after shows the new figures at once
+        return report
 
 
 def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: ProgressFactory | None = None) -> RepackReport:
     """Repack the chunks of ``commits``; the caller holds the exclusive repository lock."""
-    report = RepackReport(stored_bytes_before=stored_bytes(ctx.store, ctx.store.iter_ids()))
+    report = RepackReport(stored_bytes_before=sum(ctx.store.stored_sizes().values()))
     if ctx.config.version < 2:
         ctx.set_config(replace(ctx.config, version=2, max_delta_depth=DEFAULT_MAX_DELTA_DEPTH))
         report.upgraded = True
@@ -176,5 +180,5 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
     finally:
         if bar:
             bar.close()
-    report.stored_bytes_after = stored_bytes(store, store.iter_ids())
+    report.stored_bytes_after = sum(store.stored_sizes().values())
     return report

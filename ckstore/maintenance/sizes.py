@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from ckstore.repository.context import RepoContext
 from ckstore.errors import DependentNotFoundError
 from ckstore.maintenance import sizes_cache
-from ckstore.maintenance.gc import Kept, kept_commits, live_objects
+from ckstore.maintenance.kept import Kept, kept_commits, live_objects
 from ckstore.repository.graph import kept_parents
 from ckstore.history.log import new_objects, stored_bytes
 from ckstore.format.ids import ObjectId
@@ -78,6 +78,35 @@ def stats(ctx: RepoContext) -> Stats:
     return figures
 
 
+def record_after_gc(ctx: RepoContext, kept: Kept, live: set[str], remaining: dict[ObjectId, int], started: float) -> None:
+    """Keep the figures a gc that started at ``started`` leaves (its caller holds the exclusive
+    lock), from what it walked: the commits it kept, the objects they need (``live``) and the
+    objects left with their sizes (``remaining``). So ``status`` right after gc is exact without
+    measuring again (at 10^6 objects a measurement costs as much as the gc). What plain gc would
+    free now is nothing when plain gc keeps the commits this run kept; a retention policy or
+    ``--prune-now`` may keep fewer, and then it is measured from plain gc's kept set."""
+    if sizes_cache.state_key(ctx) is None:
+        return  # never cached (overlay dependents, in memory): nothing to keep
+    after = _kept(ctx)
+    if after is None:
+        return
+    if (after.commits, after.external) != (kept.commits, kept.external):
+        live = live_objects(ctx, after)
+    garbage = remaining.keys() - live
+    logical = sum(ctx.graph.read_commit(c, files=False).logical_bytes for c in after.reachable)
+    temporaries = ctx.backend.temporary_sizes()
+    figures = Stats(logical, sum(remaining.values()), len(after.reachable), len(remaining),
+                    sum(remaining[oid] for oid in garbage), len(garbage), len(temporaries), sum(temporaries))
+    sizes_cache.record(ctx, sizes_cache.settled_key(ctx), started, asdict(figures))
+
+
+def record_measured(ctx: RepoContext, started: float) -> None:
+    """Measure and keep the figures now, for a caller holding the exclusive lock that changed the
+    store (repack: re-encoding changes stored bytes, and a delta made whole frees its base)."""
+    figures = _measure(ctx)
+    sizes_cache.record(ctx, sizes_cache.settled_key(ctx), started, asdict(figures))
+
+
 def last_stats(ctx: RepoContext) -> tuple[Stats, float, float, bool] | None:
     """The last figures ``stats`` kept: (figures, when measured, seconds it took, whether
     nothing changed since), or None."""
@@ -89,8 +118,9 @@ def last_stats(ctx: RepoContext) -> tuple[Stats, float, float, bool] | None:
 
 def _measure(ctx: RepoContext) -> Stats:
     store = ctx.store
-    # Each object's size once (one stat each): the unreferenced figure sums a subset of them.
-    sizes = {oid: store.stored_size(oid) or 0 for oid in store.iter_ids()}
+    # Each object's size once (a stat per loose object, packed ones from their tables): the
+    # unreferenced figure sums a subset of them.
+    sizes = store.stored_sizes()
     kept = _kept(ctx)
     # gc's walk from the refs is the reachable set: not walked a second time.
     reachable = kept.reachable if kept is not None else ctx.graph.reachable_from(ctx.graph.tips())

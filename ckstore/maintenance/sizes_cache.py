@@ -11,7 +11,9 @@ Current means: the refs' values and the backend's ``state_signature`` (object fo
 reflogs, pruned record, links, config: about 260 stats) equal what they were when the figures
 were measured. It is written only when nothing had changed within ``SETTLE_SECONDS`` before the
 measurement started, so a change in the same clock tick as the last one before it still shows.
-Reflog entries that expire by age alone are not a change: at most a few commits' objects, and the
+gc and repack, which hold the exclusive lock, keep the figures they leave the same way, keyed
+to the state once its newest change is older than the timestamps' granularity (``settled_key``),
+so ``status`` right after them is exact at once. Reflog entries that expire by age alone are not a change: at most a few commits' objects, and the
 figure says when it was measured. A repository with overlay dependents is never cached (what they
 need changes without anything here changing). The file is a cache: a reader ignores a damaged
 or unknown one, and deleting it costs one measurement.
@@ -33,6 +35,7 @@ from ckstore.repository.links import DEPENDENTS_KEY
 KEY = "cache/sizes.json"
 VERSION = 1
 SETTLE_SECONDS = 1.0
+FINE_SETTLE_SECONDS = 0.02
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,43 @@ class Measured:
 def state_key(ctx: RepoContext, settled_before: float = float("inf")) -> str | None:
     """A digest of everything the figures depend on, or None when it cannot be told cheaply
     (in memory, overlay dependents) or changed at ``settled_before`` or later."""
+    signature = _signature(ctx, settled_before)
+    return None if signature is None else _key(ctx, signature)
+
+
+def settled_key(ctx: RepoContext) -> str | None:
+    """``state_key`` of the repository as it is now, for figures computed while nobody else
+    could change it (gc and repack under the exclusive lock): first waits, up to
+    ``SETTLE_SECONDS``, until its newest change is older than the filesystem's timestamp
+    granularity, so that a change after the lock is released cannot share that timestamp and
+    go unseen. A filesystem whose timestamps have sub-millisecond digits takes them from the
+    kernel's clock, which ticks at least every 10 ms: the wait is then ``FINE_SETTLE_SECONDS``
+    at most. None when the state cannot be keyed (``state_key``) or did not settle in time."""
+    deadline = time.time() + SETTLE_SECONDS + FINE_SETTLE_SECONDS
+    while True:
+        signature = _signature(ctx, float("inf"))
+        if signature is None:
+            return None
+        stamps = [mtime for _, mtime, _ in signature if mtime > 0]
+        settle = FINE_SETTLE_SECONDS if any(m % 1_000_000 for m in stamps) else SETTLE_SECONDS
+        wait = max(stamps, default=0) / 1e9 + settle - time.time()
+        if wait <= 0:
+            return _key(ctx, signature)
+        if time.time() + wait > deadline:
+            return None
+        time.sleep(wait)
+
+
+def _signature(ctx: RepoContext, settled_before: float) -> list[tuple[str, int, int]] | None:
     try:
         ctx.backend.get(DEPENDENTS_KEY)
         return None
     except KeyError:
         pass
-    signature = ctx.backend.state_signature(settled_before)
-    if signature is None:
-        return None
+    return ctx.backend.state_signature(settled_before)
+
+
+def _key(ctx: RepoContext, signature: list[tuple[str, int, int]]) -> str:
     refs = sorted(ctx.refs.list("refs/").items())
     text = json.dumps([refs, signature], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -208,12 +208,12 @@ def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, g
     """Older epochs are stored as deltas of newer ones, so a clone (oldest commit first) meets
     deltas before their bases: in one batch they wait for the base's in-memory verification, one
     batch per commit fetches the base in a later round. Either way a damaged base is named."""
-    from ckstore.remote import fetch as fetch_module
+    from ckstore.remote import landing
     from ckstore.format.pack import parse_pack
     from ckstore.remote import open_transport
 
     if group == "batch per commit":
-        monkeypatch.setattr(fetch_module, "LAND_BATCH", 1)
+        monkeypatch.setattr(landing, "LAND_BATCH", 1)
     url = (tmp_path / "remote").as_uri()
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 4))
     deltas = {o: a.store.bases_of(o) for o in a.store.iter_ids() if a.store.bases_of(o) != ()}

@@ -197,14 +197,14 @@ def test_interrupted_fetch_resumes_with_what_is_missing(tmp_path: Path, monkeypa
     """A fetch stopped at each of its steps in turn (an exception from the step seam: what a
     crash leaves on disk, since a batch's staged files are invisible until it lands) leaves a
     repository where every commit present is whole, and the next fetch brings only the rest."""
-    from ckstore.remote import fetch as fetch_module
+    from ckstore.remote import landing
     from ckstore.backend import fsio
 
     a = Repo.init(tmp_path / "a", chunk_size=16 << 10)
     ids = [a.commit(epoch_files(tmp_path / "work" / f"e{e}", e, n=16 << 10), message=f"epoch {e}") for e in (1, 2, 3)]
     a.add_remote("origin", str(tmp_path / "remote"))
     a.push()
-    monkeypatch.setattr(fetch_module, "LAND_BATCH", 1)  # every object its own batch
+    monkeypatch.setattr(landing, "LAND_BATCH", 1)  # every object its own batch
     total = None
     k = 1
     while True:

@@ -166,14 +166,14 @@ class Interrupted(BaseException):
 def test_an_interrupted_fetch_keeps_the_batches_that_landed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Objects land in rolling batches before any commit names them: a fetch stopped halfway
     leaves no commit, and the next fetch downloads only the objects that had not landed."""
-    from ckstore.remote import fetch as fetch_module
+    from ckstore.remote import landing
     from ckstore.backend import fsio
 
     url = str(tmp_path / "remote")
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))
     a.add_remote("origin", url)
     a.push()
-    monkeypatch.setattr(fetch_module, "LAND_BATCH", 1)  # every object lands on its own
+    monkeypatch.setattr(landing, "LAND_BATCH", 1)  # every object lands on its own
     steps = 0
 
     def count() -> None:
