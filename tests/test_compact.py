@@ -351,3 +351,41 @@ def test_a_pair_an_earlier_compaction_finished_is_not_visited_again(tmp_path: Pa
     for step, ref in enumerate(("HEAD~2", "HEAD~1", "HEAD")):
         assert all(torch.equal(repo.load_state(ref)[k], v) for k, v in _state(step).items())
     assert repo.fsck(read_data=True) == []
+
+
+def test_a_chunk_whose_best_encoding_is_raw_is_searched_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk that does not compress is stored raw by the fast commit, and its full search for a
+    best whole encoding finds raw again: the run records that (cache/settled-raw), so neither a
+    second branch saving the same state nor the next step on the same branch searches it again."""
+    from dataclasses import replace
+
+    import ckstore.write.compact as compact
+    from ckstore.format.ids import chunk_id
+    from ckstore.write.settled_raw import KEY, settled_raw
+
+    noise = {"noise": torch.randint(-2**31, 2**31 - 1, (8 * CHUNK // 4,), dtype=torch.int32, generator=torch.Generator().manual_seed(7))}
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    repo.compact_after_commit = False
+    first = repo.commit_state({**_state(0), **noise})
+    second = repo.commit_state({**_state(1), **noise})
+    searched: list[str] = []
+    original = compact.encode_chunk
+    monkeypatch.setattr(compact, "encode_chunk", lambda raw, *a, **k: (searched.append(chunk_id(raw)), original(raw, *a, **k))[1])
+    repo.compact()
+    ids = [c.id for f in repo.read_commit(second).files for t in f.tensors if t.name == "noise" for c in t.chunks]
+    assert len(ids) == 8 and set(ids) <= set(searched)  # searched once, found raw
+    assert {_encoding(repo, o) for o in ids} == {Encoding.RAW}
+    searched.clear()
+    repo.create_branch("other", first)
+    other = repo.commit_state({**_state(1), **noise}, branch="other")
+    repo.compact("other")
+    repo.commit_state({**_state(2), **noise})
+    repo.compact()
+    assert [o for o in searched if o in ids] == []
+    assert {_encoding(repo, o) for o in ids} == {Encoding.RAW}
+    assert torch.equal(repo.load_state(other)["noise"], noise["noise"])
+    assert repo.fsck(read_data=True) == []
+    # Recorded under the settings it was found with: at another zstd level the search is redone.
+    assert len((tmp_path / "repo" / KEY).read_text().splitlines()) == 1 + len(ids)
+    assert settled_raw(repo.backend, repo.store.settings) == set(ids)
+    assert settled_raw(repo.backend, replace(repo.store.settings, zstd_level=repo.store.settings.zstd_level + 1)) == set()

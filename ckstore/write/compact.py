@@ -67,6 +67,7 @@ from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.optstate import FIRST, SECOND, WEIGHT, float32_members
 from ckstore.write.compacted_pairs import is_finished, record_finished
+from ckstore.write.settled_raw import record_settled_raw, settled_raw
 from ckstore.write.pipeline import ordered_map
 from ckstore.format.positions import HEADER, ChunkIndex, Position, Slot, chunk_at, slots
 from ckstore.repository.refs import HEADS
@@ -91,7 +92,8 @@ COMPACTION_NICENESS = 10
 # that begin to pay there later in training are still found.
 REFUSED_RETRY_ONE_IN = 8
 # What a fast commit stores (``ObjectStore.put_chunk(fast=True)``); any other whole encoding was
-# chosen by compaction or repack. Raw is also some chunks' best encoding: those stay "fast".
+# chosen by compaction or repack. Raw is also some chunks' best encoding: a run records those it
+# found (settled_raw.py), and later runs count them as settled.
 _FAST = frozenset({Encoding.RAW, Encoding.ZSTD})
 
 
@@ -226,11 +228,13 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
                 pairs[i] = [j for j in pairs[i] if j.settle] if i else []
         pool = ThreadPoolExecutor(COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training)
         sums: dict[tuple[str, str], Sums] = {}  # (child's chunk, parent's): the tip pair's decoded ones
+        known_raw, found_raw = settled_raw(ctx.backend, ctx.store.settings), set[str]()
         with pool:
             for i in reversed(range(len(pairs))):
                 newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
                 with ctx.store.batch() as staged:
-                    _run_pair(_HeaderCache(staged), pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
+                    _run_pair(_HeaderCache(staged, known_raw, found_raw), pairs[i], depth, _Roles(newer), report, upgrade, pool, sums)
+        record_settled_raw(ctx.backend, ctx.store.settings, found_raw)  # as record_finished: after the batches
         if len(commits) > 1:
             record_finished(ctx.backend, tip, commits[0].parents[0])  # its replacements are durable
             # The relative change against the parent, from the chunks decoded above (format.md 5.2).
@@ -249,10 +253,22 @@ class _HeaderCache(ObjectStore):
     cannot change: replacements are applied when the batch ends, and the compaction lock keeps
     every other writer of existing objects out (new objects never change either)."""
 
-    def __init__(self, staged: ObjectStore) -> None:
+    def __init__(self, staged: ObjectStore, settled_raw: set[str] | None = None, found_raw: set[str] | None = None) -> None:
         super().__init__(staged.backend, settings=staged.settings)
         self.alternates = staged.alternates
         self._headers: dict[str, bytes | None] = {}
+        self.settled_raw = settled_raw if settled_raw is not None else set()  # settled_raw.py: read when the run starts
+        self.found_raw = found_raw if found_raw is not None else set()  # this run's, recorded when it ends
+
+    def provisional(self, oid: str, encoding: Encoding, width: int) -> bool:
+        """``is_provisional``, except a raw chunk that an earlier full search left raw: it is
+        settled (settled_raw.py)."""
+        return self.is_provisional(encoding, width) and not (encoding == Encoding.RAW and oid in self.settled_raw)
+
+    def searched(self, oid: str, best: bytes) -> None:
+        """Note the outcome of a full search for ``oid``'s best whole encoding: raw is recorded."""
+        if parse_header(best).encoding == Encoding.RAW:
+            self.found_raw.add(oid)  # one set.add: atomic under the GIL, the pool's threads share it
 
     def header_local(self, oid: str) -> bytes | None:
         if oid not in self._headers:
@@ -311,7 +327,7 @@ def _plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends:
     return jobs
 
 
-def _run_pair(store: ObjectStore, jobs: list[_Job], depth: int, roles: _Roles, report: CompactReport,
+def _run_pair(store: _HeaderCache, jobs: list[_Job], depth: int, roles: _Roles, report: CompactReport,
               upgrade: _Upgrade, pool: ThreadPoolExecutor, sums: dict[tuple[str, str], Sums]) -> None:
     # The coefficients that fitted the last chunk of this pair, per predictor, and how much of its
     # sample they predicted exactly: one optimizer step, so the next chunk usually takes them as
@@ -362,7 +378,7 @@ def _prediction(
     return _Prediction(Predictor.ADAM_SECOND_MOMENT, (v, m, moment), (v, m), moment)
 
 
-def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade,
+def _compact_chunk(store: _HeaderCache, job: _Job, depth: int, roles: _Roles, upgrade: _Upgrade,
                    fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums]) -> tuple[int, int, int, int]:
     """Re-encode one position's parent chunk and the child's own; (deltas, predicted, recompressed,
     saved)."""
@@ -394,7 +410,7 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
         parent = job.parent if prediction is not None or (job.parent is not None and roles.pair(job.parent, slot.id)) else None
         # A refused position's tip chunk settles now, as it would have after trying (below).
         settle = job.settle or (refused and job.tip)
-        provisional = settle and store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
+        provisional = settle and store.provisional(slot.id, child_header.encoding, slot.width) and roles.recompress(slot.id)
         if not provisional and parent is None:
             return 0, 0, 0, 0
         raw = store.get_chunk(slot.id, slot.size)  # decoded and verified: the base of any delta
@@ -408,7 +424,7 @@ def _compact_chunk(store: ObjectStore, job: _Job, depth: int, roles: _Roles, upg
             # find the same and settle the child's chunk then, so it is settled now, from the
             # bytes in hand, and the newest commit is not left fast where it would stay whole.
             if made == "whole, refused" and not provisional and job.tip:
-                provisional = store.is_provisional(child_header.encoding, slot.width) and roles.recompress(slot.id)
+                provisional = store.provisional(slot.id, child_header.encoding, slot.width) and roles.recompress(slot.id)
         if provisional:
             freed = _recompress(store, slot.id, raw, slot.width)
             recompressed, saved = recompressed + (freed > 0), saved + freed
@@ -460,7 +476,7 @@ def _retry_refused(oid: str) -> bool:
     return int(oid[:8], 16) % REFUSED_RETRY_ONE_IN == 0
 
 
-def _refused_before(store: ObjectStore, job: _Job, encoding: Encoding) -> bool:
+def _refused_before(store: _HeaderCache, job: _Job, encoding: Encoding) -> bool:
     """Whether a delta of the parent's chunk was tried when it was the tip's, and refused: it
     settled whole then (only a refusal settles a tip's changed chunk, step 2 of the module
     docstring), and its own parent's chunk at this position is whole and settled as well. Then
@@ -469,10 +485,16 @@ def _refused_before(store: ObjectStore, job: _Job, encoding: Encoding) -> bool:
     older = job.grandparent
     if older is None or older == job.parent or _retry_refused(job.parent or ""):
         return False
-    if encoding in _FAST:
+    if not _settled(store, job.parent or "", encoding):
         return False
     header = _whole_header(store, older, job.slot.size)
-    return header is not None and header.encoding not in _FAST
+    return header is not None and _settled(store, older, header.encoding)
+
+
+def _settled(store: _HeaderCache, oid: str, encoding: Encoding) -> bool:
+    """Whether a whole chunk's encoding was chosen by compaction or repack (not a fast commit's,
+    or raw as a full search left it: settled_raw.py)."""
+    return encoding not in _FAST or (encoding == Encoding.RAW and oid in store.settled_raw)
 
 
 def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Prediction, roles: _Roles) -> bool:
@@ -487,7 +509,7 @@ def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: _Predictio
 
 
 def _reverse_delta(
-    store: ObjectStore, oid: ObjectId, job: _Job, base_raw: bytes, depth: int, prediction: _Prediction | None,
+    store: _HeaderCache, oid: ObjectId, job: _Job, base_raw: bytes, depth: int, prediction: _Prediction | None,
     upgrade: _Upgrade, fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums],
 ) -> tuple[str, int]:
     """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
@@ -508,10 +530,12 @@ def _reverse_delta(
     # encode_delta weighs the delta against it on a sample first (fp32 MiniLM: every delta
     # taken that way was at most 0.90 of whole, every one refused at least 0.995). A shorter
     # chunk skips that test, and is cheap to encode whole.
-    provisional = store.is_provisional(header.encoding, job.slot.width)
+    provisional = store.provisional(oid, header.encoding, job.slot.width)
     best = current
     if provisional and len(raw) <= EXHAUSTIVE_MAX:
-        best = min(current, encode_chunk(raw, settings.zstd_level, job.slot.width, allowed=settings.allowed), key=len)
+        searched = encode_chunk(raw, settings.zstd_level, job.slot.width, allowed=settings.allowed)
+        store.searched(oid, searched)
+        best = min(current, searched, key=len)
     than = len(best)
     height = _height(store, oid, job, depth) if depth and Encoding.DELTA in settings.allowed else depth
     # A predicted delta's chain: 1 + its deepest base, the parent's first moment (a plain delta
@@ -609,7 +633,7 @@ def _height(store: ObjectStore, oid: ObjectId, job: _Job, depth: int) -> int:
     return max(above.values())
 
 
-def _recompress(store: ObjectStore, oid: ObjectId, raw: bytes, width: int, even_if_larger: bool = False,
+def _recompress(store: _HeaderCache, oid: ObjectId, raw: bytes, width: int, even_if_larger: bool = False,
                 current: bytes | None = None) -> int:
     """Replace an object (``current``: its stored bytes, when read already) by its best whole
     encoding when smaller (``even_if_larger``: a delta made whole); bytes freed."""
@@ -618,6 +642,7 @@ def _recompress(store: ObjectStore, oid: ObjectId, raw: bytes, width: int, even_
         return 0
     settings = store.settings
     best = encode_chunk(raw, settings.zstd_level, width, allowed=settings.allowed)
+    store.searched(oid, best)
     if len(best) >= len(current) and not even_if_larger:
         return 0
     _check(oid, best, raw)
