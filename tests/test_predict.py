@@ -249,11 +249,12 @@ def test_parts_xor_the_prediction_is_the_decode(case: tuple[Predictor, tuple[flo
 
 
 def test_compaction_check_refuses_what_does_not_decode_to_the_chunk() -> None:
-    """The check after a predicted delta is encoded (compact._check_predicted, which reuses the
+    """The check after a predicted delta is encoded (compact_encoding._check_predicted, which reuses the
     encode's prediction instead of predicting again) refuses an object naming other coefficients
     (-0.0 for 0.0 included), other bases or another predictor, a damaged residual, and a
     prediction that is not the object's."""
-    from ckstore.write.compact import _check_predicted, _Prediction
+    from ckstore.write.compact_encoding import _check_predicted
+    from ckstore.write.compact_pairing import Prediction
 
     (w3, _, _), (w4, m4, v4) = _adamw_states(256, 2, 1)
     coefficients = predict.fit(Predictor.ADAM_WEIGHT, w3, [w4, m4, v4])
@@ -263,14 +264,14 @@ def test_compaction_check_refuses_what_does_not_decode_to_the_chunk() -> None:
     guess = predict.predict(Predictor.ADAM_WEIGHT, coefficients, bases)
     data = encode_predicted(w3, 1, ids, bases, Predictor.ADAM_WEIGHT, coefficients, 1 << 30, guess=guess)
     assert data is not None
-    p = _Prediction(Predictor.ADAM_WEIGHT, ids, ids, None)
+    p = Prediction(Predictor.ADAM_WEIGHT, ids, ids, None)
     _check_predicted("x", data, w3, p, coefficients, guess)  # the real one passes
     with pytest.raises(IntegrityError, match="another prediction"):
         _check_predicted("x", data, w3, p, (coefficients[0], coefficients[1], coefficients[2] * 2), guess)
     with pytest.raises(IntegrityError, match="another prediction"):
-        _check_predicted("x", data, w3, _Prediction(Predictor.ADAM_WEIGHT, ids[::-1], ids, None), coefficients, guess)
+        _check_predicted("x", data, w3, Prediction(Predictor.ADAM_WEIGHT, ids[::-1], ids, None), coefficients, guess)
     with pytest.raises(IntegrityError, match="another prediction"):
-        _check_predicted("x", data, w3, _Prediction(Predictor.ADAM_SECOND_MOMENT, ids, ids, None), coefficients, guess)
+        _check_predicted("x", data, w3, Prediction(Predictor.ADAM_SECOND_MOMENT, ids, ids, None), coefficients, guess)
     zero = predict.predict(Predictor.ADAM_WEIGHT, (coefficients[0], 0.0, coefficients[2]), bases)
     signed = encode_predicted(w3, 1, ids, bases, Predictor.ADAM_WEIGHT, (coefficients[0], 0.0, coefficients[2]), 1 << 30, guess=zero)
     assert signed is not None
