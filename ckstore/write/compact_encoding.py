@@ -10,6 +10,8 @@ when read; it is then staged (``ObjectStore.stage_replace``), applied when the p
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -42,6 +44,9 @@ if TYPE_CHECKING:
 # whole) is not decoded and tried again, except one chunk in this many (by name), so that deltas
 # that begin to pay there later in training are still found.
 REFUSED_RETRY_ONE_IN = 8
+# Verified chunk bytes a pair keeps from its last reads (HeaderCache.chunk_bytes): a parameter's
+# pieces are compacted at adjacent positions, two at a time (the pool's workers).
+RECENT_CHUNKS = 12
 # What a fast commit stores (``ObjectStore.put_chunk(fast=True)``); any other whole encoding was
 # chosen by compaction or repack. Raw is also some chunks' best encoding: a run records those it
 # found (settled_raw.py), and later runs count them as settled.
@@ -60,6 +65,30 @@ class HeaderCache(ObjectStore):
         self._headers: dict[str, bytes | None] = {}
         self.settled_raw = settled_raw if settled_raw is not None else set()  # settled_raw.py: read when the run starts
         self.found_raw = found_raw if found_raw is not None else set()  # this run's, recorded when it ends
+        self._recent: OrderedDict[str, bytes] = OrderedDict()
+        self._recent_lock = threading.Lock()
+
+    def chunk_bytes(self, oid: str, size: int) -> bytes:
+        """``get_chunk``, from the chunks this pair read last when it is one of them: a DCP
+        parameter's weight chunk is predicted from the new ``exp_avg`` and ``exp_avg_sq`` chunks,
+        its ``exp_avg_sq`` chunk from that one and both ``exp_avg`` chunks, at adjacent positions
+        (plan_pair's order). The bytes were verified against their names when read."""
+        with self._recent_lock:
+            found = self._recent.get(oid)
+            if found is not None and len(found) == size:
+                self._recent.move_to_end(oid)
+                return found
+        raw = self.get_chunk(oid, size)
+        self.remember(oid, raw)
+        return raw
+
+    def remember(self, oid: str, raw: bytes) -> None:
+        """Keep ``raw``, the verified bytes of chunk ``oid``, among the last ``RECENT_CHUNKS`` read."""
+        with self._recent_lock:
+            self._recent[oid] = raw
+            self._recent.move_to_end(oid)
+            while len(self._recent) > RECENT_CHUNKS:
+                self._recent.popitem(last=False)
 
     def provisional(self, oid: str, encoding: Encoding, width: int) -> bool:
         """``is_provisional``, except a raw chunk that an earlier full search left raw: it is
@@ -121,7 +150,7 @@ def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrad
         provisional = settle and store.provisional(slot.id, child_header.encoding, slot.width) and roles.recompress(slot.id)
         if not provisional and parent is None:
             return 0, 0, 0, 0
-        raw = store.get_chunk(slot.id, slot.size)  # decoded and verified: the base of any delta
+        raw = store.chunk_bytes(slot.id, slot.size)  # decoded and verified: the base of any delta
         deltas = predicted = recompressed = saved = 0
         if parent is not None:
             made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits, sums)
@@ -211,6 +240,7 @@ def _reverse_delta(
         return "", 0
     settings = store.settings
     raw = bytes(store.reader().chunk(oid, job.slot.size, "", current))  # whole: no base read
+    store.remember(oid, raw)
     if job.dtype is not None and len(raw) % item_size(job.dtype) == 0:
         sums[(job.slot.id, oid)] = difference_sums(raw, base_raw, job.dtype)  # both bytes in hand
     # A delta must beat the chunk's best whole encoding. A fast-stored chunk longer than
@@ -256,13 +286,13 @@ def _reverse_delta(
     return (whole if height + 1 <= depth else ""), 0
 
 
-def _predicted(store: ObjectStore, oid: ObjectId, raw: bytes, p: Prediction, size: int, than: int,
+def _predicted(store: HeaderCache, oid: ObjectId, raw: bytes, p: Prediction, size: int, than: int,
                fits: dict[object, tuple[tuple[float, ...], float]], known: dict[str, bytes]) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise. ``known``: bases decoded already (the child's chunk here)."""
     from ckstore.codecs.predict import fit_scored, predict
 
-    bases = {b: known[b] if b in known else store.get_chunk(b, size) for b in dict.fromkeys(p.bases)}
+    bases = {b: known[b] if b in known else store.chunk_bytes(b, size) for b in dict.fromkeys(p.bases)}
     found = fit_scored(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
     if found is None:
         return None

@@ -141,7 +141,14 @@ def plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends: 
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
-    return jobs
+    # A parameter's pieces, chunk by chunk index, one after the other (weight, exp_avg,
+    # exp_avg_sq: their files' order puts a tensor or more between them): a prediction reads its
+    # siblings' chunks, which the pair's recent reads then still hold (HeaderCache.chunk_bytes).
+    # The order decides nothing else: the pool runs jobs concurrently, and Roles keeps a run's
+    # links acyclic in any order.
+    order = {where: i for i, where in enumerate(child_slots)}
+    first = {where: min(order[w] for w in siblings.get(where, {"": where}).values()) for where in child_slots}
+    return [job for _, job in sorted(zip(((first[w], order[w]) for w in child_slots), jobs), key=lambda x: x[0])]
 
 
 def _siblings(child: Commit, child_slots: dict[tuple[Position, int], Slot]) -> dict[tuple[Position, int], dict[str, tuple[Position, int]]]:
