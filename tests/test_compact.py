@@ -19,7 +19,7 @@ from ckstore import Repo
 from ckstore.cli import main
 from ckstore.codecs.objects import Encoding, parse_header
 from ckstore.repository.store import ObjectStore
-from ckstore.write.compact import _Roles
+from ckstore.write.compact_pairing import Roles
 
 CHUNK = 4096
 
@@ -98,15 +98,15 @@ def test_an_encoding_that_does_not_decode_to_the_chunk_is_never_staged(tmp_path:
     """Compaction checks each new encoding by decoding it and comparing with the chunk's verified
     bytes: a delta that decodes to other bytes (a flipped bit in a plane) is refused, and the
     parent keeps an encoding that reads back exactly."""
-    import ckstore.write.compact as compact
+    import ckstore.write.compact_encoding as encoding
 
-    original = compact.encode_delta
+    original = encoding.encode_delta
 
     def flipped(*args: object, **kwargs: object) -> bytes | None:
         data = original(*args, **kwargs)  # type: ignore[arg-type]
         return None if data is None else data[:-1] + bytes([data[-1] ^ 1])
 
-    monkeypatch.setattr(compact, "encode_delta", flipped)
+    monkeypatch.setattr(encoding, "encode_delta", flipped)
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False
     first = repo.commit_state(_state(0))
@@ -181,7 +181,7 @@ def test_cli_commit_compacts_in_the_background_and_wait_waits_for_it(tmp_path: P
 
 
 def test_roles_never_let_a_base_become_a_delta_in_the_same_run() -> None:
-    roles = _Roles()
+    roles = Roles()
     assert roles.pair("p", "c")
     assert not roles.pair("c", "x")  # c is p's base now: it stays whole until the run ends
     assert not roles.pair("x", "p")  # p is a delta: nothing may use it as a base
@@ -218,14 +218,14 @@ def test_compaction_runs_on_bounded_threads_at_lower_priority(tmp_path: Path, mo
     import ckstore.write.compact as compact
 
     seen: list[tuple[int, int]] = []
-    original = compact._compact_chunk
+    original = compact.compact_chunk
 
     def spy(*args: object, **kwargs: object) -> tuple[int, int, int, int]:
         tid = threading.get_native_id()
         seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
         return original(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(compact, "_compact_chunk", spy)
+    monkeypatch.setattr(compact, "compact_chunk", spy)
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False
     repo.commit_state(_state(0))
@@ -252,7 +252,7 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp
     (neither as the tip's parent nor in the pair below), except the one chunk in
     REFUSED_RETRY_ONE_IN that is retried in case deltas begin to pay there; the tip's chunk at
     that position still settles into its best whole encoding."""
-    import ckstore.write.compact as compact
+    import ckstore.write.compact_encoding as encoding
 
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     for step in range(3):
@@ -269,11 +269,11 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp
     refused = chunks(parent, "exp_avg")
     assert {_encoding(repo, o) for o in refused} == {Encoding.GROUPED}  # settled when it was the tip
     tried: list[str] = []
-    original = compact._reverse_delta
-    monkeypatch.setattr(compact, "_reverse_delta", lambda store, oid, *a, **k: (tried.append(oid), original(store, oid, *a, **k))[1])
+    original = encoding._reverse_delta
+    monkeypatch.setattr(encoding, "_reverse_delta", lambda store, oid, *a, **k: (tried.append(oid), original(store, oid, *a, **k))[1])
     report = repo.compact()
     assert report.deltas > 0  # the weight's chunks still become deltas
-    retried = [o for o in refused if compact._retry_refused(o)]
+    retried = [o for o in refused if encoding._retry_refused(o)]
     assert len(retried) < len(refused)
     assert [o for o in tried if o in refused] == retried
     below = chunks(repo.read_commit(parent.parents[0]), "exp_avg")
@@ -286,11 +286,11 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp
 def test_a_position_where_a_delta_paid_last_time_skips_the_sample_test(monkeypatch: pytest.MonkeyPatch) -> None:
     """encode_delta's sample test (is a delta worth a full encode?) is skipped where the last run
     made a delta: it would pass, at a quarter of a full encode; the deltas made are the same."""
-    import ckstore.write.compact as compact
+    import ckstore.write.compact_encoding as encoding
 
     calls: list[bool] = []
-    original = compact.encode_delta
-    monkeypatch.setattr(compact, "encode_delta", lambda *a, **k: (calls.append(k.get("sample_test", True)), original(*a, **k))[1])
+    original = encoding.encode_delta
+    monkeypatch.setattr(encoding, "encode_delta", lambda *a, **k: (calls.append(k.get("sample_test", True)), original(*a, **k))[1])
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1 << 18, generator=g)
     states = [{"w": w + 1e-4 * torch.randn(1 << 18, generator=torch.Generator().manual_seed(s))} for s in range(3)]
@@ -341,8 +341,8 @@ def test_a_pair_an_earlier_compaction_finished_is_not_visited_again(tmp_path: Pa
         repo.compact()
     repo.commit_state(_state(2))
     visited: list[bool] = []
-    original = compact._compact_chunk
-    monkeypatch.setattr(compact, "_compact_chunk", lambda store, job, *a: (visited.append(job.tip), original(store, job, *a))[1])
+    original = compact.compact_chunk
+    monkeypatch.setattr(compact, "compact_chunk", lambda store, job, *a: (visited.append(job.tip), original(store, job, *a))[1])
     report = repo.compact()
     assert report.deltas > 0 and visited and all(visited)  # the tip pair only
     visited.clear()
@@ -351,3 +351,41 @@ def test_a_pair_an_earlier_compaction_finished_is_not_visited_again(tmp_path: Pa
     for step, ref in enumerate(("HEAD~2", "HEAD~1", "HEAD")):
         assert all(torch.equal(repo.load_state(ref)[k], v) for k, v in _state(step).items())
     assert repo.fsck(read_data=True) == []
+
+
+def test_a_chunk_whose_best_encoding_is_raw_is_searched_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk that does not compress is stored raw by the fast commit, and its full search for a
+    best whole encoding finds raw again: the run records that (cache/settled-raw), so neither a
+    second branch saving the same state nor the next step on the same branch searches it again."""
+    from dataclasses import replace
+
+    import ckstore.write.compact_encoding as encoding
+    from ckstore.format.ids import chunk_id
+    from ckstore.write.settled_raw import KEY, settled_raw
+
+    noise = {"noise": torch.randint(-2**31, 2**31 - 1, (8 * CHUNK // 4,), dtype=torch.int32, generator=torch.Generator().manual_seed(7))}
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    repo.compact_after_commit = False
+    first = repo.commit_state({**_state(0), **noise})
+    second = repo.commit_state({**_state(1), **noise})
+    searched: list[str] = []
+    original = encoding.encode_chunk
+    monkeypatch.setattr(encoding, "encode_chunk", lambda raw, *a, **k: (searched.append(chunk_id(raw)), original(raw, *a, **k))[1])
+    repo.compact()
+    ids = [c.id for f in repo.read_commit(second).files for t in f.tensors if t.name == "noise" for c in t.chunks]
+    assert len(ids) == 8 and set(ids) <= set(searched)  # searched once, found raw
+    assert {_encoding(repo, o) for o in ids} == {Encoding.RAW}
+    searched.clear()
+    repo.create_branch("other", first)
+    other = repo.commit_state({**_state(1), **noise}, branch="other")
+    repo.compact("other")
+    repo.commit_state({**_state(2), **noise})
+    repo.compact()
+    assert [o for o in searched if o in ids] == []
+    assert {_encoding(repo, o) for o in ids} == {Encoding.RAW}
+    assert torch.equal(repo.load_state(other)["noise"], noise["noise"])
+    assert repo.fsck(read_data=True) == []
+    # Recorded under the settings it was found with: at another zstd level the search is redone.
+    assert len((tmp_path / "repo" / KEY).read_text().splitlines()) == 1 + len(ids)
+    assert settled_raw(repo.backend, repo.store.settings) == set(ids)
+    assert settled_raw(repo.backend, replace(repo.store.settings, zstd_level=repo.store.settings.zstd_level + 1)) == set()

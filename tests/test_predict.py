@@ -22,6 +22,7 @@ from ckstore.codecs.objects import (
     encode_chunk,
     encode_predicted,
     parse_header,
+    predicted_parts,
 )
 from ckstore.errors import IntegrityError
 from ckstore.format.ids import chunk_id
@@ -231,3 +232,54 @@ def test_fit_gives_up_on_weights_many_steps_apart() -> None:
     fit says so after a cheap probe instead of searching (compaction then keeps a plain delta)."""
     states = _adamw_states(128, 2, 20)
     assert predict.fit(Predictor.ADAM_WEIGHT, states[0][0], states[1]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_parts_xor_the_prediction_is_the_decode(case: tuple[Predictor, tuple[float, ...], bytes, list[bytes]]) -> None:
+    """What compaction's check relies on to reuse the prediction it encoded with: an object's
+    decode is its parsed residual XOR ``predict`` of its parsed predictor, coefficients and bases."""
+    predictor, coefficients, raw, bases = case
+    guess = predict.predict(predictor, coefficients, bases)
+    data, by_id = _encode(predictor, coefficients, raw, bases)
+    assert data == encode_predicted(raw, 1, tuple(by_id), bases, predictor, coefficients, 1 << 30, guess=guess)
+    parts = predicted_parts(data, len(raw))
+    assert parts.same_prediction(tuple(by_id), predictor, coefficients)
+    assert (parts.residual.view("<u4") ^ guess).tobytes() == _decode(data, by_id, len(raw)) == raw
+
+
+def test_compaction_check_refuses_what_does_not_decode_to_the_chunk() -> None:
+    """The check after a predicted delta is encoded (compact_encoding._check_predicted, which reuses the
+    encode's prediction instead of predicting again) refuses an object naming other coefficients
+    (-0.0 for 0.0 included), other bases or another predictor, a damaged residual, and a
+    prediction that is not the object's."""
+    from ckstore.write.compact_encoding import _check_predicted
+    from ckstore.write.compact_pairing import Prediction
+
+    (w3, _, _), (w4, m4, v4) = _adamw_states(256, 2, 1)
+    coefficients = predict.fit(Predictor.ADAM_WEIGHT, w3, [w4, m4, v4])
+    assert coefficients is not None
+    bases = [w4, m4, v4]
+    ids = tuple(chunk_id(b) for b in bases)
+    guess = predict.predict(Predictor.ADAM_WEIGHT, coefficients, bases)
+    data = encode_predicted(w3, 1, ids, bases, Predictor.ADAM_WEIGHT, coefficients, 1 << 30, guess=guess)
+    assert data is not None
+    p = Prediction(Predictor.ADAM_WEIGHT, ids, ids, None)
+    _check_predicted("x", data, w3, p, coefficients, guess)  # the real one passes
+    with pytest.raises(IntegrityError, match="another prediction"):
+        _check_predicted("x", data, w3, p, (coefficients[0], coefficients[1], coefficients[2] * 2), guess)
+    with pytest.raises(IntegrityError, match="another prediction"):
+        _check_predicted("x", data, w3, Prediction(Predictor.ADAM_WEIGHT, ids[::-1], ids, None), coefficients, guess)
+    with pytest.raises(IntegrityError, match="another prediction"):
+        _check_predicted("x", data, w3, Prediction(Predictor.ADAM_SECOND_MOMENT, ids, ids, None), coefficients, guess)
+    zero = predict.predict(Predictor.ADAM_WEIGHT, (coefficients[0], 0.0, coefficients[2]), bases)
+    signed = encode_predicted(w3, 1, ids, bases, Predictor.ADAM_WEIGHT, (coefficients[0], 0.0, coefficients[2]), 1 << 30, guess=zero)
+    assert signed is not None
+    with pytest.raises(IntegrityError, match="another prediction"):
+        _check_predicted("x", signed, w3, p, (coefficients[0], -0.0, coefficients[2]), zero)
+    damaged = bytearray(data)
+    damaged[-7] ^= 0x10
+    with pytest.raises(IntegrityError, match="x"):
+        _check_predicted("x", bytes(damaged), w3, p, coefficients, guess)
+    with pytest.raises(IntegrityError, match="does not decode to its bytes"):
+        _check_predicted("x", data, w3, p, coefficients, guess ^ np.uint32(1))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckstore.codecs import objects as codec
-from ckstore.write import compact
+from ckstore.write import compact_pairing
 from ckstore.format import settings as config
 from ckstore.codecs.objects import Encoding, delta_bases, parse_header
 from ckstore.errors import IntegrityError, UnsupportedFormatError
@@ -63,12 +63,12 @@ def test_predicted_deltas_are_smaller_than_plain_ones(tmp_path: Path) -> None:
     plain deltas) stores clearly more."""
     plain = Repo.init(tmp_path / "plain", chunk_size=CHUNK)
     predicted = Repo.init(tmp_path / "predicted", chunk_size=CHUNK)
-    original = compact._Upgrade.possible
-    compact._Upgrade.possible = lambda self: False  # type: ignore[method-assign]
+    original = compact_pairing.Upgrade.possible
+    compact_pairing.Upgrade.possible = lambda self: False  # type: ignore[method-assign]
     try:
         dcp_adamw_run(plain, 4)
     finally:
-        compact._Upgrade.possible = original  # type: ignore[method-assign]
+        compact_pairing.Upgrade.possible = original  # type: ignore[method-assign]
     dcp_adamw_run(predicted, 4)
     assert "PREDICTED" not in encodings(plain)
     assert predicted.stats().stored_bytes < 0.8 * plain.stats().stored_bytes

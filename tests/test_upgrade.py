@@ -16,10 +16,10 @@ from ckstore.codecs.objects import Encoding
 from ckstore.remote.fetch import _allow_encoding
 from ckstore.repo import Repo
 from ckstore.repository.context import RepoContext, open_context
-from ckstore.write.compact import _Upgrade
+from ckstore.write.compact_pairing import Upgrade
 
 UPGRADES_TO_PREDICTED: dict[str, Callable[[RepoContext], object]] = {
-    "compaction": lambda ctx: _Upgrade(ctx)(),
+    "compaction": lambda ctx: Upgrade(ctx)(),
     "fetch": lambda ctx: _allow_encoding(ctx, Encoding.PREDICTED),
 }
 

@@ -428,8 +428,9 @@ def encode_delta(
     Deltas that cannot pay are common (AdamW's first moment changes too much between epochs:
     269 of 439 optimizer chunks of the fp32 run), so a long chunk is first tried on the sample
     used for ranking: when the delta there is not at least 3% smaller than the chunk grouped
-    whole, the full encode is skipped. ``sample_test=False`` skips that test (a caller that knows
-    a delta paid at this place last time: the test would pass, at a quarter of a full encode).
+    whole, or not smaller (by the sample's ratio) than ``than``, the full encode is skipped.
+    ``sample_test=False`` skips that test (a caller that knows a delta paid at this place last
+    time against the chunk's whole encoding: the test would pass, at a quarter of a full encode).
     """
     if len(base) != len(raw) or not raw:
         return None
@@ -445,7 +446,9 @@ def encode_delta(
         size, best = min(sized, key=lambda x: x[0])
         if test:
             whole = _grouped_parts(sample, width, level)[0] if width > 1 else len(_compressor(level).compress(sample))
-            if size >= 0.97 * min(whole, len(sample)):
+            # ``than`` may be another delta's size (a predicted delta, about half a plain one's in
+            # the DCP benchmark): a sample that does not beat it by ratio leaves it standing.
+            if size >= 0.97 * min(whole, len(sample)) or size * len(raw) >= than * len(sample):
                 return None
         found = [best]
     data = encode_chunk(raw, level, width, base_id, base, allowed=frozenset(c.encoding for c in found),
@@ -455,16 +458,19 @@ def encode_delta(
 
 def encode_predicted(
     raw: bytes | memoryview, level: int, base_ids: tuple[str, ...], bases: list[bytes], predictor: int,
-    coefficients: tuple[float, ...], than: int,
+    coefficients: tuple[float, ...], than: int, guess: np.ndarray | None = None,
 ) -> bytes | None:
     """``raw`` (float32 elements) as the XOR against the prediction ``predictor`` computes from
-    ``bases`` with ``coefficients`` (predict.py), if that stores in fewer than ``than`` bytes."""
+    ``bases`` with ``coefficients`` (predict.py), if that stores in fewer than ``than`` bytes.
+    ``guess``: that prediction, when the caller computed it already (to check the object with:
+    ``PredictedParts``)."""
     import numpy as np
 
     from ckstore.codecs import predict
     if not raw or len(raw) % PREDICTED_WIDTH or any(len(b) != len(raw) for b in bases) or len(bases) != len(base_ids):
         return None
-    guess = predict.predict(predict.Predictor(predictor), coefficients, bases)
+    if guess is None:
+        guess = predict.predict(predict.Predictor(predictor), coefficients, bases)
     residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)
     size, parts = _grouped_parts(residual, PREDICTED_WIDTH, level)
     prefix = b"".join([bytes([len(base_ids)]), *(bytes.fromhex(b) for b in base_ids), bytes([predictor]),
@@ -513,7 +519,7 @@ def decode_view(
     if header.encoding == Encoding.GROUPED:
         return memoryview(_decode_grouped(body, header.raw_len, out))
     if header.encoding == Encoding.PREDICTED:
-        return _decode_predicted(data, body, header.raw_len, fetch_base, out)
+        return _decode_predicted(data, header.raw_len, fetch_base, out)
     return _decode_delta(body, header.raw_len, fetch_base, out, header.encoding == Encoding.CONTEXT)
 
 
@@ -526,12 +532,32 @@ def decode(
     return out if isinstance(out, bytes) else out.tobytes()
 
 
-def _decode_predicted(
-    data: bytes | memoryview, body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None,
-) -> memoryview:
-    import numpy as np
+@dataclass(frozen=True)
+class PredictedParts:
+    """A predicted delta as stored: what its decoding predicts from, and its residual decoded.
+    Decoding it is ``residual XOR predict(predictor, coefficients, the bases' bytes)``, nothing
+    else (``_decode_predicted``)."""
+    base_ids: tuple[str, ...]
+    predictor: int
+    coefficients: tuple[float, ...]
+    residual: np.ndarray  # uint8, the raw length
 
+    def same_prediction(self, base_ids: tuple[str, ...], predictor: int, coefficients: tuple[float, ...]) -> bool:
+        """Whether these are exactly the prediction's inputs (coefficients bit for bit: -0.0 is
+        not 0.0 to the prediction's arithmetic)."""
+        pack = struct.Struct(f"<{len(coefficients)}d").pack
+        return (self.base_ids == tuple(base_ids) and self.predictor == predictor
+                and len(self.coefficients) == len(coefficients) and pack(*self.coefficients) == pack(*coefficients))
+
+
+def predicted_parts(data: bytes | memoryview, raw_len: int, out: np.ndarray | None = None) -> PredictedParts:
+    """Parse and check a predicted delta object (encoding 4) of ``raw_len`` bytes, and decode its
+    residual (into ``out`` when given); IntegrityError when malformed."""
     from ckstore.codecs import predict
+    header = parse_header(data)
+    if header.kind != Kind.CHUNK or header.encoding != Encoding.PREDICTED or header.raw_len != raw_len:
+        raise IntegrityError("not a predicted delta chunk of the expected length")
+    body = memoryview(data)[HEADER_SIZE:]
     base_ids = delta_bases(data)
     at = 1 + len(base_ids) * BASE_ID_SIZE
     if len(body) < at + 1:
@@ -546,7 +572,7 @@ def _decode_predicted(
     at += 1
     if len(body) < at + shape.coefficients * _COEFFICIENT.size:
         raise IntegrityError("predicted delta body is too short for its coefficients")
-    coefficients = [_COEFFICIENT.unpack_from(body, at + i * _COEFFICIENT.size)[0] for i in range(shape.coefficients)]
+    coefficients = tuple(_COEFFICIENT.unpack_from(body, at + i * _COEFFICIENT.size)[0] for i in range(shape.coefficients))
     try:
         predict.check_coefficients(coefficients)
     except ValueError as exc:
@@ -554,15 +580,26 @@ def _decode_predicted(
     residual = _decode_grouped(body[at + shape.coefficients * _COEFFICIENT.size:], raw_len, out)
     if raw_len % PREDICTED_WIDTH or body[at + shape.coefficients * _COEFFICIENT.size] != PREDICTED_WIDTH:
         raise IntegrityError("predicted delta residual is not of float32 elements")
+    return PredictedParts(tuple(base_ids), predictor, coefficients, residual)
+
+
+def _decode_predicted(
+    data: bytes | memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None,
+) -> memoryview:
+    import numpy as np
+
+    from ckstore.codecs import predict
+    parts = predicted_parts(data, raw_len, out)
     if fetch_base is None:
         raise IntegrityError("delta object read without access to its base")
     bases = []
-    for base_id in base_ids:
+    for base_id in parts.base_ids:
         base = fetch_base(base_id, raw_len)
         if len(base) != raw_len:
             raise IntegrityError(f"delta base decoded to {len(base)} bytes, expected {raw_len}")
         bases.append(base)
-    guess = predict.predict(predictor, coefficients, bases)
+    guess = predict.predict(predict.Predictor(parts.predictor), parts.coefficients, bases)
+    residual = parts.residual
     np.bitwise_xor(residual.view("<u4"), guess, out=residual.view("<u4"))
     return memoryview(residual)
 
