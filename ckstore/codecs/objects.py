@@ -570,7 +570,8 @@ def _decode_predicted(
 def _decode_delta(
     body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None, sorted_planes: bool = False,
 ) -> memoryview:
-    """A delta (encoding 3) or, with ``sorted_planes``, a context-sorted delta (encoding 5)."""
+    """A delta (encoding 3) or, with ``sorted_planes``, a context-sorted delta (encoding 5). Every
+    plane is decoded (so a malformed body fails) before the base is fetched."""
     import numpy as np
     if len(body) < _DELTA.size:
         raise IntegrityError("delta body is too short")
@@ -579,30 +580,47 @@ def _decode_delta(
         raise IntegrityError(f"unknown delta operation {op}")
     if fetch_base is None:
         raise IntegrityError("delta object read without access to its base")
-    if sorted_planes:
-        # Every plane is decoded (so a malformed body fails) before the base is fetched.
-        width, entries = _plane_table(body[_DELTA.size:], raw_len, sorted_ok=True)
-        if width not in context.WIDTHS:
-            raise IntegrityError(f"context-sorted delta with element width {width}")
-        residual = _buffer(out, raw_len)
-        columns, by_context = residual.reshape(-1, width), {}
-        for i, (mode, frame) in enumerate(entries):
-            plane = np.frombuffer(_plane(i, mode & ~PlaneMode.SORTED, frame, raw_len // width), np.uint8)
-            if mode & PlaneMode.SORTED:
-                by_context[i] = plane
-            else:
-                columns[:, i] = plane
-    else:
-        width = body[_DELTA.size] if len(body) > _DELTA.size else 0
-        residual = _decode_grouped(body[_DELTA.size:], raw_len, out)
+    width, entries = _plane_table(body[_DELTA.size:], raw_len, sorted_ok=sorted_planes)
+    if sorted_planes and width not in context.WIDTHS:
+        raise IntegrityError(f"context-sorted delta with element width {width}")
     if op == DeltaOp.SUB and width not in _INT_DTYPES:
         raise IntegrityError(f"integer-difference delta with element width {width}")
+    n = raw_len // width
+    by_context = [i for i, (mode, _) in enumerate(entries) if mode & PlaneMode.SORTED]
+    kernels = context.decode_kernels(len(by_context) * n) if by_context else context.loaded_kernels()
+    residual = _buffer(out, raw_len)
+    if kernels is not None and width in context.JOIN_WIDTHS:
+        # Planes, not interleaved: the kernels un-sort into planes and join them with the base.
+        planes = residual.reshape(width, n)
+        for i, (mode, frame) in enumerate(entries):
+            planes[i] = np.frombuffer(_plane(i, mode & ~PlaneMode.SORTED, frame, n), np.uint8)
+        base = _delta_base(fetch_base, base_raw, raw_len)
+        words = context.base_words(base, width)
+        joined = _scratch(raw_len).reshape(width, n)  # the chain below is decoded: the thread's scratch is free
+        for i in range(width):
+            if i not in by_context:
+                joined[i] = planes[i]
+        context.unsort_into(kernels, {i: planes[i] for i in by_context}, words, joined)
+        context.join(kernels, joined, words, op == DeltaOp.XOR, residual)
+        return memoryview(residual)
+    columns, stored = residual.reshape(n, width), {}
+    for i, (mode, frame) in enumerate(entries):
+        plane = np.frombuffer(_plane(i, mode & ~PlaneMode.SORTED, frame, n), np.uint8)
+        if mode & PlaneMode.SORTED:
+            stored[i] = plane
+        else:
+            columns[:, i] = plane
+    base = _delta_base(fetch_base, base_raw, raw_len)
+    if stored:
+        context.unsort_planes(stored, base, width, residual, numpy_only=True)  # decode_kernels said numpy
+    return _undo_residual(residual, base, width, DeltaOp(op))
+
+
+def _delta_base(fetch_base: BaseFetcher, base_raw: bytes, raw_len: int) -> bytes | memoryview:
     base = fetch_base(base_raw.hex(), raw_len)
     if len(base) != raw_len:
         raise IntegrityError(f"delta base decoded to {len(base)} bytes, expected {raw_len}")
-    if sorted_planes:
-        context.unsort_planes(by_context, base, width, residual)
-    return _undo_residual(residual, base, width, DeltaOp(op))
+    return base
 
 
 def _buffer(into: np.ndarray | None, raw_len: int) -> np.ndarray:
