@@ -129,14 +129,17 @@ def test_round_trip_every_dtype_with_special_values(kernels: str, dtype: str, n:
 @given(dtype=st.sampled_from(sorted(DTYPES)), n=st.integers(0, 5000), seed=st.integers(0, 2**32 - 1),
        special=st.sampled_from([0.0, 0.01, 1.0]), share=st.sampled_from([0.0, 0.1, 1.0]),
        op=st.sampled_from(list(DeltaOp)))
-def test_plain_deltas_round_trip_joined_by_the_kernels_and_by_numpy(kernels: str, dtype: str, n: int, seed: int,
-                                                                    special: float, share: float, op: DeltaOp) -> None:
-    """Once the kernels are loaded, plain deltas (encoding 3) of 2-, 4- and 8-byte elements are
-    joined with the base by them (one pass, zigzag wrapping at the element width); without them
-    by numpy: the same bytes either way, NaN payloads, +-0, subnormals and wrap-arounds included."""
+def test_planes_are_joined_alike_by_the_kernels_and_by_numpy(kernels: str, dtype: str, n: int, seed: int,
+                                                             special: float, share: float, op: DeltaOp) -> None:
+    """Once the kernels are loaded, byte-grouped chunks and plain deltas (encodings 2 and 3) of 2-,
+    4- and 8-byte elements are joined from their planes (and with the base) by them, in one pass,
+    the zigzag difference wrapping at the element width; without them by numpy: the same bytes
+    either way, NaN payloads, +-0, subnormals and wrap-arounds included."""
     raw = _values(dtype, n, seed, special)
     width = 2 if DTYPES[dtype] == "bf16" else np.dtype(DTYPES[dtype]).itemsize
     base = _moved(raw, width, seed + 1, share).tobytes()
+    grouped = encode_chunk(raw.tobytes(), 1, width, allowed=frozenset({Encoding.GROUPED}))
+    assert decode(grouped, Kind.CHUNK, 1 << 28) == raw.tobytes()
     data = encode_chunk(raw.tobytes(), 1, width, BASE_ID, base, allowed=frozenset({Encoding.DELTA}), ops=(op,))
     assert _decode(data, base) == raw.tobytes()
     if width in context.JOIN_WIDTHS and n:  # every element wraps: the residual of base 0x80.. against 0x7f..

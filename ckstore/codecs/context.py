@@ -224,12 +224,18 @@ def unsort_into(kernels: Any, stored: dict[int, np.ndarray], words: np.ndarray, 
             kernels.unsort_below(stored[plane], exponents, planes[plane + 1], keys, planes[plane])
 
 
-JOIN_WIDTHS = (2, 4, 8)  # element widths the kernels join a delta's planes for
+JOIN_WIDTHS = (2, 4, 8)  # element widths the kernels join planes for
+_NO_BASE: dict[int, np.ndarray] = {}
 
 
-def join(kernels: Any, planes: np.ndarray, words: np.ndarray, xor: bool, out: np.ndarray) -> None:
-    """A delta's elements into ``out`` (uint8, width * n) from its residual's ``planes`` (width x
-    n) and its base's ``words`` (``base_words``): XOR, or the zigzag difference added."""
+def join(kernels: Any, planes: np.ndarray, words: np.ndarray | None, op: int, out: np.ndarray) -> None:
+    """A chunk's elements into ``out`` (uint8, width * n) from its ``planes`` (width x n); for a
+    delta (``op``: 1 XOR, 2 zigzag difference, as ``DeltaOp``) undone against its base's ``words``
+    (``base_words``); ``op`` 0 and no words for a chunk stored whole."""
     width = planes.shape[0]
+    if words is None:
+        if width not in _NO_BASE:
+            _NO_BASE[width] = base_words(b"", width)
+        words = _NO_BASE[width]
     kernel = {2: kernels.join2, 4: kernels.join4, 8: kernels.join8}[width]
-    kernel(planes, words, xor, out.view(f"<u{width}"))
+    kernel(planes, words, op, out.view(f"<u{width}"))

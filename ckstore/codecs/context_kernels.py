@@ -112,18 +112,22 @@ def unsort_below(stored: Any, exponents: Any, higher: Any, keys: Any, plane: Any
     _place(stored, keys, plane)
 
 
-# Joining a delta's planes into elements and undoing its residual (XOR, or zigzag difference)
-# against the base, in one pass: numpy needs a strided write per plane to interleave them and
-# three to five passes (and a temporary) to undo a zigzag difference; these loops vectorise.
-# Measured on 1 MiB of random elements (load ~3): 0.08-0.14 ms (bf16) and 0.17-0.33 ms (fp32)
-# against several ms for numpy's interleave and undo.
+# Joining the byte planes of a chunk into its elements and, for a delta, undoing its residual
+# against the base (``op``: 0 none, 1 XOR, 2 zigzag difference added, modulo 2^(8 x width)) in
+# one pass: numpy needs a strided write per plane to interleave them and three to five passes
+# (and a temporary) to undo a zigzag difference; these loops vectorise. Measured on 1 MiB of
+# random elements (load ~3): 0.08-0.14 ms (bf16) and 0.17-0.33 ms (fp32) a delta.
+JOIN_NONE, JOIN_XOR, JOIN_SUB = 0, 1, 2
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def join2(planes: Any, base: Any, xor: bool, out: Any) -> None:
+def join2(planes: Any, base: Any, op: int, out: Any) -> None:
     """``out`` (uint16 elements) from ``planes`` (2 x n bytes, plane i = byte i) and ``base``."""
     p0, p1 = planes[0], planes[1]
-    if xor:
+    if op == JOIN_NONE:
+        for k in range(out.size):
+            out[k] = np.uint16(p0[k]) | (np.uint16(p1[k]) << np.uint16(8))
+    elif op == JOIN_XOR:
         for k in range(out.size):
             out[k] = (np.uint16(p0[k]) | (np.uint16(p1[k]) << np.uint16(8))) ^ base[k]
     else:
@@ -133,10 +137,14 @@ def join2(planes: Any, base: Any, xor: bool, out: Any) -> None:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def join4(planes: Any, base: Any, xor: bool, out: Any) -> None:
+def join4(planes: Any, base: Any, op: int, out: Any) -> None:
     """``join2`` for uint32 elements (4 planes)."""
     p0, p1, p2, p3 = planes[0], planes[1], planes[2], planes[3]
-    if xor:
+    if op == JOIN_NONE:
+        for k in range(out.size):
+            out[k] = (np.uint32(p0[k]) | (np.uint32(p1[k]) << np.uint32(8)) | (np.uint32(p2[k]) << np.uint32(16))
+                      | (np.uint32(p3[k]) << np.uint32(24)))
+    elif op == JOIN_XOR:
         for k in range(out.size):
             out[k] = (np.uint32(p0[k]) | (np.uint32(p1[k]) << np.uint32(8)) | (np.uint32(p2[k]) << np.uint32(16))
                       | (np.uint32(p3[k]) << np.uint32(24))) ^ base[k]
@@ -147,14 +155,16 @@ def join4(planes: Any, base: Any, xor: bool, out: Any) -> None:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def join8(planes: Any, base: Any, xor: bool, out: Any) -> None:
+def join8(planes: Any, base: Any, op: int, out: Any) -> None:
     """``join2`` for uint64 elements (8 planes; unsigned arithmetic wraps, as the format says)."""
     one = np.uint64(1)
     for k in range(out.size):
         r = np.uint64(0)
         for i in range(8):
             r |= np.uint64(planes[i, k]) << np.uint64(8 * i)
-        if xor:
+        if op == JOIN_NONE:
+            out[k] = r
+        elif op == JOIN_XOR:
             out[k] = r ^ base[k]
         else:
             out[k] = ((r >> one) ^ (np.uint64(0) - (r & one))) + base[k]

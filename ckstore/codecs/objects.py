@@ -601,7 +601,7 @@ def _decode_delta(
             if i not in by_context:
                 joined[i] = planes[i]
         context.unsort_into(kernels, {i: planes[i] for i in by_context}, words, joined)
-        context.join(kernels, joined, words, op == DeltaOp.XOR, residual)
+        context.join(kernels, joined, words, op, residual)  # DeltaOp values are the kernels' op codes
         return memoryview(residual)
     columns, stored = residual.reshape(n, width), {}
     for i, (mode, frame) in enumerate(entries):
@@ -671,6 +671,14 @@ def _decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = No
     import numpy as np
     width, entries = _plane_table(body, raw_len)
     n = raw_len // width
+    kernels = context.loaded_kernels()
+    if kernels is not None and width in context.JOIN_WIDTHS:  # planes joined in one compiled pass
+        planes = _scratch(raw_len).reshape(width, n)
+        for i, (mode, frame) in enumerate(entries):
+            planes[i] = np.frombuffer(_plane(i, mode, frame, n), dtype=np.uint8)
+        out = _buffer(into, raw_len)
+        context.join(kernels, planes, None, 0, out)
+        return out
     # Interleave by strided column writes: measured (numpy 2, x86_64) about 5x faster than
     # shifting each plane into whole little-endian integers and OR-ing them, which costs a
     # widening cast and two passes a plane; decoding was most of a clone's and a push's CPU.
