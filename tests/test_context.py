@@ -19,20 +19,19 @@ from hypothesis import strategies as st
 
 from ckstore.codecs import context
 from ckstore.codecs.objects import (
-    _PLANE,
     HEADER,
     HEADER_SIZE,
     MAGIC,
     DeltaOp,
     Encoding,
     Kind,
-    PlaneMode,
     decode,
     delta_bases,
     encode_chunk,
     encode_delta,
     parse_header,
 )
+from ckstore.codecs.planes import PLANE, PlaneMode
 from ckstore.errors import IntegrityError
 from ckstore.format.settings import CONTEXT_VERSION, REPO_FORMAT_VERSION, EncodingSettings, version_for
 
@@ -103,7 +102,7 @@ def _sorted_planes(data: bytes) -> list[int]:
     """The planes of a context-sorted delta stored in context order."""
     width = data[HEADER_SIZE + 33]
     table = HEADER_SIZE + 34
-    return [i for i in range(width) if _PLANE.unpack_from(data, table + i * _PLANE.size)[0] & PlaneMode.SORTED]
+    return [i for i in range(width) if PLANE.unpack_from(data, table + i * PLANE.size)[0] & PlaneMode.SORTED]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -9,8 +9,8 @@ is zero and near random where it is not. Both facts are known to a decoder befor
 plane: the base's exponent and the residual plane above (decoded first). So a plane may be
 stored *sorted by that context*: elements of one context become neighbours, and zstd's entropy
 tables and matches adapt to each context's distribution. A decoder computes the same keys from
-what it already has and scatters the plane back. objects.py decides per plane whether sorting
-pays (``SORT_GAIN``); this module only permutes.
+what it already has and scatters the plane back. deltas.py decides per plane whether sorting
+pays (deltas.py, ``SORT_GAIN``); this module only permutes.
 
 The sort and the scatter are counting sorts (a histogram of the 1,024 keys, its running sum, one
 pass placing each byte), compiled with numba (context_kernels.py): numpy has no counting sort, and
