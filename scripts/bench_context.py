@@ -27,7 +27,8 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import RUNS, STEPS, cached_checkpoints
 
-from ckstore.codecs.objects import _PLANE, HEADER_SIZE, Encoding, Kind, PlaneMode, decode_view, encode_chunk, parse_header
+from ckstore.codecs.objects import HEADER_SIZE, Encoding, Kind, decode_view, encode_chunk, parse_header
+from ckstore.codecs.planes import PLANE, PlaneMode
 
 CHUNK = 1 << 20
 
@@ -63,7 +64,7 @@ def sorted_planes(data: bytes) -> tuple[int, int]:
     if parse_header(data).encoding not in (Encoding.DELTA, Encoding.CONTEXT):
         return 0, 0
     width = data[HEADER_SIZE + 33]
-    modes = [_PLANE.unpack_from(data, HEADER_SIZE + 34 + i * _PLANE.size)[0] for i in range(width)]
+    modes = [PLANE.unpack_from(data, HEADER_SIZE + 34 + i * PLANE.size)[0] for i in range(width)]
     return sum(bool(m & PlaneMode.SORTED) for m in modes), width
 
 

@@ -9,8 +9,8 @@ is zero and near random where it is not. Both facts are known to a decoder befor
 plane: the base's exponent and the residual plane above (decoded first). So a plane may be
 stored *sorted by that context*: elements of one context become neighbours, and zstd's entropy
 tables and matches adapt to each context's distribution. A decoder computes the same keys from
-what it already has and scatters the plane back. objects.py decides per plane whether sorting
-pays (``SORT_GAIN``); this module only permutes.
+what it already has and scatters the plane back. deltas.py decides per plane whether sorting
+pays (deltas.py, ``SORT_GAIN``); this module only permutes.
 
 The sort and the scatter are counting sorts (a histogram of the 1,024 keys, its running sum, one
 pass placing each byte), compiled with numba (context_kernels.py): numpy has no counting sort, and
@@ -37,7 +37,8 @@ from ckstore.errors import IntegrityError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["HIGHER_CAP", "KEYS", "WIDTHS", "sort_key", "sorted_plane", "unsort_planes"]
+__all__ = ["HIGHER_CAP", "JOIN_WIDTHS", "KEYS", "WIDTHS", "base_words", "decode_kernels", "join", "loaded_kernels",
+           "sort_key", "sorted_plane", "unsort_into", "unsort_planes"]
 
 
 def sort_key(base: np.ndarray, width: int, higher: np.ndarray | None) -> np.ndarray:
@@ -75,6 +76,13 @@ def _kernels() -> Any:
     return _KERNELS[0]
 
 
+def loaded_kernels() -> Any:
+    """The kernels if this process has loaded them, else None: a plain delta joins its planes
+    with them once they are loaded, but never loads numba itself (its set-up costs more than a
+    short read)."""
+    return _KERNELS[0] if _KERNELS else None
+
+
 # Elements a process un-sorts with numpy before it loads the kernels. numba's first use costs
 # 1.0-1.3 s of CPU (fresh process, load 7); numpy costs 17 ns an element against the kernels' 3
 # (one thread, load 8-10), so break-even is ~80 M elements, but with that budget a fresh
@@ -86,7 +94,7 @@ NUMPY_DECODE_ELEMENTS = 16_000_000
 _NUMPY_DECODED = [0]  # elements un-sorted with numpy so far (a lost update between threads only delays the switch)
 
 
-def _decode_kernels(elements: int) -> Any:
+def decode_kernels(elements: int) -> Any:
     """The kernels to un-sort ``elements`` elements (all planes of a chunk), or None to use numpy: the kernels
     once loaded (by an encode, a test, or this rule) or once this process has un-sorted
     ``NUMPY_DECODE_ELEMENTS`` with numpy."""
@@ -125,21 +133,30 @@ _LOCAL = threading.local()
 _KEEP_MAX = 4 << 20  # elements: a thread keeps at most 16 MiB of key arrays
 
 
-def _exponents(kernels: Any, base: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every element's exponent key (the top plane's key, the major part of the others') and a
-    work array for one plane's keys: the thread's own arrays, reused. Why: two fresh 512 KiB
-    arrays a chunk cost 256 page faults, measured at 3-5 us each on a loaded VM, as much as the
-    counting sorts themselves."""
+def _exponents(kernels: Any, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every element's exponent key (the top plane's key, the major part of the others') from
+    the base's ``words`` (unsigned little-endian integers of the element width) and a work array
+    for one plane's keys: the thread's own arrays, reused. Why: two fresh 512 KiB arrays a chunk
+    cost 256 page faults, measured at 3-5 us each on a loaded VM, as much as the counting sorts."""
     import numpy as np
-    n = base.size // width
+    n = words.size
     held = getattr(_LOCAL, "keys", None)
     if n > _KEEP_MAX:
         held = np.empty((2, n), np.uint16)  # a rare huge chunk: not kept
     elif held is None or held.shape[1] < n:
         held = _LOCAL.keys = np.empty((2, max(n, 1 << 18)), np.uint16)
     exponents, keys = held[0, :n], held[1, :n]
-    kernels.exponent_keys(base.view(f"<u{width}"), exponents)
+    kernels.exponent_keys(words, exponents)
     return exponents, keys
+
+
+def base_words(base: bytes | memoryview, width: int) -> np.ndarray:
+    """The base as read-only unsigned integers of the element width: one array type whether the
+    base is bytes or a decode buffer, so numba compiles (and caches) each kernel once."""
+    import numpy as np
+    words = np.frombuffer(base, f"<u{width}")
+    words.flags.writeable = False
+    return words
 
 
 # ---- encoding and decoding ---------------------------------------------------------------------
@@ -154,7 +171,7 @@ def sorted_plane(residual: np.ndarray, base: bytes | memoryview, width: int) -> 
     base_bytes = np.frombuffer(base, dtype=np.uint8)
     kernels = _kernels()
     if kernels is not None:
-        exponents, keys = _exponents(kernels, base_bytes, width)
+        exponents, keys = _exponents(kernels, base_words(base, width))
 
     def plane_of(plane: int) -> np.ndarray:
         if kernels is None:
@@ -165,23 +182,60 @@ def sorted_plane(residual: np.ndarray, base: bytes | memoryview, width: int) -> 
     return plane_of
 
 
-def unsort_planes(stored: dict[int, np.ndarray], base: bytes | memoryview, width: int, out: np.ndarray) -> np.ndarray:
+def unsort_planes(stored: dict[int, np.ndarray], base: bytes | memoryview, width: int, out: np.ndarray,
+                  numpy_only: bool = False) -> np.ndarray:
     """Inverse of ``sorted_plane``: ``out`` (uint8, ``n * width``: the interleaved residual, every
     plane not in ``stored`` filled already) gets each plane of ``stored`` (plane -> its sorted
-    bytes) put back in element order; returned."""
+    bytes) put back in element order; returned. With the kernels (``decode_kernels``) unless
+    ``numpy_only`` (a caller that asked ``decode_kernels`` already). A delta's decoder with the
+    kernels un-sorts into planes instead (``unsort_into``: no interleaving before it joins them)."""
     import numpy as np
     if width not in WIDTHS:
         raise IntegrityError(f"context-sorted delta with element width {width}")
     base_bytes = np.frombuffer(base, dtype=np.uint8)
     if base_bytes.size != out.size or any(p.size != base_bytes.size // width for p in stored.values()):
         raise IntegrityError("context-sorted planes and the base differ in length")
-    kernels = _decode_kernels(len(stored) * (base_bytes.size // width)) if stored else None
+    kernels = decode_kernels(len(stored) * (base_bytes.size // width)) if stored and not numpy_only else None
+    elements = out.reshape(-1, width)
     if kernels is not None:
-        exponents, keys = _exponents(kernels, base_bytes, width)
-    elements, words = out.reshape(-1, width), out.view(f"<u{width}")
+        planes = elements.T.copy()
+        unsort_into(kernels, stored, base_words(base, width), planes)
+        elements[:] = planes.T
+        return out
     for plane in sorted(stored, reverse=True):  # each plane's key needs the plane above it
-        if kernels is not None:
-            kernels.unsort_plane(stored[plane], exponents, width, plane, keys, out, words)
-        else:
-            elements[_numpy_order(out, base_bytes, width, plane), plane] = stored[plane]
+        elements[_numpy_order(out, base_bytes, width, plane), plane] = stored[plane]
     return out
+
+
+def unsort_into(kernels: Any, stored: dict[int, np.ndarray], words: np.ndarray, planes: np.ndarray) -> None:
+    """``unsort_planes`` with the kernels, on planes: ``planes`` (width x n bytes, row i = byte i
+    of every element; the rows not in ``stored`` filled already) gets each plane of ``stored``
+    scattered back into its row; ``words``: the base (``base_words``)."""
+    width, n = planes.shape
+    if width not in WIDTHS or words.size != n or any(p.size != n for p in stored.values()):
+        raise IntegrityError("context-sorted planes and the base differ in length")
+    if not stored:
+        return
+    exponents, keys = _exponents(kernels, words)
+    for plane in sorted(stored, reverse=True):  # each plane's key needs the plane above it
+        if plane == width - 1:
+            kernels.unsort_top(stored[plane], exponents, planes[plane])
+        else:
+            kernels.unsort_below(stored[plane], exponents, planes[plane + 1], keys, planes[plane])
+
+
+JOIN_WIDTHS = (2, 4, 8)  # element widths the kernels join planes for
+_NO_BASE: dict[int, np.ndarray] = {}
+
+
+def join(kernels: Any, planes: np.ndarray, words: np.ndarray | None, op: int, out: np.ndarray) -> None:
+    """A chunk's elements into ``out`` (uint8, width * n) from its ``planes`` (width x n); for a
+    delta (``op``: 1 XOR, 2 zigzag difference, as ``DeltaOp``) undone against its base's ``words``
+    (``base_words``); ``op`` 0 and no words for a chunk stored whole."""
+    width = planes.shape[0]
+    if words is None:
+        if width not in _NO_BASE:
+            _NO_BASE[width] = base_words(b"", width)
+        words = _NO_BASE[width]
+    kernel = {2: kernels.join2, 4: kernels.join4, 8: kernels.join8}[width]
+    kernel(planes, words, op, out.view(f"<u{width}"))

@@ -18,27 +18,41 @@ are refused. A delta names its base object (a predicted delta several); the call
 callback that returns a base's verified raw bytes, so this module never does I/O and the caller
 bounds the chain.
 
-Why byte planes: a float's sign/exponent byte is highly repetitive across a tensor while its low
-mantissa bytes are close to random; interleaved, zstd finds little, split into planes it
-compresses the repetitive planes well and stores the random ones raw. Why deltas: between two
-epochs most weights move by a few ulps, so XOR (or the integer difference) against the previous
-epoch's chunk zeroes the high planes almost entirely. Why predicted deltas: between two optimizer
-steps every byte changes, but the previous step's weights and second moment are almost a function
-of the current state (predict.py); XOR against that prediction is mostly zeros.
+This module frames objects, chooses a chunk's encoding and dispatches decoding; the bodies are
+in planes.py (byte planes: why they compress), deltas.py (plain and context-sorted deltas) and
+predict.py. Why predicted deltas: between two optimizer steps every byte changes, but the
+previous step's weights and second moment are almost a function of the current state
+(predict.py); XOR against that prediction is mostly zeros.
 """
 
 from __future__ import annotations
 
 import struct
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-import zstandard
-
 from ckstore.codecs import context
+from ckstore.codecs.deltas import (
+    BASE_ID_SIZE,
+    DELTA,
+    INT_DTYPES,
+    BaseFetcher,
+    DeltaOp,
+    context_parts,
+    decode_delta,
+    delta_residual,
+)
+from ckstore.codecs.planes import (
+    MAX_WIDTH,
+    PLANE,
+    Parts,
+    PlaneMode,
+    compressor,
+    decode_grouped,
+    decode_zstd,
+    grouped_parts,
+)
 from ckstore.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -49,11 +63,6 @@ OBJECT_VERSION = 1
 HEADER = struct.Struct("<4sBBBBQ")
 HEADER_SIZE = HEADER.size
 # A decoder never needs a window larger than this; a frame asking for more is hostile.
-MAX_WINDOW = 1 << 27
-MAX_WIDTH = 8
-BASE_ID_SIZE = 32
-_PLANE = struct.Struct("<BI")  # plane mode, stored length
-_DELTA = struct.Struct(f"<{BASE_ID_SIZE}sB")  # base id (binary), delta operation
 MAX_BASES = 4  # bases a predicted delta may name
 # Enough of any object to name all its bases: gc, fsck and fetch follow bases by reading this much.
 BASES_PREFIX_SIZE = HEADER_SIZE + 1 + MAX_BASES * BASE_ID_SIZE
@@ -63,15 +72,6 @@ PREDICTED_WIDTH = 4  # float32 elements only
 EXHAUSTIVE_MAX = 1 << 18
 _SAMPLE_WINDOWS = 8
 _SAMPLE_WINDOW = 1 << 14
-# A plane of a context-sorted delta is stored sorted only when that saves at least this many
-# bytes per element: each sorted plane costs the same counting sort to decode (~4 ns an element)
-# whatever it saves, and a small plane (fp32's top byte) saves little. Measured on the fp32 and
-# bf16 fine-tunes (60 steps, epoch 2 given 3, 60 chunks): 0.02 sorts 10% and 16% of the planes for
-# 1.58% and 2.41% fewer bytes than a plain delta; a size ratio of 0.96 instead sorted 19% and 42%
-# for 1.62% and 2.93%; sorting every plane gives 2.04% and 3.47% (docs/benchmarks.md, issue 24).
-SORT_GAIN = 0.02
-
-BaseFetcher = Callable[[str, int], "bytes | memoryview"]  # (base id hex, raw length) -> verified raw bytes
 
 
 class Kind(IntEnum):
@@ -88,21 +88,6 @@ class Encoding(IntEnum):
     CONTEXT = 5  # context.py
 
 
-class PlaneMode(IntEnum):
-    RAW = 0
-    ZSTD = 1
-    SORTED = 2  # flag, context-sorted deltas only: the plane is stored in context order
-
-
-class DeltaOp(IntEnum):
-    XOR = 1
-    # Zigzag of the element-wise difference: d = (raw - base) modulo 2^(8 * width) read as a signed
-    # little-endian integer, stored as (d << 1) ^ (d >> (8 * width - 1)). Zigzag keeps a small
-    # negative difference small (-1 -> 1, not 0xFF..FF), so the high planes stay zero: measured
-    # 0.55 of raw against 0.62 for the plain difference and 0.58 for XOR on a dense fp32 layer.
-    SUB = 2
-
-
 # Encodings a repository of each format version may contain (version 1 knew only raw and zstd;
 # version 3 changed link files, not objects; version 4 added the predicted delta, 5 changed packs,
 # 6 added the context-sorted delta).
@@ -113,8 +98,6 @@ ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: _PL
 # Encodings only compaction and repack write (slower to encode; the training loop never waits).
 OFF_LOOP = frozenset({Encoding.CONTEXT})
 _DELTAS = (Encoding.DELTA, Encoding.CONTEXT)  # one base id and an operation, then a plane set
-_INT_DTYPES = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
-_SIGNED_DTYPES = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
 
 @dataclass(frozen=True)
@@ -171,46 +154,13 @@ def delta_bases(data: bytes | memoryview) -> tuple[str, ...]:
 # ---- encoding ---------------------------------------------------------------------------------
 
 
-_LOCAL = threading.local()  # zstd contexts are costly to create and not thread-safe: one per thread
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] = _LOCAL.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return cache[level]
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    if not hasattr(_LOCAL, "decompressor"):
-        _LOCAL.decompressor = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
-    return _LOCAL.decompressor  # type: ignore[no-any-return]
-
-
-# Work arrays up to this size are kept per thread and reused; larger ones are allocated each time.
-SCRATCH_MAX = 16 << 20
-
-
-def _scratch(n: int) -> np.ndarray:
-    """A thread's reusable work array of ``n`` bytes (contents undefined). Why: a fresh 1 MiB
-    array costs 256 page faults when first written, measured at 3-5 us each on a loaded VM, more
-    than the arithmetic done in it (decoding an fp32 delta made ~1,300 faults per MB)."""
-    import numpy as np
-    if n > SCRATCH_MAX:
-        return np.empty(n, np.uint8)
-    held = getattr(_LOCAL, "scratch", None)
-    if held is None or held.size < n:
-        held = _LOCAL.scratch = np.empty(max(n, 1 << 20), np.uint8)
-    return held[:n]
-
-
 def _raw_object(kind: Kind, raw: bytes | memoryview) -> bytes:
     return b"".join((_pack_header(kind, Encoding.RAW, len(raw)), raw))  # one copy of raw, not two
 
 
 def encode(raw: bytes | memoryview, kind: Kind, level: int) -> bytes:
     """Encode raw bytes as zstd, or raw when zstd would not make the object smaller."""
-    compressed = _compressor(level).compress(raw)
+    compressed = compressor(level).compress(raw)
     if len(compressed) < len(raw):
         return _pack_header(kind, Encoding.ZSTD, len(raw)) + compressed
     return _raw_object(kind, raw)
@@ -229,90 +179,10 @@ def encode_sampled(raw: bytes | memoryview, kind: Kind, level: int) -> bytes:
     """``encode``, but a chunk whose first ``SAMPLE_BYTES`` do not compress is stored raw without
     compressing the rest (both decode alike: only the stored size can differ)."""
     if len(raw) >= 4 * SAMPLE_BYTES:
-        sample = _compressor(level).compress(memoryview(raw)[:SAMPLE_BYTES])
+        sample = compressor(level).compress(memoryview(raw)[:SAMPLE_BYTES])
         if len(sample) >= (1 - SAMPLE_MIN_SAVING) * SAMPLE_BYTES:
             return _raw_object(kind, raw)
     return encode(raw, kind, level)
-
-
-# An encoded body as the pieces it is made of, joined once into the object (no copy per layer).
-Parts = list[bytes | memoryview]
-
-
-def _planes(raw: bytes | memoryview | np.ndarray, width: int) -> np.ndarray:
-    """Shape (width, n): plane i holds byte i (little-endian order) of every element."""
-    import numpy as np
-    # A strided transpose copy: measured (numpy 2.4, x86_64, 1 MiB chunks of optimizer state)
-    # 3.1 GB/s against 0.85 GB/s for shifting whole little-endian integers a plane at a time, for
-    # 2- and 4-byte elements alike; the split was about half of a grouped encoding's CPU.
-    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.copy()
-
-
-def _grouped_parts(raw: bytes | memoryview | np.ndarray, width: int, level: int) -> tuple[int, Parts]:
-    """A plane set (format.md section 4) of ``raw``: its stored length and its pieces."""
-    compressor = _compressor(level)
-    pieces = [_plane_piece(plane, compressor) for plane in _planes(raw, width)]
-    return _plane_set(width, pieces)
-
-
-def _plane_piece(plane: np.ndarray, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes | memoryview]:
-    """One plane as its mode and stored bytes."""
-    packed = compressor.compress(plane)  # rows of a C-ordered array: contiguous buffers
-    # Low mantissa planes are close to random (zstd sees that quickly): storing them raw
-    # saves the frame overhead and makes decoding them a copy.
-    if len(packed) < plane.nbytes:
-        return PlaneMode.ZSTD, packed
-    return PlaneMode.RAW, memoryview(plane)
-
-
-def _plane_set(width: int, pieces: list[tuple[int, bytes | memoryview]]) -> tuple[int, Parts]:
-    parts: Parts = [bytes([width]), *(_PLANE.pack(mode, len(piece)) for mode, piece in pieces), *(p for _, p in pieces)]
-    return sum(len(x) for x in parts), parts
-
-
-def _context_parts(residual: np.ndarray, base: bytes | memoryview, width: int, level: int) -> tuple[int, Parts, bool]:
-    """The plane set of a context-sorted delta: each plane stored sorted by its context where
-    that saves at least ``SORT_GAIN`` bytes an element (the sort costs decode time); its stored
-    length, pieces, and whether any plane is sorted."""
-    compressor = _compressor(level)
-    sorted_plane = context.sorted_plane(residual, base, width)
-    pieces = []
-    for i, plane in enumerate(_planes(residual, width)):
-        mode, piece = _plane_piece(plane, compressor)
-        by_context, sorted_piece = _plane_piece(sorted_plane(i), compressor)
-        if len(piece) - len(sorted_piece) >= SORT_GAIN * plane.size:
-            mode, piece = by_context | PlaneMode.SORTED, sorted_piece
-        pieces.append((mode, piece))
-    return (*_plane_set(width, pieces), any(mode & PlaneMode.SORTED for mode, _ in pieces))
-
-
-def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int, op: DeltaOp) -> np.ndarray:
-    """What a delta stores: raw XOR base, or raw - base element-wise (as bytes)."""
-    import numpy as np
-    if op == DeltaOp.XOR:
-        return np.bitwise_xor(np.frombuffer(raw, np.uint8), np.frombuffer(base, np.uint8))
-    dt = _INT_DTYPES[width]
-    diff = np.subtract(np.frombuffer(raw, dt), np.frombuffer(base, dt)).view(_SIGNED_DTYPES[width])
-    sign = diff >> (8 * width - 1)  # in place from here: each temporary of a 1 MiB chunk costs
-    np.left_shift(diff, 1, out=diff)
-    np.bitwise_xor(diff, sign, out=diff)
-    return diff.view(np.uint8)
-
-
-def _undo_residual(residual: np.ndarray, base: bytes | memoryview, width: int, op: DeltaOp) -> memoryview:
-    import numpy as np
-    if op == DeltaOp.XOR:
-        np.bitwise_xor(residual, np.frombuffer(base, np.uint8), out=residual)
-        return memoryview(residual)
-    dt = _INT_DTYPES[width]
-    zigzag = residual.view(dt)  # the array _decode_grouped filled: updated in place
-    odd = _scratch(residual.size).view(dt)
-    np.bitwise_and(zigzag, 1, out=odd)
-    np.negative(odd, out=odd)  # unsigned arithmetic wraps, as intended
-    np.right_shift(zigzag, 1, out=zigzag)
-    np.bitwise_xor(zigzag, odd, out=zigzag)
-    np.add(zigzag, np.frombuffer(base, dt), out=zigzag)
-    return memoryview(zigzag.view(np.uint8))
 
 
 def _sample(raw: bytes | memoryview, width: int) -> bytes:
@@ -348,9 +218,9 @@ def candidates(
         if prune:
             out = [c for c in out if c.encoding != Encoding.ZSTD]
     if aligned and has_base and Encoding.DELTA in allowed:
-        if not (prune and width > 1 and width in _INT_DTYPES):
+        if not (prune and width > 1 and width in INT_DTYPES):
             out.append(Candidate(Encoding.DELTA, DeltaOp.XOR))
-        if width in _INT_DTYPES:
+        if width in INT_DTYPES:
             out.append(Candidate(Encoding.DELTA, DeltaOp.SUB))
     if aligned and has_base and Encoding.CONTEXT in allowed and width in context.WIDTHS:
         # The same residuals, each plane sorted by its context (context.py); the XOR residual is
@@ -363,15 +233,15 @@ def _body(
     raw: bytes | memoryview, c: Candidate, width: int, level: int, base: bytes | memoryview | None,
 ) -> tuple[int, Parts]:
     if c.encoding == Encoding.ZSTD:
-        packed = _compressor(level).compress(raw)
+        packed = compressor(level).compress(raw)
         return len(packed), [packed]
     if c.encoding == Encoding.GROUPED:
-        return _grouped_parts(raw, width, level)
+        return grouped_parts(raw, width, level)
     assert base is not None and c.op is not None
     residual = delta_residual(raw, base, width, c.op)
     if c.encoding == Encoding.CONTEXT:
-        return _context_parts(residual, base, width, level)[:2]
-    return _grouped_parts(residual, width, level)
+        return context_parts(residual, base, width, level)[:2]
+    return grouped_parts(residual, width, level)
 
 
 def encode_chunk(
@@ -406,12 +276,12 @@ def encode_chunk(
             best = (size, parts, c)
     assert best is not None
     size, parts, chosen = best
-    if chosen.encoding == Encoding.CONTEXT and not any(_PLANE.unpack(parts[1 + i])[0] & PlaneMode.SORTED for i in range(width)):
+    if chosen.encoding == Encoding.CONTEXT and not any(PLANE.unpack(parts[1 + i])[0] & PlaneMode.SORTED for i in range(width)):
         chosen = Candidate(Encoding.DELTA, chosen.op)  # no plane sorted: the same bytes as a plain delta
     prefix = b""
     if chosen.encoding in _DELTAS:
         assert base_id is not None and chosen.op is not None
-        prefix = _DELTA.pack(bytes.fromhex(base_id), chosen.op)
+        prefix = DELTA.pack(bytes.fromhex(base_id), chosen.op)
     if len(prefix) + size >= len(raw):
         return _raw_object(Kind.CHUNK, raw)
     return b"".join([_pack_header(Kind.CHUNK, chosen.encoding, len(raw)), prefix, *parts])
@@ -445,7 +315,7 @@ def encode_delta(
         sized = [(_body(sample, c, width, level, base_sample)[0], c) for c in found]
         size, best = min(sized, key=lambda x: x[0])
         if test:
-            whole = _grouped_parts(sample, width, level)[0] if width > 1 else len(_compressor(level).compress(sample))
+            whole = grouped_parts(sample, width, level)[0] if width > 1 else len(compressor(level).compress(sample))
             # ``than`` may be another delta's size (a predicted delta, about half a plain one's in
             # the DCP benchmark): a sample that does not beat it by ratio leaves it standing.
             if size >= 0.97 * min(whole, len(sample)) or size * len(raw) >= than * len(sample):
@@ -472,7 +342,7 @@ def encode_predicted(
     if guess is None:
         guess = predict.predict(predict.Predictor(predictor), coefficients, bases)
     residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)
-    size, parts = _grouped_parts(residual, PREDICTED_WIDTH, level)
+    size, parts = grouped_parts(residual, PREDICTED_WIDTH, level)
     prefix = b"".join([bytes([len(base_ids)]), *(bytes.fromhex(b) for b in base_ids), bytes([predictor]),
                        *(_COEFFICIENT.pack(c) for c in coefficients)])
     if HEADER_SIZE + len(prefix) + size >= than:
@@ -513,14 +383,14 @@ def decode_view(
         # the body itself, not a copy of it in bytes first (a third of load_state's copies).
         return body if out is not None else bytes(body)
     if header.encoding == Encoding.ZSTD:
-        return _decode_zstd(body, header.raw_len)
+        return decode_zstd(body, header.raw_len)
     if kind != Kind.CHUNK:
         raise IntegrityError(f"a {kind.name.lower()} cannot use the {header.encoding.name.lower()} encoding")
     if header.encoding == Encoding.GROUPED:
-        return memoryview(_decode_grouped(body, header.raw_len, out))
+        return memoryview(decode_grouped(body, header.raw_len, out))
     if header.encoding == Encoding.PREDICTED:
         return _decode_predicted(data, header.raw_len, fetch_base, out)
-    return _decode_delta(body, header.raw_len, fetch_base, out, header.encoding == Encoding.CONTEXT)
+    return decode_delta(body, header.raw_len, fetch_base, out, header.encoding == Encoding.CONTEXT)
 
 
 def decode(
@@ -577,7 +447,7 @@ def predicted_parts(data: bytes | memoryview, raw_len: int, out: np.ndarray | No
         predict.check_coefficients(coefficients)
     except ValueError as exc:
         raise IntegrityError(str(exc)) from None
-    residual = _decode_grouped(body[at + shape.coefficients * _COEFFICIENT.size:], raw_len, out)
+    residual = decode_grouped(body[at + shape.coefficients * _COEFFICIENT.size:], raw_len, out)
     if raw_len % PREDICTED_WIDTH or body[at + shape.coefficients * _COEFFICIENT.size] != PREDICTED_WIDTH:
         raise IntegrityError("predicted delta residual is not of float32 elements")
     return PredictedParts(tuple(base_ids), predictor, coefficients, residual)
@@ -604,117 +474,3 @@ def _decode_predicted(
     return memoryview(residual)
 
 
-def _decode_delta(
-    body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None, sorted_planes: bool = False,
-) -> memoryview:
-    """A delta (encoding 3) or, with ``sorted_planes``, a context-sorted delta (encoding 5)."""
-    import numpy as np
-    if len(body) < _DELTA.size:
-        raise IntegrityError("delta body is too short")
-    base_raw, op = _DELTA.unpack_from(body)
-    if op not in DeltaOp._value2member_map_:
-        raise IntegrityError(f"unknown delta operation {op}")
-    if fetch_base is None:
-        raise IntegrityError("delta object read without access to its base")
-    if sorted_planes:
-        # Every plane is decoded (so a malformed body fails) before the base is fetched.
-        width, entries = _plane_table(body[_DELTA.size:], raw_len, sorted_ok=True)
-        if width not in context.WIDTHS:
-            raise IntegrityError(f"context-sorted delta with element width {width}")
-        residual = _buffer(out, raw_len)
-        columns, by_context = residual.reshape(-1, width), {}
-        for i, (mode, frame) in enumerate(entries):
-            plane = np.frombuffer(_plane(i, mode & ~PlaneMode.SORTED, frame, raw_len // width), np.uint8)
-            if mode & PlaneMode.SORTED:
-                by_context[i] = plane
-            else:
-                columns[:, i] = plane
-    else:
-        width = body[_DELTA.size] if len(body) > _DELTA.size else 0
-        residual = _decode_grouped(body[_DELTA.size:], raw_len, out)
-    if op == DeltaOp.SUB and width not in _INT_DTYPES:
-        raise IntegrityError(f"integer-difference delta with element width {width}")
-    base = fetch_base(base_raw.hex(), raw_len)
-    if len(base) != raw_len:
-        raise IntegrityError(f"delta base decoded to {len(base)} bytes, expected {raw_len}")
-    if sorted_planes:
-        context.unsort_planes(by_context, base, width, residual)
-    return _undo_residual(residual, base, width, DeltaOp(op))
-
-
-def _buffer(into: np.ndarray | None, raw_len: int) -> np.ndarray:
-    """``into`` (checked) or a new uint8 array of ``raw_len`` bytes, to decode a chunk into."""
-    import numpy as np
-    if into is not None and (into.dtype != np.uint8 or into.size != raw_len):
-        raise ValueError(f"decode buffer of {into.size} {into.dtype} elements for {raw_len} bytes")
-    return np.empty(raw_len, dtype=np.uint8) if into is None else into
-
-
-def _plane_table(body: memoryview, raw_len: int, sorted_ok: bool = False) -> tuple[int, list[tuple[int, memoryview]]]:
-    """A plane set's element width and its planes' (mode, stored bytes), checked against the body;
-    ``sorted_ok``: a context-sorted delta's (modes may carry the SORTED flag)."""
-    if len(body) < 1:
-        raise IntegrityError("byte-grouped body is empty")
-    width = body[0]
-    if not 1 <= width <= MAX_WIDTH:
-        raise IntegrityError(f"byte-grouped body has element width {width}")
-    if raw_len % width:
-        raise IntegrityError(f"{raw_len} bytes are not whole elements of width {width}")
-    table_end = 1 + width * _PLANE.size
-    if len(body) < table_end:
-        raise IntegrityError("byte-grouped body is shorter than its plane table")
-    entries = [_PLANE.unpack_from(body, 1 + i * _PLANE.size) for i in range(width)]
-    if table_end + sum(n for _, n in entries) != len(body):
-        raise IntegrityError("byte-grouped plane lengths do not add up to the body length")
-    frames = []
-    offset = table_end
-    for i, (mode, stored) in enumerate(entries):
-        if mode & ~(PlaneMode.SORTED if sorted_ok else 0) not in (PlaneMode.RAW, PlaneMode.ZSTD):
-            raise IntegrityError(f"unknown plane mode {mode} (plane {i})")
-        frames.append((mode, body[offset:offset + stored]))
-        offset += stored
-    return width, frames
-
-
-def _plane(i: int, mode: int, frame: memoryview, n: int) -> bytes | memoryview:
-    """Plane ``i`` of a plane set (``mode`` without flags), decoded to its ``n`` bytes."""
-    if mode == PlaneMode.RAW:
-        if len(frame) != n:
-            raise IntegrityError(f"raw plane {i} is {len(frame)} bytes, expected {n}")
-        return frame
-    return _decode_zstd(frame, n)
-
-
-def _decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = None) -> np.ndarray:
-    """Bytes of a byte-grouped body, as a uint8 array of ``raw_len`` elements (``into`` when given)."""
-    import numpy as np
-    width, entries = _plane_table(body, raw_len)
-    n = raw_len // width
-    # Interleave by strided column writes: measured (numpy 2, x86_64) about 5x faster than
-    # shifting each plane into whole little-endian integers and OR-ing them, which costs a
-    # widening cast and two passes a plane; decoding was most of a clone's and a push's CPU.
-    out = _buffer(into, raw_len).reshape(n, width)
-    for i, (mode, frame) in enumerate(entries):
-        out[:, i] = np.frombuffer(_plane(i, mode, frame, n), dtype=np.uint8)
-    return out.reshape(-1)
-
-
-def _decode_zstd(body: memoryview, raw_len: int) -> bytes:
-    try:
-        declared = zstandard.frame_content_size(body)
-    except zstandard.ZstdError as exc:
-        raise IntegrityError(f"malformed zstd frame: {exc}") from None
-    if declared != raw_len:
-        # Checked before decompressing: a bomb declaring a huge size never gets its allocation.
-        raise IntegrityError(f"zstd frame declares {declared} bytes, expected {raw_len}")
-    try:
-        # One frame, exactly: a truncated frame or trailing bytes raise (allow_extra_data).
-        out = _decompressor().decompress(body, max_output_size=raw_len, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        reason = "zstd frame is truncated" if "full frame" in str(exc) else f"corrupt zstd data: {exc}"
-        if "unused data" in str(exc):
-            reason = f"trailing bytes after the zstd frame ({exc})"
-        raise IntegrityError(reason) from None
-    if len(out) != raw_len:
-        raise IntegrityError(f"zstd frame decoded to {len(out)} bytes, expected {raw_len}")
-    return out
