@@ -23,6 +23,7 @@ from ckstore.codecs.planes import (
     Parts,
     compressor,
     decode_buffer,
+    decode_grouped,
     decode_plane,
     plane_piece,
     plane_set,
@@ -145,6 +146,9 @@ def decode_delta(
         context.unsort_into(kernels, {i: planes[i] for i in by_context}, words, joined)
         context.join(kernels, joined, words, op, residual)  # DeltaOp values are the kernels' op codes
         return memoryview(residual)
+    if not by_context:
+        residual = decode_grouped(body[DELTA.size:], raw_len, residual)
+        return undo_residual(residual, _delta_base(fetch_base, base_raw, raw_len), width, DeltaOp(op))
     columns, stored = residual.reshape(n, width), {}
     for i, (mode, frame) in enumerate(entries):
         plane = np.frombuffer(decode_plane(i, mode & ~PlaneMode.SORTED, frame, n), np.uint8)
