@@ -125,6 +125,7 @@ class ObjectStore:
 
     def put_chunk(
         self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None, fast: bool = False,
+        oid: str | None = None,
     ) -> PutResult:
         """Store a chunk of elements ``width`` bytes wide; ``base_id`` is a delta base candidate
         (the same chunk in the parent commit), used when its chain leaves room for one more.
@@ -132,7 +133,7 @@ class ObjectStore:
         ``fast`` stores a multi-byte chunk with plain zstd at its fast level (a commit on the
         training loop's critical path); ``is_provisional`` tells compaction to re-encode it.
         """
-        oid = chunk_id(raw)
+        oid = oid or chunk_id(raw)  # ``oid``: the caller hashed ``raw`` already
         key = object_key(oid)
         if self.has_durable(oid):
             return PutResult(oid, 0)

@@ -23,6 +23,7 @@ from typing import BinaryIO
 from ckstore.errors import (
     CkstoreWarning, InvalidInputError, InvalidPathError, PickleCheckpointError, SafetensorsFormatError, StorageError,
 )
+from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
 from ckstore.write.pipeline import grouped, ordered_map
 from ckstore.write.spans import OpenSource, Span, read_span, recycle
@@ -314,17 +315,21 @@ def ingest(
             # Headers are not delta candidates at commit: unchanged ones dedup, changed ones are
             # small (repack may still pair them).
             return p_index, s_index, len(piece), store.put_chunk(piece, width), None
-        if base_index is not None:
-            result = store.put_chunk(piece, width, chunk_at(base_index, position, c_index, len(piece)))
-        else:
-            result = store.put_chunk(piece, width, fast=fast)
+        # The chunk's name first, then its figures, then storing it: the figures read the bytes
+        # while hashing has just brought them into the cache (storing copies them twice more).
+        # bf16 in-process commit, figures' cost 0.11-0.14 -> 0.08-0.11 s a 136 MB epoch (idle).
+        oid = chunk_id(piece)
         figures = None
         if stats is not None and plan.stats[s_index] is not None and plan.layout is not None:
             tensor = plan.layout.tensors[s_index - 1]
             previous = stats.get((plan.source.path, tensor.name))
             if previous is not None and (previous.dtype != tensor.dtype or previous.shape != tuple(tensor.shape)):
                 previous = None
-            figures = _tensor_stats(piece, tensor.dtype, previous, c_index, result.id)
+            figures = _tensor_stats(piece, tensor.dtype, previous, c_index, oid)
+        if base_index is not None:
+            result = store.put_chunk(piece, width, chunk_at(base_index, position, c_index, len(piece)), oid=oid)
+        else:
+            result = store.put_chunk(piece, width, fast=fast, oid=oid)
         return p_index, s_index, len(piece), result, figures
 
     added = 0
