@@ -26,8 +26,8 @@ class _HashingStore:
     """What ingest writes to: names each chunk and keeps nothing."""
 
     def put_chunk(self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None,
-                  fast: bool = False) -> PutResult:
-        return PutResult(chunk_id(raw), 0)
+                  fast: bool = False, oid: str | None = None) -> PutResult:
+        return PutResult(oid or chunk_id(raw), 0)
 
 
 class _FolderChunks:
