@@ -204,6 +204,9 @@ def cached_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str,
 def ensure_checkpoints(out: Path, epochs: int = 4, steps: int = 25, runs: tuple[str, ...] = RUNS) -> dict[str, list[Path]]:
     """The epoch directories of ``runs`` at ``steps`` steps per epoch, training those not already
     on disk."""
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown:  # train_run would train any other name as a full fine-tune under that name
+        raise SystemExit(f"unknown run {', '.join(unknown)}: the runs are {', '.join(RUNS)}")
     cached = cached_checkpoints(out, epochs, steps)
     return {run: cached.get(run) or train_run(run, out / f"s{steps}", epochs, steps) for run in runs}
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_data import ensure_checkpoints  # noqa: E402
+from bench_data import RUNS, ensure_checkpoints  # noqa: E402
 from bench_env import installed_like_env  # noqa: E402
 from bench_sections import write_section  # noqa: E402
 
@@ -139,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3, help="epochs committed per repository (of the 4 cached)")
-    parser.add_argument("--dtypes", nargs="+", default=["fp32_full", "bf16"])
+    parser.add_argument("--dtypes", nargs="+", choices=list(RUNS), default=["fp32_full", "bf16"])
     parser.add_argument("--work", type=Path, default=ROOT / "bench-work")
     parser.add_argument("--write-docs", type=Path)
     args = parser.parse_args()

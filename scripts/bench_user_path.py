@@ -50,7 +50,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_data import ensure_checkpoints  # noqa: E402
+from bench_data import RUNS, ensure_checkpoints  # noqa: E402
 from bench_env import installed_like_env  # noqa: E402
 
 from ckstore import Repo  # noqa: E402
@@ -278,7 +278,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["epochs", "compaction"], choices=["epochs", "compaction"])
     parser.add_argument("--sizes", nargs="+", type=float, default=[0.27])
-    parser.add_argument("--dtypes", nargs="+", default=["fp32_full", "bf16"])
+    parser.add_argument("--dtypes", nargs="+", choices=list(RUNS), default=["fp32_full", "bf16"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--names", nargs="+", default=["epoch", "same"], choices=["epoch", "same"],
                         help="compaction: files named per epoch, or one name (relative change recorded)")
