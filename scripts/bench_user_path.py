@@ -4,10 +4,11 @@ Two parts, each printed as a markdown table (docs/benchmarks.md, "The user's pat
 
 ``epochs``: for each state size, one fresh repository per repetition; per epoch, interleaved so a
 slow moment of the shared machine hits every side alike: safetensors ``save_file`` + fsync of the
-epoch's tensors (already in memory) into a folder named for the epoch, ``torch.save`` + fsync of
-the same tensors, then ``ckstore commit <that folder>`` as a subprocess (the whole command as a
-user sees it, start-up included, whatever it leaves running in the background), then
-``ckstore checkout HEAD`` into an empty folder (subprocess), and again with ``--fsync`` (durable
+epoch's tensors (already in memory) into a folder named for the epoch, then ``ckstore commit
+<that folder>`` as a subprocess, as a training script runs it right after its save (the whole
+command as a user sees it, start-up included, whatever it leaves running in the background), then
+``torch.save`` + fsync of the same tensors (for comparison; after the command, so its writes do
+not evict the checkpoint the command reads), then ``ckstore checkout HEAD`` into an empty folder (subprocess), and again with ``--fsync`` (durable
 files, as the save is; without it the files are written as cp writes them). Background work the command left
 (a detached compaction) is waited for, by taking the repository's compaction lock, before the
 next epoch, and timed apart: it is not on the user's path. Peak RSS of each ckstore process
@@ -171,6 +172,13 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
                 save_synced(tensors, folder / f.replace(".safetensors", f"_epoch_{n + 1}.safetensors"))
             fsync_path(folder)
             add("save_file", n, time.perf_counter() - started)
+            wall, rss = run_cli(["--repo", str(repo), "commit", str(folder), "-m", f"epoch {n + 1}"])
+            add("commit", n, wall)
+            add("commit rss", n, rss)
+            add("background", n, wait_background(repo))
+            # torch.save after the command, as a comparison only: between the save and the
+            # command (as until session 6) its writes evicted the checkpoint the command reads,
+            # at 10 GB most of it, which a training script's own path does not do.
             pt = work / "pt"
             pt.mkdir(exist_ok=True)
             started = time.perf_counter()
@@ -178,10 +186,6 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
             fsync_path(pt)
             add("torch.save", n, time.perf_counter() - started)
             (pt / f"epoch_{n + 1}.pt").unlink()
-            wall, rss = run_cli(["--repo", str(repo), "commit", str(folder), "-m", f"epoch {n + 1}"])
-            add("commit", n, wall)
-            add("commit rss", n, rss)
-            add("background", n, wait_background(repo))
             out = work / "out"
             wall, rss = run_cli(["--repo", str(repo), "checkout", "HEAD", "-o", str(out)])
             add("checkout", n, wall)
