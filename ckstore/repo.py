@@ -98,6 +98,7 @@ class Repo:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
                  _context: RepoContext | None = None) -> None:
         self._ctx = _context or open_context(path, backend=backend)
+        self._work = work_for(self._ctx)  # looked up once: ``commits_recorded`` must take no lock
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -164,6 +165,11 @@ class Repo:
         and whether a compaction runs or waits (this process's, or a detached one's, whichever
         process started it), with the log detached compactions write to."""
         return work_for(self._ctx).status(self._ctx)
+
+    def commits_recorded(self) -> tuple[ObjectId, ...]:
+        """The commits recorded through this repository so far, oldest first. It takes no lock
+        and does no I/O, so a signal handler may ask it (the CLI's Ctrl-C handler does)."""
+        return tuple(self._work.recorded)
 
     def wait_background(self, poll: float = 0.1) -> None:
         """``wait``, then wait until no compaction of this repository runs or waits, detached

@@ -219,10 +219,10 @@ def test_real_subprocess(tmp_path: Path) -> None:
 # ---- Ctrl-C and the detached compaction (issue 22) ----------------------------------------------
 
 
-def _start(repo: Path, *args: str) -> subprocess.Popen[str]:
+def _start(repo: Path, *args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
     """The real ``ckstore`` command in a process of its own, as a user or a script runs it."""
     return subprocess.Popen([sys.executable, "-m", "ckstore.cli", "--repo", str(repo), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
 
 
 def _wait_until_blocked_on(proc: subprocess.Popen[str], lock: Path) -> None:
@@ -256,6 +256,30 @@ def test_ctrl_c_before_the_commit_is_durable_cancels_it_cleanly(tmp_path: Path) 
     again = Repo(path)
     assert [e.id for e in again.log()] == [first] and again.fsck() == []
     assert leftover_temp_files(path) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the command wait for the lock")
+def test_a_burst_of_ctrl_c_never_hangs_the_command(tmp_path: Path) -> None:
+    """Signals that arrive while the handler of an earlier one still runs re-enter it (Python
+    runs a handler between any two bytecodes, its own included): it must neither wait on a lock
+    its outer call holds nor do work that such a call can interrupt halfway."""
+    path = tmp_path / "repo"
+    Repo.init(path, chunk_size=4096)
+    for attempt in range(3):
+        with Repo(path).backend.exclusive_lock():
+            # Run outside any git work tree, as a training script often is (the provenance is
+            # then quick to collect: the timing that showed the fault).
+            proc = _start(path, "commit", str(checkpoint(tmp_path / f"b{attempt}" / "model.safetensors", attempt)),
+                          cwd=tmp_path)
+            _wait_until_blocked_on(proc, path / "lock")
+            for _ in range(400):  # a held key, a script's kill loop
+                if proc.poll() is not None:
+                    break
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.0005)
+            out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and out == "" and err == "ckstore: interrupted\n", err
+    assert Repo(path).branches() == {} and leftover_temp_files(path) == []
 
 
 def test_ctrl_c_while_chunks_are_written_leaves_either_no_commit_or_a_whole_one(tmp_path: Path) -> None:

@@ -244,7 +244,10 @@ class _Interrupts:
         self.held = False
 
     def __call__(self, signum: int, frame: object) -> None:
-        if self.hold and self.repo.background_work().recorded:
+        # A signal that comes while this runs re-enters it between two bytecodes: nothing here
+        # may take a lock or do I/O (asking for the background status did both, and a burst of
+        # Ctrl-C could leave the command waiting on a lock its own outer call held).
+        if self.hold and self.repo.commits_recorded():
             self.held = True
             return
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -282,7 +285,7 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
         try:
             result = ctx.invoke(f, repo, *args, **kwargs)
         except KeyboardInterrupt:
-            recorded = repo.background_work().recorded
+            recorded = repo.commits_recorded()
             if not recorded:
                 raise
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -290,7 +293,7 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
             die(f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
                 "('ckstore wait' waits for it)", EXIT_INTERRUPTED)
         if own:
-            recorded = bool(repo.background_work().recorded)
+            recorded = bool(repo.commits_recorded())
             signal.signal(signal.SIGINT, _commit_stands if recorded else signal.default_int_handler)
             if interrupts.held:
                 _commit_stands(signal.SIGINT, None)
