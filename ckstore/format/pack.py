@@ -285,10 +285,13 @@ def _fail(what: str, reason: str) -> IntegrityError:
     return IntegrityError(f"{what} is corrupt: {reason}")
 
 
-def _table_arrays(table: bytes | memoryview, count: int, data_end: int, what: str, version: int) -> _Arrays:
+def _table_arrays(table: bytes | memoryview, count: int, data_end: int, what: str, version: int,
+                  validated: bool = False) -> _Arrays:
     """The columns of a table whose objects must tile ``[PACK_HEADER.size, data_end)`` exactly,
     validated with array operations (one Python object per entry cost 2-3 s at 10^5 objects);
-    the first error is the one a walk in table order, then in offset order, would meet."""
+    the first error is the one a walk in table order, then in offset order, would meet.
+    ``validated``: these exact bytes passed this check before (a cached index whose checksum
+    still matches): only the columns are taken."""
     import numpy as np  # only readers of packs pay its import
 
     layout = ENTRIES[version]
@@ -298,6 +301,8 @@ def _table_arrays(table: bytes | memoryview, count: int, data_end: int, what: st
     offsets = np.ascontiguousarray(rows[:, 32:36]).view("<u4").reshape(count).astype(np.int64)
     lengths = np.ascontiguousarray(rows[:, 36:40]).view("<u4").reshape(count).astype(np.int64)
     digests = np.ascontiguousarray(rows[:, 40:72]).view("S32").reshape(count) if version >= 2 else None
+    if validated:
+        return _Arrays(ids, offsets, lengths, digests)
     words = np.ascontiguousarray(rows[:, :32]).view(">u8")  # each id as 4 big-endian words
     differ = words[1:] != words[:-1]
     first = differ.argmax(axis=1)
@@ -348,11 +353,6 @@ class _Arrays:
 def _whole(column: Any) -> list[bytes]:
     """The 32-byte values of an "S32" column ("S" arrays drop trailing zero bytes on the way out)."""
     return [v.ljust(32, b"\0") for v in column.tolist()]
-
-
-def _parse_table(table: bytes | memoryview, count: int, data_end: int, what: str, version: int) -> tuple[PackEntry, ...]:
-    """Entries of a table whose objects must tile ``[PACK_HEADER.size, data_end)`` exactly."""
-    return _table_arrays(table, count, data_end, what, version).entries()
 
 
 class PackTable:
@@ -464,6 +464,18 @@ def _check_size(size: int, what: str) -> None:
 
 def parse_index(data: bytes | memoryview, pack_id: str | None = None) -> PackIndex:
     """Validate an index file; ``pack_id`` (from its name) must match the pack it names."""
+    table = parse_index_table(data, pack_id)
+    return PackIndex(table.pack_id, table.pack_size, table.entries, table.version)
+
+
+def parse_index_table(data: bytes | memoryview, pack_id: str | None = None, validated: bool = False) -> PackTable:
+    """``parse_index``, kept as arrays (``PackTable``): a remote's index of 10^6 objects loads
+    without a Python object per entry, and a push or fetch looks up only the objects it needs.
+
+    ``validated``: the caller's own copy of an index that passed this function before (a
+    client's cache of a remote's indexes, docs/format.md 15.8). Its framing, length and checksum
+    are checked again (accidental damage since), its table's order and tiling are not: at 10^6
+    objects that check costs several times the checksum, on every command."""
     what = f"index of pack {pack_id}" if pack_id else "pack index"
     view = memoryview(data)
     if len(view) < INDEX_HEADER.size + CHECKSUM_SIZE:
@@ -483,8 +495,7 @@ def parse_index(data: bytes | memoryview, pack_id: str | None = None) -> PackInd
         raise _fail(what, "checksum mismatch")
     table = view[INDEX_HEADER.size:-CHECKSUM_SIZE]
     data_end = size - len(table) - TRAILER.size
-    entries = _parse_table(table, count, data_end, what, version)
-    return PackIndex(raw_pack.hex(), size, entries, version)
+    return PackTable(raw_pack.hex(), size, _table_arrays(table, count, data_end, what, version, validated), version)
 
 
 def tail_length(trailer: bytes | memoryview, pack_size: int, pack_id: str) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +93,7 @@ def verify_commit(oid: str, data: bytes, where: str, read: ChunkReader | None = 
         raise IntegrityError(f"commit {oid} from {where} is corrupt: {exc}") from None
 
 
-def file_list_reader(store: ObjectStore, remote: RemoteRepo, where: dict[str, Located]) -> ChunkReader:
+def file_list_reader(store: ObjectStore, remote: RemoteRepo, where: Mapping[str, Located]) -> ChunkReader:
     """Reads a fetched commit's file list pieces, verified: from here when held here (a piece
     an earlier commit shares), else from the remote's packs. The pieces are then fetched with
     the commit's other chunks (they are in its ``all_chunks``): read twice, stored once."""
@@ -126,6 +126,7 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
     frontier = [t for t in wanted if t not in missing]
     named = set(frontier)
     read_list = file_list_reader(store, remote, where)
+    here: set[ObjectId] = set()  # commits here that fetched ones name: whole here, with all they need
     while frontier:
         # A pruned commit may still lie in a pack that holds live objects too: not fetched.
         present = [oid for oid in frontier if oid in where and (oid not in theirs or oid in named)]
@@ -143,7 +144,11 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         for oid in present:
             c = commits[ObjectId(oid)]
             for p in [*c.parents, *([c.base.commit] if c.base is not None else [])]:
-                if p not in commits and p not in nxt and not store.has_durable(p):
+                if p in commits or p in nxt:
+                    continue
+                if store.has_durable(p):
+                    here.add(p)
+                else:
                     nxt.append(p)
         frontier = nxt
     if boundary:  # history continues through the remote gc's record of what it pruned
@@ -157,8 +162,13 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
         try:
             lander = Lander(store, batches, remote, where, pool, lambda n: report.received(n, objects=1))
             lander.on_newer_encoding = lambda encoding: _allow_encoding(ctx, encoding)
+            # A file-list piece a commit here names holds the same entries: their chunks are here
+            # with their bases (format.md 5.3), so only the other pieces' chunks are looked at.
+            # Not an overlay's: its chunks may be its base repository's.
+            pieces = {p.id for oid in here for c in [graph.read_commit(oid, files=False)] if c.base is None
+                      for p in c.file_list}
             for oid in order:
-                lander.want_commit(oid, commits[oid])
+                lander.want_commit(oid, commits[oid], pieces, read_list)
             lander.run()
             batches.land_all()
         except BaseException:

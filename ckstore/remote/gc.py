@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -121,7 +121,7 @@ def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> 
     return CommitGraph(backend, store, RefStore(backend))
 
 
-def remote_bases(remote: RemoteRepo, where: dict[str, Located], chunks: set[str]) -> set[str]:
+def remote_bases(remote: RemoteRepo, where: Mapping[str, Located], chunks: set[str]) -> set[str]:
     """``chunks`` plus every delta base they need as stored on the remote (headers read there,
     one ranged read per pack and level)."""
     def bases_of_many(todo: list[str]) -> Iterator[tuple[str, tuple[str, ...]]]:

@@ -7,14 +7,14 @@ fetch writes the commits once every batch landed (fetch.py says why).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 
 from ckstore.codecs.objects import ENCODINGS_BY_REPO_VERSION, Encoding, delta_bases, parse_header
 from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
-from ckstore.format.manifest import Commit
+from ckstore.format.manifest import ChunkReader, Commit, chunks_beyond
 from ckstore.format.settings import NEW_REPO_VERSION
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.repository.reader import VerifiedReader, delta_closure
@@ -32,7 +32,7 @@ MAX_IN_FLIGHT = 64 << 20
 BASE_CACHE = 64 << 20
 
 
-def read_objects(remote: RemoteRepo, where: dict[str, Located], oids: Iterable[str]) -> Iterator[tuple[str, str, bytes]]:
+def read_objects(remote: RemoteRepo, where: Mapping[str, Located], oids: Iterable[str]) -> Iterator[tuple[str, str, bytes]]:
     """(object id, pack id, stored bytes) of each object, by ranged reads grouped per pack; a few
     packs are read at once, so memory stays a few packs' worth of wanted ranges."""
     by_pack: dict[str, list[Located]] = {}
@@ -147,7 +147,7 @@ class Lander:
     a delta whose bases never resolve (a cycle across objects of this fetch) is an IntegrityError.
     """
 
-    def __init__(self, view: ObjectStore, batches: Batches, remote: RemoteRepo, where: dict[str, Located],
+    def __init__(self, view: ObjectStore, batches: Batches, remote: RemoteRepo, where: Mapping[str, Located],
                  pool: ThreadPoolExecutor, received: Callable[[int], None]) -> None:
         self.view, self.remote, self.where, self.pool = view, remote, where, pool
         self.received = received  # called with each downloaded object's stored length
@@ -168,8 +168,15 @@ class Lander:
         # Before an object in an encoding newer than format 2 (a predicted or context-sorted delta) is staged.
         self.on_newer_encoding: Callable[[Encoding], None] = lambda encoding: None
 
-    def want_commit(self, oid: ObjectId, commit: Commit) -> None:
-        chunks = {c.id for c in commit.all_chunks()} - self.queued.keys()
+    def want_commit(self, oid: ObjectId, commit: Commit, pieces: set[str] | None = None,
+                    read: ChunkReader | None = None) -> None:
+        """Queue what ``commit`` needs that is not here. ``pieces``: file-list pieces (format.md
+        5.3) of commits here or wanted before, whose chunks are here or queued (extended with
+        this commit's); ``read`` reads this commit's other pieces."""
+        named = commit.all_chunks() if pieces is None or read is None else chunks_beyond(commit, pieces, read)
+        chunks = {c.id for c in named} - self.queued.keys()
+        if pieces is not None:
+            pieces.update(p.id for p in commit.file_list)
         todo = [c for c in chunks if not self.view.has_durable(c)]
         todo += missing_bases(self.view, chunks - set(todo))
         for o in dict.fromkeys(todo):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,9 +35,9 @@ from ckstore.format.pack import (
     INDEX_HEADER,
     MAX_PACK_OBJECTS,
     PackEntry,
-    PackIndex,
+    PackTable,
     check_read,
-    parse_index,
+    parse_index_table,
 )
 from ckstore.remote.transport import MAX_SWAPPED, NotFound, Transport
 
@@ -138,7 +138,7 @@ class RemoteRepo:
         self.encode_ref, self.decode_ref = encode_ref, decode_ref
         self.name = name or transport.url
         self.cache = cache
-        self._catalogue: dict[str, PackIndex] = {}
+        self._catalogue: dict[str, PackTable] = {}
 
     def describe(self, key: str = "") -> str:
         return self.transport.describe(key)
@@ -257,7 +257,7 @@ class RemoteRepo:
                 out[p] = info.last_modified.timestamp()
         return out
 
-    def catalogue(self, refresh: bool = True) -> dict[str, PackIndex]:
+    def catalogue(self, refresh: bool = True) -> dict[str, PackTable]:
         """Every indexed pack's index, fetched once (then from the cache)."""
         if refresh or not self._catalogue:
             listed = set(self.indexed_packs())
@@ -270,20 +270,22 @@ class RemoteRepo:
             self._catalogue = known
         return self._catalogue
 
-    def read_index(self, pack_id: str) -> PackIndex | None:
+    def read_index(self, pack_id: str) -> PackTable | None:
         """One pack's index (None when it vanished meanwhile: a gc deleted it)."""
         if self.cache is not None:
             data = self.cache.get(pack_id)
             if data is not None:
                 try:
-                    return parse_index(data, pack_id)
+                    # Validated whole before it was cached (below, or built by upload_pack):
+                    # its checksum shows it is still those bytes.
+                    return parse_index_table(data, pack_id, validated=True)
                 except IntegrityError:
                     pass  # a damaged cache entry is fetched again
         try:
             data = self.transport.get(index_key(pack_id), MAX_INDEX_SIZE)  # parse_index refuses a longer one
         except NotFound:
             return None
-        index = parse_index(data, pack_id)  # names the pack when damaged
+        index = parse_index_table(data, pack_id)  # names the pack when damaged
         if self.cache is not None:
             self.cache.put(pack_id, data)
         return index
@@ -295,27 +297,20 @@ class RemoteRepo:
         supersedes, remote/repack.py), then by pack id. Push's reliance, fetch, lazy reads and
         remote gc's liveness all choose by this one rule, so a superseded pack is relied on by
         none of them and remote gc may drop it."""
-        skip, avoided = set(exclude), set(avoid)
-        copies: dict[str, list[Located]] = {}
-        for pack_id, index in self.catalogue(refresh=False).items():
-            if pack_id in skip:
-                continue
-            for e in index.entries:
-                copies.setdefault(e.id, []).append(Located(pack_id, e))
-        stale = {loc.pack_id for locs in copies.values() if len(locs) > 1
-                 for loc in locs if loc.entry.length > min(c.entry.length for c in locs)}
-        return {oid: locs[0] if len(locs) == 1 else
-                min(locs, key=lambda c: (c.pack_id in avoided, c.entry.length, c.pack_id in stale, c.pack_id))
-                for oid, locs in copies.items()}
+        skip = set(exclude)
+        return _choose(((p, t) for p, t in self.catalogue(refresh=False).items() if p not in skip), set(avoid))
 
-    def holdings(self, forget: Iterable[str] = (), condemned: Condemned | None = None) -> dict[str, Located]:
+    def holdings(self, forget: Iterable[str] = (), condemned: Condemned | None = None) -> Holdings:
         """What the remote holds (the one definition): object id -> the copy to count on
-        (``locate``), for every object an index lists, in packs that no remote gc has claimed for
-        deletion, nor in ``forget`` (packs found claimed meanwhile). Packs merely condemned still
-        count, last: a push rescues them. ``condemned``: the record as the caller just read it."""
+        (``locate``'s rule), for every object an index lists, in packs that no remote gc has
+        claimed for deletion, nor in ``forget`` (packs found claimed meanwhile). Packs merely
+        condemned still count, last: a push rescues them. ``condemned``: the record as the
+        caller just read it. Looked up per object (``Holdings``): a push or fetch of one commit
+        asks about its few objects, not about the remote's millions."""
         self.catalogue()
         condemned = self.read_condemned() if condemned is None else condemned
-        return self.locate(exclude=condemned.claimed() | set(forget), avoid=condemned.packs)
+        exclude, avoid = condemned.claimed() | set(forget), set(condemned.packs)
+        return Holdings({p: t for p, t in self.catalogue(refresh=False).items() if p not in exclude}, avoid)
 
     def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes | memoryview]]:
         """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""
@@ -399,6 +394,69 @@ class RemoteRepo:
             if self.write_condemned(condemned):
                 return lost
             time.sleep(0.01)  # gc changed the list meanwhile: read it again
+
+
+def _choose(tables: Iterable[tuple[str, PackTable]], avoided: set[str]) -> dict[str, Located]:
+    """``RemoteRepo.locate`` over ``tables`` (pack id, table)."""
+    copies: dict[str, list[Located]] = {}
+    for pack_id, index in tables:
+        for e in index.entries:
+            copies.setdefault(e.id, []).append(Located(pack_id, e))
+    stale = {loc.pack_id for locs in copies.values() if len(locs) > 1
+             for loc in locs if loc.entry.length > min(c.entry.length for c in locs)}
+    return {oid: locs[0] if len(locs) == 1 else
+            min(locs, key=lambda c: (c.pack_id in avoided, c.entry.length, c.pack_id in stale, c.pack_id))
+            for oid, locs in copies.items()}
+
+
+class Holdings(Mapping[str, Located]):
+    """``RemoteRepo.holdings``, answered per object: each lookup binary-searches the packs'
+    tables (arrays, ``PackTable``) and remembers the answer, so its cost follows the objects
+    asked about. Copies are chosen by ``RemoteRepo.locate``'s rule: outside the avoided
+    (condemned) packs, then the smallest; the next key, "not in a stale pack", needs every
+    pack's objects, so a tie there (two pushers sent one object at once) builds the whole map
+    once (``complete``). Iterating builds it too (nothing iterates on the paths of push and
+    fetch)."""
+
+    def __init__(self, tables: Mapping[str, PackTable], avoid: Collection[str]) -> None:
+        self._tables = sorted(tables.items())
+        self._avoid = set(avoid)
+        self._whole: dict[str, Located] | None = None
+        self._found: dict[str, Located | None] = {}
+
+    def complete(self) -> dict[str, Located]:
+        """Every object and its copy (what ``RemoteRepo.locate`` returns for these tables)."""
+        if self._whole is None:
+            self._whole = _choose(self._tables, self._avoid)
+        return self._whole
+
+    def _lookup(self, oid: str) -> Located | None:
+        if oid in self._found:
+            return self._found[oid]
+        copies = [Located(pack_id, e) for pack_id, table in self._tables if (e := table.find(oid)) is not None]
+        if len(copies) > 1:
+            rank = {id(c): (c.pack_id in self._avoid, c.entry.length) for c in copies}
+            best = min(rank.values())
+            tied = [c for c in copies if rank[id(c)] == best]
+            copies = tied if len(tied) == 1 else [self.complete()[oid]]
+        found = copies[0] if copies else None
+        self._found[oid] = found
+        return found
+
+    def __getitem__(self, oid: str) -> Located:
+        found = self._lookup(oid)
+        if found is None:
+            raise KeyError(oid)
+        return found
+
+    def __contains__(self, oid: object) -> bool:
+        return isinstance(oid, str) and self._lookup(oid) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.complete())
+
+    def __len__(self) -> int:
+        return len(self.complete())
 
 
 class IndexCache:

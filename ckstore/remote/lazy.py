@@ -16,7 +16,7 @@ from ckstore.repository.context import RepoContext
 from ckstore.errors import ObjectMissingError, RefNotFoundError
 from ckstore.format.ids import ObjectId
 from ckstore.repository.refs import HEADS, TAGS
-from ckstore.remote.layout import Located, RemoteRepo, pack_key
+from ckstore.remote.layout import Holdings, RemoteRepo, pack_key
 from ckstore.remote.names import cache_backend, default_name, open_remote
 from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.store import ObjectStore, object_key
@@ -28,11 +28,11 @@ class RemoteObjects(ObjectStore):
     def __init__(self, remote: RemoteRepo, cache: ObjectStore) -> None:
         super().__init__(cache.backend, cache.settings)
         self.remote = remote
-        self._where: dict[str, Located] | None = None
+        self._where: Holdings | None = None
         self.fetched_bytes = 0  # bytes read from the remote (benchmarks and tests)
         self.fetched_objects = 0
 
-    def where(self) -> dict[str, Located]:
+    def where(self) -> Holdings:
         if self._where is None:
             self._where = self.remote.holdings()
         return self._where

@@ -28,22 +28,24 @@ def superseded(remote: RemoteRepo, local_size: Callable[[str], int | None], skip
     ``skip``) whose objects are all here and would store in at least ``MIN_SAVING`` less as
     encoded here, each of its objects that no other pack holds in as few bytes as here."""
     catalogue = {p: i for p, i in remote.catalogue(refresh=False).items() if p not in skip}
+    columns = {p: (ids, lengths) for p, i in catalogue.items() for ids, _, lengths in [i.columns()]}
     lengths: dict[str, list[tuple[int, str]]] = {}
-    for pack_id, index in catalogue.items():
-        for e in index.entries:
-            lengths.setdefault(e.id, []).append((e.length, pack_id))
+    for pack_id, (ids, sizes) in columns.items():
+        for oid, n in zip(ids, sizes):
+            lengths.setdefault(oid, []).append((n, pack_id))
 
     def elsewhere(oid: str, pack_id: str) -> float:
         return min((n for n, p in lengths[oid] if p != pack_id), default=float("inf"))
 
     out: dict[str, None] = {}
     for pack_id, index in sorted(catalogue.items()):
-        sizes = {e.id: local_size(e.id) for e in index.entries}
+        ids, stored = columns[pack_id]
+        sizes = {oid: local_size(oid) for oid in ids}
         here: Mapping[str, int] = {k: v for k, v in sizes.items() if v is not None}
         if len(here) < len(sizes):
             continue  # objects only the remote has keep this pack live whatever is sent
-        send = [e for e in index.entries if elsewhere(e.id, pack_id) > here[e.id]]
-        saving = sum(e.length - here[e.id] for e in send if here[e.id] < e.length)
+        send = [(oid, n) for oid, n in zip(ids, stored) if elsewhere(oid, pack_id) > here[oid]]
+        saving = sum(n - here[oid] for oid, n in send if here[oid] < n)
         if saving > 0 and saving >= MIN_SAVING * index.pack_size:
-            out.update(dict.fromkeys(e.id for e in send))
+            out.update(dict.fromkeys(oid for oid, _ in send))
     return list(out)

@@ -8,13 +8,19 @@ from pathlib import Path
 
 import pytest
 
+import ckstore.format.pack as pack_format
+from ckstore.format import manifest
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
+from ckstore.format.pack import PackEntry
 from ckstore.remote.layout import Condemned, RemoteRepo
 from ckstore.remote.names import open_remote
 from ckstore.repo import Repo
 from ckstore.repository.context import open_context
 from ckstore.repository.graph import CommitGraph
+from ckstore.repository.store import ObjectStore
+from ckstore.write.commit import commit_sources, prepare_commit
+from ckstore.write.ingest import MemoryFile
 
 from .epochs import assert_checks_out, pushed
 
@@ -88,6 +94,108 @@ def test_pull_of_one_commit_reads_only_what_it_brings(tmp_path: Path, monkeypatc
     read.clear()
     assert b.pull()[1:] == (new, new)  # up to date
     assert len(read) <= 2
+
+
+def _count_index_work(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """From now on: pack entries made as Python objects (one per object an index lists, when an
+    index is parsed whole), and pack tables checked whole (order and tiling)."""
+    counts = {"entries": 0, "tables checked": 0}
+    make_entry, check_table = PackEntry.__init__, pack_format._table_arrays
+
+    def making(self: PackEntry, *args: object, **kwargs: object) -> None:
+        counts["entries"] += 1
+        make_entry(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def checking(table: bytes, count: int, data_end: int, what: str, *args: object, **kwargs: object) -> object:
+        validated = bool(kwargs.get("validated", args[1] if len(args) > 1 else False))
+        counts["tables checked"] += what.startswith("index") and not validated  # a remote's index, not a local pack
+        return check_table(table, count, data_end, what, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PackEntry, "__init__", making)
+    monkeypatch.setattr(pack_format, "_table_arrays", checking)
+    return counts
+
+
+def test_push_and_fetch_of_one_commit_look_up_only_its_objects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a remote of many packs and objects, a push or fetch of one commit does not parse
+    every index into an entry per object (10^6 objects cost 12 s that way) nor check every
+    cached index's table again: it looks up the objects it sends or brings."""
+    a, ids = _small_history(tmp_path / "a", tmp_path / "work", HISTORY)
+    a.add_remote("origin", str(tmp_path / "remote"))
+    for i in range(0, HISTORY, 3):  # a pack per push
+        a.create_branch(f"at-{i}", ids[i])
+        a.push(refs=[f"at-{i}"])
+    many = tmp_path / "work" / "many"
+    many.mkdir()
+    for i in range(300):
+        (many / f"{i:03d}.txt").write_text(f"object {i}\n")
+    a.commit(many, message="many objects")
+    a.push()
+    remote = open_remote(open_context(a.path))
+    assert len(remote.catalogue()) > 10 and sum(len(t) for t in remote.catalogue().values()) > 300
+    b, _ = Repo.clone(str(tmp_path / "remote"), tmp_path / "b")
+    new = _one_more(a, tmp_path / "work", "one more")
+    counts = _count_index_work(monkeypatch)
+    report = a.push()
+    assert report.objects == 2
+    assert counts["entries"] <= 10 and counts["tables checked"] == 0
+    counts.update(entries=0, **{"tables checked": 0})
+    assert b.fetch().commits == 1
+    assert counts["entries"] <= 10 and counts["tables checked"] == 1  # the new pack's index, downloaded
+    assert b.fsck(read_data=True) == [] and b.resolve("origin/main") == new
+
+
+def _many_files(repo: Repo, count: int, changed: int | None = None) -> str:
+    """A commit of ``count`` tiny files (a version-4 manifest from about 3,000), file ``changed``
+    with other content."""
+    files = [MemoryFile(f"{i // 100:03d}/{i:05d}.txt", None,
+                        (memoryview(f"object {i}{' changed' if i == changed else ''}\n".encode()),))
+             for i in range(count)]
+    oid = commit_sources(repo._ctx, files, prepare_commit("many files", None, None).on_branch(repo._ctx))
+    repo.wait()
+    return oid
+
+
+def test_push_and_fetch_of_a_large_commit_with_one_file_changed_look_at_the_changed_piece(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new commit shares all but one piece of its file list (docs/format.md 5.3) with the
+    commit the remote holds: push reads that piece's entries, not all 3,000, and fetch asks
+    whether only that piece's chunks are here."""
+    files = 3000
+    a = Repo.init(tmp_path / "a")
+    _many_files(a, files)
+    a.add_remote("origin", str(tmp_path / "remote"))
+    a.push()
+    b, _ = Repo.clone(str(tmp_path / "remote"), tmp_path / "b")
+    new = _many_files(a, files, changed=1234)
+    assert len(set(a.read_commit(new).file_list) - set(a.read_commit(a.resolve(new + "~1")).file_list)) == 1
+    parsed = [0]
+    parse_files = manifest.parse_files
+
+    def counting(doc: list[object], version: int) -> object:
+        parsed[0] += len(doc)
+        return parse_files(doc, version)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(manifest, "parse_files", counting)
+    pushing = Repo(a.path)  # nothing remembered from the commit
+    report = pushing.push()
+    monkeypatch.undo()
+    assert report.objects == 3  # the changed file's chunk, the piece that lists it, the commit
+    assert 0 < parsed[0] < files  # the changed piece's entries (~500 on average), not all 3,000 again
+    asked: list[str] = []
+    has_durable = ObjectStore.has_durable
+
+    def asking(self: ObjectStore, oid: str) -> bool:
+        asked.append(oid)
+        return has_durable(self, oid)
+
+    monkeypatch.setattr(ObjectStore, "has_durable", asking)
+    assert b.fetch().commits == 1
+    monkeypatch.undo()
+    assert 0 < len(asked) < files  # twice the changed piece's chunks (here? complete?), not twice 3,000
+    assert b.fsck(read_data=True) == [] and b.resolve("origin/main") == new
+    b.checkout(new, tmp_path / "out")
+    assert (tmp_path / "out" / "012" / "01234.txt").read_text() == "object 1234 changed\n"
 
 
 def test_a_tracking_ref_of_a_replaced_remote_is_not_trusted(tmp_path: Path) -> None:
