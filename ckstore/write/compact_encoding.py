@@ -294,8 +294,9 @@ def _predicted(store: HeaderCache, oid: ObjectId, raw: bytes, p: Prediction, siz
                fits: dict[object, tuple[tuple[float, ...], float]], known: dict[str, bytes]) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise. ``known``: bases decoded already (the child's chunk here)."""
-    from ckstore.codecs.predict import fit_scored, predict
+    from ckstore.codecs.predict import fit_scored, load_compiled, predict
 
+    load_compiled()  # a long job: compiled predictions from the first chunk (numpy's where numba is missing)
     bases = {b: known[b] if b in known else store.chunk_bytes(b, size) for b in dict.fromkeys(p.bases)}
     found = fit_scored(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
     if found is None:
