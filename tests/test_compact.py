@@ -389,3 +389,22 @@ def test_a_chunk_whose_best_encoding_is_raw_is_searched_once(tmp_path: Path, mon
     assert len((tmp_path / "repo" / KEY).read_text().splitlines()) == 1 + len(ids)
     assert settled_raw(repo.backend, repo.store.settings) == set(ids)
     assert settled_raw(repo.backend, replace(repo.store.settings, zstd_level=repo.store.settings.zstd_level + 1)) == set()
+
+
+def test_a_pair_stops_weighing_plain_deltas_that_keep_losing_to_predicted_ones() -> None:
+    """At a predictor's positions the plain delta is weighed (on a sample) until it lost
+    PLAIN_LOST_ENOUGH times and never won; then only one position in REFUSED_RETRY_ONE_IN (by
+    name) weighs it. Once it won it is always weighed."""
+    from ckstore.write.compact_encoding import PLAIN_LOST_ENOUGH, PairMemory, _retry_refused
+
+    ids = [f"{i:08x}" + "0" * 56 for i in range(64)]
+    memory = PairMemory()
+    for _ in range(PLAIN_LOST_ENOUGH):
+        assert memory.weigh_plain(1, ids[1])
+        memory.plain_weighed(1, won=False)
+    assert [memory.weigh_plain(1, o) for o in ids] == [_retry_refused(o) for o in ids]
+    assert 0 < sum(map(_retry_refused, ids)) < len(ids)
+    assert memory.weigh_plain(2, ids[1])  # another predictor keeps its own count
+    memory.plain_weighed(1, won=True)
+    memory.plain_weighed(1, won=False)
+    assert all(memory.weigh_plain(1, o) for o in ids)

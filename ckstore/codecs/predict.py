@@ -21,15 +21,20 @@ fixed order. Nothing it computes can be subnormal (where flush-to-zero modes wou
 subnormal inputs are zeroed by masking their bits, coefficients are 0 or within 2^-64..2^64
 (``check_coefficients``), which keeps every nonzero intermediate above 2^-400; a result below the
 float32 normal range becomes +0 before rounding to float32, and NaN or infinity (NaN payloads
-differ between x86 and ARM) becomes +0.
+differ between x86 and ARM) becomes +0. ``predict_numpy`` is that reference; where numba is
+installed, an encoder (and a long read) computes the same operations, in the same order, in one
+compiled pass per element (predict_kernels.py: ~37 numpy passes a block otherwise).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -109,12 +114,28 @@ _FORMULAS: dict[Predictor, Callable[[Sequence[float], Sequence[np.ndarray]], np.
 
 def predict(predictor: Predictor, coefficients: Sequence[float], bases: Sequence[bytes | memoryview]) -> np.ndarray:
     """The prediction as float32 bit patterns (uint32), from the bases' raw little-endian float32
-    bytes (all of one length, a multiple of 4)."""
-    shape = SHAPES[predictor]
-    if len(bases) != shape.bases or len(coefficients) != shape.coefficients:
-        raise ValueError(f"predictor {predictor.name} takes {shape.bases} bases and {shape.coefficients} coefficients")
-    check_coefficients(coefficients)
-    c = [float(x) for x in coefficients]
+    bytes (all of one length, a multiple of 4): compiled (predict_kernels.py) where this process
+    has loaded the kernels (``load_compiled``), else by ``predict_numpy``; the same bits either way."""
+    c = _checked(predictor, coefficients, bases)
+    views = [memoryview(b).cast("B") for b in bases]
+    if any(len(v) != len(views[0]) for v in views):
+        raise ValueError("a prediction's bases must all be of one length")
+    n = len(views[0]) // 4
+    kernels = _compiled(n)
+    if kernels is None:
+        return predict_numpy(predictor, c, views)
+    out = np.empty(n, dtype=np.uint32)
+    words = [np.frombuffer(v[:4 * n], dtype=np.uint32) for v in views]
+    args = [a for w in words for a in (w, w.view(np.float32))]
+    kernel = kernels.second_moment if predictor == Predictor.ADAM_SECOND_MOMENT else kernels.weight
+    kernel(np.array(c, dtype=np.float64), *args, out.view(np.float32))
+    return out
+
+
+def predict_numpy(predictor: Predictor, coefficients: Sequence[float], bases: Sequence[bytes | memoryview]) -> np.ndarray:
+    """``predict`` with numpy (the reference the kernels are tested against, and what a process
+    uses before it loads them)."""
+    c = _checked(predictor, coefficients, bases)
     views = [memoryview(b).cast("B") for b in bases]
     n = len(views[0]) // 4
     out = np.empty(n, dtype=np.uint32)
@@ -126,6 +147,54 @@ def predict(predictor: Predictor, coefficients: Sequence[float], bases: Sequence
             r = _FORMULAS[predictor](c, [inputs(v[4 * start:4 * end]) for v in views])
         out[start:end] = to_float32_bits(r)
     return out
+
+
+def _checked(predictor: Predictor, coefficients: Sequence[float], bases: Sequence[object]) -> list[float]:
+    shape = SHAPES[predictor]
+    if len(bases) != shape.bases or len(coefficients) != shape.coefficients:
+        raise ValueError(f"predictor {predictor.name} takes {shape.bases} bases and {shape.coefficients} coefficients")
+    check_coefficients(coefficients)
+    return [float(x) for x in coefficients]
+
+
+# ---- the compiled kernels (predict_kernels.py) ---------------------------------------------------
+
+_KERNELS: list[Any] = []  # [module or None], set once loaded
+_KERNELS_LOCK = threading.Lock()
+# Elements a process predicts with numpy before it loads the kernels of its own accord: numba's
+# first use costs about 1.2 s of CPU (codecs/context.py), numpy ~17 ns an element more than the
+# kernels, so a read of a few predicted chunks stays free of numba and a long one switches.
+NUMPY_PREDICT_ELEMENTS = 16_000_000
+_NUMPY_PREDICTED = [0]  # a lost update between threads only delays the switch
+
+
+def load_compiled() -> bool:
+    """Load the kernels now (an encoder: compaction predicts every DCP step's chunks); False
+    where numba is missing or the machine is big-endian (the kernels read little-endian words
+    in place)."""
+    if not _KERNELS:
+        with _KERNELS_LOCK:
+            if not _KERNELS:
+                kernels: Any = None
+                if sys.byteorder == "little":
+                    try:
+                        from ckstore.codecs import predict_kernels as kernels
+                    except ImportError:
+                        kernels = None
+                _KERNELS.append(kernels)
+    return _KERNELS[0] is not None
+
+
+def _compiled(elements: int) -> Any:
+    """The kernels to predict ``elements`` elements with, or None for numpy (see NUMPY_PREDICT_ELEMENTS)."""
+    if _KERNELS:
+        return _KERNELS[0]
+    from ckstore.codecs.context import loaded_kernels
+    if _NUMPY_PREDICTED[0] < NUMPY_PREDICT_ELEMENTS and loaded_kernels() is None:  # else numba's set-up is paid
+        _NUMPY_PREDICTED[0] += elements
+        return None
+    load_compiled()
+    return _KERNELS[0]
 
 
 def _rounded(coefficients: np.ndarray) -> tuple[float, ...] | None:
@@ -169,8 +238,16 @@ def _least_squares(features: list[np.ndarray], target: np.ndarray, scale_by: np.
 
 
 def _exact(predictor: Predictor, coefficients: tuple[float, ...], bases: list[np.ndarray], target_bits: np.ndarray) -> int:
-    with np.errstate(all="ignore"):
-        bits = to_float32_bits(_FORMULAS[predictor](coefficients, bases))
+    """How many sample elements (bases converted by ``inputs``) ``coefficients`` predict exactly."""
+    kernels = _KERNELS[0] if _KERNELS else None
+    if kernels is None:
+        with np.errstate(all="ignore"):
+            bits = to_float32_bits(_FORMULAS[predictor](coefficients, bases))
+    else:
+        out = np.empty(len(target_bits), dtype=np.float32)
+        kernel = kernels.second_moment_converted if predictor == Predictor.ADAM_SECOND_MOMENT else kernels.weight_converted
+        kernel(np.array(coefficients, dtype=np.float64), *bases, out)
+        bits = out.view(np.uint32)
     return int((bits == target_bits).sum())
 
 
@@ -212,7 +289,7 @@ class _Sample:
         """Every ``step``-th element of this sample."""
         out = _Sample.__new__(_Sample)
         out.predictor, out.bits, out.y = self.predictor, self.bits[::step], self.y[::step]
-        out.bases = [b[::step] for b in self.bases]
+        out.bases = [np.ascontiguousarray(b[::step]) for b in self.bases]
         return out
 
     def score(self, candidate: Sequence[float]) -> tuple[int, tuple[float, ...]] | None:
@@ -228,13 +305,21 @@ def _best(scored: Iterable[tuple[int, tuple[float, ...]] | None]) -> tuple[int, 
     return max(found, key=lambda s: s[0]) if found else None
 
 
-def _fit_second_moment(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
+def _fit_second_moment(sample: _Sample, hint: tuple[int, tuple[float, ...]] | None = None) -> tuple[int, tuple[float, ...]] | None:
+    """``hint``: another chunk's coefficients and their score on this sample, which fell short of
+    ``fit_scored``'s slack."""
     # Checkpoints many steps apart: nothing comes out exact on an eighth of the sample, and a fit
     # on all of it is not paid for (a near miss could still beat a plain delta, rarely by much).
-    probe = _fit_second_moment_on(_small(sample))
-    if probe is None or probe[0] < _HOPELESS * len(_small(sample).bits):
+    small = _small(sample)
+    probe = _fit_second_moment_on(small)
+    if probe is None or probe[0] < _HOPELESS * len(small.bits):
         return None
-    return _best([probe and sample.score(probe[1]), _fit_second_moment_on(sample)])
+    # A fit on the eighth doing no better there than the hint: a fit on all of it finds the same
+    # step's coefficients again (28 of a DCP step's second-moment chunks, ~40 ms each).
+    on_small = None if hint is None else small.score(hint[1])
+    if hint is not None and on_small is not None and on_small[0] >= probe[0]:
+        return hint
+    return _best([hint, sample.score(probe[1]), _fit_second_moment_on(sample)])
 
 
 def _fit_second_moment_on(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
@@ -345,9 +430,11 @@ def fit_scored(predictor: Predictor, target: bytes | memoryview, bases: Sequence
     sample = _Sample(predictor, target, bases)
     size = len(sample.bits)
     with np.errstate(all="ignore"):
-        if hint is not None:
-            quick = sample.score(hint[0])
-            if quick is not None and quick[0] >= min(_GOOD_ENOUGH, hint[1] - _HINT_SLACK) * size and quick[0] > 0:
-                return quick[1], quick[0] / size
-        best = _fit_second_moment(sample) if predictor == Predictor.ADAM_SECOND_MOMENT else _fit_weight(sample)
+        quick = None if hint is None else sample.score(hint[0])
+        if quick is not None and hint is not None and quick[0] >= min(_GOOD_ENOUGH, hint[1] - _HINT_SLACK) * size and quick[0] > 0:
+            return quick[1], quick[0] / size
+        if predictor == Predictor.ADAM_SECOND_MOMENT:
+            best = _fit_second_moment(sample, quick if quick is not None and quick[0] > 0 else None)
+        else:
+            best = _fit_weight(sample)
     return None if best is None else (best[1], best[0] / size)

@@ -52,7 +52,7 @@ from ckstore.repository.change_record import Sums, TensorKey, comparable, write_
 from ckstore.repository.context import RepoContext
 from ckstore.repository.refs import HEADS
 from ckstore.repository.writing import writing
-from ckstore.write.compact_encoding import HeaderCache, compact_chunk
+from ckstore.write.compact_encoding import HeaderCache, PairMemory, compact_chunk
 from ckstore.write.compact_pairing import Job, Roles, Upgrade, plan_pair
 from ckstore.write.compacted_pairs import is_finished, record_finished
 from ckstore.write.pipeline import ordered_map
@@ -143,13 +143,11 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
 
 def _run_pair(store: HeaderCache, jobs: list[Job], depth: int, roles: Roles, report: CompactReport,
               upgrade: Upgrade, pool: ThreadPoolExecutor, sums: dict[tuple[str, str], Sums]) -> None:
-    # The coefficients that fitted the last chunk of this pair, per predictor, and how much of its
-    # sample they predicted exactly: one optimizer step, so the next chunk usually takes them as
-    # they are (predict.fit_scored's hint).
-    fits: dict[object, tuple[tuple[float, ...], float]] = {}
+    # One optimizer step: the next chunk usually takes the last one's coefficients as they are.
+    memory = PairMemory()
 
     def run(job: Job) -> tuple[int, int, int, int]:
-        return compact_chunk(store, job, depth, roles, upgrade, fits, sums)
+        return compact_chunk(store, job, depth, roles, upgrade, memory, sums)
 
     for delta, predicted, recompressed, saved in ordered_map(run, jobs, workers=COMPACTION_WORKERS, pool=pool):
         report.deltas += delta

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ckstore.codecs.objects import (
@@ -51,6 +51,30 @@ RECENT_CHUNKS = 12
 # chosen by compaction or repack. Raw is also some chunks' best encoding: a run records those it
 # found (settled_raw.py), and later runs count them as settled.
 _FAST = frozenset({Encoding.RAW, Encoding.ZSTD})
+# A pair stops weighing the plain delta at a predictor's positions once it lost there this many
+# times and never won (it lost at all 408 predicted positions of a DCP benchmark step, each
+# weighed on a sample: 0.6-1.0 thread-s a step); one position in REFUSED_RETRY_ONE_IN (by name)
+# still weighs it, so a plain delta that starts to win is found.
+PLAIN_LOST_ENOUGH = 8
+
+
+@dataclass
+class PairMemory:
+    """What one pair's positions learn from each other (they share one optimizer step)."""
+    # Per predictor: the coefficients that fitted its last chunk and how much of that chunk's
+    # sample they predicted exactly (predict.fit_scored's hint).
+    fits: dict[object, tuple[tuple[float, ...], float]] = field(default_factory=dict)
+    # Per predictor: positions where the plain delta lost to the predicted one; -1 once it won.
+    plain_lost: dict[object, int] = field(default_factory=dict)
+
+    def weigh_plain(self, predictor: object, oid: str) -> bool:
+        """Whether to weigh the plain delta against a predicted delta of ``predictor`` for ``oid``."""
+        lost = self.plain_lost.get(predictor, 0)
+        return lost < PLAIN_LOST_ENOUGH or _retry_refused(oid)
+
+    def plain_weighed(self, predictor: object, won: bool) -> None:
+        lost = self.plain_lost.get(predictor, 0)  # a lost update between the pool's threads only delays the stop
+        self.plain_lost[predictor] = -1 if won or lost < 0 else lost + 1
 
 class HeaderCache(ObjectStore):
     """A pair's batch view of the store that reads each object's header once: a position's
@@ -119,7 +143,7 @@ class HeaderCache(ObjectStore):
 
 
 def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrade: Upgrade,
-                   fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums]) -> tuple[int, int, int, int]:
+                   memory: PairMemory, sums: dict[tuple[str, str], Sums]) -> tuple[int, int, int, int]:
     """Re-encode one position's parent chunk and the child's own; (deltas, predicted, recompressed,
     saved)."""
     slot = job.slot
@@ -158,7 +182,7 @@ def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrad
         raw = store.chunk_bytes(slot.id, slot.size, keep=False)
         deltas = predicted = recompressed = saved = 0
         if parent is not None:
-            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, fits, sums)
+            made, freed = _reverse_delta(store, parent, job, raw, depth, prediction, upgrade, memory, sums)
             deltas, saved = deltas + (made in ("delta", "predicted")), saved + freed
             recompressed += made.startswith("whole") and freed > 0
             predicted += made == "predicted"
@@ -232,7 +256,7 @@ def _claim_prediction(store: ObjectStore, target: ObjectId | None, p: Prediction
 
 def _reverse_delta(
     store: HeaderCache, oid: ObjectId, job: Job, base_raw: bytes, depth: int, prediction: Prediction | None,
-    upgrade: Upgrade, fits: dict[object, tuple[tuple[float, ...], float]], sums: dict[tuple[str, str], Sums],
+    upgrade: Upgrade, memory: PairMemory, sums: dict[tuple[str, str], Sums],
 ) -> tuple[str, int]:
     """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
     when it was stored provisionally and no delta pays, by its best whole encoding); (what was
@@ -264,13 +288,16 @@ def _reverse_delta(
     # of the child's at most, 1) or the child's chunks (whole, 0).
     predicted = None
     if prediction is not None and height + 1 + (prediction.moment is not None) <= depth:
-        predicted = _predicted(store, oid, raw, prediction, job.slot.size, than, fits, {job.slot.id: base_raw})
-    if height + 1 <= depth:
+        predicted = _predicted(store, oid, raw, prediction, job.slot.size, than, memory.fits, {job.slot.id: base_raw})
+    weigh = predicted is None or prediction is None or memory.weigh_plain(prediction.predictor, oid)
+    if height + 1 <= depth and weigh:
         # Kept only when smaller than the predicted delta (when there is one: then it is weighed
         # on a sample first, as it lost at all 408 predicted positions of a DCP benchmark step).
         data = encode_delta(raw, settings.zstd_level, job.slot.width, job.slot.id, base_raw,
                             len(predicted) if predicted is not None else than, settings.allowed_in_compaction,
                             sample_test=predicted is not None or not _paid_before(store, oid, job))
+        if predicted is not None and prediction is not None:
+            memory.plain_weighed(prediction.predictor, won=data is not None)
         if data is not None and upgrade(version_for(parse_header(data).encoding)):
             _check(oid, data, raw, {job.slot.id: base_raw})
             store.stage_replace(oid, data)
@@ -294,8 +321,9 @@ def _predicted(store: HeaderCache, oid: ObjectId, raw: bytes, p: Prediction, siz
                fits: dict[object, tuple[tuple[float, ...], float]], known: dict[str, bytes]) -> bytes | None:
     """The predicted delta of ``raw`` when it stores in fewer than ``than`` bytes, checked by
     decoding; None otherwise. ``known``: bases decoded already (the child's chunk here)."""
-    from ckstore.codecs.predict import fit_scored, predict
+    from ckstore.codecs.predict import fit_scored, load_compiled, predict
 
+    load_compiled()  # a long job: compiled predictions from the first chunk (numpy's where numba is missing)
     bases = {b: known[b] if b in known else store.chunk_bytes(b, size) for b in dict.fromkeys(p.bases)}
     found = fit_scored(p.predictor, raw, [bases[b] for b in p.bases], fits.get(p.predictor))
     if found is None:
