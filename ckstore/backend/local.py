@@ -439,10 +439,10 @@ class LocalBackend(StagingBackend):
         staged = LocalBatch(self, pack_below=MAX_PACK_SIZE if many else 0)
         try:
             yield staged
+            staged.flush()  # inside: a Ctrl-C as flush starts must still discard the batch
         except BaseException:
-            staged.discard()
+            staged.discard()  # after a failed flush, what it took it removed: nothing is left here
             raise
-        staged.flush()
 
     def storage_problems(self) -> list[str]:
         self.packs.refresh(force=True)

@@ -45,7 +45,7 @@ from ckstore.format.ids import key_object_id
 from ckstore.format.pack import PackIndex
 from ckstore.backend.base import Backend, check_key, storage_error
 from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks, PackWriter
-from ckstore.backend.syscalls import move_if_absent, syncfs
+from ckstore.backend.syscalls import interrupts_deferred, move_if_absent, syncfs
 
 # At most this many files and folders are fsynced one by one at a barrier; more take a syncfs.
 TARGETED_BARRIER_MAX = 64
@@ -197,11 +197,14 @@ class LocalBatch(Backend):
             packed = self._put_packed(oid, data)
             if packed is not None:
                 return packed
-        tmp = self._stage(key, data)
-        with self._mutex:
-            if key not in self._puts:
-                self._puts[key] = tmp
-                return True
+        # A staged file is in ``_puts`` (where discard finds it) before a Ctrl-C can land on
+        # this thread (the main one, where puts run in turn: one core, or a single object).
+        with interrupts_deferred():
+            tmp = self._stage(key, data)
+            with self._mutex:
+                if key not in self._puts:
+                    self._puts[key] = tmp
+                    return True
         self._unlink(tmp)  # a concurrent put of the same key won (same name, same bytes)
         return False
 
@@ -235,7 +238,8 @@ class LocalBatch(Backend):
         folder = self.inner.root / PACK_FOLDER
         try:
             self.inner._ensure_dir(folder, self._new_folders)
-            self._writers.append(PackWriter(folder))
+            with interrupts_deferred():  # the new pack's file is in ``_writers`` before a Ctrl-C lands
+                self._writers.append(PackWriter(folder))
         except OSError as exc:
             raise storage_error(exc, "starting a pack") from None
 
@@ -304,14 +308,20 @@ class LocalBatch(Backend):
     def flush(self) -> None:
         """Barrier, link every put and install every pack, barrier, then apply the replacements
         (module docstring)."""
-        puts, replaces = self._take()
-        with self._mutex:
-            writers, self._writers = self._writers, []
-        if not puts and not replaces and not writers:
-            return
-        leftovers = dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces] + [w.path for w in writers])
+        leftovers: dict[Path, None] = {}
         installed: list[PackIndex] = []
         try:
+            # What is taken from the batch is in ``leftovers`` (removed by ``finally`` unless
+            # installed) before a Ctrl-C can land: in between it was in neither place, and an
+            # interrupted commit left its pack's temporary file behind (CI, session 6).
+            with interrupts_deferred():
+                puts, replaces = self._take()
+                with self._mutex:
+                    writers, self._writers = self._writers, []
+                leftovers.update(dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces]
+                                               + [w.path for w in writers]))
+            if not leftovers:
+                return
             # The early flush first: it syncs the packs' descriptors, which finishing them closes.
             self._early.finish()  # a failed early flush fails the batch (module docstring)
             packs = [(w, w.finish()) for w in writers]

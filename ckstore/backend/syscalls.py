@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ckstore.backend.fsio import libc_function
 
@@ -65,14 +66,34 @@ def move_if_absent(src: Path, dst: Path) -> bool | None:
 @contextmanager
 def interrupts_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM back while a few steps must finish together (a ref update and the
-    bookkeeping that says it happened); a signal that arrives meanwhile is delivered when the
-    block ends. Only the main thread receives Python's signals, so elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    bookkeeping that says it happened); a signal that arrives meanwhile is handled, by the
+    handler that was in place, when the block ends. Python runs signal handlers on the main
+    thread only, so elsewhere this does nothing.
+
+    The handlers are swapped for one that only notes the signal, rather than the signals masked:
+    a mask is per thread, and in a process with other threads (a commit's workers) the kernel
+    hands the signal to one of those, whose C handler still makes the main thread run the
+    Python handler inside the block (found by tests/test_batch_interrupts.py under xdist)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    before: dict[int, Any] = {}
     try:
+        for held in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(held) is not None:  # None: set outside Python, cannot be restored
+                before[held] = signal.signal(held, note)
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for held, handler in before.items():
+            signal.signal(held, handler)
+        for signum in dict.fromkeys(caught):
+            handler = before[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)  # its default action, now that the block is done
