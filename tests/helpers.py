@@ -5,15 +5,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 
+from ckstore.format import manifest
 from ckstore.repo import Repo
 from ckstore.repository.store import object_key
+from ckstore.write.commit import commit_sources, prepare_commit
+from ckstore.write.ingest import MemoryFile
 # One definition of the dtype table and tensor maker, shared with the safetensors format tests.
 from test_safetensors_format import TORCH_DTYPES, make_tensor  # noqa: F401  (re-exported)
 
@@ -164,3 +169,31 @@ def adam_like_epochs(root: Path, epochs: int, seed: int = 0) -> list[Path]:
                                                "w16": torch.from_numpy(w[:65536].astype(np.float32)).to(torch.bfloat16)})
         out.append(folder)
     return out
+
+
+def commit_many_files(repo: Repo, count: int, changed: int | None = None) -> str:
+    """A commit of ``count`` tiny files (a version-4 manifest from about 3,000, docs/format.md
+    5.3), file number ``changed`` with other content."""
+    files = [MemoryFile(f"{i // 100:03d}/{i:05d}.txt", None,
+                        (memoryview(f"object {i}{' changed' if i == changed else ''}\n".encode()),))
+             for i in range(count)]
+    oid = commit_sources(repo._ctx, files, prepare_commit("many files", None, None).on_branch(repo._ctx))
+    repo.wait()
+    return oid
+
+
+@contextmanager
+def counting_parsed_entries(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Count the file entries parsed whole (``manifest.parse_files``) while the block runs."""
+    parsed = [0]
+    parse_files = manifest.parse_files
+
+    def counting(doc: list[object], version: int) -> object:
+        parsed[0] += len(doc)
+        return parse_files(doc, version)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(manifest, "parse_files", counting)
+    try:
+        yield parsed
+    finally:
+        monkeypatch.undo()

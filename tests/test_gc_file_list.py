@@ -15,8 +15,8 @@ from ckstore.errors import IntegrityError
 from ckstore.format import manifest
 from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry, piece_chunk_ids, piece_files, split_file_list
 from ckstore.repo import Repo
-from ckstore.write.commit import commit_sources, prepare_commit
-from ckstore.write.ingest import MemoryFile
+
+from helpers import commit_many_files, counting_parsed_entries
 
 ids = st.binary(min_size=32, max_size=32).map(bytes.hex)
 refs = st.lists(st.tuples(ids, st.integers(1, 9)).map(lambda t: ChunkRef(*t)), min_size=1, max_size=3)
@@ -64,33 +64,16 @@ def test_a_malformed_piece_is_refused(piece: bytes) -> None:
         piece_chunk_ids(piece)
 
 
-def _many_files(repo: Repo, count: int, changed: int | None = None) -> str:
-    files = [MemoryFile(f"{i // 100:03d}/{i:05d}.txt", None,
-                        (memoryview(f"object {i}{' changed' if i == changed else ''}\n".encode()),))
-             for i in range(count)]
-    oid = commit_sources(repo._ctx, files, prepare_commit("many files", None, None).on_branch(repo._ctx))
-    repo.wait()
-    return oid
-
-
 def test_gc_parses_no_entry_of_a_version_4_file_list_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repo = Repo.init(tmp_path / "repo")
-    first = _many_files(repo, 3000)
-    second = _many_files(repo, 3000, changed=7)
+    first = commit_many_files(repo, 3000)
+    second = commit_many_files(repo, 3000, changed=7)
     repo.create_branch("old", first)
     assert repo.read_commit(second).file_list  # stored apart
-    gone = _many_files(repo, 3000, changed=8)
+    gone = commit_many_files(repo, 3000, changed=8)
     repo.reset(second)
-    parsed = [0]
-    parse_files = manifest.parse_files
-
-    def counting(doc: list[object], version: int) -> object:
-        parsed[0] += len(doc)
-        return parse_files(doc, version)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(manifest, "parse_files", counting)
-    report = Repo(repo.path).gc(prune_now=True)
-    monkeypatch.undo()
+    with counting_parsed_entries(monkeypatch) as parsed:
+        report = Repo(repo.path).gc(prune_now=True)
     assert parsed[0] == 0
     assert gone in report.unreachable_commits and report.deleted_objects >= 3  # it, its changed file and piece
     fresh = Repo(repo.path)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import ckstore.format.pack as pack_format
-from ckstore.format import manifest
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.pack import PackEntry
@@ -19,8 +18,8 @@ from ckstore.repo import Repo
 from ckstore.repository.context import open_context
 from ckstore.repository.graph import CommitGraph
 from ckstore.repository.store import ObjectStore
-from ckstore.write.commit import commit_sources, prepare_commit
-from ckstore.write.ingest import MemoryFile
+
+from helpers import commit_many_files, counting_parsed_entries
 
 from .epochs import assert_checks_out, pushed
 
@@ -145,17 +144,6 @@ def test_push_and_fetch_of_one_commit_look_up_only_its_objects(tmp_path: Path, m
     assert b.fsck(read_data=True) == [] and b.resolve("origin/main") == new
 
 
-def _many_files(repo: Repo, count: int, changed: int | None = None) -> str:
-    """A commit of ``count`` tiny files (a version-4 manifest from about 3,000), file ``changed``
-    with other content."""
-    files = [MemoryFile(f"{i // 100:03d}/{i:05d}.txt", None,
-                        (memoryview(f"object {i}{' changed' if i == changed else ''}\n".encode()),))
-             for i in range(count)]
-    oid = commit_sources(repo._ctx, files, prepare_commit("many files", None, None).on_branch(repo._ctx))
-    repo.wait()
-    return oid
-
-
 def test_push_and_fetch_of_a_large_commit_with_one_file_changed_look_at_the_changed_piece(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The new commit shares all but one piece of its file list (docs/format.md 5.3) with the
@@ -163,23 +151,15 @@ def test_push_and_fetch_of_a_large_commit_with_one_file_changed_look_at_the_chan
     whether only that piece's chunks are here."""
     files = 3000
     a = Repo.init(tmp_path / "a")
-    _many_files(a, files)
+    commit_many_files(a, files)
     a.add_remote("origin", str(tmp_path / "remote"))
     a.push()
     b, _ = Repo.clone(str(tmp_path / "remote"), tmp_path / "b")
-    new = _many_files(a, files, changed=1234)
+    new = commit_many_files(a, files, changed=1234)
     assert len(set(a.read_commit(new).file_list) - set(a.read_commit(a.resolve(new + "~1")).file_list)) == 1
-    parsed = [0]
-    parse_files = manifest.parse_files
-
-    def counting(doc: list[object], version: int) -> object:
-        parsed[0] += len(doc)
-        return parse_files(doc, version)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(manifest, "parse_files", counting)
-    pushing = Repo(a.path)  # nothing remembered from the commit
-    report = pushing.push()
-    monkeypatch.undo()
+    with counting_parsed_entries(monkeypatch) as parsed:
+        pushing = Repo(a.path)  # nothing remembered from the commit
+        report = pushing.push()
     assert report.objects == 3  # the changed file's chunk, the piece that lists it, the commit
     assert 0 < parsed[0] < files  # the changed piece's entries (~500 on average), not all 3,000 again
     asked: list[str] = []
