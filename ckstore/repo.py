@@ -85,11 +85,11 @@ class _WorkSetting(Generic[_V]):
     def __get__(self, repo: Repo | None, owner: type | None = None) -> _V:
         if repo is None:  # looked up on the class (help(), documentation tools)
             return self  # type: ignore[return-value]
-        value: _V = getattr(work_for(repo._ctx), self.name)
+        value: _V = getattr(repo._work, self.name)
         return value
 
     def __set__(self, repo: Repo, value: _V) -> None:
-        setattr(work_for(repo._ctx), self.name, value)
+        setattr(repo._work, self.name, value)
 
 
 class Repo:
@@ -98,7 +98,7 @@ class Repo:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
                  _context: RepoContext | None = None) -> None:
         self._ctx = _context or open_context(path, backend=backend)
-        self._work = work_for(self._ctx)  # looked up once: ``commits_recorded`` must take no lock
+        self._work = work_for(self._ctx)  # once: ``commits_recorded`` (a signal handler's) takes no lock
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -164,7 +164,7 @@ class Repo:
         """What still runs after the calls that started it: background commits of this process,
         and whether a compaction runs or waits (this process's, or a detached one's, whichever
         process started it), with the log detached compactions write to."""
-        return work_for(self._ctx).status(self._ctx)
+        return self._work.status(self._ctx)
 
     def commits_recorded(self) -> tuple[ObjectId, ...]:
         """The commits recorded through this repository so far, oldest first. It takes no lock
@@ -272,7 +272,7 @@ class Repo:
 
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        work = work_for(self._ctx)
+        work = self._work
         work.wait_commits()
         request = self._start_new_branch(prepare_commit(message, branch, metadata).on_branch(self._ctx), start)
         sources = collect_sources(paths, exclude=self.path or Path("/nonexistent"), raw=raw)
@@ -332,7 +332,7 @@ class Repo:
             return commit_sources(self._ctx, sources, request, progress,
                                   state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
 
-        work = work_for(self._ctx)
+        work = self._work
         if background:
             return work.submit_commit(lambda: state_files(state, snapshot=True), write)
         work.wait_commits()
@@ -343,7 +343,7 @@ class Repo:
         """Wait for background commits and this process's compaction after them; raise the error
         of a background commit that failed unobserved. (A detached compaction is not waited
         for: ``wait_background`` does.)"""
-        work_for(self._ctx).wait()
+        self._work.wait()
 
     def compact(self, branch: str | None = None) -> CompactReport:
         """Re-encode the tip of ``branch`` and its parent now (what runs after every commit)."""
