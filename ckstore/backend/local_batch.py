@@ -40,7 +40,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from collections.abc import Iterable
 
-from ckstore.backend.fsio import EarlyFlush, mutating_step
+from ckstore.backend.fsio import EarlyFlush, drop_cached_path, mutating_step
 from ckstore.format.ids import key_object_id
 from ckstore.format.pack import PackIndex
 from ckstore.backend.base import Backend, check_key, storage_error
@@ -88,8 +88,10 @@ class LocalBatch(Backend):
     commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
     """
 
-    def __init__(self, backend: StagingBackend, pack_below: int = 0) -> None:
+    def __init__(self, backend: StagingBackend, pack_below: int = 0, drop_cache: bool = False) -> None:
         self.inner = backend
+        # Packs drop their durable pages from the page cache (a batch too large for it: fsio.py).
+        self._drop_cache = drop_cache
         self._mutex = threading.Lock()
         self._puts: dict[str, Path] = {}
         # New objects shorter than this go into packs (local_packs.py): every object of a batch
@@ -239,7 +241,7 @@ class LocalBatch(Backend):
         try:
             self.inner._ensure_dir(folder, self._new_folders)
             with interrupts_deferred():  # the new pack's file is in ``_writers`` before a Ctrl-C lands
-                self._writers.append(PackWriter(folder))
+                self._writers.append(PackWriter(folder, self._drop_cache))
         except OSError as exc:
             raise storage_error(exc, "starting a pack") from None
 
@@ -326,6 +328,9 @@ class LocalBatch(Backend):
             self._early.finish()  # a failed early flush fails the batch (module docstring)
             packs = [(w, w.finish()) for w in writers]
             self._barrier(leftovers)  # every staged byte is durable before any link
+            for writer, index in packs:
+                if index is not None and writer.drop_cache:
+                    drop_cached_path(writer.path)  # clean now: the barrier wrote the last pages
             lost: set[str] = set()
             folders = set(self._new_folders)
             for writer, index in packs:
