@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import pytest
 
 from ckstore.backend import fsio, local_settle
@@ -422,3 +423,23 @@ def test_a_commit_too_large_for_the_cache_leaves_its_pack_out_of_it(
     repo.checkout(oid, tmp_path / "out")
     assert tree_digest(tmp_path / "out") == digest
     assert repo.fsck(read_data=True) == []
+
+
+@pytest.mark.parametrize("available", [1 << 20, 1 << 40])
+def test_a_batch_of_loose_files_too_large_for_the_cache_leaves_them_out_of_it(
+    drops_pages: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, available: int,
+) -> None:
+    """Compaction's replacements are loose files: once durable, a batch of them larger than the
+    cache can spare drops them too (the tip it compared them with stays cached for a checkout)."""
+    monkeypatch.setattr(fsio, "memory_available", lambda: available, raising=False)
+    backend = LocalBackend(tmp_path / "objects-root")
+    blobs = {object_key(blake3.blake3(b).hexdigest()): b for b in (os.urandom(1 << 20) for _ in range(6))}
+    with backend.batch() as staged:
+        for key, data in blobs.items():
+            assert staged.put_new(key, data)
+    shares = [resident_share(backend._path(key)) for key in blobs]
+    if available < 1 << 30:
+        assert max(shares) < 0.1
+    else:
+        assert min(shares) > 0.9
+    assert all(backend.get(key) == data for key, data in blobs.items())

@@ -40,7 +40,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from collections.abc import Iterable
 
-from ckstore.backend.fsio import EarlyFlush, drop_cached_path, mutating_step
+from ckstore.backend.fsio import EarlyFlush, crowds_the_cache, drop_cached_path, mutating_step
 from ckstore.format.ids import key_object_id
 from ckstore.format.pack import PackIndex
 from ckstore.backend.base import Backend, check_key, storage_error
@@ -102,6 +102,7 @@ class LocalBatch(Backend):
         self._new_folders: set[Path] = set()  # made while staging; the second barrier covers them
         self._seen_folders: set[Path] = set()
         self._loose = 0  # loose files staged
+        self._loose_bytes = 0  # and their bytes
         self._early = EarlyFlush(self._flush_early)
 
     def _many_loose(self) -> bool:
@@ -181,6 +182,7 @@ class LocalBatch(Backend):
             raise storage_error(exc, f"staging {self.describe(key)}") from None
         with self._mutex:
             self._loose += 1
+            self._loose_bytes += len(data)
         self._early.wrote(len(data))
         return tmp
 
@@ -296,6 +298,19 @@ class LocalBatch(Backend):
             self._replaces.clear()
         return puts, replaces
 
+    def _leave_the_cache(self, staged: Iterable[Path], packs: list[tuple[PackWriter, PackIndex | None]]) -> None:
+        """Drop the batch's files from the page cache, now clean, when it is too large for it
+        (fsio.py): the packs that dropped pages as they were flushed, and loose files that add up
+        to more than the cache can spare (compaction's replacements of a 10 GB epoch)."""
+        for writer, index in packs:
+            if index is not None and writer.drop_cache:
+                drop_cached_path(writer.path)  # the barrier wrote its last pages
+        if self._loose and (self._drop_cache or crowds_the_cache(self._loose_bytes)):
+            packed = {w.path for w, _ in packs}
+            for path in staged:
+                if path not in packed:
+                    drop_cached_path(path)
+
     def discard(self) -> None:
         """Drop everything staged (the batch failed): nothing becomes visible."""
         self._early.finish(quiet=True)  # nothing staged becomes visible (and no pack is synced as it closes)
@@ -328,9 +343,7 @@ class LocalBatch(Backend):
             self._early.finish()  # a failed early flush fails the batch (module docstring)
             packs = [(w, w.finish()) for w in writers]
             self._barrier(leftovers)  # every staged byte is durable before any link
-            for writer, index in packs:
-                if index is not None and writer.drop_cache:
-                    drop_cached_path(writer.path)  # clean now: the barrier wrote the last pages
+            self._leave_the_cache(leftovers, packs)
             lost: set[str] = set()
             folders = set(self._new_folders)
             for writer, index in packs:
