@@ -14,6 +14,8 @@ from pathlib import Path
 
 import blake3
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from ckstore.backend import fsio, local_settle
 from ckstore.backend.local import LocalBackend
@@ -443,3 +445,22 @@ def test_a_batch_of_loose_files_too_large_for_the_cache_leaves_them_out_of_it(
     else:
         assert min(shares) > 0.9
     assert all(backend.get(key) == data for key, data in blobs.items())
+
+
+def test_a_commit_too_large_for_the_cache_compresses_harder(packing: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written at the disk's speed, a commit stores its chunks at zstd level 1, not the fast
+    level: fewer bytes for the disk (format/settings.py); both read back bit-exact."""
+    stored = {}
+    for available in (1 << 40, 1 << 20):
+        monkeypatch.setattr(fsio, "memory_available", lambda: available, raising=False)
+        repo = fresh(tmp_path / str(available))
+        src = tmp_path / str(available) / "epoch"
+        g = torch.Generator().manual_seed(0)
+        src.mkdir(parents=True)
+        save_file({"w": torch.randn(1 << 20, generator=g).to(torch.bfloat16)}, str(src / "model.safetensors"))
+        oid = repo.commit(src)
+        (pack,) = packs_of(repo)
+        stored[available] = pack.stat().st_size
+        repo.checkout(oid, tmp_path / str(available) / "out")
+        assert tree_digest(tmp_path / str(available) / "out") == tree_digest(src)
+    assert stored[1 << 20] < 0.9 * stored[1 << 40]

@@ -92,6 +92,7 @@ class LocalBatch(Backend):
         self.inner = backend
         # Packs drop their durable pages from the page cache (a batch too large for it: fsio.py).
         self._drop_cache = drop_cache
+        self.disk_bound = drop_cache
         self._mutex = threading.Lock()
         self._puts: dict[str, Path] = {}
         # New objects shorter than this go into packs (local_packs.py): every object of a batch
