@@ -464,3 +464,21 @@ def test_a_commit_too_large_for_the_cache_compresses_harder(packing: None, tmp_p
         repo.checkout(oid, tmp_path / str(available) / "out")
         assert tree_digest(tmp_path / str(available) / "out") == tree_digest(src)
     assert stored[1 << 20] < 0.9 * stored[1 << 40]
+
+
+def test_settling_a_pack_too_large_for_the_cache_keeps_the_tips_copies_cached(
+    packing: None, drops_pages: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loose copies settling makes of the newest commit are what a checkout reads next: they
+    stay cached however large, while the pack they came from was dropped as it was written."""
+    monkeypatch.setattr(fsio, "memory_available", lambda: 1 << 20, raising=False)
+    repo = fresh(tmp_path)
+    oid, digest = large_epoch(repo, tmp_path, 1)
+    (pack,) = packs_of(repo)
+    assert resident_share(pack) < 0.1
+    repo.compact()
+    chunks = {c.id for c in repo.read_commit(oid).all_chunks() if c.size >= local_settle.SMALL_OBJECT}
+    assert chunks and chunks <= loose_ids(repo)
+    assert min(resident_share(repo.path / "objects" / c[:2] / c[2:]) for c in chunks) > 0.9  # type: ignore[operator]
+    repo.checkout(oid, tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == digest

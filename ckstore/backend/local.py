@@ -436,7 +436,7 @@ class LocalBackend(StagingBackend):
     @contextmanager
     def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[Backend]:
         many = expected_bytes >= self.pack_min_bytes or expected_objects >= self.pack_min_objects
-        staged = LocalBatch(self, pack_below=MAX_PACK_SIZE if many else 0, drop_cache=many and crowds_the_cache(expected_bytes))
+        staged = LocalBatch(self, pack_below=MAX_PACK_SIZE if many else 0, drop_cache=(many and crowds_the_cache(expected_bytes)) or None)
         try:
             yield staged
             staged.flush()  # inside: a Ctrl-C as flush starts must still discard the batch

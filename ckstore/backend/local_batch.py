@@ -88,11 +88,14 @@ class LocalBatch(Backend):
     commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
     """
 
-    def __init__(self, backend: StagingBackend, pack_below: int = 0, drop_cache: bool = False) -> None:
+    def __init__(self, backend: StagingBackend, pack_below: int = 0, drop_cache: bool | None = None) -> None:
         self.inner = backend
-        # Packs drop their durable pages from the page cache (a batch too large for it: fsio.py).
-        self._drop_cache = drop_cache
-        self.disk_bound = drop_cache
+        # True: packs drop their durable pages from the page cache, and loose files theirs at the
+        # barrier (a batch too large for it: fsio.py); None: loose files do when they add up to
+        # that much; False: never (settling, whose loose copies are what a checkout reads next).
+        self._drop_cache = bool(drop_cache)
+        self._drop_loose_by_size = drop_cache is None
+        self.disk_bound = self._drop_cache
         self._mutex = threading.Lock()
         self._puts: dict[str, Path] = {}
         # New objects shorter than this go into packs (local_packs.py): every object of a batch
@@ -302,11 +305,11 @@ class LocalBatch(Backend):
     def _leave_the_cache(self, staged: Iterable[Path], packs: list[tuple[PackWriter, PackIndex | None]]) -> None:
         """Drop the batch's files from the page cache, now clean, when it is too large for it
         (fsio.py): the packs that dropped pages as they were flushed, and loose files that add up
-        to more than the cache can spare (compaction's replacements of a 10 GB epoch)."""
+        to more than the cache can spare (compaction's replacements of a 10 GB epoch's parent)."""
         for writer, index in packs:
             if index is not None and writer.drop_cache:
                 drop_cached_path(writer.path)  # the barrier wrote its last pages
-        if self._loose and (self._drop_cache or crowds_the_cache(self._loose_bytes)):
+        if self._loose and (self._drop_cache or (self._drop_loose_by_size and crowds_the_cache(self._loose_bytes))):
             packed = {w.path for w, _ in packs}
             for path in staged:
                 if path not in packed:
