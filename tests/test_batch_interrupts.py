@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -95,3 +96,80 @@ def test_a_ctrl_c_anywhere_in_a_batch_leaves_no_temporary_file_and_only_whole_ob
             if backend.exists(key):
                 assert backend.get(key) == objects[key]
     assert interrupted_runs > calls // 2  # the signals did land (most calls come before the end)
+
+
+class _InterruptingBar:
+    """A progress bar whose third update is a Ctrl-C: it lands in the commit's loop over stored
+    chunks, between two of them, while the workers are still storing the next ones."""
+
+    def __init__(self, interrupted: threading.Event) -> None:
+        self.left = 3
+        self.interrupted = interrupted
+
+    def update(self, n: int) -> None:
+        self.left -= 1
+        if not self.left:
+            self.interrupted.set()
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_ctrl_c_between_chunks_waits_for_the_workers_before_the_batch_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C between two stored chunks, while workers are still storing later ones (slowly,
+    each finding its pack full and starting another): nothing is left, no commit, fsck clean."""
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ckstore.backend import local_packs
+    from ckstore.backend.local import LocalBackend
+
+    interrupted = threading.Event()
+    add = local_packs.PackWriter.add
+    full: set[int] = set()
+
+    def late_add(self: local_packs.PackWriter, oid: str, data: bytes | memoryview) -> bool | None:
+        if interrupted.is_set() and id(self) not in full:
+            time.sleep(0.2)  # still storing after the main thread was interrupted
+            full.add(id(self))
+            return None  # full: the caller starts another pack
+        return add(self, oid, data)
+
+    monkeypatch.setattr(LocalBackend, "pack_min_bytes", 0)
+    monkeypatch.setattr(local_packs.PackWriter, "add", late_add)
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    save_file({"w": torch.randn(1 << 20)}, str(src / "model.safetensors"))  # 4 MiB: 64 chunks
+    repo = Repo.init(tmp_path / "repo", chunk_size=1 << 16)
+    with pytest.raises(KeyboardInterrupt):
+        repo.commit(src, progress=lambda total, what: _InterruptingBar(interrupted))
+    time.sleep(0.5)  # a worker left running has started its pack by now
+    assert leftover_temp_files(repo.path) == []  # type: ignore[arg-type]
+    assert repo.branches() == {}
+    assert repo.fsck() == []
+
+
+def test_a_put_into_a_discarded_batch_writes_nothing(tmp_path: Path) -> None:
+    """A worker still running when its batch was discarded (the commit was interrupted) gets an
+    error and creates no file: before, one that found no pack started a new one, whose
+    temporary file nothing removed (a cause of test_cli's Ctrl-C test leaving a pack's .tmp)."""
+    from ckstore.backend.local import LocalBackend
+    from ckstore.errors import StorageError
+
+    backend = LocalBackend(tmp_path / "root")
+    objects = _objects(0)
+    keys = list(objects)
+    with pytest.raises(KeyboardInterrupt):
+        with backend.batch(expected_bytes=1 << 30) as staged:  # packs
+            staged.put_new(keys[0], objects[keys[0]])
+            raise KeyboardInterrupt
+    for key in keys[1:]:  # the late puts: a small object (packed) and the large one (loose)
+        with pytest.raises(StorageError):
+            staged.put_new(key, objects[key])
+    assert leftover_temp_files(tmp_path / "root") == []
+    assert not any(backend.exists(key) for key in keys)

@@ -44,6 +44,7 @@ from ckstore.backend.fsio import EarlyFlush, crowds_the_cache, drop_cached_path,
 from ckstore.format.ids import key_object_id
 from ckstore.format.pack import PackIndex
 from ckstore.backend.base import Backend, check_key, storage_error
+from ckstore.errors import StorageError
 from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks, PackWriter
 from ckstore.backend.syscalls import interrupts_deferred, move_if_absent, syncfs
 
@@ -107,6 +108,7 @@ class LocalBatch(Backend):
         self._seen_folders: set[Path] = set()
         self._loose = 0  # loose files staged
         self._loose_bytes = 0  # and their bytes
+        self._abandoned = False  # discarded: a late put (a worker still running) writes nothing
         self._early = EarlyFlush(self._flush_early)
 
     def _many_loose(self) -> bool:
@@ -210,11 +212,14 @@ class LocalBatch(Backend):
         with interrupts_deferred():
             tmp = self._stage(key, data)
             with self._mutex:
-                if key not in self._puts:
+                if key not in self._puts and not self._abandoned:
                     self._puts[key] = tmp
                     return True
-        self._unlink(tmp)  # a concurrent put of the same key won (same name, same bytes)
-        return False
+                abandoned = self._abandoned
+        self._unlink(tmp)
+        if abandoned:
+            raise StorageError("the batch was abandoned")
+        return False  # a concurrent put of the same key won (same name, same bytes)
 
     def _put_packed(self, oid: str, data: bytes | memoryview) -> bool | None:
         """Append a new object to the batch's pack; None when the batch cannot pack after all
@@ -243,6 +248,8 @@ class LocalBatch(Backend):
 
     def _start_pack(self) -> None:
         """Open the batch's next pack (the caller holds the mutex)."""
+        if self._abandoned:
+            raise StorageError("the batch was abandoned")
         folder = self.inner.root / PACK_FOLDER
         try:
             self.inner._ensure_dir(folder, self._new_folders)
@@ -317,6 +324,8 @@ class LocalBatch(Backend):
 
     def discard(self) -> None:
         """Drop everything staged (the batch failed): nothing becomes visible."""
+        with self._mutex:
+            self._abandoned = True
         self._early.finish(quiet=True)  # nothing staged becomes visible (and no pack is synced as it closes)
         puts, replaces = self._take()
         for tmp in [t for _, t in puts] + [t for _, t, _ in replaces]:

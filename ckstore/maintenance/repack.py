@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Iterable
+from contextlib import closing
 from dataclasses import dataclass, replace
 
 from ckstore.codecs.objects import delta_bases, encode_chunk, parse_header
@@ -168,15 +169,16 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
             ready_ids = {oid for oid, _ in ready}
             later = [item for item in level if item[0] not in ready_ids]
             for batch in (ready, later):
-                for (oid, p), (before, after, changed, depth) in zip(batch, ordered_map(rewrite, batch)):
-                    final[oid] = depth
-                    report.objects += 1
-                    report.bytes_before += before
-                    report.bytes_after += after
-                    report.rewritten += changed
-                    report.deltas += depth > 0
-                    if bar:
-                        bar.update(p.size)
+                with closing(ordered_map(rewrite, batch)) as rewritten:  # waits for its workers on an error
+                    for (oid, p), (before, after, changed, depth) in zip(batch, rewritten):
+                        final[oid] = depth
+                        report.objects += 1
+                        report.bytes_before += before
+                        report.bytes_after += after
+                        report.rewritten += changed
+                        report.deltas += depth > 0
+                        if bar:
+                            bar.update(p.size)
     finally:
         if bar:
             bar.close()

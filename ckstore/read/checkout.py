@@ -21,6 +21,7 @@ import re
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,13 +279,14 @@ def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Pr
                 while len(syncs) < i:
                     syncs.append(syncer.submit(staged[len(syncs)].sync))
 
-            for i, data, n in ordered_map(write, jobs()):
-                close_before(i)
-                if data is not None:
-                    staged[i].write(data)
-                staged[i].early.wrote(n)
-                if progress:
-                    progress(n)
+            with closing(ordered_map(write, jobs())) as written:  # waits for its workers on an error
+                for i, data, n in written:
+                    close_before(i)
+                    if data is not None:
+                        staged[i].write(data)
+                    staged[i].early.wrote(n)
+                    if progress:
+                        progress(n)
             close_before(len(staged))
             for future in syncs:
                 future.result()

@@ -15,6 +15,7 @@ import struct
 import sys
 import threading
 import warnings
+from contextlib import closing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,24 +336,27 @@ def ingest(
     added = 0
     # Small pieces travel to the workers together (pipeline.grouped), up to half a chunk's bytes.
     groups = grouped(_jobs(plans, chunk_size), lambda job: len(job[3]), chunk_size // 2)
+    # ``closing``: on an exception (a Ctrl-C) the map waits for its running chunks before the
+    # batch is discarded, or a worker still storing one would start a pack after the discard.
     try:
-        for results in ordered_map(lambda group: [put(job) for job in group], groups):
-            for p_index, s_index, length, result, figures in results:
-                plan = plans[p_index]
-                plan.segments[s_index].append(ChunkRef(result.id, length))
-                accumulator = plan.stats[s_index]
-                if accumulator is not None:
-                    if figures is None:
-                        plan.stats[s_index] = None
-                    elif isinstance(figures, _ParentFigures):
-                        accumulator.skip(result.id, length, figures.parent)
-                    else:
-                        accumulator.add(figures)
-                added += result.stored
-                if plan.opened is not None:
-                    plan.opened.finished()
-                if progress:
-                    progress(length)
+        with closing(ordered_map(lambda group: [put(job) for job in group], groups)) as mapped:
+            for results in mapped:
+                for p_index, s_index, length, result, figures in results:
+                    plan = plans[p_index]
+                    plan.segments[s_index].append(ChunkRef(result.id, length))
+                    accumulator = plan.stats[s_index]
+                    if accumulator is not None:
+                        if figures is None:
+                            plan.stats[s_index] = None
+                        elif isinstance(figures, _ParentFigures):
+                            accumulator.skip(result.id, length, figures.parent)
+                        else:
+                            accumulator.add(figures)
+                    added += result.stored
+                    if plan.opened is not None:
+                        plan.opened.finished()
+                    if progress:
+                        progress(length)
     finally:
         for plan in plans:
             if plan.opened is not None:
