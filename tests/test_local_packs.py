@@ -1,6 +1,7 @@
 """Local packs (ckstore/backend/local_packs.py, docs/format.md 3.1 and rule 8.8): a large batch
-writes its new objects into one pack; compaction and gc spread packs into loose objects; every
-read finds an object in either place, also while a pack disappears under it."""
+writes its new objects into one pack; compaction settles the packs it replaced objects of, gc spreads
+packs into loose objects; every read finds an object in either place, also while a pack disappears
+under it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckstore.backend import local_settle
 from ckstore.backend.local import LocalBackend
@@ -20,7 +22,7 @@ from ckstore.errors import IntegrityError
 from ckstore.repo import Repo
 from ckstore.repository.store import object_key
 
-from helpers import checkpoint, flip_bit, leftover_temp_files, tree_digest
+from helpers import checkpoint, flip_bit, leftover_temp_files, save_st, tree_digest
 
 
 @pytest.fixture
@@ -225,7 +227,10 @@ def test_a_commit_of_many_small_files_rests_in_one_pack(tmp_path: Path) -> None:
     repo.wait()
     chunks = {c.id for c in repo.read_commit(oid).all_chunks()}
     large = {c for c in chunks if (repo.store.stored_size(c) or 0) >= local_settle.SMALL_OBJECT}
-    assert large and large <= loose_ids(repo)  # compaction and repack work on these in place
+    # Compaction replaced nothing in the pack: it stays as the commit wrote it.
+    assert large and not large & loose_ids(repo) and len(packs_of(repo)) == 1
+    repo.gc()
+    assert large <= loose_ids(repo)  # gc and repack re-encode these in place
     assert len(packs_of(repo)) == 1 and len(chunks - large) >= 300
     assert not (chunks - large) & loose_ids(repo)  # 300 small objects: no file each
     repo.checkout(oid, tmp_path / "out")
@@ -243,6 +248,24 @@ def test_settled_packs_are_merged_so_they_never_pile_up(tmp_path: Path) -> None:
     for i, oid in enumerate(commits):
         repo.checkout(oid, tmp_path / f"out{i}")
         assert tree_digest(tmp_path / f"out{i}") == tree_digest(tmp_path / f"e{i}")
+    assert repo.fsck(read_data=True) == []
+
+
+def test_packs_that_compaction_leaves_whole_are_merged_before_they_pile_up(packing: None, tmp_path: Path) -> None:
+    """Compaction leaves a pack of large objects none of which it replaced (the tip's: the next
+    run replaces them); packs whose objects no run replaces (a new file each commit, the old ones
+    unchanged) are still spread once MERGE_AT of them have piled up."""
+    repo = fresh(tmp_path, compact=True)
+    src = tmp_path / "grow"
+    commits = []
+    for epoch in range(local_settle.MERGE_AT + 2):
+        save_st(src / f"part{epoch}.safetensors", {f"t{epoch}": torch.randn(1 << 15, generator=torch.Generator().manual_seed(epoch))})
+        commits.append(repo.commit(src, message=f"epoch {epoch}"))
+        repo.wait()
+        assert 1 <= len(packs_of(repo)) <= local_settle.MERGE_AT
+    assert len(packs_of(repo)) < local_settle.MERGE_AT  # merged at least once
+    repo.checkout(commits[-1], tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == tree_digest(src)
     assert repo.fsck(read_data=True) == []
 
 
