@@ -103,3 +103,15 @@ def sample(wb: Any, wf: Any, index: Any, bits: Any, values: Any) -> None:
         i = index[k]
         bits[k] = wb[i]
         values[k] = _input(wb[i], wf[i])
+
+
+@numba.njit(**_OPTIONS)
+def residual_planes(raw: Any, guess: Any, planes: Any) -> None:
+    """A predicted delta's residual (``raw`` XOR ``guess``, uint32 words) split into its four
+    byte planes (``planes``: 4 x n uint8, byte i of every element in row i), in one pass."""
+    for k in range(raw.size):
+        r = raw[k] ^ guess[k]
+        planes[0, k] = r & np.uint32(0xFF)
+        planes[1, k] = (r >> np.uint32(8)) & np.uint32(0xFF)
+        planes[2, k] = (r >> np.uint32(16)) & np.uint32(0xFF)
+        planes[3, k] = r >> np.uint32(24)
