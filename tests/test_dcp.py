@@ -409,3 +409,33 @@ def test_any_grid_of_pieces_is_an_exact_cover(grid: Any) -> None:
     pieces = [([b[0] for b in block], [b[1] - b[0] for b in block]) for block in itertools.product(*bounds)]
     doc, stored = _record_doc(list(shape), pieces)
     assert len(parse_record(doc, stored).tensors[0].pieces) == len(pieces)
+
+
+def test_compaction_copies_no_step_s_weights_out_of_its_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save keeps its first moments (which its own compaction re-encodes) in a pack apart from
+    its weights and second moments (which the next step's compaction turns into deltas): the tip's
+    large weights and second moments stay packed, its first moments are settled loose, and no
+    pack is left holding an object that also lies loose (each pack went whole, nothing copied)."""
+    from ckstore.backend import local_settle
+    from ckstore.backend.local import LocalBackend
+    from ckstore.format.optstate import FIRST, SECOND, WEIGHT, member
+    from helpers import assert_reads_back, dcp_adamw_run
+
+    monkeypatch.setattr(LocalBackend, "pack_min_bytes", 0)  # a step of this small model packs too
+    repo = ckstore.Repo.init(tmp_path / "repo")
+    runs = dcp_adamw_run(repo, 3, width=256)  # 256 KiB weights: large objects, one chunk each
+    backend = ckstore.Repo(repo.path).backend
+    packed = {oid for index in backend.packs.indexes() for oid in index.columns()[0]}
+    loose = {p.parent.name + p.name for p in (repo.path / "objects").glob("[0-9a-f][0-9a-f]/*") if not p.name.startswith(".")}
+    roles: dict[str, set[str]] = {WEIGHT: set(), FIRST: set(), SECOND: set()}
+    for f in repo.read_commit(runs[-1][0]).files:
+        for t in f.tensors:
+            found = member(t.name)
+            if found is not None:
+                roles[found.role] |= {c.id for c in t.chunks if (repo.store.stored_size(c.id) or 0) >= local_settle.SMALL_OBJECT}
+    assert roles[WEIGHT] and roles[SECOND] and roles[FIRST]
+    assert roles[WEIGHT] | roles[SECOND] <= packed - loose  # the next compaction replaces them
+    assert roles[FIRST] <= loose - packed  # settled whole by this one
+    assert not packed & loose
+    assert_reads_back(repo, runs, tmp_path / "out")
+    assert repo.fsck(read_data=True) == []

@@ -1,6 +1,7 @@
 """Local packs (ckstore/backend/local_packs.py, docs/format.md 3.1 and rule 8.8): a large batch
-writes its new objects into one pack; compaction and gc spread packs into loose objects; every
-read finds an object in either place, also while a pack disappears under it."""
+writes its new objects into one pack; compaction settles the packs it replaced objects of, gc spreads
+packs into loose objects; every read finds an object in either place, also while a pack disappears
+under it."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ckstore.errors import IntegrityError
 from ckstore.repo import Repo
 from ckstore.repository.store import object_key
 
-from helpers import checkpoint, flip_bit, leftover_temp_files, tree_digest
+from helpers import checkpoint, flip_bit, leftover_temp_files, save_st, tree_digest
 
 
 @pytest.fixture
@@ -231,7 +232,10 @@ def test_a_commit_of_many_small_files_rests_in_one_pack(tmp_path: Path) -> None:
     repo.wait()
     chunks = {c.id for c in repo.read_commit(oid).all_chunks()}
     large = {c for c in chunks if (repo.store.stored_size(c) or 0) >= local_settle.SMALL_OBJECT}
-    assert large and large <= loose_ids(repo)  # compaction and repack work on these in place
+    # Compaction replaced nothing in the pack: it stays as the commit wrote it.
+    assert large and not large & loose_ids(repo) and len(packs_of(repo)) == 1
+    repo.gc()
+    assert large <= loose_ids(repo)  # gc and repack re-encode these in place
     assert len(packs_of(repo)) == 1 and len(chunks - large) >= 300
     assert not (chunks - large) & loose_ids(repo)  # 300 small objects: no file each
     repo.checkout(oid, tmp_path / "out")
@@ -249,6 +253,24 @@ def test_settled_packs_are_merged_so_they_never_pile_up(tmp_path: Path) -> None:
     for i, oid in enumerate(commits):
         repo.checkout(oid, tmp_path / f"out{i}")
         assert tree_digest(tmp_path / f"out{i}") == tree_digest(tmp_path / f"e{i}")
+    assert repo.fsck(read_data=True) == []
+
+
+def test_packs_that_compaction_leaves_whole_are_merged_before_they_pile_up(packing: None, tmp_path: Path) -> None:
+    """Compaction leaves a pack of large objects none of which it replaced (the tip's: the next
+    run replaces them); packs whose objects no run replaces (a new file each commit, the old ones
+    unchanged) are still spread once MERGE_AT of them have piled up."""
+    repo = fresh(tmp_path, compact=True)
+    src = tmp_path / "grow"
+    commits = []
+    for epoch in range(local_settle.MERGE_AT + 2):
+        save_st(src / f"part{epoch}.safetensors", {f"t{epoch}": torch.randn(1 << 15, generator=torch.Generator().manual_seed(epoch))})
+        commits.append(repo.commit(src, message=f"epoch {epoch}"))
+        repo.wait()
+        assert 1 <= len(packs_of(repo)) <= local_settle.MERGE_AT
+    assert len(packs_of(repo)) < local_settle.MERGE_AT  # merged at least once
+    repo.checkout(commits[-1], tmp_path / "out")
+    assert tree_digest(tmp_path / "out") == tree_digest(src)
     assert repo.fsck(read_data=True) == []
 
 
@@ -469,14 +491,15 @@ def test_a_commit_too_large_for_the_cache_compresses_harder(packing: None, tmp_p
 def test_settling_a_pack_too_large_for_the_cache_keeps_the_tips_copies_cached(
     packing: None, drops_pages: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The loose copies settling makes of the newest commit are what a checkout reads next: they
-    stay cached however large, while the pack they came from was dropped as it was written."""
+    """The loose copies settling (gc's, repack's) makes of the newest commit's objects are what a
+    checkout reads next: they stay cached however large, while the pack they came from was
+    dropped as it was written."""
     monkeypatch.setattr(fsio, "memory_available", lambda: 1 << 20, raising=False)
     repo = fresh(tmp_path)
     oid, digest = large_epoch(repo, tmp_path, 1)
     (pack,) = packs_of(repo)
     assert resident_share(pack) < 0.1
-    repo.compact()
+    repo.backend.unpack()  # as gc does: every large object spread loose
     chunks = {c.id for c in repo.read_commit(oid).all_chunks() if c.size >= local_settle.SMALL_OBJECT}
     assert chunks and chunks <= loose_ids(repo)
     assert min(resident_share(repo.path / "objects" / c[:2] / c[2:]) for c in chunks) > 0.9  # type: ignore[operator]

@@ -49,6 +49,20 @@ def test_a_fits_scoring_counts_what_the_reference_counts(case: tuple[Predictor, 
     assert predict._exact(predictor, coefficients, converted, predict.predict_numpy(predictor, coefficients, bases)) == len(target)
 
 
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_a_fits_sample_is_gathered_and_converted_as_the_reference_does(case: tuple[Predictor, tuple[float, ...], bytes, list[bytes]]) -> None:
+    """The compiled gather of a fit's sample: the same words and the same binary64 values as
+    numpy's gather and ``inputs`` (subnormals zeroed by their bits, NaN payloads kept)."""
+    predictor, _, raw, bases = case
+    sample = predict._Sample(predictor, raw, bases)
+    index = predict._sample_index(len(raw) // 4)
+    assert sample.bits.tobytes() == np.frombuffer(raw, dtype="<u4")[index].tobytes()
+    with np.errstate(all="ignore"):
+        for got, base in zip([sample.y, *sample.bases], [raw, *bases]):
+            assert got.tobytes() == predict.inputs(np.frombuffer(base, dtype="<u4")[index]).tobytes()
+
+
 def test_objects_written_with_numpy_and_with_the_kernels_are_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Real AdamW steps: the fitted coefficients, the encoded objects and their decodes agree
     byte for byte whichever way the prediction was computed (the objects main's numpy code

@@ -213,12 +213,13 @@ class Backend(ABC):
         unreadable), one line each, for fsck."""
         return []
 
-    def unpack(self, drop: Collection[str] = (), gather: bool = False) -> int:
+    def unpack(self, drop: Collection[str] = (), gather: bool = False, keep_clean: bool = False) -> int:
         """Settle the objects a backend holds in packs (the local backend's, local_settle.py):
         large ones become plain keys, small ones stay packed, the object ids in ``drop`` are
         removed from packs (gc; their plain keys are deleted with ``delete``), and ``gather``
-        lets plain small objects join a pack. Return how many packs were removed. Backends
-        without packs have none."""
+        lets plain small objects join a pack; ``keep_clean`` leaves a pack as it is while none of
+        its objects is stored elsewhere too (compaction). Return how many packs were removed.
+        Backends without packs have none."""
         return 0
 
     def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:

@@ -449,16 +449,17 @@ class LocalBackend(StagingBackend):
         return [f"pack {self.packs.path_of(pid)} is damaged and was left out: {why}"
                 for pid, why in sorted(self.packs.damaged.items())]
 
-    def unpack(self, drop: Collection[str] = (), gather: bool = False) -> int:
+    def unpack(self, drop: Collection[str] = (), gather: bool = False, keep_clean: bool = False) -> int:
         """Settle the installed packs (local_settle.py): large objects spread into loose ones,
         small ones kept in (at most one new) pack, ``drop``'s objects left out; ``gather`` also
-        packs loose small objects. Return how many packs were removed. Every kept object is
+        packs loose small objects; ``keep_clean`` leaves packs with no stale or dropped object
+        as they are. Return how many packs were removed. Every kept object is
         durable in its new place before an old copy goes; the caller holds a repository lock
         that keeps other settlers out (compaction's, or gc's exclusive one)."""
         from ckstore.backend.local_settle import settle  # writers only
 
         try:
-            return settle(self, drop, gather)
+            return settle(self, drop, gather, keep_clean)
         except OSError as exc:
             raise storage_error(exc, f"settling the packs of {self.root}") from None
 

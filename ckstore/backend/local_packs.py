@@ -8,8 +8,8 @@ batch that expects many bytes (a commit of an epoch, a fetch) appends its new ob
 installs it with one rename once its bytes are durable. The commit's critical path creates one
 file instead of hundreds.
 
-For large objects packs are an intake: the compaction that follows every commit, and gc,
-settle them (local_settle.py, off the training loop's path): objects of 64 KiB or more become
+For large objects packs are an intake: the compaction that replaces some of their objects, and
+gc, settle them (local_settle.py, off the training loop's path): objects of 64 KiB or more become
 loose, where compaction and repack re-encode them in place; small ones rest in one new pack.
 Every read finds a packed object through ``LocalPacks``: a loose object is looked for first, then
 the packs, and a pack that vanished under a reader (settled meanwhile) sends it back to the loose

@@ -12,7 +12,13 @@ loose copy wins, docs/format.md 15.9).
 
 One pass (``settle``) rewrites the packs that need it into at most one new pack: packs that hold
 a large object, an object that also lies loose (a replacement, or a copy a crash left), or an
-object gc drops; and, once ``MERGE_AT`` packs have accumulated, all of them. ``gather`` (gc)
+object gc drops; and, once ``MERGE_AT`` packs have accumulated, all of them. Compaction's pass
+(``keep_clean``) leaves a pack whose objects are all stored there only, large ones included:
+those are the newest commit's chunks, which the next compaction replaces (deltas) or settles
+(whole) loose, and copying them out first cost a DCP step 2 CPU s of its ~10 (a DCP save keeps
+the chunks its own compaction replaces, the first moments, in a pack of their own: dcp/compaction.py).
+Such packs are merged too, once ``MERGE_AT`` of them have piled up (commits whose chunks no
+compaction replaces). gc and repack spread every large object: they re-encode objects in place. ``gather`` (gc)
 also moves loose small objects into the new pack when there are at least ``GATHER_AT`` of them.
 Order, for crash safety: the new pack and the spread loose objects are made durable (a batch's
 two barriers) before any old pack or gathered loose file is deleted, so at every instant each
@@ -41,7 +47,7 @@ MERGE_AT = 8
 GATHER_AT = 64
 
 
-def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = False) -> int:
+def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = False, keep_clean: bool = False) -> int:
     """Rewrite the packs that need it (module docstring); return how many were removed."""
     indexes = sorted(backend.packs.indexes(), key=lambda ix: ix.pack_id)
     if not indexes and not gather:
@@ -50,10 +56,14 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
     loose_small = [(oid, path) for oid, path in _small(loose) if oid not in drop] if gather else []
     if len(loose_small) < GATHER_AT:
         loose_small = []
-    if len(indexes) + bool(loose_small) >= MERGE_AT:
-        targets = indexes
+    # Clean packs of large objects that compaction leaves as they are (module docstring).
+    resting = {ix.pack_id for ix in indexes if _longest(ix) >= SMALL_OBJECT and not _stale(ix, drop, loose)} if keep_clean else set()
+    if len(resting) >= MERGE_AT:
+        resting = set()
+    if len(indexes) - len(resting) + bool(loose_small) >= MERGE_AT:
+        targets = [ix for ix in indexes if ix.pack_id not in resting]
     else:
-        targets = [ix for ix in indexes if _needs_rewrite(ix, drop, loose)]
+        targets = [ix for ix in indexes if ix.pack_id not in resting and _needs_rewrite(ix, drop, loose)]
     if not targets and not loose_small:
         return 0
     # Its loose copies stay in the page cache: they are the newest commit's, which a checkout reads.
@@ -96,8 +106,16 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
 
 def _needs_rewrite(index: PackIndex | PackTable, drop: Collection[str], loose: Collection[str]) -> bool:
     """Whether a pack holds a large object, one gc drops, or one that also lies loose."""
-    longest = index.longest() if isinstance(index, PackTable) else max(e.length for e in index.entries)
-    return longest >= SMALL_OBJECT or any(oid in index for oid in drop) or any(oid in index for oid in loose)
+    return _longest(index) >= SMALL_OBJECT or _stale(index, drop, loose)
+
+
+def _longest(index: PackIndex | PackTable) -> int:
+    return index.longest() if isinstance(index, PackTable) else max(e.length for e in index.entries)
+
+
+def _stale(index: PackIndex | PackTable, drop: Collection[str], loose: Collection[str]) -> bool:
+    """Whether a pack holds an object gc drops, or one that also lies loose."""
+    return any(oid in index for oid in drop) or any(oid in index for oid in loose)
 
 
 def _loose_objects(backend: StagingBackend) -> dict[str, Path]:

@@ -37,7 +37,7 @@ from ckstore.errors import IntegrityError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["HIGHER_CAP", "JOIN_WIDTHS", "KEYS", "WIDTHS", "base_words", "decode_kernels", "join", "loaded_kernels",
+__all__ = ["HIGHER_CAP", "JOIN_WIDTHS", "KEYS", "WIDTHS", "base_words", "decode_kernels", "join", "load_kernels", "loaded_kernels",
            "sort_key", "sorted_plane", "unsort_into", "unsort_planes"]
 
 
@@ -74,6 +74,12 @@ def _kernels() -> Any:
                     context_kernels = None  # type: ignore[assignment]
                 _KERNELS.append(context_kernels)
     return _KERNELS[0]
+
+
+def load_kernels() -> Any:
+    """Load the kernels now (a long job that decodes many planes: compaction), or None where
+    numba is missing."""
+    return _kernels()
 
 
 def loaded_kernels() -> Any:

@@ -52,6 +52,8 @@ from ckstore.codecs.planes import (
     decode_grouped,
     decode_zstd,
     grouped_parts,
+    plane_piece,
+    plane_set,
 )
 from ckstore.errors import IntegrityError
 
@@ -341,8 +343,15 @@ def encode_predicted(
         return None
     if guess is None:
         guess = predict.predict(predict.Predictor(predictor), coefficients, bases)
-    residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)
-    size, parts = grouped_parts(residual, PREDICTED_WIDTH, level)
+    kernels = predict.loaded_compiled()
+    if kernels is not None:  # the XOR and the split into planes in one compiled pass
+        planes = np.empty((PREDICTED_WIDTH, len(raw) // PREDICTED_WIDTH), dtype=np.uint8)
+        kernels.residual_planes(np.frombuffer(raw, dtype="<u4"), guess, planes)
+        zstd = compressor(level)
+        size, parts = plane_set(PREDICTED_WIDTH, [plane_piece(plane, zstd) for plane in planes])
+    else:
+        residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)
+        size, parts = grouped_parts(residual, PREDICTED_WIDTH, level)
     prefix = b"".join([bytes([len(base_ids)]), *(bytes.fromhex(b) for b in base_ids), bytes([predictor]),
                        *(_COEFFICIENT.pack(c) for c in coefficients)])
     if HEADER_SIZE + len(prefix) + size >= than:

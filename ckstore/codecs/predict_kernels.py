@@ -92,3 +92,26 @@ def weight_converted(c: Any, w: Any, m: Any, v: Any, out: Any) -> None:
     c0, c1, c2 = c[0], c[1], c[2]
     for k in range(out.size):
         out[k] = _to32(_weight(c0, c1, c2, w[k], m[k], v[k]))
+
+
+@numba.njit(**_OPTIONS)
+def sample(wb: Any, wf: Any, index: Any, bits: Any, values: Any) -> None:
+    """A fit's sample of one chunk (its words as bits, uint32, and values, float32: two views of
+    the same memory) at ``index``: the words into ``bits`` (uint32) and step 1 of each
+    (predict.inputs: binary64, +0 for a zero exponent) into ``values`` (float64), in one pass."""
+    for k in range(index.size):
+        i = index[k]
+        bits[k] = wb[i]
+        values[k] = _input(wb[i], wf[i])
+
+
+@numba.njit(**_OPTIONS)
+def residual_planes(raw: Any, guess: Any, planes: Any) -> None:
+    """A predicted delta's residual (``raw`` XOR ``guess``, uint32 words) split into its four
+    byte planes (``planes``: 4 x n uint8, byte i of every element in row i), in one pass."""
+    for k in range(raw.size):
+        r = raw[k] ^ guess[k]
+        planes[0, k] = r & np.uint32(0xFF)
+        planes[1, k] = (r >> np.uint32(8)) & np.uint32(0xFF)
+        planes[2, k] = (r >> np.uint32(16)) & np.uint32(0xFF)
+        planes[3, k] = r >> np.uint32(24)

@@ -135,9 +135,10 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
             # The relative change against the parent, from the chunks decoded above (format.md 5.2).
             write_changes(ctx.backend, tip, commits[0], commits[0].parents[0], commits[1],
                           _tensor_sums(commits[0], commits[1], sums))
-        # The commit's pack (if it wrote one) is settled here, off the training loop's path: its
-        # large objects spread into loose files, its small ones kept packed (backend/local_settle.py).
-        ctx.backend.unpack()
+        # Packs that hold replaced objects are settled here, off the training loop's path: their
+        # other large objects spread into loose files, small ones kept packed; a pack none of
+        # whose objects was replaced (the tip's, until the next run) stays (backend/local_settle.py).
+        ctx.backend.unpack(keep_clean=True)
     return report
 
 

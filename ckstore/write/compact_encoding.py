@@ -87,6 +87,7 @@ class HeaderCache(ObjectStore):
         super().__init__(staged.backend, settings=staged.settings)
         self.alternates = staged.alternates
         self._headers: dict[str, bytes | None] = {}
+        self._bases: dict[str, tuple[ObjectId, ...]] = {}  # parsed from _headers: chain heights ask ~9 times a position
         self.settled_raw = settled_raw if settled_raw is not None else set()  # settled_raw.py: read when the run starts
         self.found_raw = found_raw if found_raw is not None else set()  # this run's, recorded when it ends
         self._recent: OrderedDict[str, bytes] = OrderedDict()
@@ -133,13 +134,18 @@ class HeaderCache(ObjectStore):
         return self._headers[oid]
 
     def bases_of(self, oid: str) -> tuple[ObjectId, ...]:
+        found = self._bases.get(oid)
+        if found is not None:
+            return found
         prefix = self.header_local(oid)
         if prefix is None:
             return super().bases_of(oid)  # a base repository's object, or a missing one (raises)
         try:
-            return tuple(ObjectId(b) for b in delta_bases(prefix))
+            found = tuple(ObjectId(b) for b in delta_bases(prefix))
         except IntegrityError as exc:
             raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
+        self._bases[oid] = found  # as _headers: unchanged within the batch
+        return found
 
 
 def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrade: Upgrade,
