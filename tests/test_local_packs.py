@@ -5,20 +5,15 @@ under it."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import blake3
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from ckstore.backend import fsio, local_settle
+from ckstore.backend import local_settle
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.local_packs import PACK_FOLDER
 from ckstore.format.ids import key_object_id
@@ -379,129 +374,3 @@ def test_gc_stopped_at_any_step_of_a_pack_rewrite_loses_nothing_kept(tmp_path: P
         assert not after.store.has(dropped) and after.fsck(read_data=True) == [], stop_at
         shutil.rmtree(work.path)  # type: ignore[arg-type]
         shutil.rmtree(tmp_path / f"o{stop_at}")
-
-
-def resident_share(path: Path) -> float:
-    """The share of ``path``'s pages in the page cache now (mincore(2) of a mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size, page = path.stat().st_size, mmap.PAGESIZE
-    pages = (size + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            vector = (ctypes.c_ubyte * pages)()
-            assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
-            return sum(v & 1 for v in vector) / pages
-        finally:
-            libc.munmap(address, size)
-    finally:
-        os.close(fd)
-
-
-@pytest.fixture
-def drops_pages(tmp_path: Path) -> None:
-    """Skip where the filesystem keeps a file's clean pages when told to drop them (tmpfs)."""
-    probe = tmp_path / "probe"
-    probe.write_bytes(os.urandom(1 << 20))
-    fd = os.open(probe, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if resident_share(probe) > 0.5:
-        pytest.skip("this filesystem keeps dropped pages in memory")
-    probe.unlink()
-
-
-def large_epoch(repo: Repo, root: Path, seed: int) -> tuple[str, dict[str, str]]:
-    src = root / f"epoch{seed}"
-    checkpoint(src / "model.safetensors", seed, n=1 << 19)  # 6 MiB: pages to count
-    return repo.commit(src, message=f"epoch {seed}"), tree_digest(src)
-
-
-@pytest.mark.parametrize("available", [1 << 20, 1 << 40])
-def test_a_commit_too_large_for_the_cache_leaves_its_pack_out_of_it(
-    packing: None, drops_pages: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, available: int,
-) -> None:
-    """A commit much larger than the memory available (1 MiB here) drops the pack it wrote from the
-    page cache once durable, so it does not push out what the training script reads (the
-    checkpoint being committed, its data set); one that fits (1 TiB free) leaves it cached."""
-    monkeypatch.setattr(fsio, "memory_available", lambda: available, raising=False)
-    monkeypatch.setattr(fsio, "EARLY_FLUSH_BYTES", 1 << 20)  # early flushes drop pages too
-    repo = fresh(tmp_path)
-    oid, digest = large_epoch(repo, tmp_path, 1)
-    (pack,) = packs_of(repo)
-    source = tmp_path / "epoch1" / "model.safetensors"
-    if available < 1 << 30:
-        assert resident_share(pack) < 0.1
-    else:
-        assert resident_share(pack) > 0.9
-    assert resident_share(source) > 0.9  # what the commit read stays cached either way
-    repo.checkout(oid, tmp_path / "out")
-    assert tree_digest(tmp_path / "out") == digest
-    assert repo.fsck(read_data=True) == []
-
-
-@pytest.mark.parametrize("available", [1 << 20, 1 << 40])
-def test_a_batch_of_loose_files_too_large_for_the_cache_leaves_them_out_of_it(
-    drops_pages: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, available: int,
-) -> None:
-    """Compaction's replacements are loose files: once durable, a batch of them larger than the
-    cache can spare drops them too (the tip it compared them with stays cached for a checkout)."""
-    monkeypatch.setattr(fsio, "memory_available", lambda: available, raising=False)
-    backend = LocalBackend(tmp_path / "objects-root")
-    blobs = {object_key(blake3.blake3(b).hexdigest()): b for b in (os.urandom(1 << 20) for _ in range(6))}
-    with backend.batch() as staged:
-        for key, data in blobs.items():
-            assert staged.put_new(key, data)
-    shares = [resident_share(backend._path(key)) for key in blobs]
-    if available < 1 << 30:
-        assert max(shares) < 0.1
-    else:
-        assert min(shares) > 0.9
-    assert all(backend.get(key) == data for key, data in blobs.items())
-
-
-def test_a_commit_too_large_for_the_cache_compresses_harder(packing: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Written at the disk's speed, a commit stores its chunks at zstd level 1, not the fast
-    level: fewer bytes for the disk (format/settings.py); both read back bit-exact."""
-    stored = {}
-    for available in (1 << 40, 1 << 20):
-        monkeypatch.setattr(fsio, "memory_available", lambda: available, raising=False)
-        repo = fresh(tmp_path / str(available))
-        src = tmp_path / str(available) / "epoch"
-        g = torch.Generator().manual_seed(0)
-        src.mkdir(parents=True)
-        save_file({"w": torch.randn(1 << 20, generator=g).to(torch.bfloat16)}, str(src / "model.safetensors"))
-        oid = repo.commit(src)
-        (pack,) = packs_of(repo)
-        stored[available] = pack.stat().st_size
-        repo.checkout(oid, tmp_path / str(available) / "out")
-        assert tree_digest(tmp_path / str(available) / "out") == tree_digest(src)
-    assert stored[1 << 20] < 0.9 * stored[1 << 40]
-
-
-def test_settling_a_pack_too_large_for_the_cache_keeps_the_tips_copies_cached(
-    packing: None, drops_pages: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The loose copies settling (gc's, repack's) makes of the newest commit's objects are what a
-    checkout reads next: they stay cached however large, while the pack they came from was
-    dropped as it was written."""
-    monkeypatch.setattr(fsio, "memory_available", lambda: 1 << 20, raising=False)
-    repo = fresh(tmp_path)
-    oid, digest = large_epoch(repo, tmp_path, 1)
-    (pack,) = packs_of(repo)
-    assert resident_share(pack) < 0.1
-    repo.backend.unpack()  # as gc does: every large object spread loose
-    chunks = {c.id for c in repo.read_commit(oid).all_chunks() if c.size >= local_settle.SMALL_OBJECT}
-    assert chunks and chunks <= loose_ids(repo)
-    assert min(resident_share(repo.path / "objects" / c[:2] / c[2:]) for c in chunks) > 0.9  # type: ignore[operator]
-    repo.checkout(oid, tmp_path / "out")
-    assert tree_digest(tmp_path / "out") == digest

@@ -192,10 +192,6 @@ class Backend(ABC):
             old = b""
         self.replace(key, old[: old.rfind(b"\n") + 1] + line)
 
-    # Whether this view's writes go at the disk's speed rather than the page cache's (a batch too
-    # large for the cache: local_batch.py): a commit then compresses harder (format/settings.py).
-    disk_bound: bool = False
-
     @contextmanager
     def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[Backend]:
         """A view whose object writes become durable together when the block ends.

@@ -12,12 +12,6 @@ unlink, mkdir). Production code installs no observer, so it costs a function cal
 fault-injection tests install one that SIGKILLs the process or raises ENOSPC/EIO at the K-th step
 (tests/fault_cli.py), which is how they prove that a crash at any step leaves a readable
 repository. The fault logic itself lives in the tests.
-
-``drop_cached`` and ``crowds_the_cache``: a batch much larger than the memory the machine has to
-spare drops its own pages from the page cache once they are durable. Its bytes are written once
-and rarely read soon after, while what they would push out is what the caller reads next: the
-checkpoint the commit is still reading (at 10 GB on a 24 GiB machine whose training process held
-11 GB, the command read most of it back from disk), and the training data set.
 """
 
 from __future__ import annotations
@@ -48,50 +42,6 @@ _SYNC_FILE_RANGE = libc_function(  # Linux
     "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 _observer: Callable[[], None] | None = None
-# A batch writing more than this fraction of the memory available (free, plus cache the kernel
-# can reclaim) drops its written pages from the cache (module docstring).
-CACHE_SHARE = 0.25
-
-
-def memory_available() -> int | None:
-    """Bytes of memory available to new work (Linux ``MemAvailable``), None where unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def crowds_the_cache(nbytes: int) -> bool:
-    """Whether writing ``nbytes`` would crowd the page cache (module docstring)."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    available = memory_available()
-    return available is not None and nbytes > CACHE_SHARE * available
-
-
-def drop_cached(fd: int) -> None:
-    """Drop a file's clean pages from the page cache (its dirty ones stay until written back).
-    Only a hint: a failure costs nothing but the cache."""
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
-
-
-def drop_cached_path(path: Path) -> None:
-    """``drop_cached`` of the file at ``path``."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        drop_cached(fd)
-    finally:
-        os.close(fd)
 
 
 def observe_steps(observer: Callable[[], None] | None) -> None:

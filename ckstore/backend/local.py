@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from ckstore.errors import IntegrityError, InvalidInputError, LockedError, OutputExistsError, RefExistsError, StorageError
-from ckstore.backend.fsio import crowds_the_cache, fsync_path, mutating_step, start_writeback
+from ckstore.backend.fsio import fsync_path, mutating_step, start_writeback
 from ckstore.format.ids import is_object_id, key_object_id, object_key
 from ckstore.format.pack import MAX_PACK_SIZE
 from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
@@ -436,7 +436,7 @@ class LocalBackend(StagingBackend):
     @contextmanager
     def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[Backend]:
         many = expected_bytes >= self.pack_min_bytes or expected_objects >= self.pack_min_objects
-        staged = LocalBatch(self, pack_below=MAX_PACK_SIZE if many else 0, drop_cache=(many and crowds_the_cache(expected_bytes)) or None)
+        staged = LocalBatch(self, pack_below=MAX_PACK_SIZE if many else 0)
         try:
             yield staged
             staged.flush()  # inside: a Ctrl-C as flush starts must still discard the batch

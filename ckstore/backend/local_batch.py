@@ -40,7 +40,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from collections.abc import Iterable
 
-from ckstore.backend.fsio import EarlyFlush, crowds_the_cache, drop_cached_path, mutating_step
+from ckstore.backend.fsio import EarlyFlush, mutating_step
 from ckstore.format.ids import key_object_id
 from ckstore.format.pack import PackIndex
 from ckstore.backend.base import Backend, check_key, storage_error
@@ -89,14 +89,8 @@ class LocalBatch(Backend):
     commit's workers put concurrently. Memory stays bounded: only paths are kept, never bytes.
     """
 
-    def __init__(self, backend: StagingBackend, pack_below: int = 0, drop_cache: bool | None = None) -> None:
+    def __init__(self, backend: StagingBackend, pack_below: int = 0) -> None:
         self.inner = backend
-        # True: packs drop their durable pages from the page cache, and loose files theirs at the
-        # barrier (a batch too large for it: fsio.py); None: loose files do when they add up to
-        # that much; False: never (settling, whose loose copies are what a checkout reads next).
-        self._drop_cache = bool(drop_cache)
-        self._drop_loose_by_size = drop_cache is None
-        self.disk_bound = self._drop_cache
         self._mutex = threading.Lock()
         self._puts: dict[str, Path] = {}
         # New objects shorter than this go into packs (local_packs.py): every object of a batch
@@ -107,7 +101,6 @@ class LocalBatch(Backend):
         self._new_folders: set[Path] = set()  # made while staging; the second barrier covers them
         self._seen_folders: set[Path] = set()
         self._loose = 0  # loose files staged
-        self._loose_bytes = 0  # and their bytes
         self._abandoned = False  # discarded: a late put (a worker still running) writes nothing
         self._early = EarlyFlush(self._flush_early)
 
@@ -188,7 +181,6 @@ class LocalBatch(Backend):
             raise storage_error(exc, f"staging {self.describe(key)}") from None
         with self._mutex:
             self._loose += 1
-            self._loose_bytes += len(data)
         self._early.wrote(len(data))
         return tmp
 
@@ -254,7 +246,7 @@ class LocalBatch(Backend):
         try:
             self.inner._ensure_dir(folder, self._new_folders)
             with interrupts_deferred():  # the new pack's file is in ``_writers`` before a Ctrl-C lands
-                self._writers.append(PackWriter(folder, self._drop_cache))
+                self._writers.append(PackWriter(folder))
         except OSError as exc:
             raise storage_error(exc, "starting a pack") from None
 
@@ -309,19 +301,6 @@ class LocalBatch(Backend):
             self._replaces.clear()
         return puts, replaces
 
-    def _leave_the_cache(self, staged: Iterable[Path], packs: list[tuple[PackWriter, PackIndex | None]]) -> None:
-        """Drop the batch's files from the page cache, now clean, when it is too large for it
-        (fsio.py): the packs that dropped pages as they were flushed, and loose files that add up
-        to more than the cache can spare (compaction's replacements of a 10 GB epoch's parent)."""
-        for writer, index in packs:
-            if index is not None and writer.drop_cache:
-                drop_cached_path(writer.path)  # the barrier wrote its last pages
-        if self._loose and (self._drop_cache or (self._drop_loose_by_size and crowds_the_cache(self._loose_bytes))):
-            packed = {w.path for w, _ in packs}
-            for path in staged:
-                if path not in packed:
-                    drop_cached_path(path)
-
     def discard(self) -> None:
         """Drop everything staged (the batch failed): nothing becomes visible."""
         with self._mutex:
@@ -356,7 +335,6 @@ class LocalBatch(Backend):
             self._early.finish()  # a failed early flush fails the batch (module docstring)
             packs = [(w, w.finish()) for w in writers]
             self._barrier(leftovers)  # every staged byte is durable before any link
-            self._leave_the_cache(leftovers, packs)
             lost: set[str] = set()
             folders = set(self._new_folders)
             for writer, index in packs:

@@ -29,7 +29,7 @@ from typing import Any
 import blake3
 
 from ckstore.errors import IntegrityError
-from ckstore.backend.fsio import drop_cached, mutating_step
+from ckstore.backend.fsio import mutating_step
 from ckstore.format.ids import is_object_id
 from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, PackTable, table_from_tail, tail_length
 
@@ -39,11 +39,9 @@ PACK_SUFFIX = ".pack"
 
 class PackWriter:
     """One pack a batch is writing: objects are placed in order under a lock and their bytes
-    written at their offsets outside it, so workers copy into the page cache in parallel.
-    ``drop_cache``: each flush drops the pages it made durable from the page cache (fsio.py)."""
+    written at their offsets outside it, so workers copy into the page cache in parallel."""
 
-    def __init__(self, folder: Path, drop_cache: bool = False) -> None:
-        self.drop_cache = drop_cache
+    def __init__(self, folder: Path) -> None:
         self._builder = PackBuilder(MAX_PACK_SIZE)
         self.path = folder / f".{self._builder.pack_id}.tmp"
         self._lock = threading.Condition()
@@ -91,8 +89,6 @@ class PackWriter:
         """Make the bytes written so far durable (an early flush of the batch: local_batch.py)."""
         if self._fd >= 0:
             os.fdatasync(self._fd)
-            if self.drop_cache:
-                drop_cached(self._fd)
 
     def read(self, oid: str, n: int | None = None) -> bytes | None:
         """The staged object's bytes (the first ``n``), once its writer has written them."""

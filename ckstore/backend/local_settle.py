@@ -66,8 +66,7 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
         targets = [ix for ix in indexes if ix.pack_id not in resting and _needs_rewrite(ix, drop, loose)]
     if not targets and not loose_small:
         return 0
-    # Its loose copies stay in the page cache: they are the newest commit's, which a checkout reads.
-    staged = LocalBatch(backend, pack_below=SMALL_OBJECT, drop_cache=False)
+    staged = LocalBatch(backend, pack_below=SMALL_OBJECT)
     damaged: set[str] = set()
     gathered: list[Path] = []
     try:

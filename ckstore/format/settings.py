@@ -29,11 +29,6 @@ DEFAULT_MAX_DELTA_DEPTH = 4  # measured trade-off: docs/benchmarks.md
 # instead of 0.83 of raw: negative levels leave literals without entropy coding) was measured and lost: its
 # CPU cost more than the bytes it saved (idle, 136 MB: 0.99 against 0.89 s a commit; 3 GB: even).
 FAST_ZSTD_LEVEL = -1
-# ... unless the commit is too large for the page cache (backend/fsio.py, ``crowds_the_cache``):
-# then it is written at the disk's speed, and level 1 (0.43-0.62 GB/s a core on real fp32 and
-# bf16 epochs, 2 cores: faster than this disk's 0.3-0.45 GB/s sustained) stores 0.77 of raw fp32
-# and 0.65 of bf16 instead of 0.83: fewer bytes for the disk, in less time than it saves.
-DISK_BOUND_ZSTD_LEVEL = 1
 MAX_DELTA_DEPTH_LIMIT = 16
 # git's gc.reflogExpire and gc.reflogExpireUnreachable: how long the reflog keeps commits alive.
 DEFAULT_REFLOG_EXPIRE_DAYS = 90
@@ -49,7 +44,6 @@ class EncodingSettings:
     max_delta_depth: int = DEFAULT_MAX_DELTA_DEPTH  # 0: never a delta
     repo_version: int = NEW_REPO_VERSION
     fast_level: int = FAST_ZSTD_LEVEL
-    disk_bound_level: int = DISK_BOUND_ZSTD_LEVEL
 
     @property
     def allowed(self) -> frozenset[Encoding]:

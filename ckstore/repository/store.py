@@ -131,16 +131,14 @@ class ObjectStore:
         (the same chunk in the parent commit), used when its chain leaves room for one more.
 
         ``fast`` stores a multi-byte chunk with plain zstd at its fast level (a commit on the
-        training loop's critical path), or at level 1 where the batch is written at the disk's
-        speed (``Backend.disk_bound``); ``is_provisional`` tells compaction to re-encode it.
+        training loop's critical path); ``is_provisional`` tells compaction to re-encode it.
         """
         oid = oid or chunk_id(raw)  # ``oid``: the caller hashed ``raw`` already
         key = object_key(oid)
         if self.has_durable(oid):
             return PutResult(oid, 0)
         if fast and width > 1:
-            level = self.settings.disk_bound_level if self.backend.disk_bound else self.settings.fast_level
-            data = encode_sampled(raw, Kind.CHUNK, level)
+            data = encode_sampled(raw, Kind.CHUNK, self.settings.fast_level)
         else:
             data = self.encode_chunk(raw, width, base_id if base_id != oid else None)
         return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
