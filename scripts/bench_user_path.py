@@ -60,12 +60,17 @@ from ckstore.backend.fsio import fsync_path  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("model.safetensors", "optimizer.safetensors")
 # The CLI, reporting its own peak RSS on stderr as it exits: wait4's ru_maxrss would include the
-# benchmark's memory (Linux carries the high-water mark across fork and exec).
+# benchmark's memory (Linux carries the high-water mark across fork and exec). It also reports
+# the bytes its threads made the kernel read from the disk (/proc/self/io read_bytes): what the
+# page cache did not hold.
 _PEAK = ("import atexit, sys\n"
          "def peak():\n"
          "    for line in open('/proc/self/status'):\n"
          "        if line.startswith('VmHWM:'):\n"
          "            sys.stderr.write('\\nPEAK ' + line.split()[1] + '\\n')\n"
+         "    for line in open('/proc/self/io'):\n"
+         "        if line.startswith('read_bytes:'):\n"
+         "            sys.stderr.write('\\nDISKREAD ' + line.split()[1] + '\\n')\n"
          "atexit.register(peak)\n"
          "from ckstore.cli import run\n"  # what the ckstore command's entry point calls
          "sys.argv[0] = 'ckstore'\n"
@@ -78,8 +83,8 @@ def load() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def run_cli(args: list[str], cwd: Path | None = None) -> tuple[float, float]:
-    """Run ``ckstore ARGS``; (wall seconds, peak RSS MiB of that process)."""
+def run_cli(args: list[str], cwd: Path | None = None) -> tuple[float, float, float]:
+    """Run ``ckstore ARGS``; (wall seconds, peak RSS MiB of that process, MB it read from disk)."""
     started = time.perf_counter()
     proc = subprocess.run([*CKSTORE, *args], cwd=cwd, env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wall = time.perf_counter() - started
@@ -87,7 +92,8 @@ def run_cli(args: list[str], cwd: Path | None = None) -> tuple[float, float]:
     if proc.returncode != 0:
         raise SystemExit(f"ckstore {' '.join(args)} failed ({proc.returncode}): {err.strip()}")
     peaks = [int(line.split()[1]) for line in err.splitlines() if line.startswith("PEAK ")]
-    return wall, (peaks[-1] / 1024 if peaks else float("nan"))
+    reads = [int(line.split()[1]) for line in err.splitlines() if line.startswith("DISKREAD ")]
+    return wall, (peaks[-1] / 1024 if peaks else float("nan")), (reads[-1] / 1e6 if reads else float("nan"))
 
 
 def wait_background(repo: Path) -> float:
@@ -172,9 +178,10 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
                 save_synced(tensors, folder / f.replace(".safetensors", f"_epoch_{n + 1}.safetensors"))
             fsync_path(folder)
             add("save_file", n, time.perf_counter() - started)
-            wall, rss = run_cli(["--repo", str(repo), "commit", str(folder), "-m", f"epoch {n + 1}"])
+            wall, rss, read = run_cli(["--repo", str(repo), "commit", str(folder), "-m", f"epoch {n + 1}"])
             add("commit", n, wall)
             add("commit rss", n, rss)
+            add("commit read", n, read)
             add("background", n, wait_background(repo))
             # torch.save after the command, as a comparison only: between the save and the
             # command (as until session 6) its writes evicted the checkpoint the command reads,
@@ -187,12 +194,13 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
             add("torch.save", n, time.perf_counter() - started)
             (pt / f"epoch_{n + 1}.pt").unlink()
             out = work / "out"
-            wall, rss = run_cli(["--repo", str(repo), "checkout", "HEAD", "-o", str(out)])
+            wall, rss, read = run_cli(["--repo", str(repo), "checkout", "HEAD", "-o", str(out)])
             add("checkout", n, wall)
             add("checkout rss", n, rss)
+            add("checkout read", n, read)
             shutil.rmtree(out)
             os.sync()  # the next checkout's fsync waits only for its own files
-            wall, _ = run_cli(["--repo", str(repo), "checkout", "HEAD", "-o", str(out), "--fsync"])
+            wall, _, _ = run_cli(["--repo", str(repo), "checkout", "HEAD", "-o", str(out), "--fsync"])
             add("checkout fsync", n, wall)
             shutil.rmtree(out)
             if readme_path:
@@ -203,7 +211,7 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
                 loose.mkdir(parents=True)
                 for f, tensors in state.items():
                     save_file(tensors, str(loose / f.replace(".safetensors", f"_epoch_{n + 1}.safetensors")))
-                wall, _ = run_cli(["--repo", str(work / "repo_unsynced"), "commit", str(loose), "-m", f"epoch {n + 1}"])
+                wall, _, _ = run_cli(["--repo", str(work / "repo_unsynced"), "commit", str(loose), "-m", f"epoch {n + 1}"])
                 add("commit unsynced", n, wall)
                 wait_background(work / "repo_unsynced")
                 shutil.rmtree(loose)
@@ -220,9 +228,10 @@ def epochs_table(results: dict[str, dict[str, list[float]]], sizes: dict[str, in
         f"Medians of {runs} runs; load average (1/5/15 min) {load()} at the end (2 cores shared).",
         "",
         "| state | epoch | save_file + fsync s | torch.save + fsync s | `ckstore commit` s | ratio to save_file "
-        "| checkout s | ratio | `checkout --fsync` s | ratio | peak RSS commit / checkout MiB | background after commit s "
+        "| checkout s | ratio | `checkout --fsync` s | ratio | peak RSS commit / checkout MiB "
+        "| read from disk commit / checkout MB | background after commit s "
         "| `ckstore commit` after an unsynced save_file s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in results.items():
         for n in range(len(r["save_file"])):
@@ -231,7 +240,8 @@ def epochs_table(results: dict[str, dict[str, list[float]]], sizes: dict[str, in
                 f"| {label} ({sizes[label] / 1e9:.2f} GB) | {n + 1} | {s:.2f} | {r['torch.save'][n]:.2f} | {r['commit'][n]:.2f} "
                 f"| {r['commit'][n] / s:.2f}× | {r['checkout'][n]:.2f} | {r['checkout'][n] / s:.2f}× "
                 f"| {r['checkout fsync'][n]:.2f} | {r['checkout fsync'][n] / s:.2f}× "
-                f"| {r['commit rss'][n]:.0f} / {r['checkout rss'][n]:.0f} | {r['background'][n]:.2f} "
+                f"| {r['commit rss'][n]:.0f} / {r['checkout rss'][n]:.0f} "
+                f"| {r['commit read'][n]:.0f} / {r['checkout read'][n]:.0f} | {r['background'][n]:.2f} "
                 f"| {r['commit unsynced'][n] if 'commit unsynced' in r else float('nan'):.2f} |")
     return "\n".join(lines)
 
