@@ -183,16 +183,6 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
             add("commit rss", n, rss)
             add("commit read", n, read)
             add("background", n, wait_background(repo))
-            # torch.save after the command, as a comparison only: between the save and the
-            # command (as until session 6) its writes evicted the checkpoint the command reads,
-            # at 10 GB most of it, which a training script's own path does not do.
-            pt = work / "pt"
-            pt.mkdir(exist_ok=True)
-            started = time.perf_counter()
-            torch_synced({f"{f}/{k}": v for f, t in state.items() for k, v in t.items()}, pt / f"epoch_{n + 1}.pt")
-            fsync_path(pt)
-            add("torch.save", n, time.perf_counter() - started)
-            (pt / f"epoch_{n + 1}.pt").unlink()
             out = work / "out"
             wall, rss, read = run_cli(["--repo", str(repo), "checkout", "HEAD", "-o", str(out)])
             add("checkout", n, wall)
@@ -203,6 +193,17 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
             wall, _, _ = run_cli(["--repo", str(repo), "checkout", "HEAD", "-o", str(out), "--fsync"])
             add("checkout fsync", n, wall)
             shutil.rmtree(out)
+            # torch.save last, as a comparison only: between the save and the command (as until
+            # session 6) its writes evicted the checkpoint the command reads, and between the
+            # commit and the checkout (until session 8) the pack the checkout reads, at 10 GB
+            # most of either, which a training script's own path does not do.
+            pt = work / "pt"
+            pt.mkdir(exist_ok=True)
+            started = time.perf_counter()
+            torch_synced({f"{f}/{k}": v for f, t in state.items() for k, v in t.items()}, pt / f"epoch_{n + 1}.pt")
+            fsync_path(pt)
+            add("torch.save", n, time.perf_counter() - started)
+            (pt / f"epoch_{n + 1}.pt").unlink()
             if readme_path:
                 # As the README's training script does it: save_file without fsync, then the
                 # command at once (a second repository, same history), so the commit's durability

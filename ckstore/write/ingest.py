@@ -307,9 +307,11 @@ def ingest(
         if isinstance(piece, Span):
             view = read_span(piece)
             try:
-                return store_piece(p_index, s_index, c_index, view)
+                result = store_piece(p_index, s_index, c_index, view)
             finally:
                 recycle(view)
+            piece.source.stored(piece)
+            return result
         return store_piece(p_index, s_index, c_index, piece)
 
     def store_piece(p_index: int, s_index: int, c_index: int, piece: memoryview) -> Result:

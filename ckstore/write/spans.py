@@ -6,6 +6,13 @@ KiB) while the two workers waited for it a third of the time (py-spy, 271 MB fp3
 ``Span`` names a chunk's place in its file instead; the worker that stores the chunk reads it
 (``read_span``) into a buffer of its own, used again for its next chunk once nothing holds a view
 of it (``recycle``: a buffer still viewed is left to its holder, never overwritten).
+
+A file's stored part is dropped from the page cache as the commit goes (``OpenSource.stored``).
+The bytes are on disk and in the repository, and nothing in a training loop reads the checkpoint
+again; left cached, they were read twice (the save wrote them, the commit read them), which
+puts them on the kernel's active list, where they outlive the next epoch's checkpoint: at 10 GB
+on 24 GiB, that checkpoint was evicted before its commit read it, and the commit read all
+10 GB back from disk (docs/benchmarks.md, "10 GB, session 8").
 """
 
 from __future__ import annotations
@@ -17,6 +24,13 @@ from pathlib import Path
 
 from ckstore.errors import InvalidInputError, StorageError
 
+_DROP = getattr(os, "POSIX_FADV_DONTNEED", None)  # Linux; advice only, absent elsewhere
+# The kernel drops a cached folio only when the advice covers all of it, and folios reach
+# megabytes while chunks are not aligned to them: advise the stored prefix of the file from an
+# aligned start, in steps that keep the calls few.
+_FOLIO_ALIGN = 8 << 20
+_DROP_STEP = 64 << 20
+
 
 class OpenSource:
     """One source file, open while workers read its chunks; closed, after a check that it did
@@ -27,6 +41,10 @@ class OpenSource:
         self.size = size
         self.pending = 0  # spans handed out and not yet finished
         self.listed = False  # every span of the file has been handed out
+        self._lock = threading.Lock()  # ``stored`` is called on the pipeline's workers
+        self._stored_ends: dict[int, int] = {}  # stored spans past the prefix: offset -> end
+        self._prefix = 0  # every byte before it is stored
+        self._dropped = 0  # advised out of the page cache up to here
         try:
             self.fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -35,6 +53,26 @@ class OpenSource:
     def span(self, offset: int, length: int) -> Span:
         self.pending += 1
         return Span(self, offset, length)
+
+    def stored(self, span: Span) -> None:
+        """``span``'s chunk is stored: once the stored prefix has grown a step, drop it from the
+        page cache (clean pages; the advice starts writeback of dirty ones)."""
+        with self._lock:
+            self._stored_ends[span.offset] = span.offset + span.length
+            while self._prefix in self._stored_ends:
+                self._prefix = self._stored_ends.pop(self._prefix)
+            if self._prefix - self._dropped < _DROP_STEP:
+                return
+            start, self._dropped = self._dropped - self._dropped % _FOLIO_ALIGN, self._prefix
+            self._advise_drop(start, self._prefix - start)
+
+    def _advise_drop(self, offset: int, length: int) -> None:
+        if _DROP is None or self.fd < 0:
+            return
+        try:
+            os.posix_fadvise(self.fd, offset, length, _DROP)
+        except OSError:
+            pass  # advice: a file system that refuses it loses nothing
 
     def finished(self) -> None:
         """One span stored; the last one closes the file."""
@@ -50,6 +88,8 @@ class OpenSource:
     def close(self, check_end: bool = False) -> None:
         if self.fd < 0:
             return
+        if check_end:
+            self._advise_drop(0, 0)  # the whole file, every span stored
         fd, self.fd = self.fd, -1
         try:
             if check_end and os.pread(fd, 1, self.size):
