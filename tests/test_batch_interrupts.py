@@ -134,9 +134,11 @@ def test_a_ctrl_c_between_chunks_waits_for_the_workers_before_the_batch_is_dropp
     full: set[int] = set()
 
     def late_add(self: local_packs.PackWriter, oid: str, data: bytes | memoryview) -> bool | None:
-        if interrupted.is_set() and id(self) not in full:
+        # Once per worker thread: keyed by the pack, as before, every new pack was "full" too, and
+        # the workers started packs until an id happened to be reused (a CI run took 81 minutes).
+        if interrupted.is_set() and threading.get_ident() not in full:
             time.sleep(0.2)  # still storing after the main thread was interrupted
-            full.add(id(self))
+            full.add(threading.get_ident())
             return None  # full: the caller starts another pack
         return add(self, oid, data)
 
