@@ -97,8 +97,21 @@ def test_a_file_that_changes_while_committed_is_refused_and_nothing_lands(
     assert repo.fsck(read_data=True) == []
 
 
+needs_fadvise = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "POSIX_FADV_DONTNEED"), reason="Linux only")
+
+
 def _cached_bytes(path: Path) -> int:
     return _cached_bytes_of(path, 0, path.stat().st_size)
+
+
+def _cached_clean(path: Path) -> None:
+    """Bring ``path`` into the page cache as clean pages (those the advice drops), or skip where
+    the file system keeps no such pages (tmpfs answers differently)."""
+    with open(path, "rb") as f:
+        f.read()
+        os.fsync(f.fileno())
+    if _cached_bytes(path) < path.stat().st_size // 2:
+        pytest.skip("this file system does not keep the file in the page cache")
 
 
 def _cached_bytes_of(path: Path, offset: int, length: int) -> int:
@@ -119,19 +132,15 @@ def _cached_bytes_of(path: Path, offset: int, length: int) -> int:
         return sum(page for resident in vector[first:last] if resident & 1)
 
 
-@pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "POSIX_FADV_DONTNEED"), reason="Linux only")
+@needs_fadvise
 def test_a_committed_checkpoint_leaves_the_page_cache(tmp_path: Path) -> None:
     """Read twice (saved, then committed), a checkpoint's pages would sit on the kernel's active
     list and push the next epoch's checkpoint out of memory before its commit reads it."""
     path = tmp_path / "ckpt" / "model.safetensors"
     path.parent.mkdir()
     save_st(path, {"w": torch.arange(2 << 20, dtype=torch.float32)})  # 8 MiB
-    with open(path, "rb") as f:
-        f.read()
-        os.fsync(f.fileno())  # clean pages: those the advice drops
+    _cached_clean(path)
     before = _cached_bytes(path)
-    if before < path.stat().st_size // 2:
-        pytest.skip("this file system does not keep the file in the page cache")  # tmpfs answers differently
     repo = Repo.init(tmp_path / "repo")
     repo.commit([path.parent], message="epoch 1")
     after = _cached_bytes(path)
@@ -140,17 +149,13 @@ def test_a_committed_checkpoint_leaves_the_page_cache(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == path.read_bytes()
 
 
-@pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "POSIX_FADV_DONTNEED"), reason="Linux only")
+@needs_fadvise
 def test_the_stored_prefix_leaves_the_page_cache_while_the_commit_goes(tmp_path: Path) -> None:
     """Spans stored out of order (two workers), not aligned to the kernel's folios: the pages
     before the stored prefix go, those of spans not yet stored stay."""
     chunk, count = (1 << 20) + 80, 72  # 72 MiB and a bit: past one drop step
     path = _file(tmp_path, os.urandom(chunk * count))
-    with open(path, "rb") as f:
-        f.read()
-        os.fsync(f.fileno())
-    if _cached_bytes(path) < chunk * count // 2:
-        pytest.skip("this file system does not keep the file in the page cache")
+    _cached_clean(path)
     source = OpenSource(path, chunk * count)
     try:
         spans = [source.span(i * chunk, chunk) for i in range(count)]
