@@ -18,8 +18,10 @@ from safetensors.torch import save_file
 from ckstore import Repo
 from ckstore.cli import main
 from ckstore.codecs.objects import Encoding, parse_header
-from ckstore.repository.store import ObjectStore
+from ckstore.repository.store import ObjectStore, object_key
 from ckstore.write.compact_pairing import Roles
+
+from pagecache import cached_bytes, needs_fadvise
 
 CHUNK = 4096
 
@@ -71,7 +73,7 @@ def test_each_chunk_is_re_encoded_at_most_once_and_settles_a_commit_later(tmp_pa
     its final encoding (deltas or byte-grouped, nothing left as the fast commit stored it)."""
     staged: list[str] = []
     original = ObjectStore.stage_replace
-    monkeypatch.setattr(ObjectStore, "stage_replace", lambda self, oid, data: (staged.append(oid), original(self, oid, data))[1])
+    monkeypatch.setattr(ObjectStore, "stage_replace", lambda self, oid, data, **kw: (staged.append(oid), original(self, oid, data, **kw))[1])
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     ids = [repo.commit_state(_state(s)) for s in range(4)]
     repo.wait()
@@ -408,3 +410,26 @@ def test_a_pair_stops_weighing_plain_deltas_that_keep_losing_to_predicted_ones()
     memory.plain_weighed(1, won=True)
     memory.plain_weighed(1, won=False)
     assert all(memory.weigh_plain(1, o) for o in ids)
+
+
+@needs_fadvise
+def test_compaction_leaves_the_tip_in_the_page_cache_and_keeps_the_parent_out(tmp_path: Path) -> None:
+    """The parent's chunks, re-encoded as deltas, go to disk and out of the page cache: at 10 GB
+    they evicted the tip's pack, which the next checkout then read back from disk."""
+    repo = Repo.init(tmp_path / "repo")
+    repo.compact_after_commit = False
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(4 << 20) * 0.05).astype(np.float32)  # 16 MiB: the commits write packs
+    first = repo.commit_state({"w": torch.from_numpy(w)})
+    repo.commit_state({"w": torch.from_numpy(w + (1e-4 * rng.standard_normal(w.size)).astype(np.float32))})
+    assert repo.path is not None
+    (tip_pack,) = sorted((repo.path / "objects" / "pack").glob("*.pack"), key=lambda p: p.stat().st_mtime_ns)[-1:]
+    if cached_bytes(tip_pack) < tip_pack.stat().st_size // 2:
+        pytest.skip("this file system does not keep the file in the page cache")
+    report = repo.compact()
+    assert report.deltas == len(_tensor_chunks(repo, first))
+    parent_files = [repo.path / object_key(o) for o in _tensor_chunks(repo, first)]
+    assert all(p.exists() for p in parent_files)  # the deltas are loose files now
+    assert sum(cached_bytes(p) for p in parent_files) == 0
+    assert cached_bytes(tip_pack) >= tip_pack.stat().st_size * 9 // 10
+    assert repo.fsck(read_data=True) == []

@@ -1,4 +1,5 @@
-"""fsio.EarlyFlush: background flushes while a long write goes on, errors never lost."""
+"""fsio.EarlyFlush: background flushes while a long write goes on, errors never lost; fsio.DropBehind:
+which parts of a file leave the page cache."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ckstore.backend.fsio import EarlyFlush
+from ckstore.backend.fsio import DropBehind, EarlyFlush
 
 
 def test_flushes_once_per_threshold_and_one_at_a_time() -> None:
@@ -57,3 +60,38 @@ def test_a_filesystem_that_cannot_flush_stops_early_flushes() -> None:
     early.wrote(10)  # the first flush said "cannot": no second one
     early.finish()
     assert calls == [1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 255), st.integers(1, 24)), min_size=1, max_size=40), st.integers(1, 6))
+def test_drop_behind_advises_every_whole_aligned_block_added_and_nothing_else(
+        ranges: list[tuple[int, int]], step_blocks: int) -> None:
+    """Ranges added in any order, unaligned: every advice is aligned and lies inside what was
+    added; by the end every aligned block inside it was advised (the kernel drops a folio only
+    when the advice covers all of it, so an advice past what was added would drop pages a reader
+    still wants)."""
+    align = 16
+    behind = DropBehind(step=step_blocks * align, align=align)
+    added = bytearray(256 * 3 + 24 * 3)
+    advised = bytearray(len(added))
+    for start, length in ranges:
+        offset, size = start * 3, length * 3  # never aligned to ``align`` as a rule
+        added[offset:offset + size] = b"\1" * size
+        for adv_offset, adv_length in behind.add(offset, size):
+            assert adv_offset % align == 0 and adv_length % align == 0 and adv_length > 0
+            assert all(added[adv_offset:adv_offset + adv_length])
+            advised[adv_offset:adv_offset + adv_length] = b"\1" * adv_length
+    for adv_offset, adv_length in behind.pending():
+        assert all(added[adv_offset:adv_offset + adv_length])
+        advised[adv_offset:adv_offset + adv_length] = b"\1" * adv_length
+    for block in range(0, len(added) - align + 1, align):
+        if all(added[block:block + align]):
+            assert all(advised[block:block + align]), block
+
+
+def test_drop_behind_waits_for_a_step_between_advices() -> None:
+    behind = DropBehind(step=64, align=16)
+    assert behind.add(0, 40) == []  # below a step: the calls stay few
+    assert behind.add(40, 40) == [(0, 80)]
+    assert behind.add(80, 8) == []
+    assert behind.pending() == []  # 88 rounds down to 80: advised already

@@ -6,10 +6,12 @@ under it."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
@@ -20,9 +22,10 @@ from ckstore.format.ids import key_object_id
 from ckstore.format.settings import PACKS_VERSION
 from ckstore.errors import IntegrityError
 from ckstore.repo import Repo
-from ckstore.repository.store import object_key
+from ckstore.repository.store import ObjectStore, object_key
 
 from helpers import checkpoint, flip_bit, leftover_temp_files, save_st, tree_digest
+from pagecache import cached_bytes, cached_bytes_of, cached_clean, needs_fadvise
 
 
 @pytest.fixture
@@ -374,3 +377,36 @@ def test_gc_stopped_at_any_step_of_a_pack_rewrite_loses_nothing_kept(tmp_path: P
         assert not after.store.has(dropped) and after.fsck(read_data=True) == [], stop_at
         shutil.rmtree(work.path)  # type: ignore[arg-type]
         shutil.rmtree(tmp_path / f"o{stop_at}")
+
+
+@needs_fadvise
+def test_packed_objects_read_for_the_last_time_leave_the_page_cache_in_steps(tmp_path: Path) -> None:
+    """Compaction reads a superseded epoch's pack once (backend.forget_cached after each object):
+    the pack's pages go once enough of them were forgotten, aligned to the kernel's folios,
+    while the objects not forgotten stay cached and every object still reads back."""
+    backend = LocalBackend(tmp_path)
+    backend.allow_packs = lambda: True
+    size, count = (1 << 20) + 80, 72  # past one 64 MiB step, objects not aligned to folios
+    with ObjectStore(backend).batch(expected_bytes=size * count) as staged:
+        ids = [staged.put_chunk(os.urandom(size), fast=True).id for _ in range(count)]
+    blobs = {oid: backend.get(object_key(oid)) for oid in ids}
+    (pack,) = sorted((tmp_path / PACK_FOLDER).glob("*.pack"))
+    cached_clean(pack)
+    order = sorted(blobs, key=lambda oid: backend.packs.locate(oid).entry.offset)  # type: ignore[union-attr]
+    for oid in order[:-4]:
+        backend.forget_cached(object_key(oid))
+    tail = backend.packs.locate(order[-4]).entry.offset  # type: ignore[union-attr]
+    assert cached_bytes_of(pack, 0, tail - (8 << 20)) < 16 << 20  # what the last step has not reached, at most
+    assert cached_bytes_of(pack, tail, 4 * size) >= 4 * size - (1 << 20)  # not forgotten: left alone
+    assert all(backend.get(object_key(oid)) == data for oid, data in blobs.items())
+
+
+@needs_fadvise
+def test_a_loose_object_forgotten_leaves_the_page_cache(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    oid = blake3.blake3(b"loose").hexdigest()
+    backend.put_if_absent(object_key(oid), os.urandom(3 << 20))
+    path = tmp_path / object_key(oid)
+    cached_clean(path)
+    backend.forget_cached(object_key(oid))
+    assert cached_bytes(path) == 0

@@ -3,10 +3,7 @@ that changes while it is committed."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ from ckstore.repo import Repo
 from ckstore.write.spans import OpenSource, read_span, recycle
 
 from helpers import leftover_temp_files, save_st
+from pagecache import cached_bytes, cached_bytes_of, cached_clean, needs_fadvise
 
 
 def _file(tmp_path: Path, data: bytes) -> Path:
@@ -97,41 +95,6 @@ def test_a_file_that_changes_while_committed_is_refused_and_nothing_lands(
     assert repo.fsck(read_data=True) == []
 
 
-needs_fadvise = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "POSIX_FADV_DONTNEED"), reason="Linux only")
-
-
-def _cached_bytes(path: Path) -> int:
-    return _cached_bytes_of(path, 0, path.stat().st_size)
-
-
-def _cached_clean(path: Path) -> None:
-    """Bring ``path`` into the page cache as clean pages (those the advice drops), or skip where
-    the file system keeps no such pages (tmpfs answers differently)."""
-    with open(path, "rb") as f:
-        f.read()
-        os.fsync(f.fileno())
-    if _cached_bytes(path) < path.stat().st_size // 2:
-        pytest.skip("this file system does not keep the file in the page cache")
-
-
-def _cached_bytes_of(path: Path, offset: int, length: int) -> int:
-    """Bytes of ``path``'s pages from ``offset`` for ``length`` that the page cache holds:
-    mincore over a private mapping of the file (unlike a probing read, it starts no readahead;
-    pages never written report the file's)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = os.sysconf("SC_PAGE_SIZE")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
-        vector = (ctypes.c_ubyte * ((len(mapped) + page - 1) // page))()
-        window = (ctypes.c_char * len(mapped)).from_buffer(mapped)
-        try:
-            if libc.mincore(ctypes.c_void_p(ctypes.addressof(window)), ctypes.c_size_t(len(mapped)), vector):
-                pytest.skip(f"mincore: {os.strerror(ctypes.get_errno())}")
-        finally:
-            del window  # the mapping closes only once nothing exports it
-        first, last = offset // page, (offset + length + page - 1) // page
-        return sum(page for resident in vector[first:last] if resident & 1)
-
-
 @needs_fadvise
 def test_a_committed_checkpoint_leaves_the_page_cache(tmp_path: Path) -> None:
     """Read twice (saved, then committed), a checkpoint's pages would sit on the kernel's active
@@ -139,11 +102,11 @@ def test_a_committed_checkpoint_leaves_the_page_cache(tmp_path: Path) -> None:
     path = tmp_path / "ckpt" / "model.safetensors"
     path.parent.mkdir()
     save_st(path, {"w": torch.arange(2 << 20, dtype=torch.float32)})  # 8 MiB
-    _cached_clean(path)
-    before = _cached_bytes(path)
+    cached_clean(path)
+    before = cached_bytes(path)
     repo = Repo.init(tmp_path / "repo")
     repo.commit([path.parent], message="epoch 1")
-    after = _cached_bytes(path)
+    after = cached_bytes(path)
     assert after < path.stat().st_size // 8, (before, after)
     repo.checkout("HEAD", tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == path.read_bytes()
@@ -155,14 +118,14 @@ def test_the_stored_prefix_leaves_the_page_cache_while_the_commit_goes(tmp_path:
     before the stored prefix go, those of spans not yet stored stay."""
     chunk, count = (1 << 20) + 80, 72  # 72 MiB and a bit: past one drop step
     path = _file(tmp_path, os.urandom(chunk * count))
-    _cached_clean(path)
+    cached_clean(path)
     source = OpenSource(path, chunk * count)
     try:
         spans = [source.span(i * chunk, chunk) for i in range(count)]
         for i in [*range(1, count - 4, 2), *range(0, count - 4, 2)]:  # the odd ones first
             source.stored(spans[i])
-        head = _cached_bytes_of(path, 0, (count - 8) * chunk)
-        tail = _cached_bytes_of(path, (count - 4) * chunk, 4 * chunk)
+        head = cached_bytes_of(path, 0, (count - 8) * chunk)
+        tail = cached_bytes_of(path, (count - 4) * chunk, 4 * chunk)
         assert head < 16 << 20, head  # what the last step has not reached yet, at most
         assert tail >= 4 * chunk - (1 << 20), tail  # not stored: left alone
     finally:

@@ -204,6 +204,11 @@ class Backend(ABC):
         """
         yield self
 
+    def forget_cached(self, key: str) -> None:
+        """Advice: nothing will read ``key`` again soon (compaction read a chunk it replaces).
+        A local backend drops its pages from the operating system's page cache; this default
+        does nothing."""
+
     def storage_problems(self) -> list[str]:
         """Damage a backend found in its own containers (a local pack whose table is
         unreadable), one line each, for fsck."""
@@ -218,12 +223,15 @@ class Backend(ABC):
         Backends without packs have none."""
         return 0
 
-    def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
+    def replace_object(self, key: str, data: bytes, after: str | None = None, cached: bool = True) -> None:
         """Swap an existing value for an equivalent one (another encoding of the same object).
 
         Outside a batch this is ``replace``. In a batch it is applied once every staged put is
         durable, and dropped when ``after`` (a key put in the same batch) was stored by another
         writer first: the new value may depend on the exact bytes this batch put there.
+        ``cached`` False: nothing will read the new value soon (compaction's older chunks), so a
+        local batch keeps it out of the page cache, where it would evict what the next checkout
+        reads.
         """
         self.replace(key, data)
 

@@ -16,6 +16,7 @@ repository. The fault logic itself lives in the tests.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import threading
@@ -25,6 +26,8 @@ from pathlib import Path
 
 EARLY_FLUSH_BYTES = 16 << 20  # 8 and 16 MiB: bf16 epochs 8-10% faster than 32 (docs/design.md)
 _SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # wait for writeback under way, write, wait for it
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)  # Linux; advice only, absent elsewhere
 
 
 def libc_function(name: str, argtypes: list[type] | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -159,3 +162,72 @@ class EarlyFlush:
             running.join()
         if self._error is not None and not quiet:
             raise self._error
+
+
+def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Advise the kernel to drop a file's clean cached pages in ``[offset, offset + length)``
+    (``length`` 0: to the end). Advice only: a platform or file system without it loses
+    nothing. The kernel drops a folio only when the range covers all of it (callers that drop
+    part of a file align their ranges: local_packs.py ``ReadRanges``)."""
+    if _DONTNEED is None:
+        return
+    try:
+        os.posix_fadvise(fd, offset, length, _DONTNEED)
+    except OSError:
+        pass
+
+
+def write_out_and_drop(fd: int) -> None:
+    """Write a file's dirty pages to the disk now, wait for them, and drop them from the page
+    cache: for bytes nothing will read soon (compaction's re-encoded older chunks), which would
+    otherwise evict what the next checkout reads. Not a barrier: the device may still hold the
+    bytes in its cache until a flush (fsync, syncfs) makes them durable."""
+    if _SYNC_FILE_RANGE is None or _DONTNEED is None:
+        return
+    if _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WAIT_ALL) == 0:
+        drop_cached(fd)
+
+
+class DropBehind:
+    """The byte ranges of one file that nobody will read again soon, dropped from the page cache
+    in steps (``add`` returns what to advise now; ``drop_cached`` does it).
+
+    The kernel drops a cached folio only when the advice covers all of it, folios reach
+    megabytes, and the ranges (a commit's chunks, a pack's objects) are not aligned to them:
+    adjacent ranges are merged, and each merged range is advised from its first ``align``
+    boundary to its last, once another ``step`` bytes were added (the calls stay few). Not
+    thread-safe: the caller holds its own lock.
+    """
+
+    def __init__(self, step: int = 64 << 20, align: int = 8 << 20) -> None:
+        self._step, self._align = step, align
+        self._starts: list[int] = []  # disjoint, sorted, never touching
+        self._ends: list[int] = []
+        self._advised: dict[int, int] = {}  # a range's start -> the aligned end advised last
+        self._added = 0  # bytes added since the last advice
+
+    def add(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """Record ``[offset, offset + length)``; the ``(offset, length)`` ranges to advise now."""
+        end = offset + length
+        i = bisect.bisect_left(self._ends, offset)  # the first range that ends at or after offset
+        j = i
+        while j < len(self._starts) and self._starts[j] <= end:
+            offset, end = min(offset, self._starts[j]), max(end, self._ends[j])
+            j += 1
+        self._starts[i:j], self._ends[i:j] = [offset], [end]
+        self._added += length
+        if self._added < self._step:
+            return []
+        self._added = 0
+        return self.pending()
+
+    def pending(self) -> list[tuple[int, int]]:
+        """Every aligned part of a range not advised as it is now."""
+        out: list[tuple[int, int]] = []
+        align = self._align
+        for start, end in zip(self._starts, self._ends):
+            first, last = -(-start // align) * align, end // align * align
+            if last > first and self._advised.get(start) != last:
+                self._advised[start] = last
+                out.append((first, last - first))
+        return out

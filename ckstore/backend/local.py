@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from ckstore.errors import IntegrityError, InvalidInputError, LockedError, OutputExistsError, RefExistsError, StorageError
-from ckstore.backend.fsio import fsync_path, mutating_step, start_writeback
+from ckstore.backend.fsio import drop_cached, fsync_path, mutating_step, start_writeback, write_out_and_drop
 from ckstore.format.ids import is_object_id, key_object_id, object_key
 from ckstore.format.pack import MAX_PACK_SIZE
 from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
@@ -130,6 +130,19 @@ class LocalBackend(StagingBackend):
     def get_prefix(self, key: str, n: int) -> bytes:
         return self._read(key, n)
 
+    def forget_cached(self, key: str) -> None:
+        try:
+            fd = os.open(self._file(key), os.O_RDONLY)
+        except OSError:
+            oid = key_object_id(key)
+            if oid is not None:
+                self.packs.forget_cached(oid)
+            return
+        try:
+            drop_cached(fd)  # a whole file: every folio of it
+        finally:
+            os.close(fd)
+
     # Below this many keys, reading each is cheaper than listing the loose objects first.
     BULK_MIN = 1024
 
@@ -224,10 +237,11 @@ class LocalBackend(StagingBackend):
             created.add(path)
 
     def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None,
-                    writeback: bool = True) -> Path:
+                    cached: bool = True) -> Path:
         """A new temporary file holding ``data``, in ``tmp/`` or in ``folder`` (an existing
         folder of the repository) under a name that starts with a dot, which no key has.
-        Unsynced, its writeback is started at once unless ``writeback`` is False."""
+        Unsynced, its writeback is started at once; unless ``cached``, it is waited for and the
+        file's pages leave the page cache (fsio.write_out_and_drop)."""
         tmp_dir = self.root / TMP_DIR if folder is None else folder
         tmp = tmp_dir / f".{os.urandom(16).hex()}.tmp"  # as unique as uuid4, which costs an import
         mutating_step()
@@ -244,7 +258,9 @@ class LocalBackend(StagingBackend):
             if sync:
                 mutating_step()
                 os.fsync(fd)
-            elif writeback:
+            elif not cached:
+                write_out_and_drop(fd)
+            else:
                 start_writeback(fd)
         except BaseException:
             os.close(fd)

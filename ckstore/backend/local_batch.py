@@ -73,7 +73,7 @@ class StagingBackend(Backend):
 
     @abstractmethod
     def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None,
-                    writeback: bool = True) -> Path:
+                    cached: bool = True) -> Path:
         ...
 
     @abstractmethod
@@ -148,6 +148,10 @@ class LocalBatch(Backend):
         except OSError as exc:
             raise storage_error(exc, f"reading staged {self.describe(key)}") from None
 
+    def forget_cached(self, key: str) -> None:
+        if self._staged(key) is None and self._writer_of(key) is None:
+            self.inner.forget_cached(key)
+
     def get_prefix(self, key: str, n: int) -> bytes:
         tmp = self._staged(key)
         if tmp is None:
@@ -166,8 +170,9 @@ class LocalBatch(Backend):
         found = self._writer_of(key)
         return self.inner.size(key) if found is None else found[1].size_of(found[0])
 
-    def _stage(self, key: str, data: bytes | memoryview) -> Path:
-        """Write ``data`` unsynced beside its final name (a dot-name in the object's folder)."""
+    def _stage(self, key: str, data: bytes | memoryview, cached: bool = True) -> Path:
+        """Write ``data`` unsynced beside its final name (a dot-name in the object's folder);
+        unless ``cached``, written out and dropped from the page cache."""
         try:
             # Folders are made on the caller's (worker) thread rather than in the single-threaded
             # flush, which only checks them again; the second barrier makes them durable.
@@ -176,7 +181,7 @@ class LocalBatch(Backend):
                 self.inner._ensure_dir(folder, self._new_folders)
                 with self._mutex:
                     self._seen_folders.add(folder)
-            tmp = self.inner._write_temp(data, sync=False, folder=folder)
+            tmp = self.inner._write_temp(data, sync=False, folder=folder, cached=cached)
         except OSError as exc:
             raise storage_error(exc, f"staging {self.describe(key)}") from None
         with self._mutex:
@@ -250,8 +255,8 @@ class LocalBatch(Backend):
         except OSError as exc:
             raise storage_error(exc, "starting a pack") from None
 
-    def replace_object(self, key: str, data: bytes, after: str | None = None) -> None:
-        tmp = self._stage(key, data)
+    def replace_object(self, key: str, data: bytes, after: str | None = None, cached: bool = True) -> None:
+        tmp = self._stage(key, data, cached)
         with self._mutex:
             old = self._replaces.pop(check_key(key), None)
             self._replaces[key] = (tmp, after)

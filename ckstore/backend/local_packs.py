@@ -29,7 +29,7 @@ from typing import Any
 import blake3
 
 from ckstore.errors import IntegrityError
-from ckstore.backend.fsio import mutating_step
+from ckstore.backend.fsio import DropBehind, drop_cached, mutating_step
 from ckstore.format.ids import is_object_id
 from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, PackTable, table_from_tail, tail_length
 
@@ -151,6 +151,7 @@ class LocalPacks:
         self._indexes: dict[str, PackIndex | PackTable] = {}
         self._seen: tuple[int, int] | None = None  # the folder's (mtime_ns, inode) last loaded
         self.damaged: dict[str, str] = {}  # pack id -> why it was left out
+        self._read_behind: dict[Path, DropBehind] = {}  # forget_cached's ranges, per pack
 
     def path_of(self, pack_id: str) -> Path:
         return self.folder / f"{pack_id}{PACK_SUFFIX}"
@@ -219,6 +220,26 @@ class LocalPacks:
         found = self.locate(oid)
         return None if found is None else found.entry.length
 
+    def forget_cached(self, oid: str) -> None:
+        """``oid`` will not be read again soon: its pack's pages around it leave the page cache
+        once enough of their neighbours went too (fsio.DropBehind)."""
+        found = self.locate(oid)
+        if found is None:
+            return
+        with self._lock:
+            ranges = self._read_behind.setdefault(found.path, DropBehind()).add(found.entry.offset, found.entry.length)
+        if not ranges:
+            return
+        try:
+            fd = os.open(found.path, os.O_RDONLY)
+        except OSError:
+            return  # settled meanwhile: its pages went with it
+        try:
+            for offset, length in ranges:
+                drop_cached(fd, offset, length)
+        finally:
+            os.close(fd)
+
     def read_prefixes(self, oids: Collection[str], n: int) -> dict[str, bytes]:
         """The first ``n`` stored bytes of each of ``oids`` that a pack holds, each pack opened
         once, its objects located together (``locate_many``) and neighbouring ones read together
@@ -266,6 +287,7 @@ class LocalPacks:
     def forget(self, pack_id: str) -> None:
         with self._lock:
             self._indexes.pop(pack_id, None)
+            self._read_behind.pop(self.path_of(pack_id), None)
 
 
 # Neighbouring objects are read with one pread while the bytes between them are at most GAP and

@@ -339,6 +339,10 @@ class ObjectStore:
         except KeyError:
             return None
 
+    def forget_cached(self, oid: str) -> None:
+        """Advice: this repository's object ``oid`` will not be read again soon (``Backend.forget_cached``)."""
+        self.backend.forget_cached(object_key(oid))
+
     def header_local(self, oid: str) -> bytes | None:
         """The header and delta-bases prefix of an object of this repository, None when absent."""
         try:
@@ -346,10 +350,10 @@ class ObjectStore:
         except KeyError:
             return None
 
-    def stage_replace(self, oid: str, data: bytes) -> None:
+    def stage_replace(self, oid: str, data: bytes, cached: bool = True) -> None:
         """Swap a chunk object for another encoding of the same bytes; in a batch, applied when it
-        ends (compaction)."""
-        self.backend.replace_object(object_key(oid), data)
+        ends (compaction). ``cached`` False: nothing reads the new bytes soon (``Backend.replace_object``)."""
+        self.backend.replace_object(object_key(oid), data, cached=cached)
 
     def get_commit(self, oid: str) -> bytes:
         data = self._read(oid, " (a commit)")

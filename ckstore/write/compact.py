@@ -127,8 +127,11 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         with pool:
             for i in reversed(range(len(pairs))):
                 newer = {c.id for commit in commits[:i + 1] for c in commit.all_chunks()}
+                # A pair with predictions reads parents' chunks again as bases: those stay cached.
+                forget = all(j.prediction is None for j in pairs[i])
                 with ctx.store.batch() as staged:
-                    _run_pair(HeaderCache(staged, known_raw, found_raw), pairs[i], depth, Roles(newer), report, upgrade, pool, sums)
+                    view = HeaderCache(staged, known_raw, found_raw, forget_parents=forget)
+                    _run_pair(view, pairs[i], depth, Roles(newer), report, upgrade, pool, sums)
         record_settled_raw(ctx.backend, ctx.store.settings, found_raw)  # as record_finished: after the batches
         if len(commits) > 1:
             record_finished(ctx.backend, tip, commits[0].parents[0])  # its replacements are durable

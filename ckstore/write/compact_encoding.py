@@ -83,8 +83,12 @@ class HeaderCache(ObjectStore):
     cannot change: replacements are applied when the batch ends, and the compaction lock keeps
     every other writer of existing objects out (new objects never change either)."""
 
-    def __init__(self, staged: ObjectStore, settled_raw: set[str] | None = None, found_raw: set[str] | None = None) -> None:
+    def __init__(self, staged: ObjectStore, settled_raw: set[str] | None = None, found_raw: set[str] | None = None,
+                 forget_parents: bool = False) -> None:
         super().__init__(staged.backend, settings=staged.settings)
+        # The parents' chunks leave the page cache once read (``forget_parent``): a pair whose
+        # predictions read them again as bases keeps them.
+        self.forget_parents = forget_parents
         self.alternates = staged.alternates
         self._headers: dict[str, bytes | None] = {}
         self._bases: dict[str, tuple[ObjectId, ...]] = {}  # parsed from _headers: chain heights ask ~9 times a position
@@ -109,6 +113,13 @@ class HeaderCache(ObjectStore):
         if keep:
             self.remember(oid, raw)
         return raw
+
+    def forget_parent(self, oid: str) -> None:
+        """The parent's chunk ``oid`` is read, and nothing reads it again: at 10 GB, the
+        superseded pack read into the page cache evicted the tip's, which the next checkout
+        then read back from disk (docs/benchmarks.md, "10 GB, session 9")."""
+        if self.forget_parents:
+            self.forget_cached(oid)
 
     def remember(self, oid: str, raw: bytes) -> None:
         """Keep ``raw``, the verified bytes of chunk ``oid``, among the last ``RECENT_CHUNKS`` read."""
@@ -270,6 +281,7 @@ def _reverse_delta(
     current = store.read_local(oid)
     if current is None:
         return "", 0
+    store.forget_parent(oid)
     header = parse_header(current)
     if header.kind != Kind.CHUNK or header.encoding in (Encoding.DELTA, Encoding.PREDICTED, Encoding.CONTEXT) or header.raw_len != job.slot.size:
         return "", 0
@@ -306,19 +318,19 @@ def _reverse_delta(
             memory.plain_weighed(prediction.predictor, won=data is not None)
         if data is not None and upgrade(version_for(parse_header(data).encoding)):
             _check(oid, data, raw, {job.slot.id: base_raw})
-            store.stage_replace(oid, data)
+            store.stage_replace(oid, data, cached=False)
             return "delta", len(current) - len(data)
     if predicted is not None and upgrade():
-        store.stage_replace(oid, predicted)
+        store.stage_replace(oid, predicted, cached=False)
         return "predicted", len(current) - len(predicted)
     # "whole, refused": a delta was tried and did not pay (not a full chain keeping it whole).
     whole = "whole, refused" if height + 1 <= depth else "whole"
     if best is not current:
         _check(oid, best, raw)
-        store.stage_replace(oid, best)
+        store.stage_replace(oid, best, cached=False)
         return whole, len(current) - len(best)
     if provisional and len(raw) > EXHAUSTIVE_MAX:
-        freed = _recompress(store, oid, raw, job.slot.width, current=current)
+        freed = _recompress(store, oid, raw, job.slot.width, current=current, cached=False)
         return whole, freed
     return (whole if height + 1 <= depth else ""), 0
 
@@ -390,9 +402,10 @@ def _height(store: ObjectStore, oid: ObjectId, job: Job, depth: int) -> int:
 
 
 def _recompress(store: HeaderCache, oid: ObjectId, raw: bytes, width: int, even_if_larger: bool = False,
-                current: bytes | None = None) -> int:
+                current: bytes | None = None, cached: bool = True) -> int:
     """Replace an object (``current``: its stored bytes, when read already) by its best whole
-    encoding when smaller (``even_if_larger``: a delta made whole); bytes freed."""
+    encoding when smaller (``even_if_larger``: a delta made whole); bytes freed. ``cached``
+    False: a parent's chunk, which no checkout of the tip reads."""
     current = current if current is not None else store.read_local(oid)
     if current is None or bool(delta_bases(current)) != even_if_larger:
         return 0
@@ -402,7 +415,7 @@ def _recompress(store: HeaderCache, oid: ObjectId, raw: bytes, width: int, even_
     if len(best) >= len(current) and not even_if_larger:
         return 0
     _check(oid, best, raw)
-    store.stage_replace(oid, best)
+    store.stage_replace(oid, best, cached=cached)
     return len(current) - len(best)
 
 

@@ -22,14 +22,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckstore.backend.fsio import DropBehind, drop_cached
 from ckstore.errors import InvalidInputError, StorageError
-
-_DROP = getattr(os, "POSIX_FADV_DONTNEED", None)  # Linux; advice only, absent elsewhere
-# The kernel drops a cached folio only when the advice covers all of it, and folios reach
-# megabytes while chunks are not aligned to them: advise the stored prefix of the file from an
-# aligned start, in steps that keep the calls few.
-_FOLIO_ALIGN = 8 << 20
-_DROP_STEP = 64 << 20
 
 
 class OpenSource:
@@ -42,9 +36,7 @@ class OpenSource:
         self.pending = 0  # spans handed out and not yet finished
         self.listed = False  # every span of the file has been handed out
         self._lock = threading.Lock()  # ``stored`` is called on the pipeline's workers
-        self._stored_ends: dict[int, int] = {}  # stored spans past the prefix: offset -> end
-        self._prefix = 0  # every byte before it is stored
-        self._dropped = 0  # advised out of the page cache up to here
+        self._stored = DropBehind()
         try:
             self.fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -55,24 +47,15 @@ class OpenSource:
         return Span(self, offset, length)
 
     def stored(self, span: Span) -> None:
-        """``span``'s chunk is stored: once the stored prefix has grown a step, drop it from the
-        page cache (clean pages; the advice starts writeback of dirty ones)."""
+        """``span``'s chunk is stored: drop the stored part of the file from the page cache in
+        steps (clean pages; the advice starts writeback of dirty ones)."""
         with self._lock:
-            self._stored_ends[span.offset] = span.offset + span.length
-            while self._prefix in self._stored_ends:
-                self._prefix = self._stored_ends.pop(self._prefix)
-            if self._prefix - self._dropped < _DROP_STEP:
-                return
-            start, self._dropped = self._dropped - self._dropped % _FOLIO_ALIGN, self._prefix
-            self._advise_drop(start, self._prefix - start)
+            for offset, length in self._stored.add(span.offset, span.length):
+                self._advise_drop(offset, length)
 
     def _advise_drop(self, offset: int, length: int) -> None:
-        if _DROP is None or self.fd < 0:
-            return
-        try:
-            os.posix_fadvise(self.fd, offset, length, _DROP)
-        except OSError:
-            pass  # advice: a file system that refuses it loses nothing
+        if self.fd >= 0:
+            drop_cached(self.fd, offset, length)
 
     def finished(self) -> None:
         """One span stored; the last one closes the file."""
