@@ -410,3 +410,44 @@ def test_a_loose_object_forgotten_leaves_the_page_cache(tmp_path: Path) -> None:
     cached_clean(path)
     backend.forget_cached(object_key(oid))
     assert cached_bytes(path) == 0
+
+
+def _epoch_state(step: int) -> dict[str, torch.Tensor]:
+    """A slowly moving weight (its older chunks become deltas) and a first-moment-like tensor
+    drawn anew every step (no delta pays; the tip's chunks settle whole, replaced loose)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2 << 20, generator=g) * 0.05 + step * 1e-5 * torch.randn(2 << 20, generator=torch.Generator().manual_seed(step + 1))
+    return {"w": w, "m": torch.randn(512 << 10, generator=torch.Generator().manual_seed(100 + step)) * 0.01}
+
+
+def _object_bytes(repo: Repo) -> int:
+    """Bytes of every object copy on disk: loose files and packed entries, replaced ones too."""
+    root = repo.path / "objects"  # type: ignore[operator]
+    loose = sum(p.stat().st_size for p in root.glob("[0-9a-f][0-9a-f]/*") if not p.name.startswith("."))
+    return loose + sum(sum(ix.columns()[2]) for ix in repo.backend.packs.indexes())  # type: ignore[attr-defined]
+
+
+def test_compaction_leaves_the_tips_pack_where_it_replaced_a_few_chunks(tmp_path: Path) -> None:
+    """The tip's pack stays when compaction replaced less than half of it (its re-encoded first
+    moments): copying the rest out loose wrote the whole tip again and pushed it out of the page
+    cache before the checkout that reads it. The parent's pack, mostly replaced by deltas, is
+    rewritten; the replaced copies left in the tip's pack count as stored until the next
+    compaction rewrites that pack too."""
+    repo = fresh(tmp_path)
+    first = repo.commit_state(_epoch_state(0))
+    (parent_pack,) = packs_of(repo)
+    second = repo.commit_state(_epoch_state(1))
+    (tip_pack,) = set(packs_of(repo)) - {parent_pack}
+    tip_chunks = {c.id for c in repo.read_commit(second).all_chunks()}
+    repo.compact()
+    assert tip_pack in packs_of(repo) and parent_pack not in packs_of(repo)  # the tip's stayed, the parent's was rewritten
+    replaced = tip_chunks & loose_ids(repo)
+    assert replaced and len(replaced) < len(tip_chunks) // 2  # "m" settled loose, "w" left in the pack
+    assert repo.stats().stored_bytes == _object_bytes(repo)
+    third = repo.commit_state(_epoch_state(2))
+    repo.compact()
+    assert tip_pack not in packs_of(repo)  # the next compaction replaced most of it: rewritten
+    assert repo.stats().stored_bytes == _object_bytes(repo)
+    for oid, step in ((first, 0), (second, 1), (third, 2)):
+        assert all(torch.equal(repo.load_state(oid)[k], v) for k, v in _epoch_state(step).items())
+    assert repo.fsck(read_data=True) == []

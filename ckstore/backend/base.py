@@ -204,6 +204,12 @@ class Backend(ABC):
         """
         yield self
 
+    def superseded_bytes(self) -> int:
+        """Bytes this backend holds for objects beyond their current copies (a local pack's copy
+        of an object that was replaced loose, until the pack is rewritten); part of what the
+        repository stores."""
+        return 0
+
     def forget_cached(self, key: str) -> None:
         """Advice: nothing will read ``key`` again soon (compaction read a chunk it replaces).
         A local backend drops its pages from the operating system's page cache; this default

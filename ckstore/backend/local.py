@@ -178,6 +178,12 @@ class LocalBackend(StagingBackend):
             raise storage_error(exc, f"listing the objects of {self.root}") from None
         return out
 
+    def superseded_bytes(self) -> int:
+        try:
+            return sum(self.packs.shadowed_bytes(self._loose_ids()).values()) if self.packs.indexes() else 0
+        except OSError as exc:
+            raise storage_error(exc, f"reading the packs of {self.root}") from None
+
     def _fanout_folders(self) -> list[Path]:
         objects = self.root / "objects"
         if not objects.is_dir():

@@ -284,6 +284,15 @@ class LocalPacks:
         with self._lock:
             return list(self._indexes.values())
 
+    def shadowed_bytes(self, loose: Collection[str]) -> dict[str, int]:
+        """Per pack, the bytes of its objects that a loose copy shadows (replaced objects, kept
+        until a settle rewrites the pack: local_settle.py)."""
+        out = {}
+        for index in self.indexes():
+            ids, _, lengths = index.columns()
+            out[index.pack_id] = sum(n for oid, n in zip(ids, lengths) if oid in loose)
+        return out
+
     def forget(self, pack_id: str) -> None:
         with self._lock:
             self._indexes.pop(pack_id, None)

@@ -13,10 +13,15 @@ loose copy wins, docs/format.md 15.9).
 One pass (``settle``) rewrites the packs that need it into at most one new pack: packs that hold
 a large object, an object that also lies loose (a replacement, or a copy a crash left), or an
 object gc drops; and, once ``MERGE_AT`` packs have accumulated, all of them. Compaction's pass
-(``keep_clean``) leaves a pack whose objects are all stored there only, large ones included:
-those are the newest commit's chunks, which the next compaction replaces (deltas) or settles
-(whole) loose, and copying them out first cost a DCP step 2 CPU s of its ~10 (a DCP save keeps
-the chunks its own compaction replaces, the first moments, in a pack of their own: dcp/compaction.py).
+(``keep_clean``) leaves a pack that no object of is dropped and of which at most half the bytes
+were replaced (lie loose too), large objects included: those are the newest commit's chunks,
+which the next compaction replaces (deltas) or settles (whole) loose, and copying them out first
+cost a DCP step 2 CPU s of its ~10 (a DCP save keeps the chunks its own compaction replaces, the
+first moments, in a pack of their own: dcp/compaction.py). The newest commit's own pack mostly
+has some chunks replaced already (those its compaction settles whole: an AdamW first moment);
+copying the rest out loose wrote the whole tip again and, at 10 GB, left it out of the page cache
+for the checkout that follows (docs/benchmarks.md, "10 GB, session 9"). The replaced copies stay
+in it until the next compaction, which replaces most of the rest and rewrites it.
 Such packs are merged too, once ``MERGE_AT`` of them have piled up (commits whose chunks no
 compaction replaces). gc and repack spread every large object: they re-encode objects in place. ``gather`` (gc)
 also moves loose small objects into the new pack when there are at least ``GATHER_AT`` of them.
@@ -43,6 +48,8 @@ from ckstore.format.pack import PackIndex, PackTable, check_read
 SMALL_OBJECT = 64 << 10
 # Settling merges every pack once there are this many (each settle otherwise adds one).
 MERGE_AT = 8
+# Compaction leaves a pack of which at most this fraction of bytes was replaced (module docstring).
+RESTING_STALE_MAX = 0.5
 # gc gathers loose small objects into a pack once there are at least this many.
 GATHER_AT = 64
 
@@ -57,7 +64,8 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
     if len(loose_small) < GATHER_AT:
         loose_small = []
     # Clean packs of large objects that compaction leaves as they are (module docstring).
-    resting = {ix.pack_id for ix in indexes if _longest(ix) >= SMALL_OBJECT and not _stale(ix, drop, loose)} if keep_clean else set()
+    shadowed = backend.packs.shadowed_bytes(loose) if keep_clean else {}
+    resting = {ix.pack_id for ix in indexes if _longest(ix) >= SMALL_OBJECT and _may_rest(ix, drop, shadowed)} if keep_clean else set()
     if len(resting) >= MERGE_AT:
         resting = set()
     if len(indexes) - len(resting) + bool(loose_small) >= MERGE_AT:
@@ -115,6 +123,14 @@ def _longest(index: PackIndex | PackTable) -> int:
 def _stale(index: PackIndex | PackTable, drop: Collection[str], loose: Collection[str]) -> bool:
     """Whether a pack holds an object gc drops, or one that also lies loose."""
     return any(oid in index for oid in drop) or any(oid in index for oid in loose)
+
+
+def _may_rest(index: PackIndex | PackTable, drop: Collection[str], shadowed: dict[str, int]) -> bool:
+    """Whether compaction may leave a pack as it is: no object of it is dropped, and at most
+    ``RESTING_STALE_MAX`` of its bytes are objects that also lie loose (``shadowed``: replaced)."""
+    if any(oid in index for oid in drop):
+        return False
+    return shadowed.get(index.pack_id, 0) <= index.pack_size * RESTING_STALE_MAX
 
 
 def _loose_objects(backend: StagingBackend) -> dict[str, Path]:

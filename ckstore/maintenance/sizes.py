@@ -126,8 +126,9 @@ def _measure(ctx: RepoContext) -> Stats:
     reachable = kept.reachable if kept is not None else ctx.graph.reachable_from(ctx.graph.tips())
     logical = sum(ctx.graph.read_commit(c, files=False).logical_bytes for c in reachable)
     temporaries = ctx.backend.temporary_sizes()
-    figures = Stats(logical, sum(sizes.values()), len(reachable), len(sizes), None, None,
-                    len(temporaries), sum(temporaries))
+    # Replaced objects' old packed copies are on disk too, until their pack is rewritten.
+    stored = sum(sizes.values()) + ctx.backend.superseded_bytes()
+    figures = Stats(logical, stored, len(reachable), len(sizes), None, None, len(temporaries), sum(temporaries))
     if kept is None:
         return figures
     garbage = sizes.keys() - live_objects(ctx, kept)
