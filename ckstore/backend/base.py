@@ -204,6 +204,11 @@ class Backend(ABC):
         """
         yield self
 
+    def read_ahead(self, keys: Collection[str]) -> None:
+        """Advice: ``keys`` will be read soon (the newest commit's chunks, after compaction). A
+        local backend starts reading them into the page cache in the background; this default
+        does nothing."""
+
     def superseded_bytes(self) -> int:
         """Bytes this backend holds for objects beyond their current copies (a local pack's copy
         of an object that was replaced loose, until the pack is rewritten); part of what the

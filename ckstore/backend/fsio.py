@@ -28,6 +28,7 @@ EARLY_FLUSH_BYTES = 16 << 20  # 8 and 16 MiB: bf16 epochs 8-10% faster than 32 (
 _SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # wait for writeback under way, write, wait for it
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)  # Linux; advice only, absent elsewhere
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
 def libc_function(name: str, argtypes: list[type] | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -175,6 +176,36 @@ def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
         os.posix_fadvise(fd, offset, length, _DONTNEED)
     except OSError:
         pass
+
+
+# Linux reads at most a device's readahead window per WILLNEED advice (128 KiB by default):
+# a longer range is advised in steps of that.
+_READ_AHEAD_STEP = 128 << 10
+
+
+def read_ahead(fd: int, offset: int, length: int) -> None:
+    """Advise the kernel to read ``[offset, offset + length)`` of a file into the page cache in
+    the background. Advice only, as ``drop_cached``."""
+    if _WILLNEED is None:
+        return
+    try:
+        for start in range(offset, offset + length, _READ_AHEAD_STEP):
+            os.posix_fadvise(fd, start, min(_READ_AHEAD_STEP, offset + length - start), _WILLNEED)
+    except OSError:
+        pass
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel could give to the page cache without swapping (``MemAvailable``), None
+    where it does not say."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def write_out_and_drop(fd: int) -> None:

@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from ckstore.errors import IntegrityError, InvalidInputError, LockedError, OutputExistsError, RefExistsError, StorageError
-from ckstore.backend.fsio import drop_cached, fsync_path, mutating_step, start_writeback, write_out_and_drop
+from ckstore.backend.fsio import drop_cached, fsync_path, mutating_step, read_ahead, start_writeback, write_out_and_drop
 from ckstore.format.ids import is_object_id, key_object_id, object_key
 from ckstore.format.pack import MAX_PACK_SIZE
 from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
@@ -177,6 +177,24 @@ class LocalBackend(StagingBackend):
         except OSError as exc:
             raise storage_error(exc, f"listing the objects of {self.root}") from None
         return out
+
+    def read_ahead(self, keys: Collection[str]) -> None:
+        packed = []
+        for key in keys:
+            try:
+                fd = os.open(self._file(key), os.O_RDONLY)
+            except OSError:
+                oid = key_object_id(key)
+                if oid is not None:
+                    packed.append(oid)
+                continue
+            try:
+                read_ahead(fd, 0, os.fstat(fd).st_size)
+            except OSError:
+                pass  # advice only
+            finally:
+                os.close(fd)
+        self.packs.read_ahead(packed)
 
     def superseded_bytes(self) -> int:
         try:

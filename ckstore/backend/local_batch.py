@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from collections.abc import Iterable
@@ -147,6 +147,9 @@ class LocalBatch(Backend):
             return tmp.read_bytes()
         except OSError as exc:
             raise storage_error(exc, f"reading staged {self.describe(key)}") from None
+
+    def read_ahead(self, keys: Collection[str]) -> None:
+        self.inner.read_ahead(keys)
 
     def forget_cached(self, key: str) -> None:
         if self._staged(key) is None and self._writer_of(key) is None:

@@ -29,7 +29,7 @@ from typing import Any
 import blake3
 
 from ckstore.errors import IntegrityError
-from ckstore.backend.fsio import DropBehind, drop_cached, mutating_step
+from ckstore.backend.fsio import DropBehind, drop_cached, mutating_step, read_ahead
 from ckstore.format.ids import is_object_id
 from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, PackTable, table_from_tail, tail_length
 
@@ -283,6 +283,31 @@ class LocalPacks:
         self.refresh()
         with self._lock:
             return list(self._indexes.values())
+
+    def read_ahead(self, oids: Collection[str]) -> None:
+        """Start reading packed ``oids`` into the page cache: one advice per run of adjacent
+        objects in each pack."""
+        runs: dict[Path, list[tuple[int, int]]] = {}
+        for oid in oids:
+            found = self.locate(oid)
+            if found is not None:
+                runs.setdefault(found.path, []).append((found.entry.offset, found.entry.end))
+        for path, places in runs.items():
+            merged: list[list[int]] = []
+            for start, end in sorted(places):
+                if merged and start <= merged[-1][1] + _GAP:
+                    merged[-1][1] = max(merged[-1][1], end)
+                else:
+                    merged.append([start, end])
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # settled meanwhile
+            try:
+                for start, end in merged:
+                    read_ahead(fd, start, end - start)
+            finally:
+                os.close(fd)
 
     def shadowed_bytes(self, loose: Collection[str]) -> dict[str, int]:
         """Per pack, the bytes of its objects that a loose copy shadows (replaced objects, kept

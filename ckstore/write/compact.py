@@ -142,8 +142,31 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         # other large objects spread into loose files, small ones kept packed; a pack none of
         # whose objects was replaced (the tip's, until the next run) stays (backend/local_settle.py).
         ctx.backend.unpack(keep_clean=True)
+        _warm_tip(ctx, commits[0])
     return report
 
+
+# The newest commit is read back into the page cache after its compaction when its stored bytes
+# are at most this fraction of the memory the kernel has available for caching.
+WARM_TIP_SHARE = 0.75
+
+
+def _warm_tip(ctx: RepoContext, tip: Commit) -> None:
+    """Start reading the newest commit's chunks into the page cache, in the background, when they
+    fit: its checkout (a resume, an evaluation) is what reads the repository next. Compaction
+    keeps what it reads and writes of the parent out of the cache, but by the time it ends, at
+    10 GB, part of the tip had been evicted (the save and the commit had passed 20 GB through
+    the cache), and the checkout read it from disk: 4.5-5.9 GB (docs/benchmarks.md, "10 GB,
+    session 9"). Reading it here is off the training loop's path, at compaction's priority."""
+    from ckstore.backend.fsio import available_memory
+    from ckstore.format.ids import object_key
+
+    available = available_memory()
+    keys = {object_key(c.id) for c in tip.all_chunks()}
+    stored = sum(ctx.backend.size(k) or 0 for k in keys)
+    if available is None or stored > available * WARM_TIP_SHARE:
+        return
+    ctx.backend.read_ahead(keys)
 
 def _run_pair(store: HeaderCache, jobs: list[Job], depth: int, roles: Roles, report: CompactReport,
               upgrade: Upgrade, pool: ThreadPoolExecutor, sums: dict[tuple[str, str], Sums]) -> None:

@@ -415,6 +415,8 @@ def _recompress(store: HeaderCache, oid: ObjectId, raw: bytes, width: int, even_
     if len(best) >= len(current) and not even_if_larger:
         return 0
     _check(oid, best, raw)
+    if cached:
+        store.forget_cached(oid)  # the tip's old copy: its new one is what a checkout reads
     store.stage_replace(oid, best, cached=cached)
     return len(current) - len(best)
 
