@@ -427,12 +427,13 @@ def _object_bytes(repo: Repo) -> int:
     return loose + sum(sum(ix.columns()[2]) for ix in repo.backend.packs.indexes())  # type: ignore[attr-defined]
 
 
-def test_compaction_leaves_the_tips_pack_where_it_replaced_a_few_chunks(tmp_path: Path) -> None:
+def test_compaction_leaves_the_tips_pack_where_it_replaced_a_few_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tip's pack stays when compaction replaced less than half of it (its re-encoded first
     moments): copying the rest out loose wrote the whole tip again and pushed it out of the page
     cache before the checkout that reads it. The parent's pack, mostly replaced by deltas, is
     rewritten; the replaced copies left in the tip's pack count as stored until the next
-    compaction rewrites that pack too."""
+    compaction rewrites that pack too. (A pack under 1 GiB is rewritten at once: lowered here.)"""
+    monkeypatch.setattr(local_settle, "RESTING_MIN_BYTES", 0)
     repo = fresh(tmp_path)
     first = repo.commit_state(_epoch_state(0))
     (parent_pack,) = packs_of(repo)
@@ -451,3 +452,14 @@ def test_compaction_leaves_the_tips_pack_where_it_replaced_a_few_chunks(tmp_path
     for oid, step in ((first, 0), (second, 1), (third, 2)):
         assert all(torch.equal(repo.load_state(oid)[k], v) for k, v in _epoch_state(step).items())
     assert repo.fsck(read_data=True) == []
+
+
+def test_a_small_tip_pack_with_replaced_chunks_is_rewritten_at_once(tmp_path: Path) -> None:
+    """Below 1 GiB the copy-out costs little and the store keeps no replaced copy."""
+    repo = fresh(tmp_path)
+    repo.commit_state(_epoch_state(0))
+    repo.commit_state(_epoch_state(1))
+    repo.compact()
+    assert packs_of(repo) == [] or all(local_settle._longest(ix) < local_settle.SMALL_OBJECT for ix in repo.backend.packs.indexes())  # type: ignore[attr-defined]
+    assert repo.backend.superseded_bytes() == 0
+    assert repo.stats().stored_bytes == _object_bytes(repo)
