@@ -44,7 +44,7 @@ MAX_COEFFICIENT = 2.0 ** 64
 _F32_MIN_NORMAL = 2.0 ** -126
 _EXPONENT = np.uint32(0x7F800000)
 _BLOCK = 1 << 14  # elements predicted at a time: 128 KiB float64 temporaries stay in cache (3x faster than 2 MiB ones)
-# Elements of a fit's sample, spread over the chunk (a fit costs a least-squares solve on them).
+# Elements of a fit's sample, spread over the chunk in runs (SAMPLE_RUN; a fit costs a least-squares solve on them).
 FIT_SAMPLE = 1 << 15
 
 
@@ -219,11 +219,23 @@ def _rounded(coefficients: np.ndarray) -> tuple[float, ...] | None:
     return out
 
 
+# A fit's sample is taken as runs of this many adjacent elements spread over the chunk, not as
+# single elements: gathering 2^15 single elements touched every cache line of a 1 MiB chunk (a
+# stride of 8 elements) four times a fit, runs of 256 touch an eighth of them (the sample of four
+# chunks 2.4 -> 0.9 ms where they are no longer cached). The stored bytes of the DCP benchmark
+# did not change.
+SAMPLE_RUN = 256
+
+
 @functools.lru_cache(maxsize=8)
 def _sample_index(n: int) -> np.ndarray:
-    """The sampled elements of a chunk of ``n`` (read-only: shared by every chunk of that length;
-    ``linspace`` took 0.4 ms a chunk)."""
-    index = np.linspace(0, n - 1, num=min(n, FIT_SAMPLE), dtype=np.int64)
+    """The sampled elements of a chunk of ``n``, in order (read-only: shared by every chunk of
+    that length; ``linspace`` took 0.4 ms a chunk)."""
+    if n <= FIT_SAMPLE:
+        index = np.arange(n, dtype=np.int64)
+    else:
+        starts = np.linspace(0, n - SAMPLE_RUN, num=FIT_SAMPLE // SAMPLE_RUN, dtype=np.int64)
+        index = np.unique((starts[:, None] + np.arange(SAMPLE_RUN, dtype=np.int64)).reshape(-1))
     index.flags.writeable = False
     return index
 
