@@ -433,5 +433,16 @@ def _check(oid: str, data: bytes, raw: bytes, bases: dict[str, bytes] | None = N
         decoded = decode_view(data, Kind.CHUNK, len(raw), expected_len=len(raw), fetch_base=fetch_base)
     except IntegrityError as exc:
         raise IntegrityError(f"object {oid} (re-encoded) is corrupt: {exc}") from None
-    if (decoded if isinstance(decoded, bytes) else decoded.tobytes()) != raw:
+    if not _same_bytes(decoded, raw):
         raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")
+
+
+def _same_bytes(decoded: bytes | memoryview, raw: bytes) -> bool:
+    """``decoded == raw`` without copying a decoded view into bytes first (a 1 MiB copy a checked
+    chunk); numpy compares the view, as Python compares a memoryview element by element (about
+    1 ms a MiB)."""
+    if isinstance(decoded, bytes):
+        return decoded == raw
+    import numpy as np
+
+    return len(decoded) == len(raw) and bool(np.array_equal(np.frombuffer(decoded, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8)))
