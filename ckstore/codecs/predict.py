@@ -222,8 +222,8 @@ def _rounded(coefficients: np.ndarray) -> tuple[float, ...] | None:
 # A fit's sample is taken as runs of this many adjacent elements spread over the chunk, not as
 # single elements: gathering 2^15 single elements touched every cache line of a 1 MiB chunk (a
 # stride of 8 elements) four times a fit, runs of 256 touch an eighth of them (the sample of four
-# chunks 2.4 -> 0.9 ms where they are no longer cached). The stored bytes of the DCP benchmark
-# did not change.
+# chunks 2.4 -> 0.9 ms where they are no longer cached). The DCP benchmark's step stored 5.8 KB
+# less (of 1140 MB) with the coefficients fitted on runs.
 SAMPLE_RUN = 256
 
 
