@@ -90,6 +90,63 @@ def test_objects_written_with_numpy_and_with_the_kernels_are_the_same_bytes(monk
         assert read(reference[1]) == target
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=4, max_size=4096).filter(lambda b: len(b) % 4 == 0), st.integers(0, 1 << 30), st.data())
+def test_a_residual_is_checked_in_one_pass_as_joining_and_xoring_would(raw: bytes, seed: int, data: st.DataObject) -> None:
+    """``residual_matches`` (compaction's check of a predicted delta: join the residual's planes,
+    XOR the prediction, compare) says what numpy's join, XOR and comparison say, for the true
+    residual and for one with any bit of any element flipped, in any plane."""
+    from ckstore.codecs import predict_kernels
+
+    words = np.frombuffer(raw, dtype="<u4")
+    guess = np.random.default_rng(seed).integers(0, 1 << 32, words.size, dtype=np.uint32)
+    planes = np.empty((4, words.size), dtype=np.uint8)
+    predict_kernels.residual_planes(words, guess, planes)
+    assert predict_kernels.residual_matches(*planes, guess, words)
+    element, bit = data.draw(st.integers(0, words.size - 1)), data.draw(st.integers(0, 31))
+    damaged = planes.copy()
+    damaged[bit // 8, element] ^= np.uint8(1 << (bit % 8))
+    joined = damaged.T.copy().view("<u4").reshape(-1)
+    assert not np.array_equal(joined ^ guess, words)
+    assert not predict_kernels.residual_matches(*damaged, guess, words)
+
+
+def test_a_predicted_object_is_checked_alike_with_and_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``predicted_decodes_to``: the compiled pass and numpy's decode agree on a real object, on
+    a wrong prediction, and on a damaged residual (refused by both, the same way)."""
+    from ckstore.codecs.objects import predicted_decodes_to
+    from ckstore.errors import IntegrityError
+
+    (w1, _, _), (w2, m2, v2) = _adamw_states(256, 2, 1)
+    bases = [w2, m2, v2]
+    coefficients = predict.fit(Predictor.ADAM_WEIGHT, w1, bases)
+    assert coefficients is not None
+    ids = tuple(chunk_id(b) for b in bases)
+    guess = predict.predict(Predictor.ADAM_WEIGHT, coefficients, bases)
+    data = encode_predicted(w1, 1, ids, bases, Predictor.ADAM_WEIGHT, coefficients, 1 << 30, guess=guess)
+    assert data is not None
+    damaged = bytearray(data)
+    damaged[-7] ^= 0x10
+
+    def outcomes() -> list[object]:
+        found: list[object] = []
+        for g in (guess, guess ^ np.uint32(1)):
+            inputs, decodes = predicted_decodes_to(data, w1, g)
+            found.append((inputs.base_ids, inputs.predictor, inputs.coefficients, decodes))
+        try:
+            found.append(predicted_decodes_to(bytes(damaged), w1, guess)[1])
+        except IntegrityError as exc:
+            found.append(str(exc))
+        return found
+
+    compiled = outcomes()
+    with monkeypatch.context() as mp:
+        mp.setattr(predict, "_KERNELS", [None])
+        assert outcomes() == compiled
+    assert compiled[0] == (ids, Predictor.ADAM_WEIGHT, coefficients, True) and compiled[1][-1] is False  # type: ignore[index]
+    assert compiled[2] is False or isinstance(compiled[2], str)
+
+
 def test_the_machine_code_holds_no_fused_multiply_add() -> None:
     """A fused multiply-add rounds once where the format rounds twice: LLVM must not contract
     (on x86 with FMA, the usual host). Compiled afresh: numba cannot show cached machine code."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from pathlib import Path
 
 from ckstore.backend.fsio import mutating_step
 from ckstore.backend.local_batch import LocalBatch, StagingBackend
@@ -82,11 +81,12 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
         return 0
     staged = LocalBatch(backend, pack_below=SMALL_OBJECT)
     damaged: set[str] = set()
-    gathered: list[Path] = []
+    gathered: list[str] = []
     try:
         for oid, path in loose_small:
             try:
-                data = path.read_bytes()
+                with open(path, "rb") as f:
+                    data = f.read()
             except FileNotFoundError:
                 continue
             staged.put_new(object_key(oid), data)
@@ -100,7 +100,10 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
     staged.flush()  # every kept object durable in its new place before an old copy goes
     for path in gathered:
         mutating_step()
-        path.unlink(missing_ok=True)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     removed = 0
     for index in targets:
         if index.pack_id in damaged:
@@ -141,24 +144,26 @@ def _may_rest(index: PackIndex | PackTable, drop: Collection[str], shadowed: dic
     return not replaced or (index.pack_size >= RESTING_MIN_BYTES and replaced <= index.pack_size * RESTING_STALE_MAX)
 
 
-def _loose_objects(backend: StagingBackend) -> dict[str, Path]:
-    """Every loose object, by id (names only: no stat)."""
+def _loose_objects(backend: StagingBackend) -> dict[str, str]:
+    """Every loose object, by id, with its path (names only: no stat). Paths as strings: a Path
+    per entry was nine tenths of the listing's CPU (~6000 loose objects after a DCP benchmark
+    step: 0.1 thread-s under the profiler)."""
     found = {}
     for folder in sorted((backend.root / "objects").glob("[0-9a-f][0-9a-f]")):
         try:
             with os.scandir(folder) as entries:
-                found.update((folder.name + e.name, Path(e.path)) for e in entries if not e.name.startswith("."))
+                found.update((folder.name + e.name, e.path) for e in entries if not e.name.startswith("."))
         except FileNotFoundError:
             continue
     return found
 
 
-def _small(loose: dict[str, Path]) -> list[tuple[str, Path]]:
+def _small(loose: dict[str, str]) -> list[tuple[str, str]]:
     """The loose objects shorter than ``SMALL_OBJECT``."""
     found = []
     for oid, path in loose.items():
         try:
-            if path.stat().st_size < SMALL_OBJECT:
+            if os.stat(path).st_size < SMALL_OBJECT:
                 found.append((oid, path))
         except FileNotFoundError:
             continue

@@ -115,3 +115,18 @@ def residual_planes(raw: Any, guess: Any, planes: Any) -> None:
         planes[1, k] = (r >> np.uint32(8)) & np.uint32(0xFF)
         planes[2, k] = (r >> np.uint32(16)) & np.uint32(0xFF)
         planes[3, k] = r >> np.uint32(24)
+
+
+@numba.njit(**_OPTIONS)
+def residual_matches(p0: Any, p1: Any, p2: Any, p3: Any, guess: Any, raw: Any) -> bool:
+    """Whether the residual stored as byte planes ``p0``..``p3`` (byte i of every element in
+    ``p<i>``), joined and XORed with ``guess``, is ``raw`` (uint32 words): a predicted delta's
+    decode compared with the chunk in one pass, nothing written (``residual_planes`` undone).
+    Differences are ORed together rather than returned at the first one: a loop without an exit
+    is vectorized, and a mismatch is the rare case."""
+    differ = np.uint32(0)
+    for k in range(raw.size):
+        r = (np.uint32(p0[k]) | (np.uint32(p1[k]) << np.uint32(8)) | (np.uint32(p2[k]) << np.uint32(16))
+             | (np.uint32(p3[k]) << np.uint32(24)))
+        differ |= (r ^ guess[k]) ^ raw[k]
+    return differ == 0
