@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckstore.errors import InvalidPathError, OutputExistsError, StorageError, TensorNotFoundError
-from ckstore.backend.fsio import EarlyFlush, fsync_path, mutating_step, pid_alive
+from ckstore.backend.fsio import EarlyFlush, available_memory, fsync_path, mutating_step, pid_alive, write_out_and_drop
 from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
 from ckstore.write.pipeline import ProgressFactory, ordered_map
@@ -191,19 +191,29 @@ class _Buffers:
                 self.free.pop(0)
 
 
+# A checkout whose files exceed this share of the memory the kernel can cache writes them through
+# to the disk and out of the page cache as it goes (not durable: no device flush). Left cached,
+# its unsynced pages evicted the repository's pages it had not read yet, which were older: a
+# 10 GB checkout read 3.7-5.9 GB of its pack from disk (docs/benchmarks.md, "10 GB, session 9").
+WRITE_THROUGH_SHARE = 0.25
+
+
 class _Staged:
     """One output being written to a hidden temporary beside its target."""
 
-    def __init__(self, target: Path, durable: bool) -> None:
+    def __init__(self, target: Path, durable: bool, through: bool = False) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         self.target = target
         self.durable = durable
+        self.through = through
         self.tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
         mutating_step()
         self.file = open(self.tmp, "xb")
         fd = self.file.fileno()
-        # Keeps the final fsync short (fsio.py); without one, writeback is left to the kernel.
-        self.early = EarlyFlush(lambda: os.fdatasync(fd) if durable else None)
+        # Keeps the final fsync short (fsio.py); without one, writeback is left to the kernel,
+        # unless the file is written through (``WRITE_THROUGH_SHARE``).
+        flush = (lambda: os.fdatasync(fd)) if durable else (lambda: write_out_and_drop(fd)) if through else (lambda: None)
+        self.early = EarlyFlush(flush)
 
     def write(self, data: bytes | memoryview) -> None:
         self.file.write(data)
@@ -225,6 +235,8 @@ class _Staged:
             if self.durable:
                 mutating_step()
                 os.fsync(self.file.fileno())
+            elif self.through:
+                write_out_and_drop(self.file.fileno())
         finally:
             self.file.close()
 
@@ -256,10 +268,12 @@ def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Pr
     staged: list[_Staged] = []
     syncs: list[Future[None]] = []
     buffers = _Buffers()
+    available = available_memory()
+    through = not durable and available is not None and total_size([o for _, o in todo]) > available * WRITE_THROUGH_SHARE
 
     def jobs() -> Iterable[tuple[int, int | None, tuple[Piece, str]]]:
         for i, (target, output) in enumerate(todo):  # outputs without pieces (empty files) are opened too
-            staged.append(_Staged(target, durable))
+            staged.append(_Staged(target, durable, through))
             starts = _positions(output)
             for k, item in enumerate(output.pieces):
                 yield i, None if starts is None else starts[k], item

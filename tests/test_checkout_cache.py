@@ -1,0 +1,45 @@
+"""A checkout larger than a share of the memory the kernel can cache writes its files through,
+out of the page cache (read/checkout.py ``WRITE_THROUGH_SHARE``); a smaller one leaves them cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckstore.read.checkout as checkout
+from ckstore.repo import Repo
+
+from helpers import save_st, tree_digest
+from pagecache import cached_bytes, cached_clean, needs_fadvise
+
+
+def _committed(tmp_path: Path) -> tuple[Repo, dict[str, str]]:
+    src = tmp_path / "ckpt"
+    save_st(src / "model.safetensors", {"w": torch.randn(6 << 20, generator=torch.Generator().manual_seed(0))})  # 24 MiB
+    repo = Repo.init(tmp_path / "repo")
+    repo.commit([src], message="epoch 1")
+    return repo, tree_digest(src)
+
+
+@needs_fadvise
+def test_a_checkout_larger_than_the_cache_share_leaves_its_files_out_of_the_page_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left cached, a 10 GB checkout's unsynced output evicted the pack pages it had not read yet."""
+    repo, digest = _committed(tmp_path)
+    monkeypatch.setattr(checkout, "WRITE_THROUGH_SHARE", 0.0)
+    repo.checkout("HEAD", tmp_path / "out")
+    written = tmp_path / "out" / "model.safetensors"
+    assert cached_bytes(written) < written.stat().st_size // 8
+    assert tree_digest(tmp_path / "out") == digest
+
+
+@needs_fadvise
+def test_a_small_checkout_stays_cached_for_the_read_that_follows(tmp_path: Path) -> None:
+    repo, digest = _committed(tmp_path)
+    cached_clean(tmp_path / "ckpt" / "model.safetensors")  # skips where files are not kept cached
+    repo.checkout("HEAD", tmp_path / "out")
+    written = tmp_path / "out" / "model.safetensors"
+    assert cached_bytes(written) > written.stat().st_size // 2
+    assert tree_digest(tmp_path / "out") == digest
