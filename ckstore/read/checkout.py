@@ -195,6 +195,8 @@ class _Buffers:
 # to the disk and out of the page cache as it goes (not durable: no device flush). Left cached,
 # its unsynced pages evicted the repository's pages it had not read yet, which were older: a
 # 10 GB checkout read 3.7-5.9 GB of its pack from disk (docs/benchmarks.md, "10 GB, session 9").
+# It drops what it read of the repository too: read twice (compaction, checkout), those pages
+# held the cache, and the next epoch's checkpoint was evicted before its commit read it.
 WRITE_THROUGH_SHARE = 0.25
 
 
@@ -281,6 +283,8 @@ def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Pr
     def write(job: tuple[int, int | None, tuple[Piece, str]]) -> tuple[int, bytes | memoryview | None, int]:
         i, offset, item = job
         data, buf = _get_reusing(store, item, buffers)
+        if through and isinstance(item[0], ChunkRef):
+            store.forget_cached(item[0].id)  # read once: the next epoch's checkpoint needs the room
         if offset is None:
             return i, data, len(data)  # written in order by the caller
         staged[i].write_at(data, offset)
