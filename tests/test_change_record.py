@@ -138,3 +138,24 @@ def test_gc_deletes_the_records_of_the_commits_it_deletes() -> None:
     with pytest.raises(KeyError):
         backend.get(record_key(side, first))
     assert backend.get(record_key(second, first))  # a kept commit's stays
+
+
+def test_a_small_position_is_recorded_not_re_encoded() -> None:
+    """A tensor whose chunks are under 1/16 of the chunk size (a bias, a norm) is not re-encoded
+    by compaction (a delta of it saves next to nothing, at the cost of a file), but its change
+    is recorded as for any other tensor, with the figure diff computes."""
+    repo = Repo.memory(chunk_size=CHUNK)
+    states = [{"w": _state(step)["w"], "bias": torch.randn(32, generator=torch.Generator().manual_seed(step)) * (1 + step)}
+              for step in range(2)]
+    first = repo.commit_state(states[0])
+    stored = {c.id: repo.store.read_raw(c.id) for c in repo.read_commit(first).all_chunks()}
+    second = repo.commit_state(states[1])
+    repo.wait()
+    old = {t.name: t for f in repo.read_commit(first).files for t in f.tensors}
+    (bias_chunk,) = [c.id for c in old["bias"].chunks]
+    assert repo.store.read_raw(bias_chunk) == stored[bias_chunk]  # left as committed
+    assert any(repo.store.read_raw(c.id) != stored[c.id] for c in old["w"].chunks)  # re-encoded
+    record = json.loads(repo.store.backend.get(record_key(second, first)))
+    assert sorted(e["name"] for e in record["tensors"]) == ["bias", "w"]
+    recorded = {e["name"]: math.sqrt(e["diff_sq"] / e["base_sq"]) for e in record["tensors"]}
+    assert recorded["bias"] == pytest.approx(_computed(repo, first, second)["bias"], rel=1e-9)

@@ -250,11 +250,11 @@ def _moment_state(step: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once a parent's chunk took no delta and settled whole, and the tip's chunk at its position
-    settled too, the next compaction neither decodes that chunk nor tries a delta of it again
-    (neither as the tip's parent nor in the pair below), except the one chunk in
-    REFUSED_RETRY_ONE_IN that is retried in case deltas begin to pay there; the tip's chunk at
-    that position still settles into its best whole encoding."""
+    """Once the last two runs found no delta paying at a position (the chunks there in the two
+    commits below the parent settled whole), the next compaction does not try a delta of the
+    parent's chunk again (neither as the tip's parent nor in the pair below), except the one chunk
+    in REFUSED_RETRY_ONE_IN that is retried in case deltas begin to pay there: it settles the
+    parent's chunk into its best whole encoding at once, and leaves the tip's as committed."""
     import ckstore.write.compact_encoding as encoding
 
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
@@ -265,12 +265,14 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp
     tip = repo.commit_state(_moment_state(3))
     commit = repo.read_commit(tip)
     parent = repo.read_commit(commit.parents[0])
+    grandparent = repo.read_commit(parent.parents[0])
 
     def chunks(c: object, name: str) -> list[str]:
         return [ch.id for f in c.files for t in f.tensors if t.name == name for ch in t.chunks]  # type: ignore[attr-defined]
 
     refused = chunks(parent, "exp_avg")
-    assert {_encoding(repo, o) for o in refused} == {Encoding.GROUPED}  # settled when it was the tip
+    assert {_encoding(repo, o) for o in chunks(grandparent, "exp_avg")} == {Encoding.GROUPED}  # refused, settled
+    assert {_encoding(repo, o) for o in refused} <= {Encoding.RAW, Encoding.ZSTD}  # the tip's until now: as committed
     tried: list[str] = []
     original = encoding._reverse_delta
     monkeypatch.setattr(encoding, "_reverse_delta", lambda store, oid, *a, **k: (tried.append(oid), original(store, oid, *a, **k))[1])
@@ -279,9 +281,10 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(tmp
     retried = [o for o in refused if encoding._retry_refused(o)]
     assert len(retried) < len(refused)
     assert [o for o in tried if o in refused] == retried
-    below = chunks(repo.read_commit(parent.parents[0]), "exp_avg")
+    below = chunks(grandparent, "exp_avg")
     assert [o for o in tried if o in below] == []  # the pair below: its own run finished it (compacted_pairs.py)
-    assert {_encoding(repo, o) for o in chunks(commit, "exp_avg")} == {Encoding.GROUPED}
+    assert {_encoding(repo, o) for o in refused} == {Encoding.GROUPED}  # settled without a delta tried
+    assert {_encoding(repo, o) for o in chunks(commit, "exp_avg")} <= {Encoding.RAW, Encoding.ZSTD}
     assert all(torch.equal(repo.load_state(tip)[k], v) for k, v in _moment_state(3).items())
     assert repo.fsck(read_data=True) == []
 

@@ -109,14 +109,17 @@ def test_a_commit_writes_one_pack_that_reads_back_bit_exact(packing: None, tmp_p
     assert not leftover_temp_files(repo.path)  # type: ignore[arg-type]
 
 
-def test_compaction_spreads_the_pack_into_loose_objects(packing: None, spreading: None, tmp_path: Path) -> None:
-    repo = fresh(tmp_path, compact=True)
+def test_compaction_spreads_the_parents_pack_into_loose_objects(packing: None, spreading: None, tmp_path: Path) -> None:
+    """The parent's pack, whose chunks compaction replaced, is spread loose; the tip's, of which it
+    replaced nothing, stays as the commit wrote it (the next compaction replaces it)."""
+    repo = Repo.init(tmp_path / "repo", chunk_size=4096)  # small chunks: every position is compacted
     first, d1 = commit_epoch(repo, tmp_path, 1)
+    (first_pack,) = packs_of(repo)
     second, d2 = commit_epoch(repo, tmp_path, 2)
     repo.wait()
-    assert packs_of(repo) == []
-    everything = {c.id for oid in (first, second) for c in repo.read_commit(oid).all_chunks()}
-    assert everything <= loose_ids(repo)
+    assert first_pack not in packs_of(repo) and len(packs_of(repo)) == 1
+    assert {c.id for c in repo.read_commit(first).all_chunks()} <= loose_ids(repo)
+    assert not {c.id for c in repo.read_commit(second).all_chunks()} & loose_ids(repo)
     for oid, digest, out in ((first, d1, "o1"), (second, d2, "o2")):
         repo.checkout(oid, tmp_path / out)
         assert tree_digest(tmp_path / out) == digest
@@ -427,13 +430,11 @@ def _object_bytes(repo: Repo) -> int:
     return loose + sum(sum(ix.columns()[2]) for ix in repo.backend.packs.indexes())  # type: ignore[attr-defined]
 
 
-def test_compaction_leaves_the_tips_pack_where_it_replaced_a_few_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tip's pack stays when compaction replaced less than half of it (its re-encoded first
-    moments): copying the rest out loose wrote the whole tip again and pushed it out of the page
-    cache before the checkout that reads it. The parent's pack, mostly replaced by deltas, is
-    rewritten; the replaced copies left in the tip's pack count as stored until the next
-    compaction rewrites that pack too. (A pack under 1 GiB is rewritten at once: lowered here.)"""
-    monkeypatch.setattr(local_settle, "RESTING_MIN_BYTES", 0)
+def test_compaction_leaves_the_tips_pack_as_committed(tmp_path: Path) -> None:
+    """Compaction replaces none of the tip's chunks (its first moments settle when they are the
+    parent's): the tip's pack stays, so the tip is not written again nor pushed out of the page
+    cache before the checkout that reads it; the parent's pack, replaced by deltas and settled
+    chunks, is rewritten. The next compaction replaces the old tip's chunks and rewrites its pack."""
     repo = fresh(tmp_path)
     first = repo.commit_state(_epoch_state(0))
     (parent_pack,) = packs_of(repo)
@@ -441,9 +442,9 @@ def test_compaction_leaves_the_tips_pack_where_it_replaced_a_few_chunks(tmp_path
     (tip_pack,) = set(packs_of(repo)) - {parent_pack}
     tip_chunks = {c.id for c in repo.read_commit(second).all_chunks()}
     repo.compact()
-    assert tip_pack in packs_of(repo) and parent_pack not in packs_of(repo)  # the tip's stayed, the parent's was rewritten
-    replaced = tip_chunks & loose_ids(repo)
-    assert replaced and len(replaced) < len(tip_chunks) // 2  # "m" settled loose, "w" left in the pack
+    assert tip_pack in packs_of(repo) and parent_pack not in packs_of(repo)
+    assert not tip_chunks & loose_ids(repo)
+    assert repo.backend.superseded_bytes() == 0  # type: ignore[attr-defined]
     assert repo.stats().stored_bytes == _object_bytes(repo)
     third = repo.commit_state(_epoch_state(2))
     repo.compact()
@@ -454,12 +455,29 @@ def test_compaction_leaves_the_tips_pack_where_it_replaced_a_few_chunks(tmp_path
     assert repo.fsck(read_data=True) == []
 
 
-def test_a_small_tip_pack_with_replaced_chunks_is_rewritten_at_once(tmp_path: Path) -> None:
-    """Below 1 GiB the copy-out costs little and the store keeps no replaced copy."""
+def _replace_one(repo: Repo, pack: Path) -> None:
+    """Store one large object of ``pack`` loose too, as a re-encoding would (same bytes here)."""
+    index = next(ix for ix in repo.backend.packs.indexes() if ix.pack_id == pack.stem)  # type: ignore[attr-defined]
+    entry = max(index.in_pack_order(), key=lambda e: e.length)
+    key = object_key(entry.id)
+    with repo.backend.batch() as staged:
+        staged.replace_object(key, repo.backend.get(key))  # type: ignore[attr-defined]
+
+
+def test_a_pack_with_replaced_objects_rests_only_when_large(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compaction's settle rewrites a pack of which an object was replaced when it is under 1 GiB
+    (cheap, and no replaced copy is kept), and leaves a larger one with at most half replaced."""
     repo = fresh(tmp_path)
     repo.commit_state(_epoch_state(0))
-    repo.commit_state(_epoch_state(1))
-    repo.compact()
-    assert packs_of(repo) == [] or all(local_settle._longest(ix) < local_settle.SMALL_OBJECT for ix in repo.backend.packs.indexes())  # type: ignore[attr-defined]
-    assert repo.backend.superseded_bytes() == 0
+    (pack,) = packs_of(repo)
+    _replace_one(repo, pack)
+    monkeypatch.setattr(local_settle, "RESTING_MIN_BYTES", 0)
+    repo.backend.unpack(keep_clean=True)  # type: ignore[attr-defined]
+    assert packs_of(repo) == [pack] and repo.backend.superseded_bytes() > 0  # type: ignore[attr-defined]
     assert repo.stats().stored_bytes == _object_bytes(repo)
+    monkeypatch.setattr(local_settle, "RESTING_MIN_BYTES", 1 << 30)
+    repo.backend.unpack(keep_clean=True)  # type: ignore[attr-defined]
+    assert pack not in packs_of(repo)
+    assert repo.backend.superseded_bytes() == 0  # type: ignore[attr-defined]
+    assert repo.stats().stored_bytes == _object_bytes(repo)
+    assert repo.fsck(read_data=True) == []

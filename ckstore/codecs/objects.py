@@ -53,6 +53,7 @@ from ckstore.codecs.planes import (
     decode_plane,
     decode_zstd,
     grouped_parts,
+    plane_compressor,
     plane_piece,
     plane_set,
     plane_table,
@@ -349,7 +350,7 @@ def encode_predicted(
     if kernels is not None:  # the XOR and the split into planes in one compiled pass
         planes = np.empty((PREDICTED_WIDTH, len(raw) // PREDICTED_WIDTH), dtype=np.uint8)
         kernels.residual_planes(np.frombuffer(raw, dtype="<u4"), guess, planes)
-        zstd = compressor(level)
+        zstd = plane_compressor(level)
         size, parts = plane_set(PREDICTED_WIDTH, [plane_piece(plane, zstd) for plane in planes])
     else:
         residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)

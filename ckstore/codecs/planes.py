@@ -45,6 +45,25 @@ def compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
+# Byte planes are compressed by entropy coding far more than by matches: at zstd's fast strategy
+# (level 1 and below) a 2^8-entry match table instead of 2^14 stays in the L1 cache. Measured on
+# real MiniLM epoch 3 -> 4 planes (1 MiB chunks): fp32 whole 1.28 -> 2.06 GB/s, XOR deltas 1.24
+# -> 1.72 GB/s; bf16 whole 0.79 -> 1.31, deltas 0.99 -> 1.20; every stored size 0.1-1% smaller.
+PLANE_HASH_LOG = 8
+PLANE_TUNED_MAX_LEVEL = 1
+
+
+def plane_compressor(level: int) -> zstandard.ZstdCompressor:
+    """``compressor`` for byte planes: the fast levels with a small match table (see above)."""
+    if level > PLANE_TUNED_MAX_LEVEL:
+        return compressor(level)
+    cache: dict[int, zstandard.ZstdCompressor] = _LOCAL.__dict__.setdefault("plane_compressors", {})
+    if level not in cache:
+        params = zstandard.ZstdCompressionParameters.from_level(level, hash_log=PLANE_HASH_LOG, write_content_size=1)
+        cache[level] = zstandard.ZstdCompressor(compression_params=params)
+    return cache[level]
+
+
 def decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_LOCAL, "decompressor"):
         _LOCAL.decompressor = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
@@ -83,7 +102,7 @@ def split_planes(raw: bytes | memoryview | np.ndarray, width: int) -> np.ndarray
 
 def grouped_parts(raw: bytes | memoryview | np.ndarray, width: int, level: int) -> tuple[int, Parts]:
     """A plane set (format.md section 4) of ``raw``: its stored length and its pieces."""
-    zstd = compressor(level)
+    zstd = plane_compressor(level)
     pieces = [plane_piece(plane, zstd) for plane in split_planes(raw, width)]
     return plane_set(width, pieces)
 

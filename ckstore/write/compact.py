@@ -14,12 +14,15 @@ later. For each chunk position of the branch tip (paired with its parent's chunk
    weight or ``exp_avg_sq`` piece (optstate.py), by a predicted delta from the tip's weight and
    moments (and the parent's ``exp_avg``) when that is smaller still (codecs/predict.py);
 2. a chunk stored provisionally by a fast commit is replaced by its best whole encoding (byte
-   grouping): the parent's when no delta replaced it; the tip's when the parent has it too, or
-   when the parent's chunk at its position took no delta (an AdamW first moment, mostly: the
-   next run would find the same). The tip's other new chunks stay as the commit stored them:
-   the next commit's compaction turns most of them into deltas, so encoding them whole first
-   was half of every run's CPU for nothing. Only the newest commit holds fast-encoded chunks
-   (more stored bytes until the next commit, or ``repack``), and each chunk is re-encoded once.
+   grouping): the parent's when no delta replaced it (where the last two runs found none, an
+   AdamW first moment mostly, without trying again); the tip's only when the parent has it
+   too. The tip's new chunks stay as the commit stored them, in the commit's pack, which is
+   then left as it is: the next commit's compaction turns most of them into deltas and settles
+   the rest. Encoding them whole first was half of every run's CPU for nothing, and settling
+   the refused ones at the tip made the whole pack be rewritten into loose files every epoch
+   (~200 files and 150 MB at 0.27 GB, a third of a run's system time). Only the newest commit
+   holds fast-encoded chunks (1.5% more stored bytes at 0.27 GB fp32 until the next commit, or
+   ``repack``), and each chunk is re-encoded once.
 
 Every replacement is decoded and re-hashed before it is staged, and all of a run's replacements
 are applied together after one durability barrier (``ObjectStore.batch``); an interrupted run
@@ -52,10 +55,10 @@ from ckstore.repository.change_record import Sums, TensorKey, comparable, write_
 from ckstore.repository.context import RepoContext
 from ckstore.repository.refs import HEADS
 from ckstore.repository.writing import writing
-from ckstore.write.compact_encoding import HeaderCache, PairMemory, compact_chunk
+from ckstore.write.compact_encoding import HeaderCache, PairMemory, compact_chunk, small_position
 from ckstore.write.compact_pairing import Job, Roles, Upgrade, plan_pair
 from ckstore.write.compacted_pairs import is_finished, record_finished
-from ckstore.write.pipeline import ordered_map
+from ckstore.write.pipeline import collection_paused, ordered_map
 from ckstore.write.settled_raw import record_settled_raw, settled_raw
 
 # How long a compaction waits for another process's to finish before leaving the work to the
@@ -93,7 +96,9 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
     line then: detached.py)."""
     report = CompactReport()
     depth = ctx.config.encoding.max_delta_depth
-    with ctx.backend.compaction_lock(lock_timeout), writing(ctx):
+    # No automatic garbage collection while it runs (as a commit): its objects hold no cycles,
+    # and collections were 2-3% of a run's CPU.
+    with ctx.backend.compaction_lock(lock_timeout), writing(ctx), collection_paused():
         if on_locked is not None:
             on_locked()
         tip = ctx.refs.read(HEADS + branch)
@@ -112,9 +117,10 @@ def compact_branch(ctx: RepoContext, branch: str, lock_timeout: float = COMPACTI
         # does not reach (a tensor the tip dropped), so a provisional chunk is re-encoded once.
         parent_chunks = {c.id for c in commits[1].all_chunks()} if len(commits) > 1 else set()
         tip_reaches = {j.slot.id for j in pairs[0]} | {j.parent for j in pairs[0] if j.parent is not None}
-        pairs[0] = [replace(j, settle=j.slot.id in parent_chunks) for j in pairs[0]]
+        small = small_position(ctx.config.chunk_size)
+        pairs[0] = [replace(j, settle=j.slot.id in parent_chunks, record_only=j.slot.size < small) for j in pairs[0]]
         if len(pairs) > 1:
-            pairs[1] = [replace(j, settle=j.slot.id not in tip_reaches) for j in pairs[1]]
+            pairs[1] = [replace(j, settle=j.slot.id not in tip_reaches, record_only=j.slot.size < small) for j in pairs[1]]
         # A pair an earlier run finished is not visited again (compacted_pairs.py): the pair
         # below keeps only the chunks that it alone settles; the tip pair, compacted twice, none.
         ids = [tip] + [c.parents[0] for c in commits[:2] if c.parents]

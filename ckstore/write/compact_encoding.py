@@ -30,6 +30,7 @@ from ckstore.codecs.objects import (
 )
 from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
+from ckstore.format.positions import Slot
 from ckstore.format.settings import version_for
 from ckstore.format.tensor_stats import difference_sums, item_size
 from ckstore.repository.change_record import Sums
@@ -56,6 +57,16 @@ _FAST = frozenset({Encoding.RAW, Encoding.ZSTD})
 # weighed on a sample: 0.6-1.0 thread-s a step); one position in REFUSED_RETRY_ONE_IN (by name)
 # still weighs it, so a plain delta that starts to win is found.
 PLAIN_LOST_ENOUGH = 8
+# Positions whose chunk is shorter than this, or than 1/16 of the chunk size, are not re-encoded:
+# only their change is recorded. On fp32 MiniLM epochs (1 MiB chunks) 193 of 511 positions
+# (biases, norms, tensors' tails) hold 0.16% of the bytes; deltas of them saved 0.1 MB of 663 and
+# cost 0.12 CPU s of 1.2 (a loose file each, a pack rewritten).
+SMALL_POSITION = 64 << 10
+
+
+def small_position(chunk_size: int) -> int:
+    """Chunks shorter than this are only recorded, not re-encoded (see SMALL_POSITION)."""
+    return min(SMALL_POSITION, chunk_size // 16)
 
 
 @dataclass
@@ -165,6 +176,9 @@ def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrad
     saved)."""
     slot = job.slot
     try:
+        if job.record_only:
+            _record_small(store, job, sums)
+            return 0, 0, 0, 0
         child_prefix = store.header_local(slot.id)
         if child_prefix is None:
             return 0, 0, 0, 0  # a base repository's object (overlay): never ours to change
@@ -184,14 +198,14 @@ def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrad
             # Already a delta (an earlier run, another branch, the same state saved again) or
             # not this repository's: nothing to do for it, decided from its header alone.
             job = replace(job, parent=None, prediction=None)
-        refused = parent_header is not None and job.prediction is None and _refused_before(store, job, parent_header.encoding)
-        if refused:
-            job = replace(job, parent=None)
+        if parent_header is not None and job.prediction is None and _refused_before(store, job):
+            # Settled whole as a delta would have been refused (the parent's chunk is the
+            # tip's no more; the tip's own stays as committed until it is the parent).
+            assert job.parent is not None
+            return 0, 0, 1, _settle_parent(store, job.parent, parent_header, job.slot, roles)
         prediction = job.prediction if job.prediction is not None and _claim_prediction(store, job.parent, job.prediction, roles) else None
         parent = job.parent if prediction is not None or (job.parent is not None and roles.pair(job.parent, slot.id)) else None
-        # A refused position's tip chunk settles now, as it would have after trying (below).
-        settle = job.settle or (refused and job.tip)
-        provisional = settle and store.provisional(slot.id, child_header.encoding, slot.width) and roles.recompress(slot.id)
+        provisional = job.settle and store.provisional(slot.id, child_header.encoding, slot.width) and roles.recompress(slot.id)
         if not provisional and parent is None:
             return 0, 0, 0, 0
         # Decoded and verified: the base of any delta. A prediction's base read it already (the
@@ -203,17 +217,21 @@ def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrad
             deltas, saved = deltas + (made in ("delta", "predicted")), saved + freed
             recompressed += made.startswith("whole") and freed > 0
             predicted += made == "predicted"
-            # No delta paid here (an AdamW first moment, mostly): the next run would most likely
-            # find the same and settle the child's chunk then, so it is settled now, from the
-            # bytes in hand, and the newest commit is not left fast where it would stay whole.
-            if made == "whole, refused" and not provisional and job.tip:
-                provisional = store.provisional(slot.id, child_header.encoding, slot.width) and roles.recompress(slot.id)
         if provisional:
             freed = _recompress(store, slot.id, raw, slot.width)
             recompressed, saved = recompressed + (freed > 0), saved + freed
         return deltas, predicted, recompressed, saved
     except CkstoreError:
         return 0, 0, 0, 0  # a damaged or missing chunk only costs compression; fsck reports it
+
+
+def _record_small(store: HeaderCache, job: Job, sums: dict[tuple[str, str], Sums]) -> None:
+    """A small position's relative change (format.md 5.2), as ``_reverse_delta`` records it for
+    the positions it re-encodes: both chunks are decoded, nothing is re-encoded."""
+    if job.dtype is None or job.parent is None or not job.tip or job.slot.size % item_size(job.dtype):
+        return
+    new = store.get_chunk(job.slot.id, job.slot.size)
+    sums[(job.slot.id, job.parent)] = difference_sums(store.get_chunk(job.parent, job.slot.size), new, job.dtype)
 
 
 def _whole_header(store: ObjectStore, oid: ObjectId, size: int) -> ObjectHeader | None:
@@ -239,19 +257,34 @@ def _retry_refused(oid: str) -> bool:
     return int(oid[:8], 16) % REFUSED_RETRY_ONE_IN == 0
 
 
-def _refused_before(store: HeaderCache, job: Job, encoding: Encoding) -> bool:
-    """Whether a delta of the parent's chunk was tried when it was the tip's, and refused: it
-    settled whole then (only a refusal settles a tip's changed chunk, step 2 of the module
-    docstring), and its own parent's chunk at this position is whole and settled as well. Then
-    the same kind of tensor (an AdamW first moment, mostly) is most likely refused again: decoding
-    it and sample-testing a delta was a fifth of every run's CPU (docs/benchmarks.md)."""
-    older = job.grandparent
-    if older is None or older == job.parent or _retry_refused(job.parent or ""):
+def _refused_before(store: HeaderCache, job: Job) -> bool:
+    """Whether a delta was refused at this position by the last two runs: the chunks there in
+    the two commits below the parent are whole and settled (a chunk below the tip settles whole
+    only when no delta pays, step 2 of the module docstring; a full chain's keyframe is followed
+    by deltas, so two in a row are refusals). Then the same kind of tensor (an AdamW first
+    moment, mostly) is most likely refused again: decoding it and sample-testing a delta was a
+    fifth of every run's CPU (docs/benchmarks.md)."""
+    older = (job.grandparent, job.great_grandparent)
+    if None in older or job.parent in older or older[0] == older[1] or _retry_refused(job.parent or ""):
         return False
-    if not _settled(store, job.parent or "", encoding):
-        return False
-    header = _whole_header(store, older, job.slot.size)
-    return header is not None and _settled(store, older, header.encoding)
+    for oid in older:
+        header = _whole_header(store, oid, job.slot.size)
+        if header is None or not _settled(store, oid or "", header.encoding):
+            return False
+    return True
+
+
+def _settle_parent(store: HeaderCache, oid: ObjectId, header: ObjectHeader, slot: Slot, roles: Roles) -> int:
+    """Re-encode the parent's chunk ``oid`` (``header``: whole) in its best whole encoding when it
+    is stored fast; bytes freed."""
+    if not store.provisional(oid, header.encoding, slot.width) or not roles.recompress(oid):
+        return 0
+    current = store.read_local(oid)
+    if current is None:
+        return 0
+    store.forget_parent(oid)
+    raw = bytes(store.reader().chunk(oid, slot.size, "", current))  # whole: no base read
+    return _recompress(store, oid, raw, slot.width, current=current, cached=False)
 
 
 def _settled(store: HeaderCache, oid: str, encoding: Encoding) -> bool:

@@ -48,11 +48,13 @@ class Job:
     older: tuple[tuple[ObjectId | None, ...], ...]
     history_ends: bool  # ``older`` reaches the branch's first commit
     grandparent: ObjectId | None = None  # ``older``'s first commit's chunk at this very position
+    great_grandparent: ObjectId | None = None  # and its second commit's
     prediction: Prediction | None = None
     tip: bool = True  # the child is the branch tip (not the pair below it)
     # The tensor's dtype when the parent has it at the same path and name (its change is recorded).
     dtype: str | None = None
     settle: bool = False  # re-encode the child's chunk in its best whole encoding if stored fast
+    record_only: bool = False  # a small position: its change is recorded, nothing re-encoded
 
 
 class Roles:
@@ -136,8 +138,9 @@ def plan_pair(child: Commit, older: Sequence[Commit], depth: int, history_ends: 
         group = siblings.get(where, {"": where})
         older_ids = tuple(tuple(found[p][k] for p in group.values()) for k in range(1, len(found[where])))
         grandparent = found[where][1] if len(found[where]) > 1 else None
-        job = Job(slot, parent if parent != slot.id else None, older_ids, history_ends, grandparent, tip=tip,
-                   dtype=recorded.get(where[0]))
+        great_grandparent = found[where][2] if len(found[where]) > 2 else None
+        job = Job(slot, parent if parent != slot.id else None, older_ids, history_ends, grandparent, great_grandparent,
+                  tip=tip, dtype=recorded.get(where[0]))
         if job.parent is not None and where in siblings:
             job = replace(job, prediction=_prediction(job.parent, group, child_slots, found))
         jobs.append(job)
