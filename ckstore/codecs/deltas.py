@@ -25,7 +25,6 @@ from ckstore.codecs.planes import (
     decode_buffer,
     decode_grouped,
     decode_plane,
-    plane_compressor,
     plane_piece,
     plane_set,
     plane_table,
@@ -70,7 +69,7 @@ def context_parts(residual: np.ndarray, base: bytes | memoryview, width: int, le
     """The plane set of a context-sorted delta: each plane stored sorted by its context where
     that saves at least ``SORT_GAIN[width]`` bytes an element (the sort costs decode time); its stored
     length, pieces, and whether any plane is sorted."""
-    zstd = plane_compressor(level)
+    zstd = compressor(level)  # not plane_compressor: a sorted plane's runs are matches a small table misses
     sorted_plane = context.sorted_plane(residual, base, width)
     pieces = []
     for i, plane in enumerate(split_planes(residual, width)):

@@ -3,8 +3,8 @@
 A save stores every new chunk the fast way (hash, plain zstd at the fast level, write:
 ``ingest(fast=True)``), so ``dcp.save`` costs about what writing the bytes costs. After the
 coordinator has recorded the commit, the repository's compaction (compact.py, the same as after
-any commit) re-encodes the branch tip's parent as reverse deltas against the new chunks and the
-new chunks in their best whole encoding, on a background thread of the coordinator's process
+any commit) re-encodes the branch tip's parent as reverse deltas against the new chunks, or in
+its best whole encoding where none pays, on a background thread of the coordinator's process
 (``commit.record_commit`` starts it, as for every commit: write/background.py).
 Pieces are paired with the parent's by file and piece name, else by piece name
 (``positions.ChunkIndex``), so a piece that moved to another rank file still gets its delta.
@@ -34,12 +34,11 @@ def store_pieces(staged: ObjectStore, source: MemoryFile, chunk_size: int,
                  first_moments: ObjectStore | None = None) -> tuple[FileEntry, int]:
     """Store one rank's file, new chunks the fast way; its manifest entry and the bytes added.
 
-    ``first_moments``: a second batch for the first moments' chunks. This step's compaction
-    replaces them (their best whole encoding: no delta pays against the next step's), the next
-    step's compaction the weights and second moments (deltas). In packs of their own, each pack
-    ends with every object replaced and is deleted as it is, where one pack of all three had its
-    weights and second moments copied out loose (~2 CPU s a step of the DCP benchmark; format.md
-    8.8: a pack whose objects have no other copy may stay as it is).
+    ``first_moments``: a second batch for the first moments' chunks, in a pack of their own.
+    It was made when a step's own compaction settled its first moments whole (one pack of all
+    three then had its weights and second moments copied out loose: ~2 CPU s a step of the DCP
+    benchmark); the next step's compaction now replaces all three (deltas, the first moments
+    whole where no delta pays), and the split only costs one more pack (merged once 8 gather).
     """
     def store_for(tensor: str) -> ObjectStore:
         return first_moments if first_moments is not None and is_first_moment(tensor) else staged

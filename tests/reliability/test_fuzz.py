@@ -204,7 +204,14 @@ class RepositoryMachine(RuleBasedStateMachine):
         (src / "notes.txt").write_text(f"seed {seed}\n")
         digest = tree_digest(src)
         ref = f"refs/heads/{branch}"
-        oid = self.repo.commit([src], branch=branch)
+        try:
+            oid = self.repo.commit([src], branch=branch)
+        except CkstoreError:
+            # The branch's tip was damaged (the corrupt rule): refused, nothing moved.
+            assert self.corrupted, f"commit on {branch} refused in an undamaged repository"
+            assert self.repo.refs.read(ref) == self.refs.get(ref)
+            shutil.rmtree(src)
+            return
         self.repo.wait()  # its compaction rewrites objects that the corrupt rule may pick
         shutil.rmtree(src)
         assert oid not in self.contents
