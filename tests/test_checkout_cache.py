@@ -51,3 +51,26 @@ def test_a_small_checkout_stays_cached_for_the_read_that_follows(tmp_path: Path)
     written = tmp_path / "out" / "model.safetensors"
     assert cached_bytes(written) > written.stat().st_size // 2
     assert tree_digest(tmp_path / "out") == digest
+
+
+@needs_fadvise
+def test_a_mid_size_checkout_is_written_out_as_it_goes_and_stays_cached(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past WRITE_OUT_SHARE of the cacheable memory the files are written out as they are written
+    (the kernel throttled a 3 GB checkout's writers once its dirty pages passed its background
+    threshold), and still kept cached for the read that follows (a resume)."""
+    repo, digest = _committed(tmp_path, mib=48)
+    cached_clean(tmp_path / "ckpt" / "model.safetensors")  # skips where files are not kept cached
+    flushed: list[int] = []
+    original = checkout.write_out
+    monkeypatch.setattr(checkout, "write_out", lambda fd: (flushed.append(fd), original(fd))[1])
+    monkeypatch.setattr(checkout, "WRITE_OUT_SHARE", 0.0)
+    repo.checkout("HEAD", tmp_path / "out")
+    written = tmp_path / "out" / "model.safetensors"
+    assert len(flushed) >= 2  # 48 MiB: an early flush every 16 MiB
+    assert cached_bytes(written) > written.stat().st_size // 2
+    assert tree_digest(tmp_path / "out") == digest
+    monkeypatch.setattr(checkout, "WRITE_OUT_SHARE", 1.0)
+    flushed.clear()
+    repo.checkout("HEAD", tmp_path / "out2")
+    assert flushed == []  # a small checkout is left to the kernel's writeback
