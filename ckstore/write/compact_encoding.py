@@ -202,7 +202,8 @@ def compact_chunk(store: HeaderCache, job: Job, depth: int, roles: Roles, upgrad
             # Settled whole as a delta would have been refused (the parent's chunk is the
             # tip's no more; the tip's own stays as committed until it is the parent).
             assert job.parent is not None
-            return 0, 0, 1, _settle_parent(store, job.parent, parent_header, job.slot, roles)
+            freed = _settle_parent(store, job.parent, parent_header, job.slot, roles)
+            return 0, 0, int(freed > 0), freed
         prediction = job.prediction if job.prediction is not None and _claim_prediction(store, job.parent, job.prediction, roles) else None
         parent = job.parent if prediction is not None or (job.parent is not None and roles.pair(job.parent, slot.id)) else None
         provisional = job.settle and store.provisional(slot.id, child_header.encoding, slot.width) and roles.recompress(slot.id)
