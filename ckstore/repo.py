@@ -155,10 +155,12 @@ class Repo:
     # whether each commit's parent is re-encoded as deltas once the commit is durable (False
     # leaves it to the next commit that compacts, or to repack); and whether that compaction runs
     # in a detached process that outlives this one (the CLI: write/detached.py) instead of on this
-    # process's thread (a repository in memory always uses the thread).
+    # process's thread (a repository in memory always uses the thread); and whether that process
+    # may be a fork of this one, which must then be a ckstore command and nothing else (the CLI).
     commits_in_flight: _WorkSetting[int] = _WorkSetting()
     compact_after_commit: _WorkSetting[bool] = _WorkSetting()
     detach_compaction: _WorkSetting[bool] = _WorkSetting()
+    fork_compaction: _WorkSetting[bool] = _WorkSetting()
 
     def background_work(self) -> BackgroundStatus:
         """What still runs after the calls that started it: background commits of this process,

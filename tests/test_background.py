@@ -230,7 +230,7 @@ def test_disk_full_in_the_background_worker_fails_the_handle_and_keeps_the_repos
 # ---- the CLI: compaction in a detached process (write/detached.py) ------------------------------
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_DONE = re.compile(r"pid (\d+): compacted 'main' in [\d.]+ s: (\d+) delta")
+_DONE = re.compile(r"pid (\d+): compacted 'main' in [\d.]+ s \([\d.]+ CPU s\): (\d+) delta")
 
 
 def _ckstore(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -279,6 +279,28 @@ def test_cli_commit_returns_before_its_detached_compaction_and_wait_waits_for_it
     runs = _DONE.findall(_log(path))
     assert len(runs) == 2 and int(runs[1][1]) > 0, _log(path)  # the parent's chunks became deltas
     assert Repo(path).stats().stored_bytes < stored_before
+    assert Repo(path).fsck() == []
+
+
+def test_a_waiting_detached_compaction_holds_nothing_of_the_command(tmp_path: Path) -> None:
+    """The compaction is a fork of the command: it must not keep the command's repository lock
+    (gc would wait for it) nor its output pipe (the caller would wait for end of file)."""
+    path = tmp_path / "repo"
+    repo = Repo.init(path, chunk_size=1 << 16)
+    ep0, ep1 = _epochs(tmp_path, 2, 1 << 16)
+    assert _ckstore(path, "commit", str(ep0)).returncode == 0
+    assert _ckstore(path, "wait").returncode == 0
+    with repo.backend.compaction_lock(10):
+        with subprocess.Popen([sys.executable, "-m", "ckstore.cli", "--repo", str(path), "commit", str(ep1)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) as command:
+            out, _ = command.communicate(timeout=120)  # end of file: the waiting child holds no pipe
+        assert command.returncode == 0 and HEX64.match(out.decode().strip())
+        assert Repo(path).background_work().compaction_pending
+        with repo.backend.repo_lock(exclusive=True, timeout=5):  # gc's lock: the waiting child holds none
+            pass
+    assert _ckstore(path, "wait").returncode == 0
+    runs = _DONE.findall(_log(path))
+    assert len(runs) == 2 and int(runs[1][1]) > 0, _log(path)
     assert Repo(path).fsck() == []
 
 

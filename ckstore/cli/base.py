@@ -278,6 +278,7 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
         repo = find_repo(ctx)
         # The command ends when its commit is durable; compaction goes on without it.
         repo.detach_compaction = True
+        repo.fork_compaction = _OWN_PROCESS  # the ckstore command: its compaction may be a fork of it
         interrupts = _Interrupts(repo, ctx.info_name or "")
         own = _OWN_PROCESS and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         if own:

@@ -7,6 +7,7 @@ objects), so no chunk can ever share a name with a commit, whatever bytes a user
 
 from __future__ import annotations
 
+import os
 import re
 from typing import NewType
 
@@ -22,6 +23,17 @@ _PREFIX_RE = re.compile(r"[0-9a-f]{6,64}")
 # blake3's own threading pays off only on large inputs: commit and checkout already hash one chunk
 # per core, and on a 1 MiB chunk its thread pool was slower than one thread (0.50 vs 0.41 ms).
 _MULTITHREAD_MIN = 1 << 26
+
+
+def _hash_alone_after_fork() -> None:
+    """blake3's thread pool, once started, is not in a forked child (a detached compaction:
+    write/detached.py): hashing there would wait for threads that do not exist."""
+    global _MULTITHREAD_MIN
+    _MULTITHREAD_MIN = 1 << 62
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_hash_alone_after_fork)
 
 
 def chunk_id(data: bytes | memoryview) -> ObjectId:

@@ -218,6 +218,8 @@ class BackgroundWork:
         self.compact_after_commit = True
         # Compact in a detached process instead of this process's thread (the CLI: detached.py).
         self.detach_compaction = False
+        # That process is a fork of this one (detached.start): this process is only a ckstore command.
+        self.fork_compaction = False
         self.recorded: list[ObjectId] = []
         self._commits: BackgroundCommits | None = None
         self._compactions: Compactions | None = None
@@ -251,7 +253,7 @@ class BackgroundWork:
         if self.detach_compaction and ctx.path is not None:
             from ckstore.write.detached import start
 
-            start(ctx.path, branch)
+            start(ctx.path, branch, fork=self.fork_compaction)
             return
         with self._lock:
             if self._compactions is None:

@@ -59,6 +59,18 @@ def _shared_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def _forget_threads_after_fork() -> None:
+    """A forked child has only the thread that forked (a detached compaction: detached.py): the
+    shared pool's workers are not there to run what it is given, and a lock another thread held
+    stays held. The pool starts afresh when first used."""
+    global _POOL, _POOL_LOCK, _GC_LOCK
+    _POOL, _POOL_LOCK, _GC_LOCK = None, threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_threads_after_fork)
+
+
 GROUP_MAX_ITEMS = 64
 
 
