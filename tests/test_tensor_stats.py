@@ -216,3 +216,27 @@ def test_bf16_figures_of_any_bit_patterns_match_float64(patterns: list[int]) -> 
     assert figures.nonfinite == len(wide) - len(finite)
     assert figures.absmax == (float(np.max(np.abs(finite))) if len(finite) else 0.0)
     assert figures.sum_sq == pytest.approx(float(np.sum(finite**2)), rel=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(-2.0**100, 2.0**100, width=32), st.floats(-2.0**100, 2.0**100, width=32)), min_size=1, max_size=40000),
+       st.sampled_from(["F32", "BF16"]))
+def test_difference_sums_are_the_float64_sums_of_the_exact_values(pairs: list[tuple[float, float]], dtype: str) -> None:
+    """The change record's partial sums (compaction) and diff's are this one function: its
+    figures are ‖new − old‖² and ‖old‖² of the exact values, summed in float64 (bf16 widened
+    exactly), at any length (einsum sums in blocks)."""
+    from ckstore.format.tensor_stats import difference_sums
+
+    old32 = np.array([p[0] for p in pairs], np.float32)
+    new32 = np.array([p[1] for p in pairs], np.float32)
+    if dtype == "BF16":  # the top half of each float32 is a bf16 value; widened back exactly
+        old_bytes = (old32.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        new_bytes = (new32.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        old32 = (np.frombuffer(old_bytes, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        new32 = (np.frombuffer(new_bytes, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        old_bytes, new_bytes = old32.tobytes(), new32.tobytes()
+    change, norm = difference_sums(old_bytes, new_bytes, dtype)
+    d = new32.astype(np.float64) - old32.astype(np.float64)
+    assert change == pytest.approx(math.fsum(d * d), rel=1e-12)
+    assert norm == pytest.approx(math.fsum(old32.astype(np.float64) ** 2), rel=1e-12)

@@ -36,7 +36,9 @@ def as_numbers(data: bytes | memoryview, dtype: str) -> np.ndarray:
     import numpy as np
 
     if dtype == "BF16":
-        return (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        widened = np.frombuffer(data, dtype=np.uint16).astype(np.uint32)
+        np.left_shift(widened, 16, out=widened)  # in place: a second array cost as much as the shift
+        return widened.view(np.float32)
     return np.frombuffer(data, dtype=np.dtype(_VIEWS[dtype]))
 
 
@@ -276,9 +278,11 @@ def difference_sums(old: bytes | memoryview, new: bytes | memoryview, dtype: str
     anyway (the change record, format.md 5.2): the same function, so the same figures."""
     import numpy as np
 
-    a, b = as_numbers(old, dtype), as_numbers(new, dtype)
-    # Widened to float64 inside the ufunc and einsum's buffers rather than as whole arrays first,
-    # and no temporary for the squares: 0.7 against 4.8 ms (np.sum of squares of float64 copies)
-    # per 1 MiB float32 chunk. einsum, not np.dot, which may hand the sum to a threaded BLAS.
-    d = np.subtract(b, a, dtype=np.float64)
-    return float(np.einsum("i,i->", d, d)), float(np.einsum("i,i->", a, a, dtype=np.float64))
+    # Each side widened to float64 once, the difference taken in place, and no temporary for the
+    # squares: per 1 MiB chunk 0.25 ms (fp32) and 0.64 ms (bf16), against 0.32 and 0.80 casting
+    # inside the ufunc's and einsum's buffers (the same sums, bit for bit) and 4.8 ms with
+    # np.sum of squares. einsum, not np.dot, which may hand the sum to a threaded BLAS.
+    a = as_numbers(old, dtype).astype(np.float64)
+    d = as_numbers(new, dtype).astype(np.float64)
+    np.subtract(d, a, out=d)
+    return float(np.einsum("i,i->", d, d)), float(np.einsum("i,i->", a, a))
