@@ -170,3 +170,20 @@ def test_base_of_wrong_length_is_integrity_error() -> None:
     assert parse_header(data).encoding == Encoding.DELTA
     with pytest.raises(IntegrityError):
         decode(data, Kind.CHUNK, 1 << 28, fetch_base=lambda oid, n: b"\0" * (n - 4))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(WIDTHS), st.integers(0, 3000), st.integers(0, 7), st.data())
+def test_byte_grouped_decodes_into_any_buffer_alignment(width: int, elements: int, offset: int, data: st.DataObject) -> None:
+    """Planes join into the caller's buffer (a checkout's file at a tensor's offset), aligned to
+    its elements or not, to the same bytes."""
+    from ckstore.codecs.planes import decode_grouped, grouped_parts
+
+    raw = data.draw(st.binary(min_size=width * elements, max_size=width * elements))
+    _, parts = grouped_parts(raw, width, 1)
+    body = memoryview(b"".join(parts))
+    buffer = np.zeros(len(raw) + 8, np.uint8)
+    into = buffer[offset:offset + len(raw)]
+    decoded = decode_grouped(body, len(raw), into=into)
+    assert decoded.tobytes() == raw and into.tobytes() == raw
+    assert not buffer[:offset].any() and not buffer[offset + len(raw):].any()

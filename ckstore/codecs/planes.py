@@ -178,13 +178,28 @@ def decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = Non
         out = decode_buffer(into, raw_len)
         context.join(kernels, planes, None, 0, out)
         return out
-    # Interleave by strided column writes: measured (numpy 2, x86_64) about 5x faster than
-    # shifting each plane into whole little-endian integers and OR-ing them, which costs a
-    # widening cast and two passes a plane; decoding was most of a clone's and a push's CPU.
-    out = decode_buffer(into, raw_len).reshape(n, width)
-    for i, (mode, frame) in enumerate(entries):
-        out[:, i] = np.frombuffer(decode_plane(i, mode, frame, n), dtype=np.uint8)
-    return out.reshape(-1)
+    out = decode_buffer(into, raw_len)
+    planes = [np.frombuffer(decode_plane(i, mode, frame, n), dtype=np.uint8) for i, (mode, frame) in enumerate(entries)]
+    if width in _WHOLE and out.ctypes.data % width == 0:
+        # 2- and 4-byte elements as whole little-endian integers, shifted and OR-ed in place
+        # plane by plane (numpy widens each byte plane inside the ufunc): per MiB 0.08 ms
+        # (bf16) and 0.16 ms (fp32) against 0.26 ms for strided column writes (numpy 2,
+        # x86_64). An output that is not aligned to its elements takes the columns.
+        whole = out.view(_WHOLE[width])
+        np.copyto(whole, planes[-1], casting="unsafe")
+        for plane in planes[-2::-1]:
+            np.left_shift(whole, 8, out=whole)
+            np.bitwise_or(whole, plane, out=whole)
+        return out
+    # Interleaved by strided column writes: about 5x faster than whole integers when each
+    # plane is first cast into an array of its own, and decoding was most of a clone's CPU.
+    columns = out.reshape(n, width)
+    for i, plane in enumerate(planes):
+        columns[:, i] = plane
+    return out
+
+
+_WHOLE = {2: "<u2", 4: "<u4"}  # element widths decode_grouped joins as whole integers
 
 
 def decode_zstd(body: memoryview, raw_len: int) -> bytes:
