@@ -304,6 +304,24 @@ def test_a_waiting_detached_compaction_holds_nothing_of_the_command(tmp_path: Pa
     assert Repo(path).fsck() == []
 
 
+def test_a_process_that_may_not_fork_starts_its_compaction_in_a_new_interpreter(tmp_path: Path) -> None:
+    """A training process (torch loaded, as here) never forks its compaction: a new interpreter
+    compacts, in a session of its own, and logs as the forked one does."""
+    from ckstore.write.detached import _can_fork, start
+
+    assert not _can_fork()  # torch's threads would be missing in a fork
+    path = tmp_path / "repo"
+    repo = Repo.init(path, chunk_size=1 << 16)
+    repo.compact_after_commit = False
+    for folder in _epochs(tmp_path, 2, 1 << 16):
+        repo.commit(folder)
+    assert start(path, repo.head_branch, fork=True)  # torch is loaded here: a new interpreter all the same
+    repo.wait_background()
+    runs = _DONE.findall(_log(path))
+    assert len(runs) == 1 and int(runs[0][1]) > 0 and int(runs[0][0]) != os.getpid(), _log(path)
+    assert Repo(path).fsck() == []
+
+
 def test_a_killed_detached_compaction_leaves_a_valid_repository_and_the_next_finishes_its_work(tmp_path: Path) -> None:
     path = tmp_path / "repo"
     repo = Repo.init(path, chunk_size=1 << 16)
