@@ -16,15 +16,13 @@ object gc drops; and, once ``MERGE_AT`` packs have accumulated, all of them. Com
 (``keep_clean``) leaves a pack that no object of is dropped and none of which was replaced (lies
 loose too), or, for a pack of 1 GiB or more, at most half of whose bytes were, large objects
 included: those are the newest commit's chunks,
-which the next compaction replaces (deltas) or settles (whole) loose, and copying them out first
-cost a DCP step 2 CPU s of its ~10 (a DCP save keeps the chunks its own compaction replaces, the
-first moments, in a pack of their own: dcp/compaction.py). The newest commit's own pack mostly
-has some chunks replaced already (those its compaction settles whole: an AdamW first moment);
-copying the rest out loose wrote the whole tip again and, at 10 GB, left it out of the page cache
-for the checkout that follows (docs/benchmarks.md, "10 GB, session 9"). The replaced copies stay
-in it until the next compaction, which replaces most of the rest and rewrites it: a small
-pack is rewritten at once instead (cheap, and it keeps no extra bytes: 10-15% of the store at
-0.27 GB when left).
+which the next compaction replaces (deltas) or settles (whole) loose. Copying them out first
+cost a DCP step 2 CPU s of its ~10, and at 10 GB wrote the whole tip again and left it out of
+the page cache for the checkout that follows (docs/benchmarks.md, "10 GB, session 9"). A
+compaction replaces none of the tip's own chunks (only a tip chunk that came back as a delta),
+so the tip's pack is mostly clean; a pack with replaced copies stays until the next compaction,
+which replaces most of the rest and rewrites it, unless it is small: then it is rewritten at
+once (cheap, and it keeps no extra bytes: 10-15% of the store at 0.27 GB when left).
 Such packs are merged too, once ``MERGE_AT`` of them have piled up (commits whose chunks no
 compaction replaces). gc and repack spread every large object: they re-encode objects in place. ``gather`` (gc)
 also moves loose small objects into the new pack when there are at least ``GATHER_AT`` of them.

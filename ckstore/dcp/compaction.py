@@ -18,32 +18,17 @@ waits for this process's, and interpreter exit waits on its own (write/backgroun
 from __future__ import annotations
 
 from ckstore.format.manifest import FileEntry
-from ckstore.format.optstate import FIRST, member
 from ckstore.repository.store import ObjectStore
 from ckstore.write.background import wait_all
 from ckstore.write.ingest import MemoryFile, ingest
 
 
-def is_first_moment(piece: str) -> bool:
-    """Whether a piece is an AdamW first moment (``optim.state.<fqn>.exp_avg@<offsets>``)."""
-    found = member(piece)
-    return found is not None and found.role == FIRST
-
-
-def store_pieces(staged: ObjectStore, source: MemoryFile, chunk_size: int,
-                 first_moments: ObjectStore | None = None) -> tuple[FileEntry, int]:
+def store_pieces(staged: ObjectStore, source: MemoryFile, chunk_size: int) -> tuple[FileEntry, int]:
     """Store one rank's file, new chunks the fast way; its manifest entry and the bytes added.
-
-    ``first_moments``: a second batch for the first moments' chunks, in a pack of their own.
-    It was made when a step's own compaction settled its first moments whole (one pack of all
-    three then had its weights and second moments copied out loose: ~2 CPU s a step of the DCP
-    benchmark); the next step's compaction now replaces all three (deltas, the first moments
-    whole where no delta pays), and the split only costs one more pack (merged once 8 gather).
-    """
-    def store_for(tensor: str) -> ObjectStore:
-        return first_moments if first_moments is not None and is_first_moment(tensor) else staged
-
-    files, added = ingest(staged, [source], chunk_size, fast=True, store_for=store_for)
+    All of them land in one pack (a large step's in a few): the step's own compaction replaces
+    none of them, the next step's replaces most (weights and second moments by predicted deltas,
+    first moments by deltas or their best whole encoding) and rewrites the pack then."""
+    files, added = ingest(staged, [source], chunk_size, fast=True)
     return files[0], added
 
 

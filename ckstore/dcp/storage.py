@@ -61,7 +61,7 @@ from ckstore.repository.writing import writing
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
-from ckstore.dcp.compaction import is_first_moment, store_pieces
+from ckstore.dcp.compaction import store_pieces
 from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 
 FILE_METADATA = {"format": "ckstore-dcp"}
@@ -214,12 +214,8 @@ class Writer(StorageWriter):
             header, _ = emit_header(specs, FILE_METADATA)
             size = len(header) + sum(len(b) for b in buffers)
             source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
-            with writing(ctx), ExitStack() as batches:  # durable before we report
-                first = sum(len(b) for (name, _, _), b in zip(specs, buffers) if is_first_moment(name))
-                staged = batches.enter_context(ctx.store.batch(size - first))
-                # Last in, first flushed (a rank's objects are all durable when the block ends).
-                moments = batches.enter_context(ctx.store.batch(first)) if first else None
-                entry, added = store_pieces(staged, source, ctx.config.chunk_size, moments)
+            with writing(ctx), ctx.store.batch(size) as staged:  # durable before we report
+                entry, added = store_pieces(staged, source, ctx.config.chunk_size)
             entries = {t.name: t for t in entry.tensors}
             for i, (item, (name, _, _), encoding) in enumerate(zip(plan.items, specs, encodings)):
                 stored = StoredItem(info.rank, path, entries[name], encoding, entry.header, added if i == 0 else 0)

@@ -259,7 +259,6 @@ def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
     parent: Sequence[FileEntry] | None = None, fast: bool = False,
     stats: Mapping[tuple[str, str], TensorEntry] | None = None,
-    store_for: Callable[[str], ObjectStore] | None = None,
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
 
@@ -271,8 +270,6 @@ def ingest(
     chunk at the same index of the same tensor, found by ``positions.ChunkIndex``: by position,
     else by tensor name) as the base of a forward delta. ``fast`` stores new multi-byte chunks
     provisionally (``ObjectStore.put_chunk``), for compaction (compact.py) to re-encode later.
-    ``store_for`` (a tensor's name -> the store its chunks go to; headers go to ``store``): a DCP
-    save keeps the chunks that compaction replaces first in a batch, and so a pack, of their own.
     """
     plans = []
     for source in sources:
@@ -332,11 +329,10 @@ def ingest(
             if previous is not None and (previous.dtype != tensor.dtype or previous.shape != tuple(tensor.shape)):
                 previous = None
             figures = _tensor_stats(piece, tensor.dtype, previous, c_index, oid)
-        target = store if store_for is None or plan.layout is None else store_for(plan.layout.tensors[s_index - 1].name)
         if base_index is not None:
-            result = target.put_chunk(piece, width, chunk_at(base_index, position, c_index, len(piece)), oid=oid)
+            result = store.put_chunk(piece, width, chunk_at(base_index, position, c_index, len(piece)), oid=oid)
         else:
-            result = target.put_chunk(piece, width, fast=fast, oid=oid)
+            result = store.put_chunk(piece, width, fast=fast, oid=oid)
         return p_index, s_index, len(piece), result, figures
 
     added = 0
