@@ -304,6 +304,22 @@ def test_a_waiting_detached_compaction_holds_nothing_of_the_command(tmp_path: Pa
     assert Repo(path).fsck() == []
 
 
+def test_a_compaction_that_cannot_start_leaves_the_commit_standing_with_a_warning(tmp_path: Path) -> None:
+    """compact.log cannot be written (here: a folder stands in its place): the command still
+    records the commit, says in one line that its compaction did not start, and exits 0."""
+    path = tmp_path / "repo"
+    Repo.init(path, chunk_size=1 << 16)
+    (path / "compact.log").mkdir()
+    ep0, ep1 = _epochs(tmp_path, 2, 1 << 16)
+    for folder in (ep0, ep1):
+        done = _ckstore(path, "commit", str(folder))
+        assert done.returncode == 0 and HEX64.match(done.stdout.strip()), done.stderr
+        assert "could not start the compaction" in done.stderr and "Traceback" not in done.stderr
+    assert len(Repo(path).log()) == 2
+    assert not Repo(path).background_work().compaction_pending
+    assert Repo(path).fsck() == []
+
+
 def test_a_process_that_may_not_fork_starts_its_compaction_in_a_new_interpreter(tmp_path: Path) -> None:
     """A training process (torch loaded, as here) never forks its compaction: a new interpreter
     compacts, in a session of its own, and logs as the forked one does."""

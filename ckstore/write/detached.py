@@ -102,39 +102,59 @@ def _spawn(path: Path, branch: str, place: int) -> None:
     # Bounded threads: numpy's BLAS would start one spinning thread per core (the small solves
     # of predicted deltas gain nothing from them); a user's own setting wins.
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    log = path / COMPACTION_LOG
-    mode = "ab" if not log.exists() or log.stat().st_size < LOG_LIMIT else "wb"
-    with open(log, mode) as out:
+    out = _open_log(path)
+    try:
         subprocess.Popen(
             [sys.executable, "-m", "ckstore.write.detached", str(path), branch, str(place)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(place,), start_new_session=True,
             close_fds=True, cwd=path, env=env,
         )
+    finally:
+        os.close(out)
+
+
+def _open_log(path: Path) -> int:
+    """A descriptor appending to the repository's compact.log (started afresh past LOG_LIMIT)."""
+    log = path / COMPACTION_LOG
+    start_afresh = log.exists() and log.stat().st_size >= LOG_LIMIT
+    return os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if start_afresh else 0), 0o644)
 
 
 def _fork(path: Path, branch: str, place: int) -> bool:
     """The compaction in a grandchild of this process, in a session of its own (the way a daemon
     detaches: the middle process exits at once, so nothing waits for the grandchild or leaves
-    it a zombie); False when the middle process failed (then ``_spawn``)."""
-    sys.stdout.flush()  # what the command printed so far, printed once: not again from the child
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setsid()  # the terminal's Ctrl-C goes to the command's process group, not here
-            if os.fork() == 0:
-                _run_forked(path, branch, place)  # never returns
-            code = 0
-        finally:
-            os._exit(code)  # never back into the command's frames
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    it a zombie); False when the middle process failed (then ``_spawn``). The log is opened here,
+    so that a repository where it cannot be written gets the command's warning (``start``)."""
+    out = _open_log(path)
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+    except OSError:
+        os.close(out)
+        raise
+    try:
+        sys.stdout.flush()  # what the command printed so far, printed once: not again from the child
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()  # the terminal's Ctrl-C goes to the command's process group, not here
+                if os.fork() == 0:
+                    _run_forked(path, branch, place, out, null)  # never returns
+                code = 0
+            finally:
+                os._exit(code)  # never back into the command's frames
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(out)
+        os.close(null)
 
 
-def _run_forked(path: Path, branch: str, place: int) -> None:
-    """The forked compaction: detached from the command's descriptors, signals and output, then
-    ``run``; exits the process (the command's frames above are never unwound here)."""
+def _run_forked(path: Path, branch: str, place: int, out: int, null: int) -> None:
+    """The forked compaction: detached from the command's descriptors, signals and output (``out``:
+    the log, ``null``: /dev/null), then ``run``; exits the process (the command's frames above
+    are never unwound here)."""
     import gc
     import signal
 
@@ -145,10 +165,6 @@ def _run_forked(path: Path, branch: str, place: int) -> None:
         gc.freeze()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        log = path / COMPACTION_LOG
-        truncate = os.O_TRUNC if log.exists() and log.stat().st_size >= LOG_LIMIT else os.O_APPEND
-        out = os.open(log, os.O_WRONLY | os.O_CREAT | truncate, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
