@@ -165,6 +165,22 @@ def test_closed_output_pipe_exits_quietly(tmp_path: Path) -> None:
     assert shell.returncode == 0 and shell.stderr == "" and shell.stdout.count("\n") == 1
 
 
+def test_a_command_started_with_its_output_closed_still_runs_and_exits_quietly(tmp_path: Path) -> None:
+    """A training script that closed its stdout (or a shell's ``>&-``) before running ``ckstore
+    commit``: the commit is recorded and compacts, the command exits 0, and nothing is printed."""
+    env = {**os.environ, "CKSTORE_REPO": str(tmp_path / "repo")}
+    Repo.init(tmp_path / "repo")
+    for i in range(2):
+        folder = checkpoint(tmp_path / f"e{i}" / "model.safetensors", seed=i).parent
+        done = subprocess.run(["bash", "-c", f"{sys.executable} -m ckstore.cli commit {folder} >&-"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+    again = Repo(tmp_path / "repo")
+    again.wait_background()
+    assert len(again.log()) == 2
+    assert again.fsck() == []
+
+
 # ---- init run twice -------------------------------------------------------------------------------------
 
 

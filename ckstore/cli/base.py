@@ -338,11 +338,7 @@ def run() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-    try:
-        sys.stdout.flush()  # output still buffered when the command returned
-        sys.stderr.flush()
-    except BrokenPipeError:
-        code = EXIT_PIPE
+    code = _flushed(code)  # output still buffered when the command returned
     # The command is over: everything it wrote is flushed, closed or durable, and its background
     # work waited for (pass_repo) or detached. Tearing down the interpreter (every module and
     # object freed one by one) would add 0.05-0.1 s to every command, a tenth of a small commit;
@@ -351,10 +347,17 @@ def run() -> None:
     if sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)
     atexit._run_exitfuncs()
+    os._exit(_flushed(code))
+
+
+def _flushed(code: int) -> int:
+    """Flush stdout and stderr; ``code``, or EXIT_PIPE when a reader closed the pipe. A stream
+    is None when the command was started with that descriptor closed: nothing to flush."""
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
     except BrokenPipeError:
-        code = EXIT_PIPE
-    os._exit(code)
+        return EXIT_PIPE
+    return code
 

@@ -132,8 +132,14 @@ def _fork(path: Path, branch: str, place: int) -> bool:
         os.close(out)
         raise
     try:
-        sys.stdout.flush()  # what the command printed so far, printed once: not again from the child
-        sys.stderr.flush()
+        if min(place, out, null) < 3:
+            return False  # a command started without its standard descriptors: dup2 would clobber these
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:  # None: the command was started with that descriptor closed
+                    stream.flush()  # what the command printed so far, printed once: not again from the child
+            except (OSError, ValueError):
+                pass  # a closed pipe or stream: the command's own exit reports it
         pid = os.fork()
         if pid == 0:
             code = 1
