@@ -481,3 +481,24 @@ def test_a_pack_with_replaced_objects_rests_only_when_large(tmp_path: Path, monk
     assert repo.backend.superseded_bytes() == 0  # type: ignore[attr-defined]
     assert repo.stats().stored_bytes == _object_bytes(repo)
     assert repo.fsck(read_data=True) == []
+
+
+def test_a_lookup_that_missed_finds_a_pack_installed_since_and_searches_once_when_none_was(
+    packing: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    writer = fresh(tmp_path)
+    commit_epoch(writer, tmp_path, 1)
+    reader = Repo(writer.path)  # another process's view: its own table of packs
+    absent = "ab" * 32
+    assert not reader.store.has(absent)
+    oid, _ = commit_epoch(writer, tmp_path, 2)  # a new pack the reader has not loaded
+    new = [c.id for c in writer.read_commit(oid).all_chunks()]
+    assert all(reader.store.has(c) for c in new)
+
+    searches: list[str] = []
+    packs = reader.backend.packs  # type: ignore[attr-defined]
+    for table in packs.indexes():
+        original = table.find
+        monkeypatch.setattr(table, "find", lambda key, original=original: searches.append(key) or original(key))
+    assert not reader.store.has(absent)
+    assert len(searches) == len(packs.indexes())  # each table asked once: nothing changed to search again

@@ -150,6 +150,7 @@ class LocalPacks:
         self._lock = threading.Lock()
         self._indexes: dict[str, PackIndex | PackTable] = {}
         self._seen: tuple[int, int] | None = None  # the folder's (mtime_ns, inode) last loaded
+        self._generation = 0  # counts changes of ``_indexes`` (``locate``)
         self.damaged: dict[str, str] = {}  # pack id -> why it was left out
         self._read_behind: dict[Path, DropBehind] = {}  # forget_cached's ranges, per pack
 
@@ -162,6 +163,7 @@ class LocalPacks:
         except FileNotFoundError:
             with self._lock:
                 self._indexes, self._seen = {}, None
+                self._generation += 1
             return
         stamp = (st.st_mtime_ns, st.st_ino)
         with self._lock:
@@ -179,21 +181,30 @@ class LocalPacks:
                 except (IntegrityError, OSError) as exc:
                     damaged[pid] = str(exc)
             self._indexes, self.damaged, self._seen = indexes, damaged, stamp
+            self._generation += 1
 
     def add(self, index: PackIndex) -> None:
         """A pack this process just installed (saves re-reading its table)."""
         with self._lock:
             self._indexes[index.pack_id] = index
+            self._generation += 1
 
     def locate(self, oid: str) -> _Located | None:
+        """Where a pack holds ``oid``. A miss looks at the folder again and searches a second
+        time only if the packs changed since the first search: most of a commit's lookups are
+        misses (its new chunks' dedup checks), and each search asks every table."""
         for attempt in (0, 1):
             with self._lock:
+                generation = self._generation
                 for pid, index in self._indexes.items():
                     entry = index.find(oid)
                     if entry is not None:
                         return _Located(self.path_of(pid), entry)
             if attempt == 0:
                 self.refresh()
+                with self._lock:
+                    if self._generation == generation:
+                        return None
         return None
 
     def read(self, oid: str, n: int | None = None) -> bytes | None:
