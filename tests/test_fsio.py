@@ -1,17 +1,21 @@
 """fsio.EarlyFlush: background flushes while a long write goes on, errors never lost; fsio.DropBehind:
-which parts of a file leave the page cache."""
+which parts of a file leave the page cache; fsio.PositionalWriter: many threads writing one file."""
 
 from __future__ import annotations
 
 import errno
+import os
+import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore.backend.fsio import DropBehind, EarlyFlush
+from ckstore.backend.fsio import DropBehind, EarlyFlush, PositionalWriter
 
 
 def test_flushes_once_per_threshold_and_one_at_a_time() -> None:
@@ -95,3 +99,27 @@ def test_drop_behind_waits_for_a_step_between_advices() -> None:
     assert behind.add(40, 40) == [(0, 80)]
     assert behind.add(80, 8) == []
     assert behind.pending() == []  # 88 rounds down to 80: advised already
+
+
+def test_threads_writing_one_file_at_their_offsets_leave_every_byte_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = random.Random(7)
+    pieces, offset = [], 0
+    for _ in range(300):
+        data = rng.randbytes(rng.randrange(1, 5000))
+        pieces.append((offset, data))
+        offset += len(data)
+    rng.shuffle(pieces)
+    real_pwrite = os.pwrite
+    # Short writes, as a kernel may return them: each call writes at most 999 bytes.
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: real_pwrite(fd, memoryview(data)[:999], at))
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        writer = PositionalWriter(fd)
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda piece: writer.write_at(piece[1], piece[0]), pieces))
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(data for _, data in sorted(pieces))

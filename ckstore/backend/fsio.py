@@ -115,6 +115,28 @@ def start_writeback(fd: int) -> None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
+class PositionalWriter:
+    """Writes into one open file at given offsets, from any number of threads, one at a time.
+
+    The kernel serializes them anyway (ext4 takes the file's inode lock for every buffered
+    write), but a writer that finds the lock held spins on it while the holder copies into the
+    page cache: on 2 cores, a whole core that could have been decoding or hashing. Waiting here
+    sleeps instead. Measured on a 3 GB bf16 checkout (two workers writing each file):
+    `rwsem_spin_on_owner` was 24% of the samples of a slow one, and alternated runs took 3.6
+    against 4.4 CPU s (medians of 5, same wall time); a 3 GB commit's pack writes spun 4%."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = threading.Lock()
+
+    def write_at(self, data: bytes | memoryview, offset: int) -> None:
+        view = memoryview(data)
+        with self._lock:
+            while view:
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
+
+
 class EarlyFlush:
     """Background ``flush`` every ``every`` bytes written, at most one at a time (module docstring).
 

@@ -29,7 +29,7 @@ from typing import Any
 import blake3
 
 from ckstore.errors import IntegrityError
-from ckstore.backend.fsio import DropBehind, drop_cached, mutating_step, read_ahead
+from ckstore.backend.fsio import DropBehind, PositionalWriter, drop_cached, mutating_step, read_ahead
 from ckstore.format.ids import is_object_id
 from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, PackTable, table_from_tail, tail_length
 
@@ -48,8 +48,9 @@ class PackWriter:
         self._written: set[str] = set()
         mutating_step()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self._writer = PositionalWriter(self._fd)
         try:
-            self._write(self._builder.header, 0)
+            self._writer.write_at(self._builder.header, 0)
         except BaseException:
             self.discard()
             raise
@@ -57,12 +58,6 @@ class PackWriter:
     @property
     def pack_id(self) -> str:
         return self._builder.pack_id
-
-    def _write(self, data: bytes | memoryview, offset: int) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(self._fd, view, offset)
-            view, offset = view[n:], offset + n
 
     def add(self, oid: str, data: bytes | memoryview) -> bool | None:
         """Append one stored object: True when added, False when the pack holds it already,
@@ -75,7 +70,7 @@ class PackWriter:
                 return None
             entry = self._builder.add(oid, data, digest)
         mutating_step()
-        self._write(data, entry.offset)
+        self._writer.write_at(data, entry.offset)
         with self._lock:
             self._written.add(oid)
             self._lock.notify_all()
@@ -112,7 +107,7 @@ class PackWriter:
             return None
         tail, index = self._builder.close()
         mutating_step()
-        self._write(tail, index.pack_size - len(tail))
+        self._writer.write_at(tail, index.pack_size - len(tail))
         os.close(self._fd)
         self._fd = -1
         return index

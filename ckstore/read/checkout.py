@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckstore.errors import InvalidPathError, OutputExistsError, StorageError, TensorNotFoundError
-from ckstore.backend.fsio import EarlyFlush, available_memory, fsync_path, mutating_step, pid_alive, write_out, write_out_and_drop
+from ckstore.backend.fsio import EarlyFlush, PositionalWriter, available_memory, fsync_path, mutating_step, pid_alive, write_out, write_out_and_drop
 from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
 from ckstore.write.pipeline import ProgressFactory, ordered_map
@@ -217,6 +217,7 @@ class _Staged:
         mutating_step()
         self.file = open(self.tmp, "xb")
         fd = self.file.fileno()
+        self.writer = PositionalWriter(fd)
         # Keeps the final fsync short (fsio.py); without one, writeback is left to the kernel,
         # unless the file is written through or out (``WRITE_THROUGH_SHARE``, ``WRITE_OUT_SHARE``).
         flush = ((lambda: os.fdatasync(fd)) if durable else (lambda: write_out_and_drop(fd)) if through
@@ -228,11 +229,7 @@ class _Staged:
 
     def write_at(self, data: bytes | memoryview, offset: int) -> None:
         """Write ``data`` at ``offset`` (a worker, while others write elsewhere in the file)."""
-        view = memoryview(data)
-        fd = self.file.fileno()
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
+        self.writer.write_at(data, offset)
 
     def sync(self) -> None:
         """Written out (durable when asked), then closed. An early flush's error is reported once
