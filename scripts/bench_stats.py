@@ -182,7 +182,7 @@ def main() -> None:
         " Statistics are computed on the worker that hashes each chunk, in 64K-element blocks (float32 sums"
         " added in float64; bf16 read two elements per 32-bit word, its largest magnitude from the"
         " sign-cleared bit patterns: format/tensor_stats.py); a tensor whose chunks are all its parent's"
-        " takes the parent's figures; the CLI imports numpy on a thread while the first chunks are hashed."
+        " takes the parent's figures; the first worker that needs numpy imports it."
         " Recording the relative change of"
         " changed tensors too would need the parent's chunks, so commit records the change only for unchanged"
         " tensors (0) and readers compute the rest (history/magnitude.py).",

@@ -9,11 +9,8 @@ tensor yields the same chunks wherever it sits in the file.
 
 from __future__ import annotations
 
-import importlib
 import os
 import struct
-import sys
-import threading
 import warnings
 from contextlib import closing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -245,16 +242,6 @@ def _finish(store: ObjectStore, accumulator: StatsAccumulator, dtype: str) -> Te
     return accumulator.result()
 
 
-def _import_numpy_meanwhile() -> None:
-    """Start importing numpy (the statistics need it) on a thread: a command that commits
-    safetensors files imports it for nothing else, and its ~0.1 s of start-up then overlaps the
-    reading, hashing and compressing of the first chunks, which release the GIL. The first
-    worker that computes statistics waits on the import lock until it is done. Not a daemon: the
-    interpreter never exits in the middle of the import."""
-    if "numpy" not in sys.modules:
-        threading.Thread(target=importlib.import_module, args=("numpy",), name="ckstore-import").start()
-
-
 def ingest(
     store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
     parent: Sequence[FileEntry] | None = None, fast: bool = False,
@@ -292,8 +279,10 @@ def ingest(
         if stats is not None and layout is not None:
             plan.stats[1:] = [StatsAccumulator() if t.dtype in NUMERIC_DTYPES else None for t in layout.tensors]
         plans.append(plan)
-    if any(figures is not None for plan in plans for figures in plan.stats):
-        _import_numpy_meanwhile()
+    # numpy (for the statistics) is imported by the first worker that needs it. It used to start
+    # on a thread of its own, to overlap the first chunks: that thread held the GIL the workers
+    # needed, and both waited for the import anyway (alternated CLI commits of a 271 MB epoch,
+    # 8 runs each: 0.382 s median without it against 0.402 s; bf16 0.328 against 0.324 s).
     new_files = {p.source.path: [t.name for t in p.layout.tensors] for p in plans if p.layout is not None}
     base_index = ChunkIndex(parent, new_files) if parent is not None else None
 
