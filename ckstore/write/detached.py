@@ -122,9 +122,10 @@ def _open_log(path: Path) -> int:
 
 def _fork(path: Path, branch: str, place: int) -> bool:
     """The compaction in a grandchild of this process, in a session of its own (the way a daemon
-    detaches: the middle process exits at once, so nothing waits for the grandchild or leaves
-    it a zombie); False when the middle process failed (then ``_spawn``). The log is opened here,
-    so that a repository where it cannot be written gets the command's warning (``start``)."""
+    detaches: the middle process exits at once, so the command waits for nothing; the grandchild
+    is reaped by PID 1, which in a container must be an init: README, "Compression"); False when
+    the middle process failed (then ``_spawn``). The log is opened here, so that a repository
+    where it cannot be written gets the command's warning (``start``)."""
     out = _open_log(path)
     try:
         null = os.open(os.devnull, os.O_RDONLY)
