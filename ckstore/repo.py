@@ -21,7 +21,13 @@ from ckstore.format.settings import RepoConfig
 from ckstore.format.values import JSONValue
 from ckstore.repository import branches
 from ckstore.repository.context import (
-    DEFAULT_DIR, RepoContext, find_context, init_context, memory_context, open_context, open_or_init_context,
+    DEFAULT_DIR,
+    RepoContext,
+    find_context,
+    init_context,
+    memory_context,
+    open_context,
+    open_or_init_context,
 )
 from ckstore.repository.refs import HEADS, REMOTES, TAGS, RefStore, check_ref_name
 from ckstore.repository.store import ObjectStore
@@ -30,6 +36,7 @@ from ckstore.write.background import BackgroundStatus, CommitHandle, work_for
 # Operations are imported where they are called, so a command loads only what it runs (start-up:
 # scripts/bench_startup.py); the names re-exported below load on first use (``__getattr__``).
 if TYPE_CHECKING:
+    from ckstore.compaction.compact import CompactReport
     from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
     from ckstore.history.summary import FileSummary
     from ckstore.maintenance.fsck import Problems
@@ -42,22 +49,26 @@ if TYPE_CHECKING:
     from ckstore.remote.lazy import RemoteObjects
     from ckstore.remote.names import RemoteSpec
     from ckstore.remote.push import PushReport
-    from ckstore.repository.overlay import RelinkReport
     from ckstore.report.status import Status
+    from ckstore.repository.overlay import RelinkReport
     from ckstore.repository.reflog import Entry as ReflogEntry
+    from ckstore.runtime.progress import ProgressBar, ProgressFactory
     from ckstore.training.legacy import ImportResult
     from ckstore.training.partial import LazyTensors
     from ckstore.training.state import Device
     from ckstore.write.commit import CommitRequest
-    from ckstore.write.compact import CompactReport
     from ckstore.write.ingest import MemoryFile
-    from ckstore.write.pipeline import ProgressBar, ProgressFactory
 
 _LAZY_EXPORTS = {
-    "CheckoutResult": "ckstore.read.checkout", "CommitSizes": "ckstore.maintenance.sizes",
-    "Stats": "ckstore.maintenance.sizes", "Decorations": "ckstore.history.log", "Diff": "ckstore.history.log",
-    "TensorChange": "ckstore.history.log", "ReflogEntry": "ckstore.repository.reflog",
-    "ProgressBar": "ckstore.write.pipeline", "ProgressFactory": "ckstore.write.pipeline",
+    "CheckoutResult": "ckstore.read.checkout",
+    "CommitSizes": "ckstore.maintenance.sizes",
+    "Stats": "ckstore.maintenance.sizes",
+    "Decorations": "ckstore.history.log",
+    "Diff": "ckstore.history.log",
+    "TensorChange": "ckstore.history.log",
+    "ReflogEntry": "ckstore.repository.reflog",
+    "ProgressBar": "ckstore.runtime.progress",
+    "ProgressFactory": "ckstore.runtime.progress",
 }
 
 
@@ -69,8 +80,21 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(_LAZY_EXPORTS[name]), "Entry" if name == "ReflogEntry" else name)
 
 
-__all__ = ["DEFAULT_DIR", "BackgroundStatus", "CheckoutResult", "CommitHandle", "CommitSizes", "Decorations", "Diff",
-           "ProgressBar", "ProgressFactory", "ReflogEntry", "Repo", "Stats", "TensorChange"]
+__all__ = [
+    "DEFAULT_DIR",
+    "BackgroundStatus",
+    "CheckoutResult",
+    "CommitHandle",
+    "CommitSizes",
+    "Decorations",
+    "Diff",
+    "ProgressBar",
+    "ProgressFactory",
+    "ReflogEntry",
+    "Repo",
+    "Stats",
+    "TensorChange",
+]
 
 
 _V = TypeVar("_V")
@@ -95,8 +119,13 @@ class _WorkSetting(Generic[_V]):
 class Repo:
     """A ckstore repository. ``Repo(path)`` opens one; ``Repo.init(path)`` creates one."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
-                 _context: RepoContext | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        backend: Backend | None = None,
+        _context: RepoContext | None = None,
+    ) -> None:
         self._ctx = _context or open_context(path, backend=backend)
         self._work = work_for(self._ctx)  # once: ``commits_recorded`` (a signal handler's) takes no lock
 
@@ -104,8 +133,13 @@ class Repo:
 
     @classmethod
     def init(
-        cls, path: str | os.PathLike[str] = DEFAULT_DIR, *, chunk_size: int | None = None,
-        zstd_level: int | None = None, max_delta_depth: int | None = None, backend: Backend | None = None,
+        cls,
+        path: str | os.PathLike[str] = DEFAULT_DIR,
+        *,
+        chunk_size: int | None = None,
+        zstd_level: int | None = None,
+        max_delta_depth: int | None = None,
+        backend: Backend | None = None,
         exist_ok: bool = False,
     ) -> Repo:
         """Create a repository; with ``exist_ok`` open the one already at ``path`` instead (settings
@@ -113,7 +147,9 @@ class Repo:
         config = _config(chunk_size, zstd_level, max_delta_depth)
         if exist_ok:
             given = {"chunk_size": chunk_size, "zstd_level": zstd_level, "max_delta_depth": max_delta_depth}
-            return cls(_context=open_or_init_context(path, config, backend, [k for k, v in given.items() if v is not None]))
+            return cls(
+                _context=open_or_init_context(path, config, backend, [k for k, v in given.items() if v is not None])
+            )
         return cls(_context=init_context(path, config, backend))
 
     @classmethod
@@ -154,7 +190,7 @@ class Repo:
     # snapshots a background commit may hold at once (host memory; set before the first one);
     # whether each commit's parent is re-encoded as deltas once the commit is durable (False
     # leaves it to the next commit that compacts, or to repack); and whether that compaction runs
-    # in a detached process that outlives this one (the CLI: write/detached.py) instead of on this
+    # in a detached process that outlives this one (the CLI: compaction/detached.py) instead of on this
     # process's thread (a repository in memory always uses the thread); and whether that process
     # may be a fork of this one, which must then be a ckstore command and nothing else (the CLI).
     commits_in_flight: _WorkSetting[int] = _WorkSetting()
@@ -251,10 +287,16 @@ class Repo:
     # ---- commits -------------------------------------------------------------------------------
 
     def commit(
-        self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], message: str = "",
-        branch: str | None = None, metadata: Mapping[str, object] | None = None,
-        progress: ProgressFactory | None = None, base: str | None = None, base_repo: str | os.PathLike[str] | None = None,
-        raw: bool = False, start: str | None = None,
+        self,
+        paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+        message: str = "",
+        branch: str | None = None,
+        metadata: Mapping[str, object] | None = None,
+        progress: ProgressFactory | None = None,
+        base: str | None = None,
+        base_repo: str | os.PathLike[str] | None = None,
+        raw: bool = False,
+        start: str | None = None,
     ) -> ObjectId:
         """Record files and directories as one commit on ``branch``; return the commit id.
 
@@ -268,9 +310,9 @@ class Repo:
         (``import_checkpoint`` stores its tensors); see ``ingest.collect_sources``.
         """
         from ckstore.repository.overlay import resolve_base
+        from ckstore.runtime.pipeline import collection_paused
         from ckstore.write.commit import commit_sources, prepare_commit
         from ckstore.write.ingest import collect_sources
-        from ckstore.write.pipeline import collection_paused
 
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -294,24 +336,43 @@ class Repo:
 
     @overload
     def commit_state(
-        self, state: object, message: str = "", branch: str | None = None,
-        metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
-        base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: Literal[False] = False,
+        self,
+        state: object,
+        message: str = "",
+        branch: str | None = None,
+        metadata: Mapping[str, object] | None = None,
+        progress: ProgressFactory | None = None,
+        base: str | None = None,
+        base_repo: str | os.PathLike[str] | None = None,
+        background: Literal[False] = False,
         start: str | None = None,
     ) -> ObjectId: ...
 
     @overload
     def commit_state(
-        self, state: object, message: str = "", branch: str | None = None,
-        metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
-        base: str | None = None, base_repo: str | os.PathLike[str] | None = None, *, background: Literal[True],
+        self,
+        state: object,
+        message: str = "",
+        branch: str | None = None,
+        metadata: Mapping[str, object] | None = None,
+        progress: ProgressFactory | None = None,
+        base: str | None = None,
+        base_repo: str | os.PathLike[str] | None = None,
+        *,
+        background: Literal[True],
         start: str | None = None,
     ) -> CommitHandle: ...
 
     def commit_state(
-        self, state: object, message: str = "", branch: str | None = None,
-        metadata: Mapping[str, object] | None = None, progress: ProgressFactory | None = None,
-        base: str | None = None, base_repo: str | os.PathLike[str] | None = None, background: bool = False,
+        self,
+        state: object,
+        message: str = "",
+        branch: str | None = None,
+        metadata: Mapping[str, object] | None = None,
+        progress: ProgressFactory | None = None,
+        base: str | None = None,
+        base_repo: str | os.PathLike[str] | None = None,
+        background: bool = False,
         start: str | None = None,
     ) -> ObjectId | CommitHandle:
         """Commit a nested training state (tensors, arrays, scalars…) without pickle; return the id.
@@ -323,16 +384,17 @@ class Repo:
         """
         from ckstore.format.manifest import StateFiles
         from ckstore.repository.overlay import resolve_base
+        from ckstore.runtime.pipeline import collection_paused
         from ckstore.training.state import STATE_TENSORS, STATE_VALUES, state_files
         from ckstore.write.commit import commit_sources, prepare_commit
-        from ckstore.write.pipeline import collection_paused
 
         request = self._start_new_branch(prepare_commit(message, branch, metadata).on_branch(self._ctx), start)
         based = resolve_base(self._ctx, base, base_repo)
 
         def write(sources: Sequence[MemoryFile]) -> ObjectId:
-            return commit_sources(self._ctx, sources, request, progress,
-                                  state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based)
+            return commit_sources(
+                self._ctx, sources, request, progress, state=StateFiles(STATE_VALUES, STATE_TENSORS), base=based
+            )
 
         work = self._work
         if background:
@@ -349,26 +411,37 @@ class Repo:
 
     def compact(self, branch: str | None = None) -> CompactReport:
         """Re-encode the tip of ``branch`` and its parent now (what runs after every commit)."""
-        from ckstore.write.compact import compact_branch
+        from ckstore.compaction.compact import compact_branch
 
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
         return compact_branch(self._ctx, branch)
 
     def load_state(
-        self, ref: str = "HEAD", *, only: str | Sequence[str] | None = None, device: Device = "cpu",
+        self,
+        ref: str = "HEAD",
+        *,
+        only: str | Sequence[str] | None = None,
+        device: Device = "cpu",
         lazy: bool = False,
     ) -> object:
         """The state committed at ``ref``, bit-exact; ``only`` filters by key prefix or glob."""
+        from ckstore.runtime.pipeline import collection_paused
         from ckstore.training.state import load_state
-        from ckstore.write.pipeline import collection_paused
 
         with collection_paused():
             return load_state(self._ctx.graph, ref, only=only, device=device, lazy=lazy)
 
     def checkout(
-        self, ref: str, out_dir: str | os.PathLike[str], *, force: bool = False,
-        only: Sequence[str] | None = None, progress: ProgressFactory | None = None,
-        shard_size: int | str | None = None, merge_lora: bool = False, fsync: bool = False,
+        self,
+        ref: str,
+        out_dir: str | os.PathLike[str],
+        *,
+        force: bool = False,
+        only: Sequence[str] | None = None,
+        progress: ProgressFactory | None = None,
+        shard_size: int | str | None = None,
+        merge_lora: bool = False,
+        fsync: bool = False,
     ) -> CheckoutResult:
         """Write the files of ``ref`` into ``out_dir``, byte-identical (or only matching tensors).
 
@@ -379,17 +452,24 @@ class Repo:
         """
         from ckstore.read.checkout import write_with_progress
         from ckstore.read.export import plan_checkout
-
-        from ckstore.write.pipeline import collection_paused
+        from ckstore.runtime.pipeline import collection_paused
 
         outputs = plan_checkout(self.store, self.read_commit(self.resolve(ref)), only, shard_size, merge_lora)
         with collection_paused():
             return write_with_progress(self.store, outputs, Path(out_dir), force, progress, durable=fsync)
 
     def export(
-        self, ref: str, out_dir: str | os.PathLike[str], *, prefix: str | None = None,
-        weights: Sequence[str] | None = None, files_from: str | None = None, shard_size: int | str | None = None,
-        force: bool = False, progress: ProgressFactory | None = None, fsync: bool = False,
+        self,
+        ref: str,
+        out_dir: str | os.PathLike[str],
+        *,
+        prefix: str | None = None,
+        weights: Sequence[str] | None = None,
+        files_from: str | None = None,
+        shard_size: int | str | None = None,
+        force: bool = False,
+        progress: ProgressFactory | None = None,
+        fsync: bool = False,
     ) -> CheckoutResult:
         """Write exactly the model of ``ref`` as a folder ``from_pretrained`` loads (see export.py).
 
@@ -404,26 +484,53 @@ class Repo:
         from ckstore.read.export import plan_export
 
         source = self.read_commit(self.resolve(files_from)) if files_from is not None else None
-        plan = plan_export(self.store, self.read_commit(self.resolve(ref)), prefix=prefix, weights=weights,
-                           files_from=source, shard_size=shard_size)
+        plan = plan_export(
+            self.store,
+            self.read_commit(self.resolve(ref)),
+            prefix=prefix,
+            weights=weights,
+            files_from=source,
+            shard_size=shard_size,
+        )
         result = write_with_progress(self.store, plan.outputs, Path(out_dir), force, progress, "export", durable=fsync)
         result.merged_adapter = plan.merged_adapter
         return result
 
     def import_checkpoint(
-        self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
-        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, object] | None = None,
+        self,
+        path: str | os.PathLike[str],
+        *,
+        recursive: bool = False,
+        message: str | None = None,
+        branch: str | None = None,
+        delete_source: bool = False,
+        metadata: Mapping[str, object] | None = None,
         start: str | None = None,
     ) -> list[ImportResult]:
         """Commit PyTorch pickle checkpoints safely (weights_only), one commit per file; see legacy.py.
 
         A ``branch`` that does not exist yet starts at ``start``, as in ``commit``."""
-        return list(self.iter_import(path, recursive=recursive, message=message, branch=branch,
-                                     delete_source=delete_source, metadata=metadata, start=start))
+        return list(
+            self.iter_import(
+                path,
+                recursive=recursive,
+                message=message,
+                branch=branch,
+                delete_source=delete_source,
+                metadata=metadata,
+                start=start,
+            )
+        )
 
     def iter_import(
-        self, path: str | os.PathLike[str], *, recursive: bool = False, message: str | None = None,
-        branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, object] | None = None,
+        self,
+        path: str | os.PathLike[str],
+        *,
+        recursive: bool = False,
+        message: str | None = None,
+        branch: str | None = None,
+        delete_source: bool = False,
+        metadata: Mapping[str, object] | None = None,
         start: str | None = None,
     ) -> Iterator[ImportResult]:
         """Like ``import_checkpoint``, yielding each file's result as its commit lands."""
@@ -432,9 +539,17 @@ class Repo:
         from ckstore.training.legacy import import_checkpoints
 
         # Only the first file's commit can find its branch new; the later ones follow it.
-        yield from import_checkpoints(partial(self.commit_state, start=start), self.load_state, path,
-                                      exclude=self.path, recursive=recursive, message=message, branch=branch,
-                                      delete_source=delete_source, metadata=metadata)
+        yield from import_checkpoints(
+            partial(self.commit_state, start=start),
+            self.load_state,
+            path,
+            exclude=self.path,
+            recursive=recursive,
+            message=message,
+            branch=branch,
+            delete_source=delete_source,
+            metadata=metadata,
+        )
 
     def open(self, ref: str = "HEAD", *, path: str | None = None, framework: str | None = None) -> LazyTensors:
         """A lazy read-only mapping of the commit's tensors with safe_open-style slices; see partial.py."""
@@ -444,8 +559,9 @@ class Repo:
 
     # ---- history and inspection ----------------------------------------------------------------
 
-    def log(self, ref: str | Sequence[str] | None = None, limit: int | None = None,
-            best: tuple[str, bool] | None = None) -> list[LogEntry]:
+    def log(
+        self, ref: str | Sequence[str] | None = None, limit: int | None = None, best: tuple[str, bool] | None = None
+    ) -> list[LogEntry]:
         """Commits reachable from ``ref`` (default HEAD; a list: from any of them), newest first, at most ``limit``, with the
         names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
         from ckstore.history.log import log
@@ -536,9 +652,18 @@ class Repo:
     # ---- maintenance ---------------------------------------------------------------------------
 
     def gc(
-        self, *, keep_last: int | None = None, keep_best: int | None = None, metric: str | None = None,
-        maximize: bool = False, keep_every: int | None = None, dry_run: bool = False, repack: bool = False,
-        prune_now: bool = False, force: bool = False, progress: ProgressFactory | None = None,
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        maximize: bool = False,
+        keep_every: int | None = None,
+        dry_run: bool = False,
+        repack: bool = False,
+        prune_now: bool = False,
+        force: bool = False,
+        progress: ProgressFactory | None = None,
     ) -> GcReport:
         """Delete commits outside the retention policy (if any) and every object no kept commit needs.
 
@@ -551,8 +676,9 @@ class Repo:
 
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
         self.wait()
-        return collect_garbage(self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
-                               progress=progress)
+        return collect_garbage(
+            self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force, progress=progress
+        )
 
     def repack(self, progress: ProgressFactory | None = None) -> RepackReport:
         from ckstore.maintenance.repack import repack
@@ -560,8 +686,13 @@ class Repo:
         self.wait()
         return repack(self._ctx, progress)
 
-    def relink(self, bases: Sequence[str | os.PathLike[str]] = (), *, dependents: Sequence[str | os.PathLike[str]] = (),
-               prune: bool = False) -> RelinkReport:
+    def relink(
+        self,
+        bases: Sequence[str | os.PathLike[str]] = (),
+        *,
+        dependents: Sequence[str | os.PathLike[str]] = (),
+        prune: bool = False,
+    ) -> RelinkReport:
         """Repair overlay links after a move: ``bases`` are base repositories' new locations,
         ``dependents`` overlays' new locations; ``prune`` forgets deleted overlays (see overlay.py)."""
         from ckstore.repository.overlay import relink
@@ -587,8 +718,14 @@ class Repo:
         return remotes.remove(self._ctx, name)
 
     def push(
-        self, remote: str | None = None, refs: Sequence[str] = (), force: bool = False, *,
-        target_size: int | None = None, grace: float | None = None, progress: ProgressFactory | None = None,
+        self,
+        remote: str | None = None,
+        refs: Sequence[str] = (),
+        force: bool = False,
+        *,
+        target_size: int | None = None,
+        grace: float | None = None,
+        progress: ProgressFactory | None = None,
     ) -> PushReport:
         """Send ``refs`` (default: the current branch) and what they need to ``remote``; see push.py
         (``target_size``: bytes per pack; ``grace``: seconds a condemned pack stays reachable)."""
@@ -597,8 +734,15 @@ class Repo:
         from ckstore.remote.push import push
 
         self.wait()
-        return push(self._ctx, remote, refs, force, DEFAULT_TARGET_SIZE if target_size is None else target_size,
-                    DEFAULT_GRACE if grace is None else grace, progress)
+        return push(
+            self._ctx,
+            remote,
+            refs,
+            force,
+            DEFAULT_TARGET_SIZE if target_size is None else target_size,
+            DEFAULT_GRACE if grace is None else grace,
+            progress,
+        )
 
     def fetch(self, remote: str | None = None, progress: ProgressFactory | None = None) -> FetchReport:
         """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py.
@@ -607,8 +751,9 @@ class Repo:
 
         return fetch(self._ctx, remote, progress)
 
-    def pull(self, remote: str | None = None,
-             progress: ProgressFactory | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
+    def pull(
+        self, remote: str | None = None, progress: ProgressFactory | None = None
+    ) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
         """Fetch, then fast-forward the current branch; returns (report, old commit, new commit)."""
         from ckstore.remote.fetch import pull
 
@@ -616,8 +761,13 @@ class Repo:
 
     @classmethod
     def clone(
-        cls, url: str, path: str | os.PathLike[str] = DEFAULT_DIR, *, endpoint_url: str | None = None,
-        progress: ProgressFactory | None = None, check: bool = True,
+        cls,
+        url: str,
+        path: str | os.PathLike[str] = DEFAULT_DIR,
+        *,
+        endpoint_url: str | None = None,
+        progress: ProgressFactory | None = None,
+        check: bool = True,
     ) -> tuple[Repo, FetchReport]:
         """A new repository at ``path`` with every branch of the remote at ``url`` ("origin"), and
         the report of the fetch that filled it. A ref the remote is damaged at raises
@@ -631,8 +781,15 @@ class Repo:
         return cls(_context=ctx), report
 
     def gc_remote(
-        self, remote: str | None = None, *, keep_last: int | None = None, keep_best: int | None = None,
-        metric: str | None = None, maximize: bool = False, keep_every: int | None = None, grace: float | None = None,
+        self,
+        remote: str | None = None,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        maximize: bool = False,
+        keep_every: int | None = None,
+        grace: float | None = None,
         dry_run: bool = False,
     ) -> RemoteGcReport:
         """Garbage-collect a remote (two-phase, see remote/gc.py): the retention policy as ``gc``'s,
@@ -640,9 +797,17 @@ class Repo:
         from ckstore.remote.gc import collect_remote
         from ckstore.remote.layout import DEFAULT_GRACE
 
-        return collect_remote(self._ctx, remote, keep_last=keep_last, keep_best=keep_best, metric=metric,
-                              maximize=maximize, keep_every=keep_every,
-                              grace=DEFAULT_GRACE if grace is None else grace, dry_run=dry_run)
+        return collect_remote(
+            self._ctx,
+            remote,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            metric=metric,
+            maximize=maximize,
+            keep_every=keep_every,
+            grace=DEFAULT_GRACE if grace is None else grace,
+            dry_run=dry_run,
+        )
 
     def use_remote(self, remote: str | None = None) -> RemoteObjects:
         """Read objects missing here from ``remote`` on demand (ranged reads, cached locally):
@@ -675,9 +840,13 @@ class Repo:
         return check(self._ctx, read_data=read_data, progress=progress)
 
 
-def _config(chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None) -> RepoConfig:
+def _config(
+    chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None
+) -> RepoConfig:
     defaults = RepoConfig()
     # None means "the default"; 0 is a value like any other, refused by validation (newcomer item 11).
-    return RepoConfig(defaults.chunk_size if chunk_size is None else chunk_size,
-                      defaults.zstd_level if zstd_level is None else zstd_level,
-                      defaults.max_delta_depth if max_delta_depth is None else max_delta_depth)
+    return RepoConfig(
+        defaults.chunk_size if chunk_size is None else chunk_size,
+        defaults.zstd_level if zstd_level is None else zstd_level,
+        defaults.max_delta_depth if max_delta_depth is None else max_delta_depth,
+    )

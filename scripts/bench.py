@@ -46,8 +46,8 @@ from bench_sections import write_page  # noqa: E402
 
 from ckstore import Repo  # noqa: E402
 from ckstore.codecs.objects import encode_chunk  # noqa: E402
-from ckstore.format.settings import DEFAULT_ZSTD_LEVEL  # noqa: E402
 from ckstore.format.positions import element_width  # noqa: E402
+from ckstore.format.settings import DEFAULT_ZSTD_LEVEL  # noqa: E402
 
 FILES = bench_epochs.FILES
 GIB = 1 << 30
@@ -138,7 +138,7 @@ def estimate_gap(dirs: list[Path]) -> tuple[float, float]:
                 data = t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
                 width = element_width(str(f.get_slice(name).get_dtype()))
                 for i in range(0, len(data), chunk):
-                    out[(name, i)] = (data[i:i + chunk], width)
+                    out[(name, i)] = (data[i : i + chunk], width)
         return out
 
     raw = sampled = full = 0
@@ -163,8 +163,10 @@ def machine() -> str:
         pass
     import torch
 
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"{platform.system()} {platform.release()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{platform.system()} {platform.release()}"
+    )
 
 
 class Load:
@@ -188,20 +190,41 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 25 steps, 1 repetition, no sweeps")
     parser.add_argument("--reps", type=int, help="repetitions of every timing (default 3; 1 with --quick)")
     parser.add_argument("--steps", type=int, nargs="+", choices=STEPS, help="steps per epoch to measure (default all)")
-    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
-                        help="fine-tune runs to measure (default all; the page then holds only these)")
-    parser.add_argument("--extras", action="store_true",
-                        help="also the chunk-size/zstd-level/delta-depth sweeps and the exhaustive-encoding estimate")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch intra-op threads in this process (default 1, see the page's intro)")
-    parser.add_argument("--only-cached", action="store_true",
-                        help="train nothing: measure only the runs whose checkpoints are cached (the page lists the others)")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        choices=RUNS,
+        default=list(RUNS),
+        help="fine-tune runs to measure (default all; the page then holds only these)",
+    )
+    parser.add_argument(
+        "--extras",
+        action="store_true",
+        help="also the chunk-size/zstd-level/delta-depth sweeps and the exhaustive-encoding estimate",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in this process (default 1, see the page's intro)",
+    )
+    parser.add_argument(
+        "--only-cached",
+        action="store_true",
+        help="train nothing: measure only the runs whose checkpoints are cached (the page lists the others)",
+    )
     parser.add_argument("--memory-gib", type=float, help="file size of the memory test (default 4; 1 with --quick)")
-    parser.add_argument("--out", help="the page to write (default docs/benchmarks.md; WORK/benchmarks-quick.md with --quick)")
+    parser.add_argument(
+        "--out", help="the page to write (default docs/benchmarks.md; WORK/benchmarks-quick.md with --quick)"
+    )
     args = parser.parse_args()
     work = Path(args.work)
     reps = args.reps or (1 if args.quick else 3)
-    out = Path(args.out) if args.out else (work / "benchmarks-quick.md" if args.quick else ROOT / "docs" / "benchmarks.md")
+    out = (
+        Path(args.out)
+        if args.out
+        else (work / "benchmarks-quick.md" if args.quick else ROOT / "docs" / "benchmarks.md")
+    )
     if args.quick and not out.exists() and (ROOT / "docs" / "benchmarks.md").exists():
         shutil.copyfile(ROOT / "docs" / "benchmarks.md", out)  # keep the other scripts' sections
     steps_list = tuple(args.steps or ((25,) if args.quick else STEPS))
@@ -213,13 +236,19 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     started = time.perf_counter()
     runs = tuple(args.runs)
-    data = {steps: cached_checkpoints(work / "checkpoints", steps=steps) if args.only_cached
-            else ensure_checkpoints(work / "checkpoints", steps=steps, runs=runs) for steps in steps_list}
+    data = {
+        steps: cached_checkpoints(work / "checkpoints", steps=steps)
+        if args.only_cached
+        else ensure_checkpoints(work / "checkpoints", steps=steps, runs=runs)
+        for steps in steps_list
+    }
     trained = time.perf_counter() - started
     load = Load()
     # The memory tests and the machine limits use the biggest checkpoints measured.
-    biggest = max((dirs for runs in data.values() for dirs in runs.values()),
-                  key=lambda dirs: sum((dirs[-1] / f).stat().st_size for f in FILES))
+    biggest = max(
+        (dirs for runs in data.values() for dirs in runs.values()),
+        key=lambda dirs: sum((dirs[-1] / f).stat().st_size for f in FILES),
+    )
 
     load.sample()
     print("machine limits ...", flush=True)
@@ -244,8 +273,12 @@ def main() -> None:
         dirs = data[steps][run]
         print(f"{run}, {steps} steps/epoch ...", flush=True)
         times, stored, raw = bench_epochs.measure(dirs, work / "epochs", reps)
-        results[(steps, run)] = {"times": times, "stored": stored, "raw": raw,
-                                 "other": compressors(dirs, run, work, with_hexz=not args.quick)}
+        results[(steps, run)] = {
+            "times": times,
+            "stored": stored,
+            "raw": raw,
+            "other": compressors(dirs, run, work, with_hexz=not args.quick),
+        }
         print(bench_report.summary_line(steps, run, results[(steps, run)]), flush=True)
     results = dict(sorted(results.items(), key=lambda item: (item[0][0], RUNS.index(item[0][1]))))
 
@@ -256,8 +289,11 @@ def main() -> None:
         dirs = data[min(steps_list)]["fp32_full"]
         gap = estimate_gap(dirs)
         sweeps = []
-        for name, values in (("chunk_size", [1 << 18, 1 << 20, 1 << 22]), ("zstd_level", [1, 3, 6]),
-                             ("max_delta_depth", [0, 1, 3])):
+        for name, values in (
+            ("chunk_size", [1 << 18, 1 << 20, 1 << 22]),
+            ("zstd_level", [1, 3, 6]),
+            ("max_delta_depth", [0, 1, 3]),
+        ):
             for value in values:
                 sweeps.append((name, value, sweep(dirs, work / "sweep", **{name: value})))
                 print(sweeps[-1], flush=True)
@@ -273,12 +309,22 @@ def main() -> None:
     load.sample()
 
     context = bench_report.Context(
-        machine=machine(), reps=reps, load=load.summary(), minutes=(time.perf_counter() - started - trained) / 60,
-        steps=steps_list, quick=args.quick, torch_threads=args.torch_threads, missing=missing,
+        machine=machine(),
+        reps=reps,
+        load=load.summary(),
+        minutes=(time.perf_counter() - started - trained) / 60,
+        steps=steps_list,
+        quick=args.quick,
+        torch_threads=args.torch_threads,
+        missing=missing,
     )
     sections = bench_report.sections(context, results, limits, gap, sweeps, memory, state_memory)
-    write_page(out, bench_report.intro(context), sections,
-               drop=("Commit and checkout time", "Targets") + (("Trade-offs", "Choosing the encoding") if args.extras else ()))
+    write_page(
+        out,
+        bench_report.intro(context),
+        sections,
+        drop=("Commit and checkout time", "Targets") + (("Trade-offs", "Choosing the encoding") if args.extras else ()),
+    )
     print(f"wrote {out} ({context.minutes:.0f} min, load {context.load})")
 
 

@@ -52,7 +52,7 @@ def pieces(folder: Path) -> dict[tuple[str, str, int], tuple[bytes, int]]:
         for name, t in load_file(str(folder / f)).items():
             data = t.contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
             for i in range(0, len(data), CHUNK):
-                out[(f, name, i)] = (data[i:i + CHUNK], t.element_size())
+                out[(f, name, i)] = (data[i : i + CHUNK], t.element_size())
     return out
 
 
@@ -66,7 +66,9 @@ def floor(parent: Path, child: Path) -> dict[str, float]:
             continue  # the same chunk: nothing to compact
         stored = [encode_sampled(raw, Kind.CHUNK, LEVEL) for raw in (raw_old, raw_new)]
         started = time.process_time()
-        decoded = [bytes(decode_view(s, Kind.CHUNK, len(r), expected_len=len(r))) for s, r in zip(stored, (raw_old, raw_new))]
+        decoded = [
+            bytes(decode_view(s, Kind.CHUNK, len(r), expected_len=len(r))) for s, r in zip(stored, (raw_old, raw_new))
+        ]
         spent["read"] += time.process_time() - started
         started = time.process_time()
         base_id = chunk_id(decoded[1])
@@ -78,7 +80,9 @@ def floor(parent: Path, child: Path) -> dict[str, float]:
         if delta is None:
             continue
         started = time.process_time()
-        back = decode_view(delta, Kind.CHUNK, len(raw_old), expected_len=len(raw_old), fetch_base=lambda _, n: decoded[1])
+        back = decode_view(
+            delta, Kind.CHUNK, len(raw_old), expected_len=len(raw_old), fetch_base=lambda _, n: decoded[1]
+        )
         assert bytes(back) == raw_old
         spent["check"] += time.process_time() - started
     return spent
@@ -116,8 +120,12 @@ def main() -> None:
         total = statistics.median(sum(s.values()) for s in samples)
         with tempfile.TemporaryDirectory(dir=args.work) as tmp:
             save = save_seconds(dirs[3], Path(tmp), args.runs)
-        print(f"| {dtype} MiniLM epoch 4 | " + " | ".join(f"{steps[k]:.3f}" for k in steps)
-              + f" | {total:.3f} | {save:.3f} | {total / save:.1f}× |", flush=True)
+        print(
+            f"| {dtype} MiniLM epoch 4 | "
+            + " | ".join(f"{steps[k]:.3f}" for k in steps)
+            + f" | {total:.3f} | {save:.3f} | {total / save:.1f}× |",
+            flush=True,
+        )
     print(f"\nload {os.getloadavg()[0]:.1f} at the end")
 
 

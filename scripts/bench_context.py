@@ -44,7 +44,7 @@ def chunks(folder: Path) -> dict[tuple[str, int], tuple[bytes, int]]:
                     continue
                 data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
                 for i in range(0, len(data), CHUNK):
-                    out[(f"{name}:{key}", i)] = (data[i:i + CHUNK], t.element_size())
+                    out[(f"{name}:{key}", i)] = (data[i : i + CHUNK], t.element_size())
     return out
 
 
@@ -52,7 +52,7 @@ def decode_rate(data: bytes, base: bytes, repeats: int = 3) -> float:
     """Seconds of CPU to decode ``data`` once (median of ``repeats``, after one warm-up)."""
     out = np.empty(len(base), np.uint8)
     times = []
-    for i in range(repeats + 1):
+    for _ in range(repeats + 1):
         started = time.process_time()
         decode_view(data, Kind.CHUNK, 1 << 28, len(base), lambda oid, n: base, out=out)
         times.append(time.process_time() - started)
@@ -75,8 +75,10 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", type=int, choices=list(STEPS), default=[60])
     parser.add_argument("--chunks", type=int, default=60, help="chunks sampled per run (seeded)")
     args = parser.parse_args()
-    print("| steps | run | chunks | plain delta / raw | context-sorted / raw | planes sorted | "
-          "decode plain, MB/s per core | decode context-sorted, MB/s per core | load |")
+    print(
+        "| steps | run | chunks | plain delta / raw | context-sorted / raw | planes sorted | "
+        "decode plain, MB/s per core | decode context-sorted, MB/s per core | load |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for run in args.runs:
@@ -93,7 +95,9 @@ def main() -> None:
             for key in keys:
                 (data, width), (base, _) = older[key], newer[key]
                 plain = encode_chunk(data, 1, width, "ab" * 32, base, allowed=frozenset({Encoding.DELTA}))
-                ctx = encode_chunk(data, 1, width, "ab" * 32, base, allowed=frozenset({Encoding.DELTA, Encoding.CONTEXT}))
+                ctx = encode_chunk(
+                    data, 1, width, "ab" * 32, base, allowed=frozenset({Encoding.DELTA, Encoding.CONTEXT})
+                )
                 raw += len(data)
                 plain_bytes += len(plain)
                 context_bytes += len(ctx)
@@ -102,9 +106,12 @@ def main() -> None:
                 found, total = sorted_planes(ctx)
                 planes[0] += found
                 planes[1] += total
-            print(f"| {steps} | {run} | {len(keys)} | {plain_bytes / raw:.4f} | {context_bytes / raw:.4f} | "
-                  f"{planes[0]}/{planes[1]} | {raw / 1e6 / plain_cpu:.0f} | {raw / 1e6 / context_cpu:.0f} | "
-                  f"{os.getloadavg()[0]:.1f} |", flush=True)
+            print(
+                f"| {steps} | {run} | {len(keys)} | {plain_bytes / raw:.4f} | {context_bytes / raw:.4f} | "
+                f"{planes[0]}/{planes[1]} | {raw / 1e6 / plain_cpu:.0f} | {raw / 1e6 / context_cpu:.0f} | "
+                f"{os.getloadavg()[0]:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -101,8 +101,9 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
     partial.replace(path)
 
 
-def train_run(run: str, out: Path, epochs: int, steps: int, batch: int = 8, seq: int = 32,
-              bf16_compute: str = "fp32") -> list[Path]:
+def train_run(
+    run: str, out: Path, epochs: int, steps: int, batch: int = 8, seq: int = 32, bf16_compute: str = "fp32"
+) -> list[Path]:
     """Train one run; return the epoch directories (each holds model + optimizer safetensors)."""
     # One thread: the same reduction order on every machine, so the checkpoints (and the stored
     # bytes measured on them) do not depend on the core count; and a shared machine's other work
@@ -182,8 +183,11 @@ def _train(run: str, out: Path, epochs: int, steps: int, batch: int, seq: int, b
         folder = out / run / f"epoch{epoch}"
         folder.mkdir(parents=True, exist_ok=True)
         _save(stored.state_dict(), folder / "model.safetensors", metadata)
-        _save(_optimizer_tensors(stored, opt.opt if isinstance(opt, Bf16Weights) else opt),
-              folder / "optimizer.safetensors", metadata)
+        _save(
+            _optimizer_tensors(stored, opt.opt if isinstance(opt, Bf16Weights) else opt),
+            folder / "optimizer.safetensors",
+            metadata,
+        )
         print(f"{run} epoch {epoch}: loss {loss:.4f} ({time.perf_counter() - started:.1f}s)", flush=True)
         dirs.append(folder)
     return dirs
@@ -201,7 +205,9 @@ def cached_checkpoints(out: Path, epochs: int = 4, steps: int = 25) -> dict[str,
     return result
 
 
-def ensure_checkpoints(out: Path, epochs: int = 4, steps: int = 25, runs: tuple[str, ...] = RUNS) -> dict[str, list[Path]]:
+def ensure_checkpoints(
+    out: Path, epochs: int = 4, steps: int = 25, runs: tuple[str, ...] = RUNS
+) -> dict[str, list[Path]]:
     """The epoch directories of ``runs`` at ``steps`` steps per epoch, training those not already
     on disk."""
     unknown = sorted(set(runs) - set(RUNS))

@@ -62,8 +62,11 @@ def worker(args: argparse.Namespace) -> None:
         row: dict[str, float] = {}
         for name in ("fs", "ck"):
             dist.barrier()
-            writer = (dcp.FileSystemWriter(str(out / "fs" / f"step{step}")) if name == "fs"
-                      else ckstore.dcp.Writer(out / "ck", message=f"step {step}"))
+            writer = (
+                dcp.FileSystemWriter(str(out / "fs" / f"step{step}"))
+                if name == "fs"
+                else ckstore.dcp.Writer(out / "ck", message=f"step {step}")
+            )
             started, cpu = time.perf_counter(), time.process_time()
             dcp.save(sd, storage_writer=writer)
             row[name] = time.perf_counter() - started
@@ -77,8 +80,11 @@ def worker(args: argparse.Namespace) -> None:
                 row["ck_compact"] = time.perf_counter() - started - row[name]
         for name in ("fs_async", "ck_async"):
             dist.barrier()
-            writer = (dcp.FileSystemWriter(str(out / "fs_async" / f"step{step}")) if name == "fs_async"
-                      else ckstore.dcp.Writer(out / "ck_async", message=f"step {step}"))
+            writer = (
+                dcp.FileSystemWriter(str(out / "fs_async" / f"step{step}"))
+                if name == "fs_async"
+                else ckstore.dcp.Writer(out / "ck_async", message=f"step {step}")
+            )
             started = time.perf_counter()
             future = dcp.async_save(sd, storage_writer=writer)
             row[name] = time.perf_counter() - started  # training is blocked until here
@@ -91,15 +97,19 @@ def worker(args: argparse.Namespace) -> None:
                 sizes[name].append(du(out / name))
         rows.append(row)
     if rank == 0:
-        logical = sum(t.numel() * t.element_size() for t in list(model.parameters())) * 3  # DTensor numel is global: model + exp_avg + exp_avg_sq
+        logical = (
+            sum(t.numel() * t.element_size() for t in list(model.parameters())) * 3
+        )  # DTensor numel is global: model + exp_avg + exp_avg_sq
         (out / "result.json").write_text(json.dumps({"rows": rows, "sizes": sizes, "approx_state_bytes": logical}))
     dist.destroy_process_group()
 
 
 def medians(results: list[dict]) -> list[dict[str, float]]:
     """Per step, the median of each figure over the runs."""
-    return [{k: statistics.median(r["rows"][i][k] for r in results) for k in results[0]["rows"][i]}
-            for i in range(len(results[0]["rows"]))]
+    return [
+        {k: statistics.median(r["rows"][i][k] for r in results) for k in results[0]["rows"][i]}
+        for i in range(len(results[0]["rows"]))
+    ]
 
 
 def table(results: list[dict], args: argparse.Namespace) -> str:
@@ -110,17 +120,21 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         f"+ AdamW: state ≈ {results[0]['approx_state_bytes'] / mb:.0f} MB, 4 steps, each saved four ways; "
         f"times are medians of {len(results)} runs; load average {os.getloadavg()[0]:.1f} at the end.",
         "",
-        ("| step | FileSystemWriter save s | ckstore save s | ratio | CPU s of a rank (FS / ckstore) "
-         "| ckstore compaction after the save s | its CPU s (rank 0) | / FS save | async blocked s (FS / ckstore) | ratio "
-         "| async total s (FS / ckstore, with compaction) |"),
+        (
+            "| step | FileSystemWriter save s | ckstore save s | ratio | CPU s of a rank (FS / ckstore) "
+            "| ckstore compaction after the save s | its CPU s (rank 0) | / FS save | async blocked s (FS / ckstore) | ratio "
+            "| async total s (FS / ckstore, with compaction) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r['fs']:.2f} | {r['ck']:.2f} | {r['ck'] / r['fs']:.2f} | "
-                     f"{r['fs_cpu']:.2f} / {r['ck_cpu']:.2f} | {r['ck_compact']:.2f} | {r['ck_compact_cpu']:.2f} | "
-                     f"{r['ck_compact_cpu'] / r['fs']:.1f}× | "
-                     f"{r['fs_async']:.2f} / {r['ck_async']:.2f} | {r['ck_async'] / r['fs_async']:.2f} | "
-                     f"{r['fs_async_total']:.2f} / {r['ck_async_total']:.2f} |")
+        lines.append(
+            f"| {i} | {r['fs']:.2f} | {r['ck']:.2f} | {r['ck'] / r['fs']:.2f} | "
+            f"{r['fs_cpu']:.2f} / {r['ck_cpu']:.2f} | {r['ck_compact']:.2f} | {r['ck_compact_cpu']:.2f} | "
+            f"{r['ck_compact_cpu'] / r['fs']:.1f}× | "
+            f"{r['fs_async']:.2f} / {r['ck_async']:.2f} | {r['ck_async'] / r['fs_async']:.2f} | "
+            f"{r['fs_async_total']:.2f} / {r['ck_async_total']:.2f} |"
+        )
     fs, ck = sizes["fs"], sizes["ck"]
     lines += [
         "",
@@ -153,9 +167,25 @@ def main() -> None:
             shutil.rmtree(out / name, ignore_errors=True)
         ckstore.Repo.init(out / "ck")
         ckstore.Repo.init(out / "ck_async")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                        "--worker", "--layers", str(args.layers), "--width", str(args.width), "--out", str(out)],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                __file__,
+                "--worker",
+                "--layers",
+                str(args.layers),
+                "--width",
+                str(args.width),
+                "--out",
+                str(out),
+            ],
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         results.append(json.loads((out / "result.json").read_text()))
     (out / "results.json").write_text(json.dumps(results))
     print(table(results, args))

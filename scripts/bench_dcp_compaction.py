@@ -147,9 +147,17 @@ def compact_once(snapshot: Path, work: Path, profile: Path | None = None) -> dic
     user, system = after.ru_utime - usage.ru_utime, after.ru_stime - usage.ru_stime
     stored = repo.stats().stored_bytes
     shutil.rmtree(work, ignore_errors=True)
-    return {"cpu": user + system, "user": user, "sys": system, "wall": wall, "stored_before": before_stored,
-            "stored": stored, "deltas": report.deltas, "predicted": report.predicted,
-            "recompressed": report.recompressed}
+    return {
+        "cpu": user + system,
+        "user": user,
+        "sys": system,
+        "wall": wall,
+        "stored_before": before_stored,
+        "stored": stored,
+        "deltas": report.deltas,
+        "predicted": report.predicted,
+        "recompressed": report.recompressed,
+    }
 
 
 def main() -> None:
@@ -172,10 +180,12 @@ def main() -> None:
     for r in rows:
         print(json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    print(f"step {args.steps} compaction: CPU {med['cpu']:.2f} s (user {med['user']:.2f} + sys {med['sys']:.2f}), "
-          f"wall {med['wall']:.2f} s; FS save + fsync {info['save']:.2f} s -> {med['cpu'] / info['save']:.1f}x; "
-          f"stored {med['stored_before'] / 1e6:.1f} -> {med['stored'] / 1e6:.1f} MB; "
-          f"load average at end {os.getloadavg()}")
+    print(
+        f"step {args.steps} compaction: CPU {med['cpu']:.2f} s (user {med['user']:.2f} + sys {med['sys']:.2f}), "
+        f"wall {med['wall']:.2f} s; FS save + fsync {info['save']:.2f} s -> {med['cpu'] / info['save']:.1f}x; "
+        f"stored {med['stored_before'] / 1e6:.1f} -> {med['stored'] / 1e6:.1f} MB; "
+        f"load average at end {os.getloadavg()}"
+    )
     if args.profile:
         compact_once(snapshot, work / "run", Path(args.profile))
         pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)

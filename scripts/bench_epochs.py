@@ -105,12 +105,12 @@ class EpochBench:
     def __init__(self, dirs: list[Path], work: Path) -> None:
         self.dirs = dirs
         self.work = work
-        self.states = [{"model": load_file(str(d / FILES[0])), "optimizer": load_file(str(d / FILES[1]))}
-                       for d in dirs]
+        self.states = [{"model": load_file(str(d / FILES[0])), "optimizer": load_file(str(d / FILES[1]))} for d in dirs]
         self.file_bytes = [[(d / f).read_bytes() for f in FILES] for d in dirs]
         self.raw = sum((d / f).stat().st_size for d in dirs for f in FILES)
-        self.staged = {layout: stage(dirs, work / "staged" / layout.replace(" ", "_"), name)
-                       for layout, name in LAYOUTS.items()}
+        self.staged = {
+            layout: stage(dirs, work / "staged" / layout.replace(" ", "_"), name) for layout, name in LAYOUTS.items()
+        }
         self.samples: dict[str, list[float]] = {}
         self.stored: dict[str, int] = {}
 

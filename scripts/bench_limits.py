@@ -51,7 +51,7 @@ def blake3_rate(data: list[bytes], reps: int) -> float:
 
 def zstd_rate(data: list[bytes], reps: int, level: int = 1) -> tuple[float, float]:
     """(MB/s on every core, compressed fraction) for independent 1 MiB chunks."""
-    views = [memoryview(blob)[i:i + CHUNK] for blob in data for i in range(0, len(blob), CHUNK)]
+    views = [memoryview(blob)[i : i + CHUNK] for blob in data for i in range(0, len(blob), CHUNK)]
     local = threading_local_compressor(level)
     sizes: list[int] = []
 
@@ -87,7 +87,7 @@ def write_rate(folder: Path, nbytes: int, reps: int) -> float:
         try:
             left = nbytes
             while left > 0:
-                left -= os.write(fd, block[:min(BLOCK, left)])
+                left -= os.write(fd, block[: min(BLOCK, left)])
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -2,7 +2,7 @@
 
     python scripts/bench_remote.py [--mib 96] [--epochs 3 | --real WORK [--steps 60]] [--repeat 3] [--write-docs docs/benchmarks.md]
 
-Starts the bundled SeaweedFS server on 127.0.0.1 (ckstore/remote/testserver.py), then:
+Starts the bundled SeaweedFS server on 127.0.0.1 (ckstore/transport/testserver.py), then:
 
 1. commits ``--epochs`` training-like epochs (float32 model weights that move a little every
    step, plus two AdamW moments; ``--mib`` MiB of tensors an epoch) and pushes after each one,
@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_sections import write_section
 
-from ckstore.remote.s3 import S3Transport
-from ckstore.remote.testserver import seaweedfs
 from ckstore.repo import Repo
+from ckstore.transport.s3 import S3Transport
+from ckstore.transport.testserver import seaweedfs
 from tests.remote.faultproxy import FaultProxy
 
 
@@ -58,10 +58,14 @@ def write_epoch(folder: Path, epoch: int, mib: int, state: dict[str, np.ndarray]
         state["w"] = np.random.default_rng(0).standard_normal(n, dtype=np.float32) * 0.02
     state["w"] = state["w"] - (1e-4 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({"model.w": state["w"],
-               "optim.exp_avg": (1e-3 * rng.standard_normal(n, dtype=np.float32)),
-               "optim.exp_avg_sq": np.abs(1e-6 * rng.standard_normal(n, dtype=np.float32))},
-              str(folder / "model.safetensors"))
+    save_file(
+        {
+            "model.w": state["w"],
+            "optim.exp_avg": (1e-3 * rng.standard_normal(n, dtype=np.float32)),
+            "optim.exp_avg_sq": np.abs(1e-6 * rng.standard_normal(n, dtype=np.float32)),
+        },
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
@@ -72,8 +76,9 @@ def settle() -> None:
     time.sleep(1.0)
 
 
-def plain_transfer(server_env: dict[str, str], endpoint: str, bucket: str, sizes: list[int],
-                   folder: Path | None = None) -> tuple[float, float, float]:
+def plain_transfer(
+    server_env: dict[str, str], endpoint: str, bucket: str, sizes: list[int], folder: Path | None = None
+) -> tuple[float, float, float]:
     """Seconds to upload, then download, objects of ``sizes`` bytes with the same client and
     concurrency a push and a clone use (4 at a time); with ``folder``, also seconds to download
     them again and write each to a file there, fsynced (what any clone must do at least)."""
@@ -119,14 +124,19 @@ def run(work: Path, mib: int, epochs: int, repeat: int, real: list[Path] | None 
     out: dict[str, object] = {"mib": mib, "epochs": epochs, "repeat": repeat, "real": real}
     (work / "server").mkdir()
     with seaweedfs(work / "server") as server, FaultProxy(server.endpoint) as proxy:
-        os.environ.update({"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
-                           "AWS_EC2_METADATA_DISABLED": "true"})
+        os.environ.update(
+            {
+                "AWS_ACCESS_KEY_ID": server.access_key,
+                "AWS_SECRET_ACCESS_KEY": server.secret_key,
+                "AWS_EC2_METADATA_DISABLED": "true",
+            }
+        )
         url = f"s3://{server.bucket}/bench/{uuid.uuid4().hex}"
         repo = Repo.init(work / "a")
         repo.add_remote("origin", url, proxy.url)
         state: dict[str, np.ndarray] = {}
         rows = []
-        push_seconds, push_bytes, first_sizes = 0.0, 0, []
+        push_bytes = 0
         for e in range(1, epochs + 1):
             source = real[e - 1] if real else write_epoch(work / "ckpt", e, mib, state)
             oid = repo.commit(source, message=f"epoch {e}")
@@ -135,9 +145,18 @@ def run(work: Path, mib: int, epochs: int, repeat: int, real: list[Path] | None 
             start = time.perf_counter()
             r = repo.push()
             seconds = time.perf_counter() - start
-            rows.append({"epoch": e, "added": added, "sent": r.bytes, "packs": r.packs, "objects": r.objects,
-                         "requests": len(proxy.seen), "seconds": seconds,
-                         "puts": sum(1 for s in proxy.seen if s.method == "PUT")})
+            rows.append(
+                {
+                    "epoch": e,
+                    "added": added,
+                    "sent": r.bytes,
+                    "packs": r.packs,
+                    "objects": r.objects,
+                    "requests": len(proxy.seen),
+                    "seconds": seconds,
+                    "puts": sum(1 for s in proxy.seen if s.method == "PUT"),
+                }
+            )
             if e == 1:
                 # Throughput is measured on pushes of the same epoch straight to the server (the
                 # counting proxy is a Python HTTP relay: it would dominate the time).
@@ -146,8 +165,12 @@ def run(work: Path, mib: int, epochs: int, repeat: int, real: list[Path] | None 
                 direct.wait()
             print(rows[-1], flush=True)
         out["rows"] = rows
-        packs = sorted(i.size for i in S3Transport(server.bucket, url.split("/", 3)[3], None,
-                                                   env={**server.env, "AWS_ENDPOINT_URL": server.endpoint}).list("packs/"))
+        packs = sorted(
+            i.size
+            for i in S3Transport(
+                server.bucket, url.split("/", 3)[3], None, env={**server.env, "AWS_ENDPOINT_URL": server.endpoint}
+            ).list("packs/")
+        )
         repo.remove_remote("origin")
         repo.add_remote("origin", url, server.endpoint)  # clone and lazy reads straight to the server
         pushes, ups, clones, downs, saves = [], [], [], [], []
@@ -177,20 +200,35 @@ def run(work: Path, mib: int, epochs: int, repeat: int, real: list[Path] | None 
             saves.append(save)
             assert clone.fsck() == []
             shutil.rmtree(work / f"b{i}")
-            print(f"push {pushes[-1]:.3f} s, plain up {ups[-1]:.3f} s; clone {clones[-1]:.3f} s, "
-                  f"plain down {downs[-1]:.3f} s, plain down + durable write {saves[-1]:.3f} s", flush=True)
+            print(
+                f"push {pushes[-1]:.3f} s, plain up {ups[-1]:.3f} s; clone {clones[-1]:.3f} s, "
+                f"plain down {downs[-1]:.3f} s, plain down + durable write {saves[-1]:.3f} s",
+                flush=True,
+            )
         med = statistics.median
-        out.update(push_seconds=med(pushes), push_bytes=push_bytes, plain_up=med(ups), clone_seconds=med(clones),
-                   clone_bytes=sum(packs), plain_down=med(downs), plain_saved=med(saves), push_ratios=[u / p for u, p in zip(ups, pushes)],
-                   clone_ratios=[d / c for d, c in zip(downs, clones)])
+        out.update(
+            push_seconds=med(pushes),
+            push_bytes=push_bytes,
+            plain_up=med(ups),
+            clone_seconds=med(clones),
+            clone_bytes=sum(packs),
+            plain_down=med(downs),
+            plain_saved=med(saves),
+            push_ratios=[u / p for u, p in zip(ups, pushes)],
+            clone_ratios=[d / c for d, c in zip(downs, clones)],
+        )
         lazy_repo = Repo.init(work / "c")
         lazy_repo.add_remote("origin", url, server.endpoint)
         lazy = lazy_repo.use_remote("origin")
         tip = repo.read_commit(repo.resolve("main"))
         # The inference weights: tensors named model.* (made-up epochs), or every tensor of the
         # real checkpoint's model.safetensors (its optimizer file names them with moment suffixes).
-        weights = [t for f in tip.files for t in f.tensors
-                   if (f.path == "model.safetensors" if real else t.name.startswith("model."))]
+        weights = [
+            t
+            for f in tip.files
+            for t in f.tensors
+            if (f.path == "model.safetensors" if real else t.name.startswith("model."))
+        ]
         lazy_repo.checkout("origin/main", work / "weights", only=[t.name for t in weights] if real else ["model.*"])
         model = {c.id for t in weights for c in t.chunks}
         out.update(lazy_bytes=lazy.fetched_bytes, model_stored=sum(repo.store.stored_size(c) or 0 for c in model))
@@ -221,13 +259,19 @@ def report(r: dict[str, object]) -> str:
     lazy_ratio = r["lazy_bytes"] / r["model_stored"]  # type: ignore[operator]
     durable_ratio = r["plain_saved"] / r["clone_seconds"]  # type: ignore[operator]
     real = r.get("real")
-    data = (f"Each epoch is a real checkpoint: the {len(real)} epochs of the all-MiniLM-L6-v2 fp32 full fine-tune of "  # type: ignore[arg-type]
-            f"scripts/bench.py ({real[0].parent.parent.name[1:]} steps an epoch; `model.safetensors` and "  # type: ignore[index]
-            "`optimizer.safetensors` with both AdamW moments, 271 MB an epoch)"
-            if real else f"Each epoch is {r['mib']} MiB of float32 weights that all move a little (every chunk changes) "
-            "plus two rewritten Adam moments")
-    command = f"--real {real[0].parent.parent.parent.parent} --steps {real[0].parent.parent.name[1:]}" if real else \
-        f"--mib {r['mib']} --epochs {r['epochs']}"  # type: ignore[index]
+    data = (
+        f"Each epoch is a real checkpoint: the {len(real)} epochs of the all-MiniLM-L6-v2 fp32 full fine-tune of "  # type: ignore[arg-type]
+        f"scripts/bench.py ({real[0].parent.parent.name[1:]} steps an epoch; `model.safetensors` and "  # type: ignore[index]
+        "`optimizer.safetensors` with both AdamW moments, 271 MB an epoch)"
+        if real
+        else f"Each epoch is {r['mib']} MiB of float32 weights that all move a little (every chunk changes) "
+        "plus two rewritten Adam moments"
+    )
+    command = (
+        f"--real {real[0].parent.parent.parent.parent} --steps {real[0].parent.parent.name[1:]}"
+        if real
+        else f"--mib {r['mib']} --epochs {r['epochs']}"
+    )  # type: ignore[index]
     lines = [
         f"Generated by `python scripts/bench_remote.py {command} --repeat {r['repeat']}` "
         f"({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}), against the bundled "
@@ -238,8 +282,10 @@ def report(r: dict[str, object]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:  # type: ignore[attr-defined]
-        lines.append(f"| {row['epoch']} | {mib(row['added'])} | {mib(row['sent'])} | {row['sent'] / max(row['added'], 1):.3f} | "
-                     f"{row['packs']} | {row['objects']} | {row['requests']} | {row['puts']} | {row['seconds']:.2f} |")
+        lines.append(
+            f"| {row['epoch']} | {mib(row['added'])} | {mib(row['sent'])} | {row['sent'] / max(row['added'], 1):.3f} | "
+            f"{row['packs']} | {row['objects']} | {row['requests']} | {row['puts']} | {row['seconds']:.2f} |"
+        )
     lines += [
         "",
         "| measure | ckstore | same client, plain objects | ratio (target) |",
@@ -264,8 +310,8 @@ def report(r: dict[str, object]) -> str:
         f"{', '.join(f'{x:.2f}' for x in r['push_ratios'])}; clone {', '.join(f'{x:.2f}' for x in r['clone_ratios'])}); "  # type: ignore[union-attr]
         f"the load average was {_load()} when the run ended (this 2-core machine was shared).",
         "",
-        "Where the time goes (py-spy and timing wrappers; docs/design.md, \"Packs, not loose objects\" and "
-        "\"Verification on arrival\"). A push reads each object, decodes and re-hashes it against its name on worker "
+        'Where the time goes (py-spy and timing wrappers; docs/design.md, "Packs, not loose objects" and '
+        '"Verification on arrival"). A push reads each object, decodes and re-hashes it against its name on worker '
         "threads (nothing leaves unverified: the pack index records the BLAKE3 of its stored bytes, which a fetch "
         "trusts in place of decoding), and streams it straight into the upload of the pack it belongs to: packs are "
         "named at random before their first byte, so an upload starts with the first verified object instead of "
@@ -273,7 +319,7 @@ def report(r: dict[str, object]) -> str:
         "copy per pack were what kept pushes at about 0.7 of the plain upload). A clone downloads a few packs at "
         "a time with one ranged GET each, checks each object against its digest (~2 GiB/s a thread), appends it "
         "to the landing batch's local pack on worker threads (one file per 64 MiB batch, not one per object: "
-        "docs/design.md, \"Commit into a pack, spread it later\") and lands each batch on a background thread "
+        'docs/design.md, "Commit into a pack, spread it later") and lands each batch on a background thread '
         "(syncfs barriers, one rename) while the next packs download; commits are written last. The plain download only receives the bytes into "
         f"memory. A plain download that also writes each pack to a file and fsyncs it, with no ckstore work at "
         f"all, ran at {r['plain_down'] / r['plain_saved']:.2f} of the in-memory download in this run "  # type: ignore[operator]
@@ -282,7 +328,7 @@ def report(r: dict[str, object]) -> str:
         "",
         "Requests per pushed epoch are a "
         "constant handful plus two PUTs per pack (pack, index): O(size / pack size), not O(chunks). "
-        "\"Added to local store\" is the commit's recorded growth of the local store; the local store also "
+        '"Added to local store" is the commit\'s recorded growth of the local store; the local store also '
         "re-encodes the previous epoch's chunks as deltas against the new ones (newest whole), which a remote "
         "does not do (its objects are immutable), so the bytes sent for an epoch are its new chunks whole.",
     ]
@@ -294,15 +340,20 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=96, help="MiB of tensors per epoch")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3, help="throughput runs (medians reported)")
-    p.add_argument("--real", type=Path, metavar="WORK",
-                   help="use the real fp32 fine-tune epochs cached in WORK/checkpoints by scripts/bench.py "
-                        "(trained there first if absent) instead of made-up tensors")
+    p.add_argument(
+        "--real",
+        type=Path,
+        metavar="WORK",
+        help="use the real fp32 fine-tune epochs cached in WORK/checkpoints by scripts/bench.py "
+        "(trained there first if absent) instead of made-up tensors",
+    )
     p.add_argument("--steps", type=int, default=60, help="with --real: steps per epoch of the run to use")
     p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Remotes' section of FILE")
     args = p.parse_args()
     real = None
     if args.real:
         from bench_data import ensure_checkpoints
+
         real = ensure_checkpoints(args.real / "checkpoints", steps=args.steps, runs=("fp32_full",))["fp32_full"]
     work = Path(tempfile.mkdtemp(prefix="ckstore-remote-bench-"))
     try:

@@ -105,8 +105,9 @@ def plane_cost(data: np.ndarray, width: int, compressors: list[zstandard.ZstdCom
     return z, best
 
 
-def tensor_cost(x: np.ndarray, base: np.ndarray | None, width: int,
-                compressors: list[zstandard.ZstdCompressor]) -> tuple[float, float, str]:
+def tensor_cost(
+    x: np.ndarray, base: np.ndarray | None, width: int, compressors: list[zstandard.ZstdCompressor]
+) -> tuple[float, float, str]:
     """The smallest (zstd, best-per-plane) over the candidates, and which candidate won."""
     candidates = {"whole": x}
     if base is not None and base.size == x.size and width in (2, 4) and x.size % width == 0:
@@ -123,7 +124,7 @@ def conditional(x: np.ndarray, given: np.ndarray, width: int) -> float:
     """Bytes at H(byte | the same byte of ``given``) per chunk and plane (no cost for the model)."""
     total = 0.0
     for start in range(0, x.size, CHUNK):
-        xc, gc = x[start:start + CHUNK], given[start:start + CHUNK]
+        xc, gc = x[start : start + CHUNK], given[start : start + CHUNK]
         if np.array_equal(xc, gc):
             continue  # the same chunk: stored once
         for plane, context in zip(xc.reshape(-1, width).T, gc.reshape(-1, width).T):
@@ -249,34 +250,49 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", type=int, choices=list(STEPS), default=list(STEPS))
     parser.add_argument("--level19", action="store_true", help="also try zstd level 19 on every plane (slow)")
     args = parser.parse_args()
-    print("| steps/epoch | run | raw MB | ZipNN MB | best zstd per tensor / ZipNN | best of zstd and order-0 "
-          "entropy per plane / ZipNN | epochs 1 / 2 / 3 / 4 MB | weights / exp_avg / exp_avg_sq MB | "
-          "conditional-entropy limit / ZipNN | ckstore one name / epoch names / state / ZipNN (after repack) | "
-          "compaction / save_file + fsync | checkout of epoch 1 after compaction: MB/s per core / wall (load) | "
-          "after repack | target |")
+    print(
+        "| steps/epoch | run | raw MB | ZipNN MB | best zstd per tensor / ZipNN | best of zstd and order-0 "
+        "entropy per plane / ZipNN | epochs 1 / 2 / 3 / 4 MB | weights / exp_avg / exp_avg_sq MB | "
+        "conditional-entropy limit / ZipNN | ckstore one name / epoch names / state / ZipNN (after repack) | "
+        "compaction / save_file + fsync | checkout of epoch 1 after compaction: MB/s per core / wall (load) | "
+        "after repack | target |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for run in args.runs:
             dirs = cached_checkpoints(args.work / "checkpoints", steps=steps).get(run)
             if dirs is None:
-                print(f"{run}, {steps} steps: not cached under {args.work} (python scripts/bench.py trains it)",
-                      file=sys.stderr)
+                print(
+                    f"{run}, {steps} steps: not cached under {args.work} (python scripts/bench.py trains it)",
+                    file=sys.stderr,
+                )
                 continue
             started = time.perf_counter()
             t = measure(dirs, args.level19)
-            compressors = [zstandard.ZstdCompressor(level=3)] + ([zstandard.ZstdCompressor(level=19)] if args.level19 else [])
+            compressors = [zstandard.ZstdCompressor(level=3)] + (
+                [zstandard.ZstdCompressor(level=19)] if args.level19 else []
+            )
             limit = conditional_limit(dirs, compressors)
-            stored, compaction, plain, (per_core, per_wall, load) = ckstore_stored(dirs, Path(tempfile.mkdtemp(prefix="ckstore-residuals-", dir=args.work)))
+            stored, compaction, plain, (per_core, per_wall, load) = ckstore_stored(
+                dirs, Path(tempfile.mkdtemp(prefix="ckstore-residuals-", dir=args.work))
+            )
             zipnn, _ = zipnn_files(dirs, "bfloat16" if run == "bf16" else "float32")
             mb = 1e6
             epochs = " / ".join(f"{t[f'epoch {n}'] / mb:.0f}" for n in range(1, len(dirs) + 1))
             kinds = " / ".join(f"{t.get(f'best {k}', 0) / mb:.0f}" for k in ("weights", "exp_avg", "exp_avg_sq"))
-            ours = " / ".join(f"{stored[k] / zipnn:.3f} ({stored[k + ', repacked'] / zipnn:.3f})" if k != "state"
-                              else f"{stored[k] / zipnn:.3f}" for k in ("one name", "epoch names", "state"))
-            print(f"| {steps} | {run} | {t['raw'] / mb:.0f} | {zipnn / mb:.0f} | {t['zstd'] / zipnn:.3f} | "
-                  f"{t['best'] / zipnn:.3f} | {epochs} | {kinds} | {limit / zipnn:.3f} | {ours} | {compaction:.2f}x | "
-                  f"{plain[0]:.0f} / {plain[1]:.0f} ({plain[2]:.1f}) | {per_core:.0f} / {per_wall:.0f} ({load:.1f}) | "
-                  f"≤ {TARGETS[run]:.2f} |", flush=True)
+            ours = " / ".join(
+                f"{stored[k] / zipnn:.3f} ({stored[k + ', repacked'] / zipnn:.3f})"
+                if k != "state"
+                else f"{stored[k] / zipnn:.3f}"
+                for k in ("one name", "epoch names", "state")
+            )
+            print(
+                f"| {steps} | {run} | {t['raw'] / mb:.0f} | {zipnn / mb:.0f} | {t['zstd'] / zipnn:.3f} | "
+                f"{t['best'] / zipnn:.3f} | {epochs} | {kinds} | {limit / zipnn:.3f} | {ours} | {compaction:.2f}x | "
+                f"{plain[0]:.0f} / {plain[1]:.0f} ({plain[2]:.1f}) | {per_core:.0f} / {per_wall:.0f} ({load:.1f}) | "
+                f"≤ {TARGETS[run]:.2f} |",
+                flush=True,
+            )
             print(f"({run}, {steps} steps: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
 
 

@@ -44,9 +44,18 @@ CKSTORE = [sys.executable, "-m", "ckstore.cli"]
 # gc": gc leaves the figures current (maintenance/sizes_cache.py), so it shows them at once.
 # Each entry: (label, arguments after --repo); push and fetch are special (see measure).
 COMMANDS: tuple[tuple[str, str], ...] = (
-    ("log", "log"), ("log -n 10", "log -n 10"), ("show", "show"), ("stats", "stats"), ("status", "status"),
-    ("fsck", "fsck"), ("gc --dry-run", "gc --dry-run"), ("gc", "gc"), ("status after gc", "status"),
-    ("gc --repack", "gc --repack"), ("status after gc --repack", "status"), ("push", "push origin"),
+    ("log", "log"),
+    ("log -n 10", "log -n 10"),
+    ("show", "show"),
+    ("stats", "stats"),
+    ("status", "status"),
+    ("fsck", "fsck"),
+    ("gc --dry-run", "gc --dry-run"),
+    ("gc", "gc"),
+    ("status after gc", "status"),
+    ("gc --repack", "gc --repack"),
+    ("status after gc --repack", "status"),
+    ("push", "push origin"),
     ("fetch", "fetch origin"),
 )
 REMOTE_COMMANDS = ("push", "fetch")
@@ -105,8 +114,9 @@ def many_objects(repo: Path, work: Path, count: int) -> None:
     from ckstore.write.ingest import MemoryFile
 
     r = Repo.init(repo)
-    files = [MemoryFile(f"{i // 1000:04d}/{i:07d}.txt", None, (memoryview(f"object {i}\n".encode()),))
-             for i in range(count)]
+    files = [
+        MemoryFile(f"{i // 1000:04d}/{i:07d}.txt", None, (memoryview(f"object {i}\n".encode()),)) for i in range(count)
+    ]
     request = prepare_commit(f"{count} objects", None, None).on_branch(r._ctx)
     commit_sources(r._ctx, files, request)
     r.wait()
@@ -148,8 +158,11 @@ def add_commit(repo: Path, text: str) -> None:
     r.commit(folder, message=text)
 
 
-def measure(built: Path, commands: list[str], subprocesses: bool = True,
-            ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+def measure(
+    built: Path,
+    commands: list[str],
+    subprocesses: bool = True,
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """(subprocess seconds, in-process seconds, in-process CPU seconds) of each of ``commands``
     (labels of COMMANDS) on ``built``; with push, each of the two passes adds one commit there,
     pushes it and fetches it into the clone. ``subprocesses=False``: the in-process pass only
@@ -197,8 +210,12 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "bench-work" / "scaling"))
     parser.add_argument("--profile", nargs=2, metavar=("CASE", "COMMAND"))
     parser.add_argument("--in-process-only", action="store_true", help="skip the subprocess pass")
-    parser.add_argument("--commands", nargs="*", default=[label for label, _ in COMMANDS],
-                        help="labels of the commands to run, in their fixed order (default: all)")
+    parser.add_argument(
+        "--commands",
+        nargs="*",
+        default=[label for label, _ in COMMANDS],
+        help="labels of the commands to run, in their fixed order (default: all)",
+    )
     parser.add_argument("--sort", default="cumulative", help="the profile's sort key (cumulative, tottime)")
     args = parser.parse_args()
     unknown = set(args.commands) - {label for label, _ in COMMANDS}
@@ -210,8 +227,10 @@ def main() -> None:
         profile(work, *args.profile, sort=args.sort)
         return
     commands = [label for label, _ in COMMANDS if label in args.commands]
-    lines = ["| repository | load (1 min) | start-up (`--version`) s | " + " | ".join(f"`{c}` s" for c in commands) + " |",
-             "|---|---|---|" + "---|" * len(commands)]
+    lines = [
+        "| repository | load (1 min) | start-up (`--version`) s | " + " | ".join(f"`{c}` s" for c in commands) + " |",
+        "|---|---|---|" + "---|" * len(commands),
+    ]
     print(lines[0] + "\n" + lines[1], flush=True)
     cases = [(f"{n}c", f"{n:,} commits") for n in args.commits] + [(f"{n}o", f"{n:,} objects") for n in args.objects]
     for case, label in cases:
@@ -221,11 +240,18 @@ def main() -> None:
         sub, inside, cpu = measure(built, commands, not args.in_process_only)
         during = f"{before:.1f}–{os.getloadavg()[0]:.1f}"
         if not args.in_process_only:
-            lines.append(f"| {label}{took} | {during} | {sub['start']:.2f} | " + " | ".join(f"{sub[c]:.2f}" for c in commands) + " |")
-        lines.append(f"| {label}, in process{took if args.in_process_only else ''} | {during if args.in_process_only else ''} | – | "
-                     + " | ".join(f"{inside[c]:.2f}" for c in commands) + " |")
+            lines.append(
+                f"| {label}{took} | {during} | {sub['start']:.2f} | "
+                + " | ".join(f"{sub[c]:.2f}" for c in commands)
+                + " |"
+            )
+        lines.append(
+            f"| {label}, in process{took if args.in_process_only else ''} | {during if args.in_process_only else ''} | – | "
+            + " | ".join(f"{inside[c]:.2f}" for c in commands)
+            + " |"
+        )
         lines.append(f"| {label}, in process, CPU | | – | " + " | ".join(f"{cpu[c]:.2f}" for c in commands) + " |")
-        print("\n".join(lines[-3 if not args.in_process_only else -2:]), flush=True)
+        print("\n".join(lines[-3 if not args.in_process_only else -2 :]), flush=True)
     print("\n" + "\n".join(lines))
 
 

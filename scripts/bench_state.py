@@ -29,14 +29,14 @@ import argparse
 import gc
 import json
 import os
-import subprocess
-import time
 import platform
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from ckstore.repo import Repo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_epochs import timed, touch  # noqa: E402
 from bench_sections import write_section  # noqa: E402
+
 
 def read_every_byte(tree: Any) -> int:
     """Read every byte of every tensor, at memory speed (numpy's uint8 max). bench_epochs.touch's
@@ -124,8 +125,13 @@ def bench(megabytes: int, reps: int, root: Path) -> dict[str, Any]:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"mb": size / 1e6, "stored_mb": stored / 1e6, **med,
-            "commit_ratio": med["ck_commit"] / med["st_save"], "load_ratio": med["ck_load"] / med["st_load"]}
+    return {
+        "mb": size / 1e6,
+        "stored_mb": stored / 1e6,
+        **med,
+        "commit_ratio": med["ck_commit"] / med["st_save"],
+        "load_ratio": med["ck_load"] / med["st_load"],
+    }
 
 
 def table(rows: list[dict[str, Any]], reps: int) -> str:
@@ -211,8 +217,10 @@ def worker(op: str, gb: float, folder: Path, repo_name: str = "repo") -> dict[st
     result: Any = None
     if op == "save":
         assert state is not None
-        save_st({f"{k}.{n}": t for k, tensors in state.items() if isinstance(tensors, dict) for n, t in tensors.items()},
-                folder / "state.safetensors")
+        save_st(
+            {f"{k}.{n}": t for k, tensors in state.items() if isinstance(tensors, dict) for n, t in tensors.items()},
+            folder / "state.safetensors",
+        )
     elif op == "commit":
         repo = Repo.init(folder / repo_name)
         repo.commit_state(state, metadata={"epoch": 4})
@@ -227,13 +235,21 @@ def worker(op: str, gb: float, folder: Path, repo_name: str = "repo") -> dict[st
     cpu = _cpu_seconds() - cpu
     own = 0.0
     if result is not None:
-        tensors = result.values() if op == "load_st" else [t for part in ("model", "optimizer") for t in result[part].values()]
+        tensors = (
+            result.values()
+            if op == "load_st"
+            else [t for part in ("model", "optimizer") for t in result[part].values()]
+        )
         own = sum(t.numel() * t.element_size() for t in tensors) / 2**20
     peak = _peak_mib_since_reset() - base - own
     if op == "commit":
         assert repo is not None
         repo.wait()  # compaction, untimed: load_state reads what compaction leaves
-    nbytes = sum(t.numel() * t.element_size() for part in ("model", "optimizer") for t in state[part].values()) if state else 0
+    nbytes = (
+        sum(t.numel() * t.element_size() for part in ("model", "optimizer") for t in state[part].values())
+        if state
+        else 0
+    )
     return {"wall": wall, "cpu": cpu, "peak_mib": peak, "bytes": nbytes}
 
 
@@ -243,8 +259,24 @@ def _run_worker(op: str, gb: float, folder: Path, tree: str | None, label: str) 
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    out = subprocess.run([sys.executable, __file__, "--worker", op, "--real-gb", str(gb), "--tmp", str(folder),
-                          "--repo-name", f"repo-{label}"], capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            op,
+            "--real-gb",
+            str(gb),
+            "--tmp",
+            str(folder),
+            "--repo-name",
+            f"repo-{label}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     return json.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -264,8 +296,12 @@ def bench_real(gb: float, reps: int, root: Path, trees: list[str | None]) -> dic
                 key = op if op in ("save", "load_st") else f"{op}_{label}"
                 for what in ("wall", "cpu", "peak_mib"):
                     samples.setdefault(key if what == "wall" else f"{key}_{what}", []).append(figures[what])
-            print(f"  {gb:g} GB run {rep + 1} (load {os.getloadavg()[0]:.1f}): "
-                  + ", ".join(f"{k} {v[-1]:.2f}" for k, v in samples.items()), file=sys.stderr, flush=True)
+            print(
+                f"  {gb:g} GB run {rep + 1} (load {os.getloadavg()[0]:.1f}): "
+                + ", ".join(f"{k} {v[-1]:.2f}" for k, v in samples.items()),
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -295,7 +331,8 @@ def real_table(rows: list[dict[str, Any]], reps: int, load_before: str, load_aft
                 f" ({r[f'commit_{label}_cpu']:.2f}) | **{r[f'commit_ratio_{label}']:.2f}** ({r[f'commit_cpu_ratio_{label}']:.2f})"
                 f" | {r[f'commit_{label}_peak_mib']:.0f} | {r['load_st']:.2f} ({r['load_st_cpu']:.2f})"
                 f" | {r[f'load_ck_{label}']:.2f} ({r[f'load_ck_{label}_cpu']:.2f}) | **{r[f'load_ratio_{label}']:.2f}**"
-                f" ({r[f'load_cpu_ratio_{label}']:.2f}) | {r[f'load_ck_{label}_peak_mib']:.0f} |")
+                f" ({r[f'load_cpu_ratio_{label}']:.2f}) | {r[f'load_ck_{label}_peak_mib']:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -305,8 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-gb", type=float, nargs="*", default=[], help="states of real tensors, in GB")
     p.add_argument("--worker", choices=["save", "commit", "load_st", "load_ck"], help=argparse.SUPPRESS)
     p.add_argument("--repo-name", default="repo", help=argparse.SUPPRESS)
-    p.add_argument("--trees", nargs="*", default=[], metavar="DIR",
-                   help="--real-gb: time ckstore from each of these checkouts in turn (e.g. /work/main .)")
+    p.add_argument(
+        "--trees",
+        nargs="*",
+        default=[],
+        metavar="DIR",
+        help="--real-gb: time ckstore from each of these checkouts in turn (e.g. /work/main .)",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--write-docs", type=Path, metavar="FILE", help="replace the 'Training state' section of FILE")
@@ -319,14 +361,23 @@ def main(argv: list[str] | None = None) -> int:
     trees: list[str | None] = [str(Path(t).resolve()) for t in args.trees] or [None]
     real = [bench_real(gb, args.reps, args.tmp, trees) for gb in args.real_gb]
     if real:
-        print(real_table(real, args.reps, load_before, " / ".join(f"{x:.1f}" for x in os.getloadavg()),
-                         [t or "this tree" for t in trees]))
+        print(
+            real_table(
+                real,
+                args.reps,
+                load_before,
+                " / ".join(f"{x:.1f}" for x in os.getloadavg()),
+                [t or "this tree" for t in trees],
+            )
+        )
     rows = []
     for mb in args.sizes:
         row = bench(mb, args.reps, args.tmp)
         rows.append(row)
-        print(f"{mb} MB: commit {row['commit_ratio']:.2f}x save_file, load {row['load_ratio']:.2f}x load_file",
-              file=sys.stderr)
+        print(
+            f"{mb} MB: commit {row['commit_ratio']:.2f}x save_file, load {row['load_ratio']:.2f}x load_file",
+            file=sys.stderr,
+        )
     if not rows:
         return 0
     section = table(rows, args.reps)

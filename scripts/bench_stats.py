@@ -47,24 +47,31 @@ CLI_ENV: dict[str, str] | None = None  # main sets it: bytecode compiled, as ins
 _INGEST = commit_module.ingest
 # The CLI with compaction off (see run_cli), and for "without" the statistics switched off the
 # same way as in this process.
-_NO_COMPACTION = ("import ckstore.write.background as b\n"
-                  "init = b.BackgroundWork.__init__\n"
-                  "def no_compaction(self):\n"
-                  "    init(self)\n"
-                  "    self.compact_after_commit = False\n"
-                  "b.BackgroundWork.__init__ = no_compaction\n")
-_CLI_WITHOUT = (_NO_COMPACTION + "import sys\n"
-                "import ckstore.write.commit as c\n"
-                "real = c.ingest\n"
-                "def ingest(*a, **k):\n"
-                "    k.pop('stats', None)\n"
-                "    return real(*a, **k)\n"
-                "c.ingest = ingest\n"
-                "from ckstore.cli import run\n"
-                "sys.argv[0] = 'ckstore'\n"
-                "run()\n")
+_NO_COMPACTION = (
+    "import ckstore.write.background as b\n"
+    "init = b.BackgroundWork.__init__\n"
+    "def no_compaction(self):\n"
+    "    init(self)\n"
+    "    self.compact_after_commit = False\n"
+    "b.BackgroundWork.__init__ = no_compaction\n"
+)
+_CLI_WITHOUT = (
+    _NO_COMPACTION + "import sys\n"
+    "import ckstore.write.commit as c\n"
+    "real = c.ingest\n"
+    "def ingest(*a, **k):\n"
+    "    k.pop('stats', None)\n"
+    "    return real(*a, **k)\n"
+    "c.ingest = ingest\n"
+    "from ckstore.cli import run\n"
+    "sys.argv[0] = 'ckstore'\n"
+    "run()\n"
+)
 # run(): what the ckstore command's entry point calls.
-_CLI_WITH = _NO_COMPACTION + "import sys\nimport ckstore.write.commit\nfrom ckstore.cli import run\nsys.argv[0] = 'ckstore'\nrun()\n"
+_CLI_WITH = (
+    _NO_COMPACTION
+    + "import sys\nimport ckstore.write.commit\nfrom ckstore.cli import run\nsys.argv[0] = 'ckstore'\nrun()\n"
+)
 
 
 def _without_stats(*args: Any, **kwargs: Any) -> Any:
@@ -110,8 +117,12 @@ def run_cli(folders: list[Path], repo_path: Path, record: bool) -> tuple[float, 
     times, cpus = [], []
     for folder in folders:
         start, cpu = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
-        proc = subprocess.run([sys.executable, "-c", script, "--repo", str(repo_path), "commit", str(folder),
-                               "-m", folder.name], env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.run(
+            [sys.executable, "-c", script, "--repo", str(repo_path), "commit", str(folder), "-m", folder.name],
+            env=CLI_ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         times.append(time.perf_counter() - start)
         cpus.append(_cpu(resource.RUSAGE_CHILDREN) - cpu)
         if proc.returncode:
@@ -157,41 +168,46 @@ def main() -> None:
         samples = bench(folders, work, args.runs)
         after = load()
         for path in ("api", "cli"):
-            without, with_, cpu_without, cpu_with = (statistics.median(samples[f"{path}-{k}"])
-                                                     for k in ("without", "with", "without-cpu", "with-cpu"))
+            without, with_, cpu_without, cpu_with = (
+                statistics.median(samples[f"{path}-{k}"]) for k in ("without", "with", "without-cpu", "with-cpu")
+            )
             spread = {k: (min(samples[f"{path}-{k}"]), max(samples[f"{path}-{k}"])) for k in ("without", "with")}
             # Paired: each repetition ran both, one right after the other.
             paired = sorted(w - o for w, o in zip(samples[f"{path}-with"], samples[f"{path}-without"]))
-            rows.append(f"| {dtype} MiniLM, {size:.0f} MB | {'`ckstore commit`' if path == 'cli' else '`Repo.commit`'} "
-                        f"| {without:.3f} ({spread['without'][0]:.2f}–{spread['without'][1]:.2f}) "
-                        f"| {with_:.3f} ({spread['with'][0]:.2f}–{spread['with'][1]:.2f}) | **{with_ / without:.2f}×** "
-                        f"| {' '.join(f'{d:+.2f}' for d in paired)} "
-                        f"| {cpu_without:.3f} | {cpu_with:.3f} | **{cpu_with / cpu_without:.2f}×** "
-                        f"| {before} → {after} |")
+            rows.append(
+                f"| {dtype} MiniLM, {size:.0f} MB | {'`ckstore commit`' if path == 'cli' else '`Repo.commit`'} "
+                f"| {without:.3f} ({spread['without'][0]:.2f}–{spread['without'][1]:.2f}) "
+                f"| {with_:.3f} ({spread['with'][0]:.2f}–{spread['with'][1]:.2f}) | **{with_ / without:.2f}×** "
+                f"| {' '.join(f'{d:+.2f}' for d in paired)} "
+                f"| {cpu_without:.3f} | {cpu_with:.3f} | **{cpu_with / cpu_without:.2f}×** "
+                f"| {before} → {after} |"
+            )
             print(rows[-1], flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    body = "\n".join([
-        f"`python scripts/bench_stats.py --runs {args.runs} --epochs {args.epochs}` ({os.cpu_count()} cores,"
-        " shared with other work: load average before → after each dtype). Real all-MiniLM-L6-v2 fine-tune"
-        " epochs (model + AdamW state, scripts/bench_data.py); seconds per commit of epochs 2.."
-        f"{args.epochs} (epoch 1 has no parent), median of {args.runs} interleaved repetitions; \"without\" is"
-        " the same code with ingest's `stats` argument dropped (the commit of before); the CLI row times the"
-        " whole `ckstore commit` process (start-up included; bytecode cached, as an installed package has it:"
-        " scripts/bench_env.py). Compaction is off on both sides: it runs after the"
-        " commit is durable and does not change what the next commit computes."
-        " Statistics are computed on the worker that hashes each chunk, in 64K-element blocks (float32 sums"
-        " added in float64; bf16 read two elements per 32-bit word, its largest magnitude from the"
-        " sign-cleared bit patterns: format/tensor_stats.py); a tensor whose chunks are all its parent's"
-        " takes the parent's figures; the first worker that needs numpy imports it."
-        " Recording the relative change of"
-        " changed tensors too would need the parent's chunks, so commit records the change only for unchanged"
-        " tensors (0) and readers compute the rest (history/magnitude.py).",
-        "",
-        "| state | path | wall without stats s (min–max) | wall with s (min–max) | ratio | paired differences, with − without (s, sorted) "
-        "| CPU without (s) | CPU with (s) | ratio | load |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        *rows,
-    ])
+    body = "\n".join(
+        [
+            f"`python scripts/bench_stats.py --runs {args.runs} --epochs {args.epochs}` ({os.cpu_count()} cores,"
+            " shared with other work: load average before → after each dtype). Real all-MiniLM-L6-v2 fine-tune"
+            " epochs (model + AdamW state, scripts/bench_data.py); seconds per commit of epochs 2.."
+            f'{args.epochs} (epoch 1 has no parent), median of {args.runs} interleaved repetitions; "without" is'
+            " the same code with ingest's `stats` argument dropped (the commit of before); the CLI row times the"
+            " whole `ckstore commit` process (start-up included; bytecode cached, as an installed package has it:"
+            " scripts/bench_env.py). Compaction is off on both sides: it runs after the"
+            " commit is durable and does not change what the next commit computes."
+            " Statistics are computed on the worker that hashes each chunk, in 64K-element blocks (float32 sums"
+            " added in float64; bf16 read two elements per 32-bit word, its largest magnitude from the"
+            " sign-cleared bit patterns: format/tensor_stats.py); a tensor whose chunks are all its parent's"
+            " takes the parent's figures; the first worker that needs numpy imports it."
+            " Recording the relative change of"
+            " changed tensors too would need the parent's chunks, so commit records the change only for unchanged"
+            " tensors (0) and readers compute the rest (history/magnitude.py).",
+            "",
+            "| state | path | wall without stats s (min–max) | wall with s (min–max) | ratio | paired differences, with − without (s, sorted) "
+            "| CPU without (s) | CPU with (s) | ratio | load |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     print(body)
     if args.write_docs:
         write_section(args.write_docs, "Recording tensor statistics at commit", body)

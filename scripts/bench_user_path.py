@@ -19,9 +19,9 @@ same tensors, each tensor repeated under new names, every copy rotated by a diff
 two chunks are equal).
 
 ``compaction``: CPU seconds of the compaction of the last epoch as ``ckstore commit`` leaves it
-running: a fork of the command (write/detached.py), which logs its own CPU seconds to
+running: a fork of the command (compaction/detached.py), which logs its own CPU seconds to
 compact.log; beside it, the same compaction of a copy of the same repository in a new
-interpreter (``python -m ckstore.write.detached``, start-up and imports included: how a command
+interpreter (``python -m ckstore.compaction.detached``, start-up and imports included: how a command
 that cannot fork runs it), against ``save_file`` + fsync of the same state (wall and CPU), both
 after an ``os.sync()``. Epochs 1..n-1 are committed with compaction off, each compacted in this
 process; epoch n by the command. Also the stored bytes after the compaction and after ``repack``;
@@ -67,18 +67,20 @@ FILES = ("model.safetensors", "optimizer.safetensors")
 # benchmark's memory (Linux carries the high-water mark across fork and exec). It also reports
 # the bytes its threads made the kernel read from the disk (/proc/self/io read_bytes): what the
 # page cache did not hold.
-_PEAK = ("import atexit, sys\n"
-         "def peak():\n"
-         "    for line in open('/proc/self/status'):\n"
-         "        if line.startswith('VmHWM:'):\n"
-         "            sys.stderr.write('\\nPEAK ' + line.split()[1] + '\\n')\n"
-         "    for line in open('/proc/self/io'):\n"
-         "        if line.startswith('read_bytes:'):\n"
-         "            sys.stderr.write('\\nDISKREAD ' + line.split()[1] + '\\n')\n"
-         "atexit.register(peak)\n"
-         "from ckstore.cli import run\n"  # what the ckstore command's entry point calls
-         "sys.argv[0] = 'ckstore'\n"
-         "run()\n")
+_PEAK = (
+    "import atexit, sys\n"
+    "def peak():\n"
+    "    for line in open('/proc/self/status'):\n"
+    "        if line.startswith('VmHWM:'):\n"
+    "            sys.stderr.write('\\nPEAK ' + line.split()[1] + '\\n')\n"
+    "    for line in open('/proc/self/io'):\n"
+    "        if line.startswith('read_bytes:'):\n"
+    "            sys.stderr.write('\\nDISKREAD ' + line.split()[1] + '\\n')\n"
+    "atexit.register(peak)\n"
+    "from ckstore.cli import run\n"  # what the ckstore command's entry point calls
+    "sys.argv[0] = 'ckstore'\n"
+    "run()\n"
+)
 CKSTORE = [sys.executable, "-c", _PEAK]
 CLI_ENV: dict[str, str] | None = None  # main sets it: bytecode compiled, as installed (bench_env.py)
 
@@ -166,11 +168,14 @@ State = dict[str, dict[str, torch.Tensor]]
 def epochs_of(dirs: list[Path], size_gb: float) -> list[Callable[[], State]]:
     """Each epoch's state, made when asked: a multi-GB state is built one epoch at a time, so the
     benchmark holds one epoch, not four."""
+
     def make(d: Path) -> Callable[[], State]:
         def build() -> State:
             state = {f: load_file(str(d / f)) for f in FILES}
             return state if size_gb < 1 else enlarge(state, int(size_gb * 1e9))
+
         return build
+
     if size_gb < 1:  # small enough to keep: every run reuses the same tensors
         states = [make(d)() for d in dirs]
         return [lambda s=s: s for s in states]
@@ -181,8 +186,12 @@ def state_bytes(state: State) -> int:
     return sum(t.numel() * t.element_size() for f in state.values() for t in f.values())
 
 
-def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readme_path: bool = False,
-                 ) -> dict[str, list[float]]:
+def bench_epochs(
+    epochs: list[Callable[[], State]],
+    work: Path,
+    runs: int,
+    readme_path: bool = False,
+) -> dict[str, list[float]]:
     """Per measurement, the per-epoch medians over the runs (epoch 1 first)."""
     samples: dict[str, list[list[float]]] = {}
 
@@ -240,7 +249,9 @@ def bench_epochs(epochs: list[Callable[[], State]], work: Path, runs: int, readm
                 loose = work / "ckpt_unsynced" / f"epoch_{n + 1}"
                 loose.mkdir(parents=True)
                 save_state(state, loose, n + 1, synced=False)
-                wall, _, _ = run_cli(["--repo", str(work / "repo_unsynced"), "commit", str(loose), "-m", f"epoch {n + 1}"])
+                wall, _, _ = run_cli(
+                    ["--repo", str(work / "repo_unsynced"), "commit", str(loose), "-m", f"epoch {n + 1}"]
+                )
                 add("commit unsynced", n, wall)
                 wait_background(work / "repo_unsynced")
                 shutil.rmtree(loose)
@@ -271,11 +282,14 @@ def epochs_table(results: dict[str, dict[str, list[float]]], sizes: dict[str, in
                 f"| {r['checkout fsync'][n]:.2f} | {r['checkout fsync'][n] / s:.2f}× "
                 f"| {r['commit rss'][n]:.0f} / {r['checkout rss'][n]:.0f} "
                 f"| {r['commit read'][n]:.0f} / {r['checkout read'][n]:.0f} | {r['background'][n]:.2f} "
-                f"| {r['commit unsynced'][n] if 'commit unsynced' in r else float('nan'):.2f} | {r['own rss'][n]:.0f} |")
+                f"| {r['commit unsynced'][n] if 'commit unsynced' in r else float('nan'):.2f} | {r['own rss'][n]:.0f} |"
+            )
     return "\n".join(lines)
 
 
-def bench_compaction(epochs: list[Callable[[], State]], work: Path, runs: int, same_names: bool = False) -> dict[str, float]:
+def bench_compaction(
+    epochs: list[Callable[[], State]], work: Path, runs: int, same_names: bool = False
+) -> dict[str, float]:
     """Medians over runs, for the last epoch: ``save`` (save_file + fsync wall s) and ``save_cpu``;
     its compaction as ``ckstore commit`` leaves it running (a fork of the command, which logs its
     CPU s to compact.log): ``cpu`` and ``wall``; the same compaction in a new interpreter, as
@@ -316,9 +330,15 @@ def bench_compaction(epochs: list[Callable[[], State]], work: Path, runs: int, s
             forked_cpu, forked_wall = logged_compaction(repo.path)
             os.sync()
             spawn_cpu, spawn_wall = compact_spawned(Repo(copy))
-            for key, value in (("save", wall), ("save_cpu", cpu), ("cpu", forked_cpu), ("wall", forked_wall),
-                               ("spawn_cpu", spawn_cpu), ("spawn_wall", spawn_wall),
-                               ("stored", repo.stats().stored_bytes)):
+            for key, value in (
+                ("save", wall),
+                ("save_cpu", cpu),
+                ("cpu", forked_cpu),
+                ("wall", forked_wall),
+                ("spawn_cpu", spawn_cpu),
+                ("spawn_wall", spawn_wall),
+                ("stored", repo.stats().stored_bytes),
+            ):
                 samples.setdefault(key, []).append(value)
             repo.repack()
             samples.setdefault("repacked", []).append(repo.stats().stored_bytes)
@@ -348,13 +368,17 @@ def logged_compaction(repo: Path) -> tuple[float, float]:
 
 
 def compact_spawned(repo: Repo) -> tuple[float, float]:
-    """Compact ``repo``'s branch in a new interpreter, ``python -m ckstore.write.detached`` (with
+    """Compact ``repo``'s branch in a new interpreter, ``python -m ckstore.compaction.detached`` (with
     no place in line to give up); its CPU seconds (``getrusage`` of the child, start-up and
     imports included) and wall seconds."""
     env = {**(CLI_ENV or os.environ), "OPENBLAS_NUM_THREADS": "1"}  # as detached.start sets it
     before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    subprocess.run([sys.executable, "-m", "ckstore.write.detached", str(repo.path), repo.head_branch, "-1"],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "ckstore.compaction.detached", str(repo.path), repo.head_branch, "-1"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, time.perf_counter() - started
 
@@ -365,12 +389,20 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=float, default=[0.27])
     parser.add_argument("--dtypes", nargs="+", choices=list(RUNS), default=["fp32_full", "bf16"])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--names", nargs="+", default=["epoch", "same"], choices=["epoch", "same"],
-                        help="compaction: files named per epoch, or one name (relative change recorded)")
+    parser.add_argument(
+        "--names",
+        nargs="+",
+        default=["epoch", "same"],
+        choices=["epoch", "same"],
+        help="compaction: files named per epoch, or one name (relative change recorded)",
+    )
     parser.add_argument("--work", default=str(ROOT / "bench-work"))
     parser.add_argument("--epochs", type=int, default=4, help="epochs per run (at most 4: the real fine-tune's)")
-    parser.add_argument("--readme-path", action="store_true",
-                        help="also time `ckstore commit` right after a save_file without fsync, as the README's script runs it")
+    parser.add_argument(
+        "--readme-path",
+        action="store_true",
+        help="also time `ckstore commit` right after a save_file without fsync, as the README's script runs it",
+    )
     args = parser.parse_args()
     work = Path(args.work)
     global CLI_ENV
@@ -383,24 +415,32 @@ def main() -> None:
         for size in args.sizes:
             for dtype in args.dtypes:
                 label = f"{dtype} {size:g} GB" if size >= 1 else f"{dtype} MiniLM"
-                results[label] = bench_epochs(epochs_of(runs[dtype][:args.epochs], size), work / "user_path", args.runs,
-                                              args.readme_path)
+                results[label] = bench_epochs(
+                    epochs_of(runs[dtype][: args.epochs], size), work / "user_path", args.runs, args.readme_path
+                )
                 sizes[label] = int(results[label]["bytes"][-1])
                 print(epochs_table({label: results[label]}, sizes, args.runs), flush=True)
         print("\n" + epochs_table(results, sizes, args.runs), flush=True)
     if "compaction" in args.parts:
-        lines = ["| state | save_file + fsync s (its CPU s) | compaction CPU s: forked by the command / new interpreter "
-                 "| ratio to save wall: forked / new | ratio to save CPU: forked / new | stored MB after compaction / after repack "
-                 "| load |", "|---|---|---|---|---|---|---|"]
+        lines = [
+            "| state | save_file + fsync s (its CPU s) | compaction CPU s: forked by the command / new interpreter "
+            "| ratio to save wall: forked / new | ratio to save CPU: forked / new | stored MB after compaction / after repack "
+            "| load |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for dtype, names in ((d, n) for d in args.dtypes for n in args.names):
             before = load()
-            r = bench_compaction(epochs_of(runs[dtype], 0.27), work / "compaction", args.runs, same_names=names == "same")
+            r = bench_compaction(
+                epochs_of(runs[dtype], 0.27), work / "compaction", args.runs, same_names=names == "same"
+            )
             label = "files named per epoch" if names == "epoch" else "one name, change recorded"
-            lines.append(f"| {dtype} MiniLM epoch 4, {label} ({args.runs} runs) | {r['save']:.2f} ({r['save_cpu']:.2f}) "
-                         f"| {r['cpu']:.2f} / {r['spawn_cpu']:.2f} | {r['cpu'] / r['save']:.1f}× / {r['spawn_cpu'] / r['save']:.1f}× "
-                         f"| {r['cpu'] / r['save_cpu']:.0f}× / {r['spawn_cpu'] / r['save_cpu']:.0f}× "
-                         f"| {r['stored'] / 1e6:.1f} / {r['repacked'] / 1e6:.1f} "
-                         f"| {before} → {load()} |")
+            lines.append(
+                f"| {dtype} MiniLM epoch 4, {label} ({args.runs} runs) | {r['save']:.2f} ({r['save_cpu']:.2f}) "
+                f"| {r['cpu']:.2f} / {r['spawn_cpu']:.2f} | {r['cpu'] / r['save']:.1f}× / {r['spawn_cpu'] / r['save']:.1f}× "
+                f"| {r['cpu'] / r['save_cpu']:.0f}× / {r['spawn_cpu'] / r['save_cpu']:.0f}× "
+                f"| {r['stored'] / 1e6:.1f} / {r['repacked'] / 1e6:.1f} "
+                f"| {before} → {load()} |"
+            )
             print(lines[-1], flush=True)
         print("\n" + "\n".join(lines), flush=True)
 

@@ -41,8 +41,10 @@ ROWS = [
     ("path-like tensor names that stayed harmless", ["hostile_names_harmless"]),
     ("concurrent commits (all kept) / gc runs meanwhile", ["concurrent_commits", "concurrent_gc_runs"]),
     ("CAS rounds with exactly one winner", ["cas_rounds"]),
-    ("stateful test: commits / gc runs / corruptions / verified checkouts",
-     ["stateful_commits", "stateful_gcs", "stateful_corruptions", "stateful_checkouts"]),
+    (
+        "stateful test: commits / gc runs / corruptions / verified checkouts",
+        ["stateful_commits", "stateful_gcs", "stateful_corruptions", "stateful_checkouts"],
+    ),
     ("source files scanned for pickle", ["no_pickle_files_scanned"]),
 ]
 

@@ -35,12 +35,19 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="Work in this (new) folder and keep it for inspection.")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 1 << 31)
-    print(f"seed {seed}  (replay: python scripts/reliability_soak.py --seed {seed} --operations {args.operations})",
-          flush=True)
+    print(
+        f"seed {seed}  (replay: python scripts/reliability_soak.py --seed {seed} --operations {args.operations})",
+        flush=True,
+    )
     for name in [n for n in os.environ if n.startswith("AWS_") or n.startswith("CKSTORE_")]:
         del os.environ[name]  # nothing of the developer's leaks in; the server's credentials are passed down
-    settings = Settings(seed=seed, max_operations=args.operations, max_seconds=args.minutes * 60,
-                        kill_probability=args.kill_probability, progress_every=100)
+    settings = Settings(
+        seed=seed,
+        max_operations=args.operations,
+        max_seconds=args.minutes * 60,
+        kill_probability=args.kill_probability,
+        progress_every=100,
+    )
     with tempfile.TemporaryDirectory(prefix="ckstore-soak-") as tmp:
         work = args.keep if args.keep else Path(tmp) / "work"
         work.mkdir(parents=True)

@@ -94,9 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(start + 1, args.epochs + 1):
         loss = train_epoch(model, opt, sched)
         oid = repo.commit_state(
-            {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-             "epoch": epoch, "rng": ckstore.rng_state()},
-            message=f"epoch {epoch}", branch=args.branch,
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "epoch": epoch,
+                "rng": ckstore.rng_state(),
+            },
+            message=f"epoch {epoch}",
+            branch=args.branch,
             metadata={"epoch": epoch, "step": epoch * STEPS_PER_EPOCH, "loss": loss},
         )
         print(f"epoch {epoch}: loss {loss:.6f}  commit {oid[:12]}", file=sys.stderr)

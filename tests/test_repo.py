@@ -23,8 +23,7 @@ from ckstore.errors import (
     StorageError,
 )
 from ckstore.repo import Repo
-
-from helpers import (
+from tests.helpers import (
     TORCH_DTYPES,
     checkpoint,
     flip_bit,
@@ -47,8 +46,12 @@ def assert_round_trip(repo: Repo, ref: str, src: Path, out: Path) -> None:
 
 
 def three_epochs(repo: Repo, tmp_path: Path) -> list[str]:
-    return [repo.commit(checkpoint(tmp_path / f"ep{i}" / "ckpt.safetensors", seed=i), message=f"epoch {i}",
-                        metadata={"epoch": i}) for i in range(3)]
+    return [
+        repo.commit(
+            checkpoint(tmp_path / f"ep{i}" / "ckpt.safetensors", seed=i), message=f"epoch {i}", metadata={"epoch": i}
+        )
+        for i in range(3)
+    ]
 
 
 # ---- round trips -----------------------------------------------------------------------------
@@ -148,8 +151,15 @@ def test_same_tensor_at_another_offset_dedups(repo: Repo, tmp_path: Path) -> Non
 
 
 def test_metadata_keeps_types(repo: Repo, tmp_path: Path) -> None:
-    meta = {"epoch": 3, "loss": 0.125, "final": True, "name": "run-7", "none": None,
-            "nested": {"lrs": [1e-3, 1e-4], "big": 2**70}, "pair": (1, 2)}
+    meta = {
+        "epoch": 3,
+        "loss": 0.125,
+        "final": True,
+        "name": "run-7",
+        "none": None,
+        "nested": {"lrs": [1e-3, 1e-4], "big": 2**70},
+        "pair": (1, 2),
+    }
     oid = repo.commit(checkpoint(tmp_path / "c.safetensors", 0), metadata=meta)
     got = Repo(repo.path).read_commit(oid).decoded_metadata()  # read back from disk, not the cache
     assert got == meta
@@ -158,8 +168,9 @@ def test_metadata_keeps_types(repo: Repo, tmp_path: Path) -> None:
 
 
 def _git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
-                          check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def test_provenance(repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,9 +200,24 @@ def test_resolve_forms(repo: Repo, tmp_path: Path) -> None:
     repo.create_tag("v1", c1)
     repo.create_branch("old", c0)
     cases = {
-        c2: c2, c1[:6]: c1, c0[:20]: c0, "main": c2, "HEAD": c2, "v1": c1, "old": c0, "refs/tags/v1": c1,
-        "refs/heads/main": c2, "HEAD~2": c0, "main~1": c1, "main^": c1, "main^^": c0, "HEAD~": c1, "HEAD~0": c2,
-        "v1~1": c0, "main~1~1": c0, "main~1^": c0,
+        c2: c2,
+        c1[:6]: c1,
+        c0[:20]: c0,
+        "main": c2,
+        "HEAD": c2,
+        "v1": c1,
+        "old": c0,
+        "refs/tags/v1": c1,
+        "refs/heads/main": c2,
+        "HEAD~2": c0,
+        "main~1": c1,
+        "main^": c1,
+        "main^^": c0,
+        "HEAD~": c1,
+        "HEAD~0": c2,
+        "v1~1": c0,
+        "main~1~1": c0,
+        "main~1^": c0,
     }
     for spec, expected in cases.items():
         assert repo.resolve(spec) == expected, spec
@@ -237,7 +263,9 @@ def test_show(repo: Repo, tmp_path: Path) -> None:
     shard = next(f for f in commit.files if f.path == "model-00002-of-00002.safetensors")
     # Listed in the order of their data in the file (safetensors puts wider dtypes first).
     assert [(t.name, t.dtype, t.shape) for t in shard.tensors] == [
-        ("head.weight", "F32", (16, 300)), ("head.bias", "BF16", (300,))]
+        ("head.weight", "F32", (16, 300)),
+        ("head.bias", "BF16", (300,)),
+    ]
 
 
 # ---- diff ------------------------------------------------------------------------------------
@@ -245,8 +273,11 @@ def test_show(repo: Repo, tmp_path: Path) -> None:
 
 def test_diff_statuses_and_costs(repo: Repo, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(1)
-    t = {"keep": torch.randn(2000, generator=g), "change": torch.randn(2000, generator=g),
-         "drop": torch.randn(10, generator=g)}
+    t = {
+        "keep": torch.randn(2000, generator=g),
+        "change": torch.randn(2000, generator=g),
+        "drop": torch.randn(10, generator=g),
+    }
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     save_st(a_dir / "m.safetensors", t)
     (a_dir / "notes.txt").write_text("same")
@@ -258,9 +289,12 @@ def test_diff_statuses_and_costs(repo: Repo, tmp_path: Path) -> None:
     b = repo.commit(b_dir)
     got = {(c.path, c.name): c for c in repo.diff(a, b)}
     assert {k: c.status for k, c in got.items()} == {
-        ("m.safetensors", "keep"): "unchanged", ("m.safetensors", "change"): "changed",
-        ("m.safetensors", "new"): "added", ("m.safetensors", "drop"): "removed",
-        ("notes.txt", None): "unchanged", ("old.txt", None): "removed",
+        ("m.safetensors", "keep"): "unchanged",
+        ("m.safetensors", "change"): "changed",
+        ("m.safetensors", "new"): "added",
+        ("m.safetensors", "drop"): "removed",
+        ("notes.txt", None): "unchanged",
+        ("old.txt", None): "removed",
     }
     assert got[("m.safetensors", "change")].stored_bytes > 0
     assert got[("m.safetensors", "new")].stored_bytes > 0
@@ -356,6 +390,7 @@ def test_checkout_with_fsync_makes_every_file_and_folder_durable_and_without_it_
         def call(fd: int) -> None:
             synced.append(os.readlink(f"/proc/self/fd/{fd}"))
             real(fd)
+
         return call
 
     monkeypatch.setattr(os, "fsync", record(real_fsync))
@@ -385,8 +420,12 @@ def test_checkout_skips_identical_files(repo: Repo, tmp_path: Path) -> None:
 
 def test_checkout_only(repo: Repo, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(3)
-    tensors = {"model.w": torch.randn(40, 30, generator=g), "optim.m": torch.randn(2000, generator=g),
-               "model.b": torch.arange(5, dtype=torch.int64), "optim.step": torch.tensor(7)}
+    tensors = {
+        "model.w": torch.randn(40, 30, generator=g),
+        "optim.m": torch.randn(2000, generator=g),
+        "model.b": torch.arange(5, dtype=torch.int64),
+        "optim.step": torch.tensor(7),
+    }
     src = save_st(tmp_path / "src" / "ckpt.safetensors", tensors, metadata={"epoch": "4"})
     save_st(tmp_path / "src" / "opt_only.safetensors", {"optim.x": torch.ones(3)})
     (tmp_path / "src" / "config.json").write_text("{}")

@@ -1,7 +1,7 @@
 """The storage backend interface: the only layer that touches bytes at rest.
 
 Keys are relative POSIX paths such as ``objects/ab/cdef…`` or ``refs/heads/main``. Every
-implementation must satisfy these obligations (``tests/test_backend.py`` is the conformance
+implementation must satisfy these obligations (``tests/backend/test_base.py`` is the conformance
 suite that runs against each one):
 
 * ``put_if_absent`` and ``replace`` are atomic: a reader sees the old value or the new one, never

@@ -43,7 +43,8 @@ def libc_function(name: str, argtypes: list[type] | None = None) -> ctypes._CFun
 
 
 _SYNC_FILE_RANGE = libc_function(  # Linux
-    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 
 _observer: Callable[[], None] | None = None
 

@@ -27,20 +27,23 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from ckstore.errors import IntegrityError, InvalidInputError, LockedError, OutputExistsError, RefExistsError, StorageError
-from ckstore.backend.fsio import drop_cached, fsync_path, mutating_step, read_ahead, start_writeback, write_out_and_drop
-from ckstore.format.ids import is_object_id, key_object_id, object_key
-from ckstore.format.pack import MAX_PACK_SIZE
 from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
+from ckstore.backend.fsio import drop_cached, fsync_path, mutating_step, read_ahead, start_writeback, write_out_and_drop
 from ckstore.backend.local_batch import LocalBatch, StagingBackend
 from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks
 from ckstore.backend.syscalls import HAS_SYNCFS, syncfs
+from ckstore.errors import (
+    LockedError,
+    OutputExistsError,
+    RefExistsError,
+)
+from ckstore.format.ids import is_object_id, key_object_id, object_key
+from ckstore.format.pack import MAX_PACK_SIZE
 
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
@@ -260,8 +263,9 @@ class LocalBackend(StagingBackend):
         else:
             created.add(path)
 
-    def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None,
-                    cached: bool = True) -> Path:
+    def _write_temp(
+        self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None, cached: bool = True
+    ) -> Path:
         """A new temporary file holding ``data``, in ``tmp/`` or in ``folder`` (an existing
         folder of the repository) under a name that starts with a dot, which no key has.
         Unsynced, its writeback is started at once; unless ``cached``, it is waited for and the
@@ -278,7 +282,7 @@ class LocalBackend(StagingBackend):
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if sync:
                 mutating_step()
                 os.fsync(fd)
@@ -486,8 +490,10 @@ class LocalBackend(StagingBackend):
 
     def storage_problems(self) -> list[str]:
         self.packs.refresh(force=True)
-        return [f"pack {self.packs.path_of(pid)} is damaged and was left out: {why}"
-                for pid, why in sorted(self.packs.damaged.items())]
+        return [
+            f"pack {self.packs.path_of(pid)} is damaged and was left out: {why}"
+            for pid, why in sorted(self.packs.damaged.items())
+        ]
 
     def unpack(self, drop: Collection[str] = (), gather: bool = False, keep_clean: bool = False) -> int:
         """Settle the installed packs (local_settle.py): large objects spread into loose ones,
@@ -534,8 +540,9 @@ class LocalBackend(StagingBackend):
         # Adding, replacing (rename) or deleting an object changes its fan-out folder's mtime;
         # packs change in place, so each pack file counts with its own. About 260 stats.
         # Not tmp/: writing the cache itself stages a file there.
-        paths = [self.root / name for name in ("config.json", "pruned", "dependents", "alternates", "objects",
-                                               PACK_FOLDER)]
+        paths = [
+            self.root / name for name in ("config.json", "pruned", "dependents", "alternates", "objects", PACK_FOLDER)
+        ]
         paths += sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]"))
         for folder in (self.root / PACK_FOLDER, self.root / "logs"):
             if folder.is_dir():
@@ -565,8 +572,11 @@ class LocalBackend(StagingBackend):
     def _temporaries(self) -> Iterator[Path]:
         # Batches stage objects in their own fan-out folders (local_batch.py) and packs in the
         # pack folder; everything else writes its temporaries in tmp/.
-        folders = [self.root / TMP_DIR, *sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]")),
-                   self.root / PACK_FOLDER]
+        folders = [
+            self.root / TMP_DIR,
+            *sorted((self.root / "objects").glob("[0-9a-f][0-9a-f]")),
+            self.root / PACK_FOLDER,
+        ]
         for folder in folders:
             if not folder.is_dir():
                 continue

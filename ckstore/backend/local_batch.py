@@ -29,27 +29,26 @@ filesystem, and on a training script's path that includes the checkpoint it has 
 without fsync, which the commit does not need on disk.
 """
 
-
 from __future__ import annotations
 
 import os
 import threading
 from abc import abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from collections.abc import Iterable
 
-from ckstore.backend.fsio import EarlyFlush, mutating_step
-from ckstore.format.ids import key_object_id
-from ckstore.format.pack import PackIndex
 from ckstore.backend.base import Backend, check_key, storage_error
-from ckstore.errors import StorageError
+from ckstore.backend.fsio import EarlyFlush, mutating_step
 from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks, PackWriter
 from ckstore.backend.syscalls import interrupts_deferred, move_if_absent, syncfs
+from ckstore.errors import StorageError
+from ckstore.format.ids import key_object_id
+from ckstore.format.pack import PackIndex
 
 # At most this many files and folders are fsynced one by one at a barrier; more take a syncfs.
 TARGETED_BARRIER_MAX = 64
+
 
 class StagingBackend(Backend):
     """What a batch needs of the local backend beyond ``Backend`` (local.py implements it)."""
@@ -64,21 +63,18 @@ class StagingBackend(Backend):
         return False
 
     @abstractmethod
-    def _path(self, key: str) -> Path:
-        ...
+    def _path(self, key: str) -> Path: ...
 
     @abstractmethod
-    def _ensure_dir(self, path: Path, created: set[Path] | None = None) -> None:
-        ...
+    def _ensure_dir(self, path: Path, created: set[Path] | None = None) -> None: ...
 
     @abstractmethod
-    def _write_temp(self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None,
-                    cached: bool = True) -> Path:
-        ...
+    def _write_temp(
+        self, data: bytes | memoryview, sync: bool = True, folder: Path | None = None, cached: bool = True
+    ) -> Path: ...
 
     @abstractmethod
-    def sync_barrier(self, paths: Iterable[Path], targeted: bool = False) -> None:
-        ...
+    def sync_barrier(self, paths: Iterable[Path], targeted: bool = False) -> None: ...
 
 
 class LocalBatch(Backend):
@@ -335,8 +331,9 @@ class LocalBatch(Backend):
                 puts, replaces = self._take()
                 with self._mutex:
                     writers, self._writers = self._writers, []
-                leftovers.update(dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces]
-                                               + [w.path for w in writers]))
+                leftovers.update(
+                    dict.fromkeys([t for _, t in puts] + [t for _, t, _ in replaces] + [w.path for w in writers])
+                )
             if not leftovers:
                 return
             # The early flush first: it syncs the packs' descriptors, which finishing them closes.

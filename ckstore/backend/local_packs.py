@@ -28,10 +28,19 @@ from typing import Any
 
 import blake3
 
-from ckstore.errors import IntegrityError
 from ckstore.backend.fsio import DropBehind, PositionalWriter, drop_cached, mutating_step, read_ahead
+from ckstore.errors import IntegrityError
 from ckstore.format.ids import is_object_id
-from ckstore.format.pack import MAX_PACK_SIZE, TAIL_GUESS, PackBuilder, PackEntry, PackIndex, PackTable, table_from_tail, tail_length
+from ckstore.format.pack import (
+    MAX_PACK_SIZE,
+    TAIL_GUESS,
+    PackBuilder,
+    PackEntry,
+    PackIndex,
+    PackTable,
+    table_from_tail,
+    tail_length,
+)
 
 PACK_FOLDER = "objects/pack"
 PACK_SUFFIX = ".pack"
@@ -164,7 +173,7 @@ class LocalPacks:
         with self._lock:
             if not force and stamp == self._seen:
                 return
-            names = {e.name[:-len(PACK_SUFFIX)] for e in os.scandir(self.folder) if e.name.endswith(PACK_SUFFIX)}
+            names = {e.name[: -len(PACK_SUFFIX)] for e in os.scandir(self.folder) if e.name.endswith(PACK_SUFFIX)}
             names = {n for n in names if is_object_id(n)}
             indexes = {pid: ix for pid, ix in self._indexes.items() if pid in names}
             damaged = {pid: why for pid, why in self.damaged.items() if pid in names}
@@ -261,8 +270,9 @@ class LocalPacks:
             if not len(positions):
                 continue
             try:
-                found = _read_places(self.path_of(index.pack_id), [todo[i] for i in positions.tolist()],
-                                     offsets, lengths.clip(max=n))
+                found = _read_places(
+                    self.path_of(index.pack_id), [todo[i] for i in positions.tolist()], offsets, lengths.clip(max=n)
+                )
             except FileNotFoundError:
                 self.refresh(force=True)
                 continue
@@ -359,7 +369,7 @@ def _read_places(path: Path, oids: list[str], offsets: Any, lengths: Any) -> dic
                 j = max(i + 1, bisect.bisect_right(reach_l, start + _SPAN, i, stop))
                 data = os.pread(fd, reach_l[j - 1] - start, start)
                 for k in range(i, j):
-                    out[names[k]] = data[starts_l[k] - start:ends_l[k] - start]
+                    out[names[k]] = data[starts_l[k] - start : ends_l[k] - start]
                 i = j
     finally:
         os.close(fd)
@@ -382,6 +392,6 @@ def _read_table(path: Path, pack_id: str) -> PackTable:
         needed = tail_length(tail, size, pack_id)
         if needed > len(tail):
             tail = os.pread(fd, needed, size - needed)
-        return table_from_tail(tail[len(tail) - needed:], size, pack_id)
+        return table_from_tail(tail[len(tail) - needed :], size, pack_id)
     finally:
         os.close(fd)

@@ -68,7 +68,11 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
         loose_small = []
     # Clean packs of large objects that compaction leaves as they are (module docstring).
     shadowed = backend.packs.shadowed_bytes(loose) if keep_clean else {}
-    resting = {ix.pack_id for ix in indexes if _longest(ix) >= SMALL_OBJECT and _may_rest(ix, drop, shadowed)} if keep_clean else set()
+    resting = (
+        {ix.pack_id for ix in indexes if _longest(ix) >= SMALL_OBJECT and _may_rest(ix, drop, shadowed)}
+        if keep_clean
+        else set()
+    )
     if len(resting) >= MERGE_AT:
         resting = set()
     if len(indexes) - len(resting) + bool(loose_small) >= MERGE_AT:
@@ -168,8 +172,13 @@ def _small(loose: dict[str, str]) -> list[tuple[str, str]]:
     return found
 
 
-def _copy_pack(backend: StagingBackend, staged: LocalBatch, index: PackIndex | PackTable, drop: Collection[str],
-               loose: Collection[str]) -> bool:
+def _copy_pack(
+    backend: StagingBackend,
+    staged: LocalBatch,
+    index: PackIndex | PackTable,
+    drop: Collection[str],
+    loose: Collection[str],
+) -> bool:
     """Stage every kept object of one pack that has no loose copy (small ones into the batch's
     pack, large ones loose); False when the pack is damaged or gone (it is not deleted then)."""
     path = backend.packs.path_of(index.pack_id)

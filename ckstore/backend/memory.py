@@ -7,8 +7,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ckstore.errors import LockedError
 from ckstore.backend.base import Backend, check_key, check_prefix
+from ckstore.errors import LockedError
 
 
 class MemoryBackend(Backend):

@@ -22,7 +22,8 @@ _RENAME_NOREPLACE = 1
 
 _SYNCFS = libc_function("syncfs")  # Linux (glibc, musl)
 _RENAMEAT2 = libc_function(  # glibc 2.28+
-    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
 
 HAS_SYNCFS = _SYNCFS is not None
 
@@ -73,7 +74,7 @@ def interrupts_deferred() -> Iterator[None]:
     The handlers are swapped for one that only notes the signal, rather than the signals masked:
     a mask is per thread, and in a process with other threads (a commit's workers) the kernel
     hands the signal to one of those, whose C handler still makes the main thread run the
-    Python handler inside the block (found by tests/test_batch_interrupts.py under xdist)."""
+    Python handler inside the block (found by tests/backend/test_local_batch.py under xdist)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -4,7 +4,7 @@ Errors are the contract: every ``CkstoreError`` becomes ``ckstore: <one line>`` 
 class's exit code (see errors.py); no traceback reaches the user.
 
 A command returns once its commit is durable: the compaction after a commit runs in a detached
-process (``Repo.detach_compaction``, write/detached.py) that ``ckstore wait`` waits for. Ctrl-C
+process (``Repo.detach_compaction``, compaction/detached.py) that ``ckstore wait`` waits for. Ctrl-C
 before a commit is durable cancels it (exit 130; the ref is unchanged, no temporary file is
 left, and chunks already stored are unreferenced until gc); once a command has printed its
 commit, Ctrl-C only says that the commit stands (exit 0). After the first Ctrl-C, further ones
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 import click.shell_completion
 
-from ckstore.format.units import human  # noqa: F401  (the commands' one way to print sizes)
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
+from ckstore.runtime.units import human  # noqa: F401  (the commands' one way to print sizes)
 
 # The repository layer loads when a command opens a repository (``find_repo``), not for ``--help``
-# or a usage error (start-up: scripts/bench_startup.py, tests/test_startup.py).
+# or a usage error (start-up: scripts/bench_startup.py, tests/cli/test_startup.py).
 if TYPE_CHECKING:
     from ckstore.repo import ProgressBar, Repo
 
@@ -94,9 +94,16 @@ def binary_bar(total: int, desc: str) -> ProgressBar:
             return d
 
     # total 0: not known in advance (fetch): bytes so far and their rate, without a bar.
-    return BinaryBar(total=total or None, desc=desc, file=sys.stderr, leave=False, delay=PROGRESS_DELAY,
-                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {done} / {size} [{elapsed}<{remaining}, {speed}]"
-                     if total else "{desc}: {done} [{elapsed}, {speed}]")
+    return BinaryBar(
+        total=total or None,
+        desc=desc,
+        file=sys.stderr,
+        leave=False,
+        delay=PROGRESS_DELAY,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {done} / {size} [{elapsed}<{remaining}, {speed}]"
+        if total
+        else "{desc}: {done} [{elapsed}, {speed}]",
+    )
 
 
 def json_safe(value: Any) -> Any:
@@ -146,19 +153,20 @@ _COUNTED = ("log", "reflog")  # the commands that take git's -N for -n N
 
 def git_count_args(args: list[str]) -> list[str]:
     """git's ``log -3``: ``-N`` after log or reflog becomes ``-n N`` (click has no such option)."""
-    command = next((i for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "--repo")),
-                   None)
+    command = next(
+        (i for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "--repo")), None
+    )
     if command is None or args[command] not in _COUNTED:
         return args
-    out = args[:command + 1]
-    for arg in args[command + 1:]:
+    out = args[: command + 1]
+    for arg in args[command + 1 :]:
         out += ["-n", arg[1:]] if _COUNT.fullmatch(arg) else [arg]
     return out
 
 
 # The module (ckstore/cli/<module>.py) that defines each command, imported when that command
 # runs or a help text lists it: `ckstore log` loads only the history commands (start-up).
-# tests/test_startup.py checks that this names every command and its module.
+# tests/cli/test_startup.py checks that this names every command and its module.
 COMMAND_MODULES = {
     **dict.fromkeys(("init", "commit", "checkout", "export", "import"), "files"),
     **dict.fromkeys(("log", "show", "diff", "best", "stats"), "inspect"),
@@ -216,7 +224,9 @@ class _Group(click.Group):
             die("out of memory", 1)
 
 
-def complete_ref(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[click.shell_completion.CompletionItem]:
+def complete_ref(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[click.shell_completion.CompletionItem]:
     """Shell completion of REF arguments: branches, tags and HEAD of the repository in use
     (``eval "$(_CKSTORE_COMPLETE=bash_source ckstore)"``; README, "Shell completion")."""
     try:
@@ -291,8 +301,11 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             landed = f"commit {recorded[0]}" if len(recorded) == 1 else f"{len(recorded)} commits (last {recorded[-1]})"
-            die(f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
-                "('ckstore wait' waits for it)", EXIT_INTERRUPTED)
+            die(
+                f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
+                "('ckstore wait' waits for it)",
+                EXIT_INTERRUPTED,
+            )
         if own:
             recorded = bool(repo.commits_recorded())
             signal.signal(signal.SIGINT, _commit_stands if recorded else signal.default_int_handler)
@@ -305,7 +318,9 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--repo", "repo_path", metavar="PATH", help="Repository (default: $CKSTORE_REPO, else the nearest .ckstore).")
+@click.option(
+    "--repo", "repo_path", metavar="PATH", help="Repository (default: $CKSTORE_REPO, else the nearest .ckstore)."
+)
 @click.version_option(package_name="ckstore")
 @click.pass_context
 def main(ctx: click.Context, repo_path: str | None) -> None:
@@ -360,4 +375,3 @@ def _flushed(code: int) -> int:
     except BrokenPipeError:
         return EXIT_PIPE
     return code
-

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckstore.errors import InvalidInputError, PickleCheckpointError
 from ckstore.cli.base import (
     complete_ref,
     human,
@@ -17,10 +16,10 @@ from ckstore.cli.base import (
     print_json,
     progress_factory,
 )
+from ckstore.errors import InvalidInputError, PickleCheckpointError
 
 if TYPE_CHECKING:
-    from ckstore.repo import Repo
-    from ckstore.repo import CheckoutResult
+    from ckstore.repo import CheckoutResult, Repo
 
 
 @main.command()
@@ -36,15 +35,20 @@ def init(path: str | None, chunk_size: int | None, zstd_level: int | None, max_d
     repo_option = click.get_current_context().find_root().params.get("repo_path")
     if path is not None and repo_option is not None and Path(path).resolve() != Path(repo_option).resolve():
         raise click.UsageError(f"init got two places: PATH {path!r} and --repo {repo_option!r}; give one")
-    repo = Repo.init(path or repo_option or ".ckstore", chunk_size=chunk_size, zstd_level=zstd_level, max_delta_depth=max_delta_depth)
+    repo = Repo.init(
+        path or repo_option or ".ckstore", chunk_size=chunk_size, zstd_level=zstd_level, max_delta_depth=max_delta_depth
+    )
     click.echo(f"initialised empty ckstore repository in {repo.path}")
 
 
 _branch_option = click.option(
-    "--branch", help="Branch to commit to (default: the current branch); a branch that does not exist yet starts at "
-    "HEAD, as after 'git checkout -b' (the commit's parent is HEAD's commit).")
+    "--branch",
+    help="Branch to commit to (default: the current branch); a branch that does not exist yet starts at "
+    "HEAD, as after 'git checkout -b' (the commit's parent is HEAD's commit).",
+)
 _orphan_option = click.option(
-    "--orphan", is_flag=True, help="With --branch NEW: start NEW with a root commit, a history unrelated to HEAD's.")
+    "--orphan", is_flag=True, help="With --branch NEW: start NEW with a root commit, a history unrelated to HEAD's."
+)
 
 
 def _new_branch_start(repo: Repo, branch: str | None, orphan: bool) -> str | None:
@@ -65,22 +69,49 @@ def _new_branch_start(repo: Repo, branch: str | None, orphan: bool) -> str | Non
 @click.option("--raw", is_flag=True, help="Store pickle checkpoints as opaque files (else: use 'ckstore import').")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None, orphan: bool, meta: tuple[str, ...],
-           base: str | None, base_repo: str | None, raw: bool, as_json: bool) -> None:
+def commit(
+    repo: Repo,
+    paths: tuple[str, ...],
+    message: str,
+    branch: str | None,
+    orphan: bool,
+    meta: tuple[str, ...],
+    base: str | None,
+    base_repo: str | None,
+    raw: bool,
+    as_json: bool,
+) -> None:
     """Record safetensors files or directories as one commit; print its id."""
     if base_repo and not base:
         base = "HEAD"
     try:
-        oid = repo.commit(list(paths), message=message, branch=branch, metadata=parse_meta(meta),
-                          progress=progress_factory(), base=base, base_repo=base_repo, raw=raw,
-                          start=_new_branch_start(repo, branch, orphan))
+        oid = repo.commit(
+            list(paths),
+            message=message,
+            branch=branch,
+            metadata=parse_meta(meta),
+            progress=progress_factory(),
+            base=base,
+            base_repo=base_repo,
+            raw=raw,
+            start=_new_branch_start(repo, branch, orphan),
+        )
     except PickleCheckpointError as exc:
-        raise PickleCheckpointError(f"{exc.path} is a PyTorch pickle checkpoint: 'ckstore import {exc.path}' stores "
-                                    "its tensors safely; --raw commits it as one opaque file") from None
+        raise PickleCheckpointError(
+            f"{exc.path} is a PyTorch pickle checkpoint: 'ckstore import {exc.path}' stores "
+            "its tensors safely; --raw commits it as one opaque file"
+        ) from None
     if as_json:
         c = repo.read_commit(oid)
-        print_json({"id": oid, "branch": c.branch, "message": c.message, "logical_bytes": c.logical_bytes,
-                    "added_bytes": c.added_bytes})
+        print_json(
+            {
+                "id": oid,
+                "branch": c.branch,
+                "message": c.message,
+                "logical_bytes": c.logical_bytes,
+                "added_bytes": c.added_bytes,
+            }
+        )
     else:
         click.echo(oid)
 
@@ -90,28 +121,63 @@ def commit(repo: Repo, paths: tuple[str, ...], message: str, branch: str | None,
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
 @click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Only tensors matching this glob (repeatable).")
-@click.option("--shard-size", metavar="SIZE",
-              help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json"
-                   " (all top-level safetensors files; 'ckstore export' writes only the model).")
+@click.option(
+    "--shard-size",
+    metavar="SIZE",
+    help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes) with model.safetensors.index.json"
+    " (all top-level safetensors files; 'ckstore export' writes only the model).",
+)
 @click.option("--merge-lora", is_flag=True, help="Write the base model with the commit's PEFT LoRA adapter merged in.")
-@click.option("--remote", "remote_name", metavar="NAME",
-              help="Read what this repository lacks from remote NAME, only the chunks needed (REF may be NAME/BRANCH).")
-@click.option("--fsync", is_flag=True,
-              help="Make the files durable before returning (by default they are written as cp or git writes them).")
+@click.option(
+    "--remote",
+    "remote_name",
+    metavar="NAME",
+    help="Read what this repository lacks from remote NAME, only the chunks needed (REF may be NAME/BRANCH).",
+)
+@click.option(
+    "--fsync",
+    is_flag=True,
+    help="Make the files durable before returning (by default they are written as cp or git writes them).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def checkout(repo: Repo, ref: str, out_dir: str, force: bool, only: tuple[str, ...], shard_size: str | None,
-             merge_lora: bool, remote_name: str | None, fsync: bool, as_json: bool) -> None:
+def checkout(
+    repo: Repo,
+    ref: str,
+    out_dir: str,
+    force: bool,
+    only: tuple[str, ...],
+    shard_size: str | None,
+    merge_lora: bool,
+    remote_name: str | None,
+    fsync: bool,
+    as_json: bool,
+) -> None:
     """Write the files of REF into DIR, byte-identical to what was committed."""
     if merge_lora and (shard_size is not None or only):
         raise InvalidInputError("--merge-lora cannot be combined with --shard-size or --only")
     if remote_name is not None:
         repo.use_remote(remote_name)
-    result = repo.checkout(ref, out_dir, force=force, only=list(only) or None, progress=progress_factory(),
-                           shard_size=shard_size, merge_lora=merge_lora, fsync=fsync)
+    result = repo.checkout(
+        ref,
+        out_dir,
+        force=force,
+        only=list(only) or None,
+        progress=progress_factory(),
+        shard_size=shard_size,
+        merge_lora=merge_lora,
+        fsync=fsync,
+    )
     if as_json:
-        print_json({"commit": repo.resolve(ref), "output": out_dir, "written": result.written, "unchanged": result.unchanged,
-                    "bytes_written": result.bytes_written})
+        print_json(
+            {
+                "commit": repo.resolve(ref),
+                "output": out_dir,
+                "written": result.written,
+                "unchanged": result.unchanged,
+                "bytes_written": result.bytes_written,
+            }
+        )
         return
     _report_written(result)
 
@@ -126,18 +192,39 @@ def _report_written(result: CheckoutResult) -> None:
 @main.command()
 @click.argument("ref", shell_complete=complete_ref)
 @click.option("-o", "--output", "out_dir", required=True, metavar="DIR", help="Directory to write into.")
-@click.option("--prefix", metavar="KEY",
-              help="Export the tensors under KEY, without it (a training state: default 'model'; e.g. 'module.').")
-@click.option("--weights", multiple=True, metavar="GLOB",
-              help="Safetensors files holding the model (default: model.safetensors and its shards).")
-@click.option("--files-from", metavar="REF", help="Copy config and tokenizer files from REF instead (e.g. the base model).")
+@click.option(
+    "--prefix",
+    metavar="KEY",
+    help="Export the tensors under KEY, without it (a training state: default 'model'; e.g. 'module.').",
+)
+@click.option(
+    "--weights",
+    multiple=True,
+    metavar="GLOB",
+    help="Safetensors files holding the model (default: model.safetensors and its shards).",
+)
+@click.option(
+    "--files-from", metavar="REF", help="Copy config and tokenizer files from REF instead (e.g. the base model)."
+)
 @click.option("--shard-size", metavar="SIZE", help="Write Hugging Face shards of at most SIZE (500MB, 2GiB, bytes).")
 @click.option("--force", is_flag=True, help="Overwrite existing files that differ.")
-@click.option("--fsync", is_flag=True,
-              help="Make the files durable before returning (by default they are written as cp or git writes them).")
+@click.option(
+    "--fsync",
+    is_flag=True,
+    help="Make the files durable before returning (by default they are written as cp or git writes them).",
+)
 @pass_repo
-def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tuple[str, ...], files_from: str | None,
-           shard_size: str | None, force: bool, fsync: bool) -> None:
+def export(
+    repo: Repo,
+    ref: str,
+    out_dir: str,
+    prefix: str | None,
+    weights: tuple[str, ...],
+    files_from: str | None,
+    shard_size: str | None,
+    force: bool,
+    fsync: bool,
+) -> None:
     """Write exactly the model of REF as a folder that from_pretrained loads.
 
     The model's tensors (not the optimizer's) go into model.safetensors or shards, with the
@@ -145,14 +232,26 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
     LoRA adapter in REF (an adapter overlay) is merged into the base weights, as checkout
     --merge-lora writes them; the adapter's files are not copied.
     """
-    result = repo.export(ref, out_dir, prefix=prefix, weights=list(weights) or None, files_from=files_from,
-                         shard_size=shard_size, force=force, progress=progress_factory(), fsync=fsync)
+    result = repo.export(
+        ref,
+        out_dir,
+        prefix=prefix,
+        weights=list(weights) or None,
+        files_from=files_from,
+        shard_size=shard_size,
+        force=force,
+        progress=progress_factory(),
+        fsync=fsync,
+    )
     _report_written(result)
     if result.merged_adapter:
         click.echo(f"merged the LoRA adapter {result.merged_adapter} into the model (not copied)")
     if "config.json" not in result.written + result.unchanged:
-        click.echo("ckstore: warning: the export has no config.json, which from_pretrained needs; "
-                   "--files-from REF copies one from a commit that has it (the base model)", err=True)
+        click.echo(
+            "ckstore: warning: the export has no config.json, which from_pretrained needs; "
+            "--files-from REF copies one from a commit that has it (the base model)",
+            err=True,
+        )
 
 
 @main.command(name="import")
@@ -164,16 +263,25 @@ def export(repo: Repo, ref: str, out_dir: str, prefix: str | None, weights: tupl
 @click.option("--delete-source", is_flag=True, help="Delete each file once its commit is verified.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def import_(repo: Repo, path: str, recursive: bool, message: str | None, branch: str | None, orphan: bool,
-            delete_source: bool, as_json: bool) -> None:
+def import_(
+    repo: Repo,
+    path: str,
+    recursive: bool,
+    message: str | None,
+    branch: str | None,
+    orphan: bool,
+    delete_source: bool,
+    as_json: bool,
+) -> None:
     """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle)."""
     # Printed as each file lands: if a later file is refused, the commits made so far are known
     # (with --json, the document lists them before the error line reaches stderr).
     done = []
     start = _new_branch_start(repo, branch, orphan)
     try:
-        for result in repo.iter_import(path, recursive=recursive, message=message, branch=branch,
-                                       delete_source=delete_source, start=start):
+        for result in repo.iter_import(
+            path, recursive=recursive, message=message, branch=branch, delete_source=delete_source, start=start
+        ):
             done.append({"commit": result.commit, "source": str(result.source), "deleted": result.deleted})
             if not as_json:
                 click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckstore.errors import InvalidInputError
 from ckstore.cli.base import complete_ref, human, main, pass_repo, print_json, short
+from ckstore.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from ckstore.repo import Decorations, Repo
@@ -24,11 +24,19 @@ def _entry_json(oid: str, commit: Any, pruned: tuple[str, ...] = (), refs: Decor
 
     refs = refs or Decorations()
     return {
-        "id": oid, "time": commit.time, "branch": commit.branch, "message": commit.message,
-        "parents": list(commit.parents), "pruned_parents": list(pruned),
-        "metadata": commit.decoded_metadata(), "logical_bytes": commit.logical_bytes,
+        "id": oid,
+        "time": commit.time,
+        "branch": commit.branch,
+        "message": commit.message,
+        "parents": list(commit.parents),
+        "pruned_parents": list(pruned),
+        "metadata": commit.decoded_metadata(),
+        "logical_bytes": commit.logical_bytes,
         "added_bytes": commit.added_bytes,
-        "head": refs.head, "branches": list(refs.branches), "tags": list(refs.tags), "best": list(refs.best),
+        "head": refs.head,
+        "branches": list(refs.branches),
+        "tags": list(refs.tags),
+        "best": list(refs.best),
     }
 
 
@@ -56,21 +64,32 @@ def commit_line(oid: str, commit: Any, refs: Decorations | None = None) -> str:
 @click.argument("ref", required=False, shell_complete=complete_ref)
 @click.option("-n", "--max-count", "limit", type=click.IntRange(min=1), metavar="N", help="Show at most N commits.")
 @click.option("--oneline", is_flag=True, help="One line per commit: short id, names, message, metadata.")
-@click.option("--sizes", is_flag=True, help="Also compute each commit's new and held-alone bytes now (reads object headers).")
+@click.option(
+    "--sizes", is_flag=True, help="Also compute each commit's new and held-alone bytes now (reads object headers)."
+)
 @click.option("--best", "best_metric", metavar="METRIC", help="Mark the listed commit with the best METRIC.")
 @click.option("--max", "maximize", is_flag=True, help="With --best: higher is better (default: lower).")
 @click.option("--all", "all_refs", is_flag=True, help="History of every branch, tag and remote-tracking branch.")
 @click.option("--graph", is_flag=True, help="Draw the lines of history beside the commits (as git log --graph).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bool, best_metric: str | None,
-        maximize: bool, all_refs: bool, graph: bool, as_json: bool) -> None:
+def log(
+    repo: Repo,
+    ref: str | None,
+    limit: int | None,
+    oneline: bool,
+    sizes: bool,
+    best_metric: str | None,
+    maximize: bool,
+    all_refs: bool,
+    graph: bool,
+    as_json: bool,
+) -> None:
     """History of REF (default HEAD), newest first, with the branches and tags pointing at each commit.
     -N is -n N (git's log -1)."""
     if all_refs and ref:
         raise InvalidInputError("log --all takes no REF")
-    starts = ([*repo.branches().values(), *repo.tags().values(), *repo.remote_branches().values()]
-              if all_refs else ref)
+    starts = [*repo.branches().values(), *repo.tags().values(), *repo.remote_branches().values()] if all_refs else ref
     entries = repo.log(starts or None, limit=limit, best=(best_metric, maximize) if best_metric else None)
     figures = repo.commit_sizes([e.id for e in entries]) if sizes else {}
     if as_json:
@@ -90,10 +109,11 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
     for e in entries:
         c = e.commit
         prefix, joins = next(lanes) if lanes else ("", [])
-        extra = (f"{human(figures[e.id].new_bytes)} new, {_held_text(figures[e.id].held_alone_bytes)}"
-                 if sizes else "")
+        extra = f"{human(figures[e.id].new_bytes)} new, {_held_text(figures[e.id].held_alone_bytes)}" if sizes else ""
         if oneline:
-            click.echo((f"{prefix} " if graph else "") + commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else ""))
+            click.echo(
+                (f"{prefix} " if graph else "") + commit_line(e.id, c, e.refs) + (f"  ({extra})" if extra else "")
+            )
             for line in joins:
                 click.echo(line)
             continue
@@ -102,8 +122,10 @@ def log(repo: Repo, ref: str | None, limit: int | None, oneline: bool, sizes: bo
             continue
         click.echo(f"commit {e.id}{decoration_text(e.refs)}")
         click.echo(f"Date:   {c.time}")
-        click.echo(f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when committed"
-                   + (f"; {extra}" if extra else ""))
+        click.echo(
+            f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when committed"
+            + (f"; {extra}" if extra else "")
+        )
         if c.decoded_metadata():
             click.echo(f"Meta:   {meta_text(c.decoded_metadata())}")
         for parent in e.pruned_parents:
@@ -117,8 +139,11 @@ def _echo_graph_commit(prefix: str, joins: list[str], e: Any, extra: str) -> Non
     """The long format with the lanes on its left: the commit line, then its details indented."""
     c = e.commit
     rest = prefix.replace("*", "|")
-    lines = [f"Date:   {c.time}", f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when "
-             f"committed" + (f"; {extra}" if extra else "")]
+    lines = [
+        f"Date:   {c.time}",
+        f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when "
+        f"committed" + (f"; {extra}" if extra else ""),
+    ]
     if c.decoded_metadata():
         lines.append(f"Meta:   {meta_text(c.decoded_metadata())}")
     if c.message:
@@ -138,7 +163,9 @@ def _held_text(n: int | None) -> str:
 @main.command()
 @click.argument("ref", default="HEAD", required=False, shell_complete=complete_ref)
 @click.option("--tensors", "list_tensors", is_flag=True, help="List every tensor (default: a summary per file).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output, always with every tensor (docs/cli-json.md).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Machine-readable output, always with every tensor (docs/cli-json.md)."
+)
 @pass_repo
 def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
     """Files (summarised: tensors, dtypes, bytes, groups), metadata and provenance of a commit."""
@@ -147,15 +174,32 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
     inherited = repo.from_base(oid)
     if as_json:
         files = [
-            {"path": f.path, "kind": f.kind, "size": f.size, "from_base": (f.path, None) in inherited,
-             "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                          "from_base": (f.path, t.name) in inherited} for t in f.tensors]}
+            {
+                "path": f.path,
+                "kind": f.kind,
+                "size": f.size,
+                "from_base": (f.path, None) in inherited,
+                "tensors": [
+                    {
+                        "name": t.name,
+                        "dtype": t.dtype,
+                        "shape": list(t.shape),
+                        "bytes": t.nbytes,
+                        "from_base": (f.path, t.name) in inherited,
+                    }
+                    for t in f.tensors
+                ],
+            }
             for f in c.files
         ]
         # "repo": where the base is now (newcomer item 7), else as recorded at commit time.
         base_repo = (repo.base_location(oid) or c.base.repo) if c.base else None
-        doc = {**_entry_json(oid, c, refs=refs), "base": {"commit": c.base.commit, "repo": base_repo} if c.base else None,
-               "provenance": dict(c.provenance), "files": files}
+        doc = {
+            **_entry_json(oid, c, refs=refs),
+            "base": {"commit": c.base.commit, "repo": base_repo} if c.base else None,
+            "provenance": dict(c.provenance),
+            "files": files,
+        }
         if c.state is not None:
             doc["state"] = repo.state_document(oid)
         if c.dcp is not None:
@@ -167,8 +211,13 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
     click.echo(f"commit {oid}{decoration_text(refs)}\nDate:   {c.time}")
     if c.base is not None:
         now = repo.base_location(oid)
-        where = (f" in {now}" if now else f" in {c.base.repo} (recorded at commit; not reachable now: "
-                 f"'ckstore fsck' says why)" if c.base.repo else "")
+        where = (
+            f" in {now}"
+            if now
+            else f" in {c.base.repo} (recorded at commit; not reachable now: 'ckstore fsck' says why)"
+            if c.base.repo
+            else ""
+        )
         click.echo(f"Base:   {c.base.commit}{where}")
     if c.message:
         click.echo(f"Message: {c.message}")
@@ -230,8 +279,11 @@ def _print_summary(files: list[Any]) -> None:
 
 
 def _print_tensors(commit: Any, inherited: set[tuple[str, str | None]]) -> None:
-    rows = [[t.name, t.dtype, str(tuple(t.shape)), human(t.nbytes), "(from base)" if (f.path, t.name) in inherited else ""]
-            for f in commit.files for t in f.tensors]
+    rows = [
+        [t.name, t.dtype, str(tuple(t.shape)), human(t.nbytes), "(from base)" if (f.path, t.name) in inherited else ""]
+        for f in commit.files
+        for t in f.tensors
+    ]
     lines = iter(_table(rows))  # one width per column across the commit's files
     for f in commit.files:
         click.echo(f"{f.path}  {f.kind}, {human(f.size)}{', from base' if (f.path, None) in inherited else ''}")
@@ -241,16 +293,23 @@ def _print_tensors(commit: Any, inherited: set[tuple[str, str | None]]) -> None:
 
 def _show_dcp(record: Any) -> None:
     """A distributed checkpoint's global tensors and which rank wrote which piece."""
-    click.echo(f"Distributed checkpoint: {record.world_size} rank(s), {len(record.tensors)} tensors, "
-               f"{len(record.objects)} other items")
+    click.echo(
+        f"Distributed checkpoint: {record.world_size} rank(s), {len(record.tensors)} tensors, "
+        f"{len(record.objects)} other items"
+    )
 
     def pieces(t: Any) -> str:
-        return ", ".join(f"rank {p.rank}" + (f" [{', '.join(f'{o}:{o + n}' for o, n in zip(p.offsets, p.sizes))}]"
-                                              if p.sizes else "") for p in t.pieces)
+        return ", ".join(
+            f"rank {p.rank}"
+            + (f" [{', '.join(f'{o}:{o + n}' for o, n in zip(p.offsets, p.sizes))}]" if p.sizes else "")
+            for p in t.pieces
+        )
 
     rows = [[t.fqn, t.dtype, str(tuple(t.shape)), pieces(t)] for t in record.tensors]
-    rows += [[o.fqn, "", "", f"{'typed value' if o.encoding == 'value' else 'opaque bytes'}, rank {o.rank}"]
-             for o in record.objects]
+    rows += [
+        [o.fqn, "", "", f"{'typed value' if o.encoding == 'value' else 'opaque bytes'}, rank {o.rank}"]
+        for o in record.objects
+    ]
     for line in _table(rows):
         click.echo(line)
 
@@ -269,10 +328,23 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
     d = repo.diff_folder(a, b) if folder else repo.diff(a, b)
     counts = d.counts()
     if as_json:
-        print_json({"a": d.a, "b": b if folder else d.b,
-                    "changes": [{"path": c.path, "name": c.name, "status": c.status, "new_bytes": c.stored_bytes,
-                                 "rel_l2": c.rel_l2} for c in d],
-                    "totals": {**counts, "new_bytes": d.new_bytes, "header_bytes": d.header_bytes}})
+        print_json(
+            {
+                "a": d.a,
+                "b": b if folder else d.b,
+                "changes": [
+                    {
+                        "path": c.path,
+                        "name": c.name,
+                        "status": c.status,
+                        "new_bytes": c.stored_bytes,
+                        "rel_l2": c.rel_l2,
+                    }
+                    for c in d
+                ],
+                "totals": {**counts, "new_bytes": d.new_bytes, "header_bytes": d.header_bytes},
+            }
+        )
         return
     for c in d:
         if c.status != "unchanged":
@@ -283,12 +355,16 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
     if folder:
         click.echo(", ".join(f"{n} {s}" for s, n in counts.items()) + f" from {short(d.a)} to the files in {b}")
         return
-    click.echo(", ".join(f"{n} {s}" for s, n in counts.items())
-               + f"; {human(d.new_bytes)} new in {short(d.b)} (stored now, in objects {short(d.a)} does not use)")
+    click.echo(
+        ", ".join(f"{n} {s}" for s, n in counts.items())
+        + f"; {human(d.new_bytes)} new in {short(d.b)} (stored now, in objects {short(d.a)} does not use)"
+    )
     child = repo.read_commit(d.b)
     if child.parents[:1] == (d.a,):
-        click.echo(f"{short(d.b)} added {human(child.added_bytes)} when it was committed "
-                   f"(its new objects, less what re-encoding its parent's as deltas against them saved)")
+        click.echo(
+            f"{short(d.b)} added {human(child.added_bytes)} when it was committed "
+            f"(its new objects, less what re-encoding its parent's as deltas against them saved)"
+        )
 
 
 @main.command()
@@ -304,9 +380,18 @@ def best(repo: Repo, metric: str, maximize: bool, branch: str | None, as_json: b
         click.echo(oid)
         return
     c = repo.read_commit(oid)
-    print_json({"id": oid, "metric": metric, "value": c.decoded_metadata()[metric], "mode": "max" if maximize else "min",
-                "branch": branch or repo.head_branch, "message": c.message, "time": c.time,
-                "metadata": c.decoded_metadata()})
+    print_json(
+        {
+            "id": oid,
+            "metric": metric,
+            "value": c.decoded_metadata()[metric],
+            "mode": "max" if maximize else "min",
+            "branch": branch or repo.head_branch,
+            "message": c.message,
+            "time": c.time,
+            "metadata": c.decoded_metadata(),
+        }
+    )
 
 
 @main.command()
@@ -316,18 +401,30 @@ def stats(repo: Repo, as_json: bool) -> None:
     """Logical bytes, bytes stored (and how many of them gc would free), counts."""
     s = repo.stats()
     if as_json:
-        print_json({"logical_bytes": s.logical_bytes, "stored_bytes": s.stored_bytes, "ratio": round(s.ratio, 4),
-                    "commits": s.commits, "objects": s.objects, "unreferenced_bytes": s.unreferenced_bytes,
-                    "unreferenced_objects": s.unreferenced_objects, "temporary_files": s.temporary_files,
-                    "temporary_bytes": s.temporary_bytes})
+        print_json(
+            {
+                "logical_bytes": s.logical_bytes,
+                "stored_bytes": s.stored_bytes,
+                "ratio": round(s.ratio, 4),
+                "commits": s.commits,
+                "objects": s.objects,
+                "unreferenced_bytes": s.unreferenced_bytes,
+                "unreferenced_objects": s.unreferenced_objects,
+                "temporary_files": s.temporary_files,
+                "temporary_bytes": s.temporary_bytes,
+            }
+        )
         return
     click.echo(f"commits:  {s.commits}\nobjects:  {s.objects}\nlogical:  {human(s.logical_bytes)}")
     click.echo(f"stored:   {human(s.stored_bytes)}\nratio:    {s.ratio:.3f} (stored / logical)")
     if s.unreferenced_bytes is None:
         click.echo("unreferenced: unknown (a dependent repository cannot be opened; 'ckstore fsck' names it)")
     else:
-        click.echo(f"unreferenced: {human(s.unreferenced_bytes)} in {s.unreferenced_objects} object(s) "
-                   "(plain gc frees this)")
+        click.echo(
+            f"unreferenced: {human(s.unreferenced_bytes)} in {s.unreferenced_objects} object(s) (plain gc frees this)"
+        )
     if s.temporary_files:
-        click.echo(f"temporary: {human(s.temporary_bytes)} in {s.temporary_files} file(s) (left by an interrupted "
-                   "write, or one running now; gc frees this)")
+        click.echo(
+            f"temporary: {human(s.temporary_bytes)} in {s.temporary_files} file(s) (left by an interrupted "
+            "write, or one running now; gc frees this)"
+        )

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckstore.errors import BaseUnreachableError, IntegrityError, InvalidInputError
 from ckstore.cli.base import die, human, main, pass_repo, print_json, progress_factory
 from ckstore.cli.inspect import commit_line
+from ckstore.errors import BaseUnreachableError, IntegrityError, InvalidInputError
 
 if TYPE_CHECKING:
     from ckstore.repo import Repo
@@ -19,21 +19,44 @@ if TYPE_CHECKING:
 @click.option("--keep-best", type=int, metavar="N", help="Keep the N best commits of every branch by --metric.")
 @click.option("--metric", metavar="NAME", help="Metadata metric for --keep-best (lower is better unless --max).")
 @click.option("--max", "maximize", is_flag=True, help="Higher --metric is better.")
-@click.option("--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position).")
+@click.option(
+    "--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position)."
+)
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @click.option("--repack", is_flag=True, help="Re-encode the kept objects first (newest commits whole).")
-@click.option("--prune-now", is_flag=True,
-              help="Expire now every reflog entry the refs no longer reach, so its commits go too.")
+@click.option(
+    "--prune-now", is_flag=True, help="Expire now every reflog entry the refs no longer reach, so its commits go too."
+)
 @click.option("--force", is_flag=True, help="Run even if it would delete every commit.")
-@click.option("--remote", "remote_name", metavar="NAME",
-              help="Collect remote NAME instead (two-phase: packs go a grace period after they are found unneeded).")
-@click.option("--grace", type=float, metavar="SECONDS", help="With --remote: the grace period (default 3600; "
-              "must exceed the longest push).")
+@click.option(
+    "--remote",
+    "remote_name",
+    metavar="NAME",
+    help="Collect remote NAME instead (two-phase: packs go a grace period after they are found unneeded).",
+)
+@click.option(
+    "--grace",
+    type=float,
+    metavar="SECONDS",
+    help="With --remote: the grace period (default 3600; must exceed the longest push).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
 @pass_repo
-def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | None, maximize: bool,
-       keep_every: int | None, dry_run: bool, repack: bool, prune_now: bool, force: bool, remote_name: str | None,
-       grace: float | None, as_json: bool) -> None:
+def gc(
+    repo: Repo,
+    keep_last: int | None,
+    keep_best: int | None,
+    metric: str | None,
+    maximize: bool,
+    keep_every: int | None,
+    dry_run: bool,
+    repack: bool,
+    prune_now: bool,
+    force: bool,
+    remote_name: str | None,
+    grace: float | None,
+    as_json: bool,
+) -> None:
     """Delete old commits (with retention options; tags are always kept) and unneeded objects.
 
     Commits that a branch or tag no longer names stay while the reflog names them (30 days by
@@ -46,49 +69,93 @@ def gc(repo: Repo, keep_last: int | None, keep_best: int | None, metric: str | N
     if remote_name is not None:
         from ckstore.cli.remotes import report_remote_gc
 
-        report_remote_gc(repo.gc_remote(remote_name, keep_last=keep_last, keep_best=keep_best, metric=metric,
-                                        maximize=maximize, keep_every=keep_every, dry_run=dry_run,
-                                        **({"grace": grace} if grace is not None else {})), as_json)
+        report_remote_gc(
+            repo.gc_remote(
+                remote_name,
+                keep_last=keep_last,
+                keep_best=keep_best,
+                metric=metric,
+                maximize=maximize,
+                keep_every=keep_every,
+                dry_run=dry_run,
+                **({"grace": grace} if grace is not None else {}),
+            ),
+            as_json,
+        )
         return
     # Read before gc deletes them: the report names each commit by its message and metadata.
     doomed = {oid: repo.read_commit(oid, files=False) for oid in repo.reachable_commits()}
-    report = repo.gc(keep_last=keep_last, keep_best=keep_best, metric=metric, maximize=maximize,
-                     keep_every=keep_every, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force,
-                     progress=progress_factory())
+    report = repo.gc(
+        keep_last=keep_last,
+        keep_best=keep_best,
+        metric=metric,
+        maximize=maximize,
+        keep_every=keep_every,
+        dry_run=dry_run,
+        repack=repack,
+        prune_now=prune_now,
+        force=force,
+        progress=progress_factory(),
+    )
     deleted = [*report.pruned_commits, *report.unreachable_commits]
     # A commit made while gc waited for the lock, or one only an expired reflog entry named, is
     # named by its id alone.
     known = [(oid, doomed.get(oid)) for oid in deleted]
     known.sort(key=lambda k: (k[1] is None, k[1].timestamp if k[1] else 0.0, k[0]))  # oldest first
     if as_json:
-        print_json({"dry_run": dry_run, "pruned_commits": [
-            {"id": oid, "time": c.time if c else None, "message": c.message if c else None,
-             "metadata": c.decoded_metadata() if c else None} for oid, c in known],
-            "expired_reflog_entries": report.expired_entries, "reflog_only_commits": report.reflog_commits,
-            "overlay_base_commits": report.overlay_commits,
-            "deletes_every_commit": report.deletes_every_commit,
-            "deleted_objects": report.deleted_objects, "temporary_files": report.temp_files,
-            "temporary_bytes": report.temp_bytes, "freed_bytes": report.freed_bytes})
+        print_json(
+            {
+                "dry_run": dry_run,
+                "pruned_commits": [
+                    {
+                        "id": oid,
+                        "time": c.time if c else None,
+                        "message": c.message if c else None,
+                        "metadata": c.decoded_metadata() if c else None,
+                    }
+                    for oid, c in known
+                ],
+                "expired_reflog_entries": report.expired_entries,
+                "reflog_only_commits": report.reflog_commits,
+                "overlay_base_commits": report.overlay_commits,
+                "deletes_every_commit": report.deletes_every_commit,
+                "deleted_objects": report.deleted_objects,
+                "temporary_files": report.temp_files,
+                "temporary_bytes": report.temp_bytes,
+                "freed_bytes": report.freed_bytes,
+            }
+        )
         return
     verb = "would delete" if dry_run else "deleted"
     for oid, c in known:
         click.echo(f"{verb} commit {commit_line(oid, c) if c else oid}")
     if report.expired_entries:
-        click.echo(f"{'would expire' if dry_run else 'expired'} {report.expired_entries} reflog entr"
-                   f"{'y' if report.expired_entries == 1 else 'ies'}")
+        click.echo(
+            f"{'would expire' if dry_run else 'expired'} {report.expired_entries} reflog entr"
+            f"{'y' if report.expired_entries == 1 else 'ies'}"
+        )
     if report.reflog_commits:
-        click.echo(f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
-                   " 'ckstore gc --prune-now' deletes them")
+        click.echo(
+            f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
+            " 'ckstore gc --prune-now' deletes them"
+        )
     if report.overlay_commits:  # newcomer item 12: kept without a word before
-        click.echo(f"kept {len(report.overlay_commits)} commit(s) outside the policy that overlay repositories use "
-                   "as their base ('ckstore fsck' lists the dependents)")
+        click.echo(
+            f"kept {len(report.overlay_commits)} commit(s) outside the policy that overlay repositories use "
+            "as their base ('ckstore fsck' lists the dependents)"
+        )
     if report.deletes_every_commit:
-        click.echo("this gc would delete every commit of the repository (it needs --force)" if dry_run
-                   else "deleted every commit of the repository")
+        click.echo(
+            "this gc would delete every commit of the repository (it needs --force)"
+            if dry_run
+            else "deleted every commit of the repository"
+        )
     temporary = f" and {report.temp_files} temporary file(s)" if report.temp_files else ""
     objects = f", {report.deleted_objects} object(s)" if temporary else f" and {report.deleted_objects} object(s)"
-    click.echo(f"{verb} {len(deleted)} commit(s){objects}{temporary}, "
-               f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}")
+    click.echo(
+        f"{verb} {len(deleted)} commit(s){objects}{temporary}, "
+        f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
+    )
 
 
 @main.command()
@@ -98,8 +165,16 @@ def repack(repo: Repo, as_json: bool) -> None:
     """Re-encode every kept object with the current settings: newest commits whole, older ones deltas."""
     r = repo.repack(progress=progress_factory())
     if as_json:
-        print_json({"upgraded": r.upgraded, "objects": r.objects, "rewritten": r.rewritten, "deltas": r.deltas,
-                    "stored_bytes_before": r.stored_bytes_before, "stored_bytes_after": r.stored_bytes_after})
+        print_json(
+            {
+                "upgraded": r.upgraded,
+                "objects": r.objects,
+                "rewritten": r.rewritten,
+                "deltas": r.deltas,
+                "stored_bytes_before": r.stored_bytes_before,
+                "stored_bytes_after": r.stored_bytes_after,
+            }
+        )
         return
     if r.upgraded:
         click.echo("upgraded the repository to format version 2")
@@ -108,8 +183,10 @@ def repack(repo: Repo, as_json: bool) -> None:
         f"repacked {r.objects} chunk object(s): {r.rewritten} re-encoded, {r.objects - r.rewritten} unchanged; "
         f"{r.deltas} stored as deltas"
     )
-    click.echo(f"stored: {human(r.stored_bytes_before)} before, {human(r.stored_bytes_after)} after "
-               f"({'saved ' + human(saved) if saved >= 0 else 'grew by ' + human(-saved)})")
+    click.echo(
+        f"stored: {human(r.stored_bytes_before)} before, {human(r.stored_bytes_after)} after "
+        f"({'saved ' + human(saved) if saved >= 0 else 'grew by ' + human(-saved)})"
+    )
 
 
 _SETTINGS = ("chunk_size", "zstd_level", "max_delta_depth", "reflog_expire_days", "reflog_expire_unreachable_days")
@@ -138,7 +215,9 @@ def config_command(repo: Repo, key: str | None, value: int | None) -> None:
 
 @main.command()
 @click.option("--read-data", is_flag=True, help="Also decompress and re-hash every object.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md); exit code as without.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md); exit code as without."
+)
 @pass_repo
 def fsck(repo: Repo, read_data: bool, as_json: bool) -> None:
     """Check that every ref, manifest and object is present and sound.
@@ -148,8 +227,14 @@ def fsck(repo: Repo, read_data: bool, as_json: bool) -> None:
     """
     problems = repo.fsck(read_data=read_data, progress=progress_factory() if read_data else None)
     if as_json:
-        print_json({"ok": not problems, "read_data": read_data, "problems": problems,
-                    "unreachable_bases": problems.unreachable_bases})
+        print_json(
+            {
+                "ok": not problems,
+                "read_data": read_data,
+                "problems": problems,
+                "unreachable_bases": problems.unreachable_bases,
+            }
+        )
     else:
         for problem in problems:
             click.echo(problem)

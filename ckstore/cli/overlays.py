@@ -15,8 +15,13 @@ if TYPE_CHECKING:
 
 @main.command()
 @click.argument("bases", nargs=-1, metavar="[BASE_LOCATION]...")
-@click.option("--dependent", "dependents", multiple=True, metavar="LOCATION",
-              help="An overlay repository's new location: relink it to this repository (repeatable).")
+@click.option(
+    "--dependent",
+    "dependents",
+    multiple=True,
+    metavar="LOCATION",
+    help="An overlay repository's new location: relink it to this repository (repeatable).",
+)
 @click.option("--prune", is_flag=True, help="Forget dependent repositories that no longer exist (deleted overlays).")
 @pass_repo
 def relink(repo: Repo, bases: tuple[str, ...], dependents: tuple[str, ...], prune: bool) -> None:

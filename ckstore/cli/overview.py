@@ -16,16 +16,23 @@ if TYPE_CHECKING:
 
 
 def _status_json(s: Any) -> dict[str, Any]:
-    remotes: dict[str, dict[str, Any]] = {name: {"name": name, "url": url, "branches": []}
-                                          for name, url in s.remotes.items()}
+    remotes: dict[str, dict[str, Any]] = {
+        name: {"name": name, "url": url, "branches": []} for name, url in s.remotes.items()
+    }
     for t in s.tracking:
-        remotes[t.remote]["branches"].append({"branch": t.branch, "tracking": t.tracking, "local": t.local,
-                                              "ahead": t.ahead, "behind": t.behind})
+        remotes[t.remote]["branches"].append(
+            {"branch": t.branch, "tracking": t.tracking, "local": t.local, "ahead": t.ahead, "behind": t.behind}
+        )
     return {
-        "branch": s.branch, "head": s.head, "compaction_running": s.compaction_running,
-        "logical_bytes": s.stats.logical_bytes, "stored_bytes": s.stats.stored_bytes, "commits": s.stats.commits,
+        "branch": s.branch,
+        "head": s.head,
+        "compaction_running": s.compaction_running,
+        "logical_bytes": s.stats.logical_bytes,
+        "stored_bytes": s.stats.stored_bytes,
+        "commits": s.stats.commits,
         "gc_would_free_bytes": s.stats.unreferenced_bytes,
-        "storage_measured": _iso(s.stats_measured), "storage_current": s.stats_current,
+        "storage_measured": _iso(s.stats_measured),
+        "storage_current": s.stats_current,
         "bases": [{"location": b.location, "reachable": b.reachable, "reason": b.reason} for b in s.bases],
         "remotes": list(remotes.values()),
     }
@@ -60,14 +67,28 @@ def status(repo: Repo, as_json: bool) -> None:
     if s.head is None:
         click.echo(f"On branch {s.branch}: no commits yet")
     else:
-        click.echo(f"On branch {s.branch}, HEAD {short(s.head)} {repo.read_commit(s.head, files=False).message or '(no message)'}")
-    click.echo("compaction: running in another process (compact.lock is held)" if s.compaction_running
-               else "compaction: none running")
-    free = ("unknown (a dependent repository cannot be opened)" if s.stats.unreferenced_bytes is None
-            else human(s.stats.unreferenced_bytes))
-    when = "" if s.stats_current else f" (as of {_iso(s.stats_measured)}; changed since: `ckstore stats` measures it again)"
-    click.echo(f"storage: {human(s.stats.stored_bytes)} stored for {human(s.stats.logical_bytes)} logical in "
-               f"{s.stats.commits} commit(s); plain gc would free {free}{when}")
+        click.echo(
+            f"On branch {s.branch}, HEAD {short(s.head)} {repo.read_commit(s.head, files=False).message or '(no message)'}"
+        )
+    click.echo(
+        "compaction: running in another process (compact.lock is held)"
+        if s.compaction_running
+        else "compaction: none running"
+    )
+    free = (
+        "unknown (a dependent repository cannot be opened)"
+        if s.stats.unreferenced_bytes is None
+        else human(s.stats.unreferenced_bytes)
+    )
+    when = (
+        ""
+        if s.stats_current
+        else f" (as of {_iso(s.stats_measured)}; changed since: `ckstore stats` measures it again)"
+    )
+    click.echo(
+        f"storage: {human(s.stats.stored_bytes)} stored for {human(s.stats.logical_bytes)} logical in "
+        f"{s.stats.commits} commit(s); plain gc would free {free}{when}"
+    )
     for b in s.bases:
         click.echo(f"base repository {b.location}: " + ("reachable" if b.reachable else f"UNREACHABLE: {b.reason}"))
     for name, url in s.remotes.items():

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckstore.errors import InvalidInputError
 from ckstore.cli.base import complete_ref, main, pass_repo, print_json
+from ckstore.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from ckstore.repo import ReflogEntry, Repo
@@ -20,13 +20,28 @@ if TYPE_CHECKING:
 def _listing_options(kind: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """git's listing switches: ``branch -a``/``-r`` (remote-tracking branches), ``tag -l [PATTERN]``."""
     if kind == "branch":
-        options = [click.option("-a", "--all", "listing", flag_value="all",
-                                help="List local and remote-tracking branches (REMOTE/BRANCH)."),
-                   click.option("-r", "--remotes", "listing", flag_value="remotes",
-                                help="List remote-tracking branches only.")]
+        options = [
+            click.option(
+                "-a",
+                "--all",
+                "listing",
+                flag_value="all",
+                help="List local and remote-tracking branches (REMOTE/BRANCH).",
+            ),
+            click.option(
+                "-r", "--remotes", "listing", flag_value="remotes", help="List remote-tracking branches only."
+            ),
+        ]
     else:
-        options = [click.option("-l", "--list", "listing", flag_value="pattern",
-                                help="List tags; a NAME given is a glob pattern they must match (as git tag -l).")]
+        options = [
+            click.option(
+                "-l",
+                "--list",
+                "listing",
+                flag_value="pattern",
+                help="List tags; a NAME given is a glob pattern they must match (as git tag -l).",
+            )
+        ]
 
     def apply(f: Callable[..., None]) -> Callable[..., None]:
         for option in options:
@@ -59,8 +74,9 @@ def _list_refs(repo: Repo, kind: str, listing: str | None, pattern: str | None, 
 
 
 def _refs_command(kind: str) -> Callable[..., None]:
-    force_help = f"Move an existing {kind} to REF" + ("; with -d, delete even the current or only branch."
-                                                       if kind == "branch" else ".")
+    force_help = f"Move an existing {kind} to REF" + (
+        "; with -d, delete even the current or only branch." if kind == "branch" else "."
+    )
 
     @click.argument("name", required=False)
     @click.argument("ref", required=False, shell_complete=complete_ref)
@@ -69,11 +85,14 @@ def _refs_command(kind: str) -> Callable[..., None]:
     @_listing_options(kind)
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli-json.md).")
     @pass_repo
-    def command(repo: Repo, name: str | None, ref: str | None, delete: bool, force: bool, listing: str | None,
-                as_json: bool) -> None:
+    def command(
+        repo: Repo, name: str | None, ref: str | None, delete: bool, force: bool, listing: str | None, as_json: bool
+    ) -> None:
         if listing is not None:
             if delete or force or ref is not None or (name is not None and kind == "branch"):
-                raise InvalidInputError(f"{kind} {'-l takes at most a PATTERN' if kind == 'tag' else '-a/-r only list'}")
+                raise InvalidInputError(
+                    f"{kind} {'-l takes at most a PATTERN' if kind == 'tag' else '-a/-r only list'}"
+                )
             _list_refs(repo, kind, listing, name, as_json)
             return
         if delete:
@@ -97,8 +116,9 @@ def _refs_command(kind: str) -> Callable[..., None]:
             _list_refs(repo, kind, None, None, as_json)
 
     plural = "branches" if kind == "branch" else "tags"
-    command.__doc__ = (f"List {plural}, create {kind} NAME at REF (default HEAD; -f moves an existing one),"
-                       f" or delete one with -d.")
+    command.__doc__ = (
+        f"List {plural}, create {kind} NAME at REF (default HEAD; -f moves an existing one), or delete one with -d."
+    )
     return command
 
 
@@ -133,8 +153,16 @@ def reset(repo: Repo, ref: str) -> None:
 
 
 def _entry_json(selector: str, e: ReflogEntry) -> dict[str, object]:
-    return {"selector": selector, "ref": e.ref, "old": e.old, "new": e.new, "time": _iso(e.time),
-            "timestamp": e.time, "who": e.who, "what": e.what}
+    return {
+        "selector": selector,
+        "ref": e.ref,
+        "old": e.old,
+        "new": e.new,
+        "time": _iso(e.time),
+        "timestamp": e.time,
+        "who": e.who,
+        "what": e.what,
+    }
 
 
 def _iso(stamp: float) -> str:

@@ -9,9 +9,9 @@ import click
 from ckstore.cli.base import find_repo, human, main, pass_repo, print_json, progress_factory, short
 
 if TYPE_CHECKING:
-    from ckstore.repo import Repo
     from ckstore.remote.fetch import FetchReport
     from ckstore.remote.gc import RemoteGcReport
+    from ckstore.repo import Repo
 
 
 @main.group(invoke_without_command=True)
@@ -22,7 +22,7 @@ def remote(ctx: click.Context, verbose: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
     repo = find_repo(ctx)
-    from ckstore.remote.awsconfig import redact  # a remotes file from before URLs with passwords were refused
+    from ckstore.transport.awsconfig import redact  # a remotes file from before URLs with passwords were refused
 
     for name, spec in sorted(repo.remotes().items()):
         if verbose:
@@ -35,7 +35,9 @@ def remote(ctx: click.Context, verbose: bool) -> None:
 @remote.command("add")
 @click.argument("name")
 @click.argument("url")
-@click.option("--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself).")
+@click.option(
+    "--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself)."
+)
 @pass_repo
 def remote_add(repo: Repo, name: str, url: str, endpoint_url: str | None) -> None:
     """Add remote NAME at URL: s3://bucket/prefix, a folder path, or file:///folder."""
@@ -62,8 +64,16 @@ def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool
     """Send REFs (default: the current branch) to REMOTE (default: origin), only what it lacks."""
     r = repo.push(remote_name, list(refs), force=force, progress=progress_factory())
     if as_json:
-        print_json({"remote": r.remote, "updated": [{"ref": ref, "old": old, "new": new} for ref, old, new in r.updated],
-                    "up_to_date": r.up_to_date, "objects": r.objects, "packs": r.packs, "bytes": r.bytes})
+        print_json(
+            {
+                "remote": r.remote,
+                "updated": [{"ref": ref, "old": old, "new": new} for ref, old, new in r.updated],
+                "up_to_date": r.up_to_date,
+                "objects": r.objects,
+                "packs": r.packs,
+                "bytes": r.bytes,
+            }
+        )
         return
     for ref, old, new in r.updated:
         click.echo(f"{ref}: {short(old) if old else '(new)'} -> {short(new)}")
@@ -108,7 +118,9 @@ def pull(repo: Repo, remote_name: str | None) -> None:
 @main.command()
 @click.argument("url")
 @click.argument("path", default=".ckstore", required=False)
-@click.option("--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself).")
+@click.option(
+    "--endpoint-url", metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL, the AWS config, or AWS itself)."
+)
 def clone(url: str, path: str, endpoint_url: str | None) -> None:
     """Create a repository at PATH (default ./.ckstore) with every branch of the remote at URL."""
     from ckstore.repo import Repo
@@ -122,17 +134,35 @@ def clone(url: str, path: str, endpoint_url: str | None) -> None:
 def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
     """Output of ``gc --remote`` (the option lives on ``gc``, in maintenance.py)."""
     if as_json:
-        doc = {k: getattr(r, k) for k in ("remote", "dry_run", "live_objects", "condemned", "deleted", "freed_bytes",
-                                           "rescued", "resent_objects", "resent_bytes")}
+        doc = {
+            k: getattr(r, k)
+            for k in (
+                "remote",
+                "dry_run",
+                "live_objects",
+                "condemned",
+                "deleted",
+                "freed_bytes",
+                "rescued",
+                "resent_objects",
+                "resent_bytes",
+            )
+        }
         print_json({**doc, "pruned_commits": [{"id": oid} for oid in r.pruned_commits]})
         return
     verb = "would delete" if r.dry_run else "deleted"
-    click.echo(f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "
-               f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "
-               f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)")
+    click.echo(
+        f"remote {r.remote}: {r.live_objects} live object(s); {len(r.pruned_commits)} commit(s) pruned by "
+        f"the retention policy; {verb} {len(r.deleted)} pack(s), {human(r.freed_bytes)}; "
+        f"{len(r.condemned)} pack(s) newly found unneeded (deleted by a gc after the grace period)"
+    )
     if r.resent_objects:
-        click.echo(f"sent {r.resent_objects} object(s) again ({human(r.resent_bytes)}) that local compaction stores "
-                   f"smaller; the packs of their old copies go the same way")
+        click.echo(
+            f"sent {r.resent_objects} object(s) again ({human(r.resent_bytes)}) that local compaction stores "
+            f"smaller; the packs of their old copies go the same way"
+        )
     if r.condemned and not r.deleted and not r.dry_run:  # newcomer item 19: say why nothing went
-        click.echo("packs found unneeded are deleted only once they have stayed unneeded for the grace period "
-                   "(default 1 h, --grace SECONDS), by a later 'ckstore gc --remote'")
+        click.echo(
+            "packs found unneeded are deleted only once they have stayed unneeded for the grace period "
+            "(default 1 h, --grace SECONDS), by a later 'ckstore gc --remote'"
+        )

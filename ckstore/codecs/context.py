@@ -37,8 +37,21 @@ from ckstore.errors import IntegrityError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["HIGHER_CAP", "JOIN_WIDTHS", "KEYS", "WIDTHS", "base_words", "decode_kernels", "join", "load_kernels", "loaded_kernels",
-           "sort_key", "sorted_plane", "unsort_into", "unsort_planes"]
+__all__ = [
+    "HIGHER_CAP",
+    "JOIN_WIDTHS",
+    "KEYS",
+    "WIDTHS",
+    "base_words",
+    "decode_kernels",
+    "join",
+    "load_kernels",
+    "loaded_kernels",
+    "sort_key",
+    "sorted_plane",
+    "unsort_into",
+    "unsort_planes",
+]
 
 
 def sort_key(base: np.ndarray, width: int, higher: np.ndarray | None) -> np.ndarray:
@@ -46,6 +59,7 @@ def sort_key(base: np.ndarray, width: int, higher: np.ndarray | None) -> np.ndar
     the base element (a float's exponent, or its top 8 exponent bits), times 4, plus for every
     plane but the top one the residual byte of the plane above, capped at ``HIGHER_CAP``."""
     import numpy as np
+
     elements = base.reshape(-1, width)
     key = elements[:, width - 1].astype(np.uint16)
     np.left_shift(key, 1, out=key)
@@ -117,6 +131,7 @@ def _order(keys: np.ndarray) -> np.ndarray:
     index, whose values are unique, so any sort is stable. numpy sorts 32-bit integers with
     SIMD (x86-simd-sort): 2.4-2.8 ms a 256 Ki-element plane against 9.6 for its stable argsort."""
     import numpy as np
+
     n = keys.size
     bits = max(n - 1, 1).bit_length()
     dtype = np.uint32 if bits + (KEYS - 1).bit_length() <= 32 else np.uint64
@@ -145,6 +160,7 @@ def _exponents(kernels: Any, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     for one plane's keys: the thread's own arrays, reused. Why: two fresh 512 KiB arrays a chunk
     cost 256 page faults, measured at 3-5 us each on a loaded VM, as much as the counting sorts."""
     import numpy as np
+
     n = words.size
     held = getattr(_LOCAL, "keys", None)
     if n > _KEEP_MAX:
@@ -160,6 +176,7 @@ def base_words(base: bytes | memoryview, width: int) -> np.ndarray:
     """The base as read-only unsigned integers of the element width: one array type whether the
     base is bytes or a decode buffer, so numba compiles (and caches) each kernel once."""
     import numpy as np
+
     words = np.frombuffer(base, f"<u{width}")
     words.flags.writeable = False
     return words
@@ -172,6 +189,7 @@ def sorted_plane(residual: np.ndarray, base: bytes | memoryview, width: int) -> 
     """A function of a plane number: that plane of the residual (byte i of every element),
     permuted into the order of its context (``sort_key``)."""
     import numpy as np
+
     if width not in WIDTHS:
         raise ValueError(f"no context-sorted delta for element width {width}")
     base_bytes = np.frombuffer(base, dtype=np.uint8)
@@ -185,17 +203,20 @@ def sorted_plane(residual: np.ndarray, base: bytes | memoryview, width: int) -> 
         out = np.empty(residual.size // width, np.uint8)
         kernels.sort_plane(residual, residual.view(f"<u{width}"), exponents, width, plane, keys, out)
         return out
+
     return plane_of
 
 
-def unsort_planes(stored: dict[int, np.ndarray], base: bytes | memoryview, width: int, out: np.ndarray,
-                  numpy_only: bool = False) -> np.ndarray:
+def unsort_planes(
+    stored: dict[int, np.ndarray], base: bytes | memoryview, width: int, out: np.ndarray, numpy_only: bool = False
+) -> np.ndarray:
     """Inverse of ``sorted_plane``: ``out`` (uint8, ``n * width``: the interleaved residual, every
     plane not in ``stored`` filled already) gets each plane of ``stored`` (plane -> its sorted
     bytes) put back in element order; returned. With the kernels (``decode_kernels``) unless
     ``numpy_only`` (a caller that asked ``decode_kernels`` already). A delta's decoder with the
     kernels un-sorts into planes instead (``unsort_into``: no interleaving before it joins them)."""
     import numpy as np
+
     if width not in WIDTHS:
         raise IntegrityError(f"context-sorted delta with element width {width}")
     base_bytes = np.frombuffer(base, dtype=np.uint8)

@@ -142,12 +142,20 @@ def join4(planes: Any, base: Any, op: int, out: Any) -> None:
     p0, p1, p2, p3 = planes[0], planes[1], planes[2], planes[3]
     if op == JOIN_NONE:
         for k in range(out.size):
-            out[k] = (np.uint32(p0[k]) | (np.uint32(p1[k]) << np.uint32(8)) | (np.uint32(p2[k]) << np.uint32(16))
-                      | (np.uint32(p3[k]) << np.uint32(24)))
+            out[k] = (
+                np.uint32(p0[k])
+                | (np.uint32(p1[k]) << np.uint32(8))
+                | (np.uint32(p2[k]) << np.uint32(16))
+                | (np.uint32(p3[k]) << np.uint32(24))
+            )
     elif op == JOIN_XOR:
         for k in range(out.size):
-            out[k] = (np.uint32(p0[k]) | (np.uint32(p1[k]) << np.uint32(8)) | (np.uint32(p2[k]) << np.uint32(16))
-                      | (np.uint32(p3[k]) << np.uint32(24))) ^ base[k]
+            out[k] = (
+                np.uint32(p0[k])
+                | (np.uint32(p1[k]) << np.uint32(8))
+                | (np.uint32(p2[k]) << np.uint32(16))
+                | (np.uint32(p3[k]) << np.uint32(24))
+            ) ^ base[k]
     else:
         for k in range(out.size):
             r = np.int64(p0[k]) | (np.int64(p1[k]) << 8) | (np.int64(p2[k]) << 16) | (np.int64(p3[k]) << 24)

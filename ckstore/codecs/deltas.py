@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from ckstore.codecs import context
 from ckstore.codecs.planes import (
-    PlaneMode,
     Parts,
+    PlaneMode,
     compressor,
     decode_buffer,
     decode_grouped,
@@ -84,6 +84,7 @@ def context_parts(residual: np.ndarray, base: bytes | memoryview, width: int, le
 def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int, op: DeltaOp) -> np.ndarray:
     """What a delta stores: raw XOR base, or raw - base element-wise (as bytes)."""
     import numpy as np
+
     if op == DeltaOp.XOR:
         return np.bitwise_xor(np.frombuffer(raw, np.uint8), np.frombuffer(base, np.uint8))
     dt = INT_DTYPES[width]
@@ -96,6 +97,7 @@ def delta_residual(raw: bytes | memoryview, base: bytes | memoryview, width: int
 
 def undo_residual(residual: np.ndarray, base: bytes | memoryview, width: int, op: DeltaOp) -> memoryview:
     import numpy as np
+
     if op == DeltaOp.XOR:
         np.bitwise_xor(residual, np.frombuffer(base, np.uint8), out=residual)
         return memoryview(residual)
@@ -111,11 +113,16 @@ def undo_residual(residual: np.ndarray, base: bytes | memoryview, width: int, op
 
 
 def decode_delta(
-    body: memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None, sorted_planes: bool = False,
+    body: memoryview,
+    raw_len: int,
+    fetch_base: BaseFetcher | None,
+    out: np.ndarray | None,
+    sorted_planes: bool = False,
 ) -> memoryview:
     """A delta (encoding 3) or, with ``sorted_planes``, a context-sorted delta (encoding 5). Every
     plane is decoded (so a malformed body fails) before the base is fetched."""
     import numpy as np
+
     if len(body) < DELTA.size:
         raise IntegrityError("delta body is too short")
     base_raw, op = DELTA.unpack_from(body)
@@ -123,7 +130,7 @@ def decode_delta(
         raise IntegrityError(f"unknown delta operation {op}")
     if fetch_base is None:
         raise IntegrityError("delta object read without access to its base")
-    width, entries = plane_table(body[DELTA.size:], raw_len, sorted_ok=sorted_planes)
+    width, entries = plane_table(body[DELTA.size :], raw_len, sorted_ok=sorted_planes)
     if sorted_planes and width not in context.WIDTHS:
         raise IntegrityError(f"context-sorted delta with element width {width}")
     if op == DeltaOp.SUB and width not in INT_DTYPES:
@@ -147,7 +154,7 @@ def decode_delta(
         context.join(kernels, joined, words, op, residual)  # DeltaOp values are the kernels' op codes
         return memoryview(residual)
     if not by_context:
-        residual = decode_grouped(body[DELTA.size:], raw_len, residual)
+        residual = decode_grouped(body[DELTA.size :], raw_len, residual)
         return undo_residual(residual, _delta_base(fetch_base, base_raw, raw_len), width, DeltaOp(op))
     columns, stored = residual.reshape(n, width), {}
     for i, (mode, frame) in enumerate(entries):

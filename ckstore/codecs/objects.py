@@ -98,8 +98,14 @@ class Encoding(IntEnum):
 # 6 added the context-sorted delta).
 _PLAIN = frozenset(Encoding) - {Encoding.PREDICTED, Encoding.CONTEXT}
 _PREDICTED = _PLAIN | {Encoding.PREDICTED}
-ENCODINGS_BY_REPO_VERSION = {1: frozenset({Encoding.RAW, Encoding.ZSTD}), 2: _PLAIN, 3: _PLAIN, 4: _PREDICTED,
-                             5: _PREDICTED, 6: frozenset(Encoding)}
+ENCODINGS_BY_REPO_VERSION = {
+    1: frozenset({Encoding.RAW, Encoding.ZSTD}),
+    2: _PLAIN,
+    3: _PLAIN,
+    4: _PREDICTED,
+    5: _PREDICTED,
+    6: frozenset(Encoding),
+}
 # Encodings only compaction and repack write (slower to encode; the training loop never waits).
 OFF_LOOP = frozenset({Encoding.CONTEXT})
 _DELTAS = (Encoding.DELTA, Encoding.CONTEXT)  # one base id and an operation, then a plane set
@@ -144,7 +150,7 @@ def delta_bases(data: bytes | memoryview) -> tuple[str, ...]:
     if header.encoding in _DELTAS:
         if len(data) < HEADER_SIZE + BASE_ID_SIZE:
             raise IntegrityError("delta object is too short to name its base")
-        return (bytes(data[HEADER_SIZE:HEADER_SIZE + BASE_ID_SIZE]).hex(),)
+        return (bytes(data[HEADER_SIZE : HEADER_SIZE + BASE_ID_SIZE]).hex(),)
     if header.encoding != Encoding.PREDICTED:
         return ()
     count = data[HEADER_SIZE] if len(data) > HEADER_SIZE else 0
@@ -153,7 +159,7 @@ def delta_bases(data: bytes | memoryview) -> tuple[str, ...]:
     start = HEADER_SIZE + 1
     if len(data) < start + count * BASE_ID_SIZE:
         raise IntegrityError("predicted delta is too short to name its bases")
-    return tuple(bytes(data[start + i * BASE_ID_SIZE:start + (i + 1) * BASE_ID_SIZE]).hex() for i in range(count))
+    return tuple(bytes(data[start + i * BASE_ID_SIZE : start + (i + 1) * BASE_ID_SIZE]).hex() for i in range(count))
 
 
 # ---- encoding ---------------------------------------------------------------------------------
@@ -196,7 +202,7 @@ def _sample(raw: bytes | memoryview, width: int) -> bytes:
     step = n // _SAMPLE_WINDOWS
     window = _SAMPLE_WINDOW - _SAMPLE_WINDOW % width
     view = memoryview(raw)
-    return b"".join(view[(i * step) - (i * step) % width:][:window] for i in range(_SAMPLE_WINDOWS))
+    return b"".join(view[(i * step) - (i * step) % width :][:window] for i in range(_SAMPLE_WINDOWS))
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,11 @@ class Candidate:
 
 
 def candidates(
-    length: int, width: int, has_base: bool, allowed: frozenset[Encoding], prune: bool = False,
+    length: int,
+    width: int,
+    has_base: bool,
+    allowed: frozenset[Encoding],
+    prune: bool = False,
 ) -> list[Candidate]:
     """Encodings worth trying for a chunk of ``length`` bytes of elements ``width`` bytes wide.
 
@@ -230,12 +240,18 @@ def candidates(
     if aligned and has_base and Encoding.CONTEXT in allowed and width in context.WIDTHS:
         # The same residuals, each plane sorted by its context (context.py); the XOR residual is
         # pruned for the same reason as above.
-        out += [Candidate(Encoding.CONTEXT, op) for op in (DeltaOp.XOR, DeltaOp.SUB) if not (prune and op == DeltaOp.XOR)]
+        out += [
+            Candidate(Encoding.CONTEXT, op) for op in (DeltaOp.XOR, DeltaOp.SUB) if not (prune and op == DeltaOp.XOR)
+        ]
     return out
 
 
 def _body(
-    raw: bytes | memoryview, c: Candidate, width: int, level: int, base: bytes | memoryview | None,
+    raw: bytes | memoryview,
+    c: Candidate,
+    width: int,
+    level: int,
+    base: bytes | memoryview | None,
 ) -> tuple[int, Parts]:
     if c.encoding == Encoding.ZSTD:
         packed = compressor(level).compress(raw)
@@ -250,9 +266,14 @@ def _body(
 
 
 def encode_chunk(
-    raw: bytes | memoryview, level: int, width: int = 1, base_id: str | None = None,
-    base: bytes | memoryview | None = None, allowed: frozenset[Encoding] = frozenset(Encoding) - OFF_LOOP,
-    exhaustive: bool = False, ops: tuple[DeltaOp, ...] = (DeltaOp.XOR, DeltaOp.SUB),
+    raw: bytes | memoryview,
+    level: int,
+    width: int = 1,
+    base_id: str | None = None,
+    base: bytes | memoryview | None = None,
+    allowed: frozenset[Encoding] = frozenset(Encoding) - OFF_LOOP,
+    exhaustive: bool = False,
+    ops: tuple[DeltaOp, ...] = (DeltaOp.XOR, DeltaOp.SUB),
 ) -> bytes:
     """Encode a chunk with the smallest of the allowed encodings; never more than raw + header.
 
@@ -266,7 +287,9 @@ def encode_chunk(
     if not 1 <= width <= MAX_WIDTH:
         raise ValueError(f"element width {width} out of range")
     usable = base is not None and base_id is not None and len(base) == len(raw) and len(raw) > 0
-    found = [c for c in candidates(len(raw), width, usable, allowed, prune=not exhaustive) if c.op is None or c.op in ops]
+    found = [
+        c for c in candidates(len(raw), width, usable, allowed, prune=not exhaustive) if c.op is None or c.op in ops
+    ]
     if not found:
         return _raw_object(Kind.CHUNK, raw)
     if len(found) > 1 and not exhaustive and len(raw) > EXHAUSTIVE_MAX:
@@ -281,7 +304,9 @@ def encode_chunk(
             best = (size, parts, c)
     assert best is not None
     size, parts, chosen = best
-    if chosen.encoding == Encoding.CONTEXT and not any(PLANE.unpack(parts[1 + i])[0] & PlaneMode.SORTED for i in range(width)):
+    if chosen.encoding == Encoding.CONTEXT and not any(
+        PLANE.unpack(parts[1 + i])[0] & PlaneMode.SORTED for i in range(width)
+    ):
         chosen = Candidate(Encoding.DELTA, chosen.op)  # no plane sorted: the same bytes as a plain delta
     prefix = b""
     if chosen.encoding in _DELTAS:
@@ -293,8 +318,14 @@ def encode_chunk(
 
 
 def encode_delta(
-    raw: bytes | memoryview, level: int, width: int, base_id: str, base: bytes | memoryview, than: int,
-    allowed: frozenset[Encoding] = frozenset({Encoding.DELTA}), sample_test: bool = True,
+    raw: bytes | memoryview,
+    level: int,
+    width: int,
+    base_id: str,
+    base: bytes | memoryview,
+    than: int,
+    allowed: frozenset[Encoding] = frozenset({Encoding.DELTA}),
+    sample_test: bool = True,
 ) -> bytes | None:
     """The best delta encoding of ``raw`` against ``base`` (a plain delta, or a context-sorted one
     when ``allowed``) if it stores in fewer than ``than`` bytes (the chunk's current encoding),
@@ -326,14 +357,27 @@ def encode_delta(
             if size >= 0.97 * min(whole, len(sample)) or size * len(raw) >= than * len(sample):
                 return None
         found = [best]
-    data = encode_chunk(raw, level, width, base_id, base, allowed=frozenset(c.encoding for c in found),
-                        ops=tuple(c.op for c in found if c.op is not None))
+    data = encode_chunk(
+        raw,
+        level,
+        width,
+        base_id,
+        base,
+        allowed=frozenset(c.encoding for c in found),
+        ops=tuple(c.op for c in found if c.op is not None),
+    )
     return data if len(data) < than and parse_header(data).encoding in kinds else None
 
 
 def encode_predicted(
-    raw: bytes | memoryview, level: int, base_ids: tuple[str, ...], bases: list[bytes], predictor: int,
-    coefficients: tuple[float, ...], than: int, guess: np.ndarray | None = None,
+    raw: bytes | memoryview,
+    level: int,
+    base_ids: tuple[str, ...],
+    bases: list[bytes],
+    predictor: int,
+    coefficients: tuple[float, ...],
+    than: int,
+    guess: np.ndarray | None = None,
 ) -> bytes | None:
     """``raw`` (float32 elements) as the XOR against the prediction ``predictor`` computes from
     ``bases`` with ``coefficients`` (predict.py), if that stores in fewer than ``than`` bytes.
@@ -342,6 +386,7 @@ def encode_predicted(
     import numpy as np
 
     from ckstore.codecs import predict
+
     if not raw or len(raw) % PREDICTED_WIDTH or any(len(b) != len(raw) for b in bases) or len(bases) != len(base_ids):
         return None
     if guess is None:
@@ -355,8 +400,14 @@ def encode_predicted(
     else:
         residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)
         size, parts = grouped_parts(residual, PREDICTED_WIDTH, level)
-    prefix = b"".join([bytes([len(base_ids)]), *(bytes.fromhex(b) for b in base_ids), bytes([predictor]),
-                       *(_COEFFICIENT.pack(c) for c in coefficients)])
+    prefix = b"".join(
+        [
+            bytes([len(base_ids)]),
+            *(bytes.fromhex(b) for b in base_ids),
+            bytes([predictor]),
+            *(_COEFFICIENT.pack(c) for c in coefficients),
+        ]
+    )
     if HEADER_SIZE + len(prefix) + size >= than:
         return None
     return b"".join([_pack_header(Kind.CHUNK, Encoding.PREDICTED, len(raw)), prefix, *parts])
@@ -366,8 +417,12 @@ def encode_predicted(
 
 
 def decode_view(
-    data: bytes | memoryview, kind: Kind, max_len: int, expected_len: int | None = None,
-    fetch_base: BaseFetcher | None = None, out: np.ndarray | None = None,
+    data: bytes | memoryview,
+    kind: Kind,
+    max_len: int,
+    expected_len: int | None = None,
+    fetch_base: BaseFetcher | None = None,
+    out: np.ndarray | None = None,
 ) -> bytes | memoryview:
     """Decode a stored object of the given kind, refusing more than ``max_len`` decoded bytes.
 
@@ -406,7 +461,10 @@ def decode_view(
 
 
 def decode(
-    data: bytes | memoryview, kind: Kind, max_len: int, expected_len: int | None = None,
+    data: bytes | memoryview,
+    kind: Kind,
+    max_len: int,
+    expected_len: int | None = None,
     fetch_base: BaseFetcher | None = None,
 ) -> bytes:
     """``decode_view`` as bytes (one more copy of a byte-grouped or delta chunk)."""
@@ -417,6 +475,7 @@ def decode(
 @dataclass(frozen=True)
 class PredictionInputs:
     """What a predicted delta as stored predicts from: its bases, predictor and coefficients."""
+
     base_ids: tuple[str, ...]
     predictor: int
     coefficients: tuple[float, ...]
@@ -425,8 +484,12 @@ class PredictionInputs:
         """Whether these are exactly the prediction's inputs (coefficients bit for bit: -0.0 is
         not 0.0 to the prediction's arithmetic)."""
         pack = struct.Struct(f"<{len(coefficients)}d").pack
-        return (self.base_ids == tuple(base_ids) and self.predictor == predictor
-                and len(self.coefficients) == len(coefficients) and pack(*self.coefficients) == pack(*coefficients))
+        return (
+            self.base_ids == tuple(base_ids)
+            and self.predictor == predictor
+            and len(self.coefficients) == len(coefficients)
+            and pack(*self.coefficients) == pack(*coefficients)
+        )
 
 
 @dataclass(frozen=True)
@@ -434,6 +497,7 @@ class PredictedParts(PredictionInputs):
     """A predicted delta as stored: what its decoding predicts from, and its residual decoded.
     Decoding it is ``residual XOR predict(predictor, coefficients, the bases' bytes)``, nothing
     else (``_decode_predicted``)."""
+
     residual: np.ndarray  # uint8, the raw length
 
 
@@ -441,6 +505,7 @@ def _predicted_inputs(data: bytes | memoryview, raw_len: int) -> tuple[Predictio
     """Parse and check a predicted delta object's header, bases, predictor and coefficients; they
     and its residual's body (a plane set). IntegrityError when malformed."""
     from ckstore.codecs import predict
+
     header = parse_header(data)
     if header.kind != Kind.CHUNK or header.encoding != Encoding.PREDICTED or header.raw_len != raw_len:
         raise IntegrityError("not a predicted delta chunk of the expected length")
@@ -459,12 +524,16 @@ def _predicted_inputs(data: bytes | memoryview, raw_len: int) -> tuple[Predictio
     at += 1
     if len(body) < at + shape.coefficients * _COEFFICIENT.size:
         raise IntegrityError("predicted delta body is too short for its coefficients")
-    coefficients = tuple(_COEFFICIENT.unpack_from(body, at + i * _COEFFICIENT.size)[0] for i in range(shape.coefficients))
+    coefficients = tuple(
+        _COEFFICIENT.unpack_from(body, at + i * _COEFFICIENT.size)[0] for i in range(shape.coefficients)
+    )
     try:
         predict.check_coefficients(coefficients)
     except ValueError as exc:
         raise IntegrityError(str(exc)) from None
-    return PredictionInputs(tuple(base_ids), predictor, coefficients), body[at + shape.coefficients * _COEFFICIENT.size:]
+    return PredictionInputs(tuple(base_ids), predictor, coefficients), body[
+        at + shape.coefficients * _COEFFICIENT.size :
+    ]
 
 
 def _not_float32(raw_len: int, residual: memoryview) -> IntegrityError | None:
@@ -488,7 +557,7 @@ def predicted_decodes_to(data: bytes | memoryview, raw: bytes, guess: np.ndarray
     """``predicted_parts`` of ``data`` (every check of its header, inputs and residual planes
     that decoding makes), and whether its residual XOR ``guess`` (uint32 words) is ``raw``: what
     the object decodes to when ``guess`` is the prediction of the returned inputs, which the
-    caller compares (compaction's check of a new object, compact_encoding.py).
+    caller compares (compaction's check of a new object, encoding.py).
 
     Where the prediction kernels are loaded, the decoded planes are joined, XORed and compared
     with ``raw`` in one compiled pass (predict_kernels.residual_matches), not joined into a new
@@ -497,6 +566,7 @@ def predicted_decodes_to(data: bytes | memoryview, raw: bytes, guess: np.ndarray
     import numpy as np
 
     from ckstore.codecs import predict
+
     kernels = predict.loaded_compiled()
     if kernels is None:
         parts = predicted_parts(data, len(raw))
@@ -514,11 +584,15 @@ def predicted_decodes_to(data: bytes | memoryview, raw: bytes, guess: np.ndarray
 
 
 def _decode_predicted(
-    data: bytes | memoryview, raw_len: int, fetch_base: BaseFetcher | None, out: np.ndarray | None,
+    data: bytes | memoryview,
+    raw_len: int,
+    fetch_base: BaseFetcher | None,
+    out: np.ndarray | None,
 ) -> memoryview:
     import numpy as np
 
     from ckstore.codecs import predict
+
     parts = predicted_parts(data, raw_len, out)
     if fetch_base is None:
         raise IntegrityError("delta object read without access to its base")
@@ -532,5 +606,3 @@ def _decode_predicted(
     residual = parts.residual
     np.bitwise_xor(residual.view("<u4"), guess, out=residual.view("<u4"))
     return memoryview(residual)
-
-

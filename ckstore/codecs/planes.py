@@ -79,6 +79,7 @@ def scratch(n: int) -> np.ndarray:
     array costs 256 page faults when first written, measured at 3-5 us each on a loaded VM, more
     than the arithmetic done in it (decoding an fp32 delta made ~1,300 faults per MB)."""
     import numpy as np
+
     if n > SCRATCH_MAX:
         return np.empty(n, np.uint8)
     held = getattr(_LOCAL, "scratch", None)
@@ -94,6 +95,7 @@ Parts = list[bytes | memoryview]
 def split_planes(raw: bytes | memoryview | np.ndarray, width: int) -> np.ndarray:
     """Shape (width, n): plane i holds byte i (little-endian order) of every element."""
     import numpy as np
+
     # A strided transpose copy: measured (numpy 2.4, x86_64, 1 MiB chunks of optimizer state)
     # 3.1 GB/s against 0.85 GB/s for shifting whole little-endian integers a plane at a time, for
     # 2- and 4-byte elements alike; the split was about half of a grouped encoding's CPU.
@@ -125,6 +127,7 @@ def plane_set(width: int, pieces: list[tuple[int, bytes | memoryview]]) -> tuple
 def decode_buffer(into: np.ndarray | None, raw_len: int) -> np.ndarray:
     """``into`` (checked) or a new uint8 array of ``raw_len`` bytes, to decode a chunk into."""
     import numpy as np
+
     if into is not None and (into.dtype != np.uint8 or into.size != raw_len):
         raise ValueError(f"decode buffer of {into.size} {into.dtype} elements for {raw_len} bytes")
     return np.empty(raw_len, dtype=np.uint8) if into is None else into
@@ -151,7 +154,7 @@ def plane_table(body: memoryview, raw_len: int, sorted_ok: bool = False) -> tupl
     for i, (mode, stored) in enumerate(entries):
         if mode & ~(PlaneMode.SORTED if sorted_ok else 0) not in (PlaneMode.RAW, PlaneMode.ZSTD):
             raise IntegrityError(f"unknown plane mode {mode} (plane {i})")
-        frames.append((mode, body[offset:offset + stored]))
+        frames.append((mode, body[offset : offset + stored]))
         offset += stored
     return width, frames
 
@@ -168,6 +171,7 @@ def decode_plane(i: int, mode: int, frame: memoryview, n: int) -> bytes | memory
 def decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = None) -> np.ndarray:
     """Bytes of a byte-grouped body, as a uint8 array of ``raw_len`` elements (``into`` when given)."""
     import numpy as np
+
     width, entries = plane_table(body, raw_len)
     n = raw_len // width
     kernels = context.loaded_kernels()

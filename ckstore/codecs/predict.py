@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-MIN_COEFFICIENT = 2.0 ** -64
-MAX_COEFFICIENT = 2.0 ** 64
-_F32_MIN_NORMAL = 2.0 ** -126
+MIN_COEFFICIENT = 2.0**-64
+MAX_COEFFICIENT = 2.0**64
+_F32_MIN_NORMAL = 2.0**-126
 _EXPONENT = np.uint32(0x7F800000)
 _BLOCK = 1 << 14  # elements predicted at a time: 128 KiB float64 temporaries stay in cache (3x faster than 2 MiB ones)
 # Elements of a fit's sample, spread over the chunk in runs (SAMPLE_RUN; a fit costs a least-squares solve on them).
@@ -109,7 +109,8 @@ def _weight(c: Sequence[float], b: Sequence[np.ndarray]) -> np.ndarray:
 
 
 _FORMULAS: dict[Predictor, Callable[[Sequence[float], Sequence[np.ndarray]], np.ndarray]] = {
-    Predictor.ADAM_SECOND_MOMENT: _second_moment, Predictor.ADAM_WEIGHT: _weight,
+    Predictor.ADAM_SECOND_MOMENT: _second_moment,
+    Predictor.ADAM_WEIGHT: _weight,
 }
 
 
@@ -126,14 +127,16 @@ def predict(predictor: Predictor, coefficients: Sequence[float], bases: Sequence
     if kernels is None:
         return predict_numpy(predictor, c, views)
     out = np.empty(n, dtype=np.uint32)
-    words = [np.frombuffer(v[:4 * n], dtype=np.uint32) for v in views]
+    words = [np.frombuffer(v[: 4 * n], dtype=np.uint32) for v in views]
     args = [a for w in words for a in (w, w.view(np.float32))]
     kernel = kernels.second_moment if predictor == Predictor.ADAM_SECOND_MOMENT else kernels.weight
     kernel(np.array(c, dtype=np.float64), *args, out.view(np.float32))
     return out
 
 
-def predict_numpy(predictor: Predictor, coefficients: Sequence[float], bases: Sequence[bytes | memoryview]) -> np.ndarray:
+def predict_numpy(
+    predictor: Predictor, coefficients: Sequence[float], bases: Sequence[bytes | memoryview]
+) -> np.ndarray:
     """``predict`` with numpy (the reference the kernels are tested against, and what a process
     uses before it loads them)."""
     c = _checked(predictor, coefficients, bases)
@@ -145,7 +148,7 @@ def predict_numpy(predictor: Predictor, coefficients: Sequence[float], bases: Se
     for start in range(0, n, _BLOCK):
         end = min(n, start + _BLOCK)
         with np.errstate(all="ignore"):
-            r = _FORMULAS[predictor](c, [inputs(v[4 * start:4 * end]) for v in views])
+            r = _FORMULAS[predictor](c, [inputs(v[4 * start : 4 * end]) for v in views])
         out[start:end] = to_float32_bits(r)
     return out
 
@@ -187,6 +190,7 @@ def load_compiled() -> bool:
                     # checked, the bases read) are joined in one compiled pass too, not numpy's
                     # strided writes (0.45 thread-s a DCP benchmark step).
                     from ckstore.codecs.context import load_kernels
+
                     load_kernels()
                 _KERNELS.append(kernels)
     return _KERNELS[0] is not None
@@ -202,6 +206,7 @@ def _compiled(elements: int) -> Any:
     if _KERNELS:
         return _KERNELS[0]
     from ckstore.codecs.context import loaded_kernels
+
     if _NUMPY_PREDICTED[0] < NUMPY_PREDICT_ELEMENTS and loaded_kernels() is None:  # else numba's set-up is paid
         _NUMPY_PREDICTED[0] += elements
         return None
@@ -310,7 +315,9 @@ def _gram_schmidt(columns: list[np.ndarray], t: np.ndarray) -> np.ndarray:
     return x
 
 
-def _exact(predictor: Predictor, coefficients: tuple[float, ...], bases: list[np.ndarray], target_bits: np.ndarray) -> int:
+def _exact(
+    predictor: Predictor, coefficients: tuple[float, ...], bases: list[np.ndarray], target_bits: np.ndarray
+) -> int:
     """How many sample elements (bases converted by ``inputs``) ``coefficients`` predict exactly."""
     kernels = _KERNELS[0] if _KERNELS else None
     if kernels is None:
@@ -318,7 +325,9 @@ def _exact(predictor: Predictor, coefficients: tuple[float, ...], bases: list[np
             bits = to_float32_bits(_FORMULAS[predictor](coefficients, bases))
     else:
         out = np.empty(len(target_bits), dtype=np.float32)
-        kernel = kernels.second_moment_converted if predictor == Predictor.ADAM_SECOND_MOMENT else kernels.weight_converted
+        kernel = (
+            kernels.second_moment_converted if predictor == Predictor.ADAM_SECOND_MOMENT else kernels.weight_converted
+        )
         kernel(np.array(coefficients, dtype=np.float64), *bases, out)
         bits = out.view(np.uint32)
     return int((bits == target_bits).sum())
@@ -393,7 +402,9 @@ def _best(scored: Iterable[tuple[int, tuple[float, ...]] | None]) -> tuple[int, 
     return max(found, key=lambda s: s[0]) if found else None
 
 
-def _fit_second_moment(sample: _Sample, hint: tuple[int, tuple[float, ...]] | None = None) -> tuple[int, tuple[float, ...]] | None:
+def _fit_second_moment(
+    sample: _Sample, hint: tuple[int, tuple[float, ...]] | None = None
+) -> tuple[int, tuple[float, ...]] | None:
     """``hint``: another chunk's coefficients and their score on this sample, which fell short of
     ``fit_scored``'s slack."""
     # Checkpoints many steps apart: nothing comes out exact on an eighth of the sample, and a fit
@@ -474,8 +485,8 @@ def _fit_weight(sample: _Sample) -> tuple[int, tuple[float, ...]] | None:
 _EPS_STEP = 4.0
 # PyTorch's default epsilon (1e-8) times its bias correction sqrt(1 - 0.999^t) at steps t = 1..16
 # (tried first), then a coarse geometric grid for other settings and later steps.
-_EPS_DEFAULTS = tuple(1e-8 * math.sqrt(1 - 0.999 ** t) for t in range(1, 17))
-_EPS_COARSE = tuple(1e-6 * _EPS_STEP ** -k for k in range(10))
+_EPS_DEFAULTS = tuple(1e-8 * math.sqrt(1 - 0.999**t) for t in range(1, 17))
+_EPS_COARSE = tuple(1e-6 * _EPS_STEP**-k for k in range(10))
 _EPS_REFINE = 6
 _SEARCH_MIN = 2048  # elements the epsilon search scores each point on, at least
 _GOOD_ENOUGH = 0.97  # of the sample predicted exactly: no refinement of the grid's best
@@ -488,8 +499,12 @@ _HOPELESS = 0.01  # of the sample predicted exactly at every probe: no predicted
 _GOLDEN = (1 + math.sqrt(5)) / 2
 
 
-def fit(predictor: Predictor, target: bytes | memoryview, bases: Sequence[bytes | memoryview],
-        hint: Sequence[float] | None = None) -> tuple[float, ...] | None:
+def fit(
+    predictor: Predictor,
+    target: bytes | memoryview,
+    bases: Sequence[bytes | memoryview],
+    hint: Sequence[float] | None = None,
+) -> tuple[float, ...] | None:
     """Coefficients for predicting ``target`` from ``bases`` (raw float32 chunks of one length),
     fitted on a sample (least squares, then the candidate predicting the most sample elements
     exactly); None when no fit is possible (the caller then keeps a plain delta).
@@ -506,8 +521,12 @@ def fit(predictor: Predictor, target: bytes | memoryview, bases: Sequence[bytes 
 _HINT_SLACK = 0.02
 
 
-def fit_scored(predictor: Predictor, target: bytes | memoryview, bases: Sequence[bytes | memoryview],
-               hint: tuple[tuple[float, ...], float] | None = None) -> tuple[tuple[float, ...], float] | None:
+def fit_scored(
+    predictor: Predictor,
+    target: bytes | memoryview,
+    bases: Sequence[bytes | memoryview],
+    hint: tuple[tuple[float, ...], float] | None = None,
+) -> tuple[tuple[float, ...], float] | None:
     """``fit``, with the fraction of the sample the coefficients predict exactly; ``hint``: another
     chunk's result of this function. A hint is taken when it predicts nearly all of this sample
     exactly, or nearly as much of it as of its own chunk's: where few elements come out exact at
@@ -519,7 +538,12 @@ def fit_scored(predictor: Predictor, target: bytes | memoryview, bases: Sequence
     size = len(sample.bits)
     with np.errstate(all="ignore"):
         quick = None if hint is None else sample.score(hint[0])
-        if quick is not None and hint is not None and quick[0] >= min(_GOOD_ENOUGH, hint[1] - _HINT_SLACK) * size and quick[0] > 0:
+        if (
+            quick is not None
+            and hint is not None
+            and quick[0] >= min(_GOOD_ENOUGH, hint[1] - _HINT_SLACK) * size
+            and quick[0] > 0
+        ):
             return quick[1], quick[0] / size
         if predictor == Predictor.ADAM_SECOND_MOMENT:
             best = _fit_second_moment(sample, quick if quick is not None and quick[0] > 0 else None)

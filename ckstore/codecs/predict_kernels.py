@@ -9,7 +9,7 @@ because numba compiles without fast-math by default (no reassociation, no recipr
 approximation) and LLVM contracts a multiply and an add into a fused multiply-add only when
 told to (fast-math's ``contract``, or C's -ffp-contract), and ``error_model="numpy"`` lets a
 division by zero give an infinity or NaN as numpy's does (Python's model would raise).
-tests/test_predict_kernels.py checks it against the reference on hostile inputs, and that the
+tests/codecs/test_predict_kernels.py checks it against the reference on hostile inputs, and that the
 machine code holds no fused multiply-add.
 
 Like context_kernels.py: imported only where numba is installed, cached on disk, GIL released
@@ -24,7 +24,7 @@ from typing import Any
 import numba
 import numpy as np
 
-_F32_MIN_NORMAL = 2.0 ** -126
+_F32_MIN_NORMAL = 2.0**-126
 _EXPONENT = np.uint32(0x7F800000)
 _OPTIONS = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy", "fastmath": False}
 
@@ -126,7 +126,11 @@ def residual_matches(p0: Any, p1: Any, p2: Any, p3: Any, guess: Any, raw: Any) -
     is vectorized, and a mismatch is the rare case."""
     differ = np.uint32(0)
     for k in range(raw.size):
-        r = (np.uint32(p0[k]) | (np.uint32(p1[k]) << np.uint32(8)) | (np.uint32(p2[k]) << np.uint32(16))
-             | (np.uint32(p3[k]) << np.uint32(24)))
+        r = (
+            np.uint32(p0[k])
+            | (np.uint32(p1[k]) << np.uint32(8))
+            | (np.uint32(p2[k]) << np.uint32(16))
+            | (np.uint32(p3[k]) << np.uint32(24))
+        )
         differ |= (r ^ guess[k]) ^ raw[k]
     return differ == 0

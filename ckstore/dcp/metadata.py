@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckstore.format.dtypes import TORCH_DTYPES
-from ckstore.format.dcp_record import DcpObject, DcpPiece, DcpRecord, DcpTensor
 from ckstore.errors import IntegrityError, UnencodableValueError
+from ckstore.format.dcp_record import DcpObject, DcpPiece, DcpRecord, DcpTensor
+from ckstore.format.dtypes import TORCH_DTYPES
 from ckstore.format.manifest import ChunkRef, TensorEntry
 from ckstore.format.values import decode_value, encode_value
 
@@ -67,9 +67,13 @@ def _extra(metadata: Metadata) -> Any:
     meta = metadata.storage_meta
     doc: dict[str, Any] = {
         "planner_data": metadata.planner_data,
-        "storage_meta": None if meta is None else {
+        "storage_meta": None
+        if meta is None
+        else {
             "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
-            "save_id": meta.save_id, "load_id": meta.load_id, "modules": list(meta.modules),
+            "save_id": meta.save_id,
+            "load_id": meta.load_id,
+            "modules": list(meta.modules),
         },
         "version": metadata.version,
     }
@@ -99,9 +103,17 @@ def build_record(metadata: Metadata, results: Iterable[Iterable[Any]], world_siz
         for chunk in entry.chunks:
             item = where[MetadataIndex(fqn, chunk.offsets)]
             pieces.append(DcpPiece(tuple(chunk.offsets), tuple(chunk.sizes), item.rank, item.file, item.entry.name))
-        tensors.append(DcpTensor(
-            fqn, dtype_name(props.dtype), tuple(entry.size), bool(props.requires_grad),
-            str(props.layout).removeprefix("torch."), _memory_format_name(props.memory_format), tuple(pieces)))
+        tensors.append(
+            DcpTensor(
+                fqn,
+                dtype_name(props.dtype),
+                tuple(entry.size),
+                bool(props.requires_grad),
+                str(props.layout).removeprefix("torch."),
+                _memory_format_name(props.memory_format),
+                tuple(pieces),
+            )
+        )
     return DcpRecord(world_size, tuple(tensors), tuple(objects), _extra(metadata))
 
 
@@ -121,7 +133,8 @@ def build_metadata(record: DcpRecord) -> tuple[Metadata, dict[MetadataIndex, Loc
     storage: dict[MetadataIndex, Location] = {}
     for t in record.tensors:
         props = TensorProperties(
-            dtype=_torch_attr(t.dtype, torch.dtype, "dtype"), layout=_torch_attr(t.layout, torch.layout, "layout"),
+            dtype=_torch_attr(t.dtype, torch.dtype, "dtype"),
+            layout=_torch_attr(t.layout, torch.layout, "layout"),
             requires_grad=t.requires_grad,
             memory_format=_torch_attr(t.memory_format, torch.memory_format, "memory format"),
         )
@@ -136,10 +149,16 @@ def build_metadata(record: DcpRecord) -> tuple[Metadata, dict[MetadataIndex, Loc
     meta = extra.get("storage_meta")
     storage_meta = None
     if isinstance(meta, Mapping):
-        storage_meta = StorageMeta(meta.get("checkpoint_id"), meta.get("save_id"), meta.get("load_id"),
-                                   list(meta.get("modules") or []))
-    metadata = Metadata(state, planner_data=extra.get("planner_data"), storage_data=storage,
-                        storage_meta=storage_meta, version=extra.get("version"))
+        storage_meta = StorageMeta(
+            meta.get("checkpoint_id"), meta.get("save_id"), meta.get("load_id"), list(meta.get("modules") or [])
+        )
+    metadata = Metadata(
+        state,
+        planner_data=extra.get("planner_data"),
+        storage_data=storage,
+        storage_meta=storage_meta,
+        version=extra.get("version"),
+    )
     return metadata, storage
 
 

@@ -45,24 +45,31 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckstore.write.commit import prepare_commit, record_commit
-from ckstore.repository.context import RepoContext, open_context
-from ckstore.format.dtypes import TORCH_DTYPES
-from ckstore.format.dcp_record import piece_name, stored_dtype
+from ckstore.dcp.compaction import store_pieces
+from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
-from ckstore.write.ingest import MemoryFile
+from ckstore.format.dcp_record import piece_name, stored_dtype
+from ckstore.format.dtypes import TORCH_DTYPES
 from ckstore.format.manifest import FileEntry, canonical_json
-from ckstore.training.partial import LazyTensors
-from ckstore.repository.writing import writing
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
-from ckstore.dcp.compaction import store_pieces
-from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
+from ckstore.repository.context import RepoContext, open_context
+from ckstore.repository.writing import writing
+from ckstore.training.partial import LazyTensors
+from ckstore.write.commit import prepare_commit, record_commit
+from ckstore.write.ingest import MemoryFile
 
 FILE_METADATA = {"format": "ckstore-dcp"}
 # How long the coordinator holds the lock past planning without reaching ``finish`` (a rank
@@ -100,8 +107,14 @@ class Writer(StorageWriter):
     every rank finds it in the returned metadata (``saved_commit(dcp.save(...))``).
     """
 
-    def __init__(self, repo: Any, branch: str | None = None, message: str = "",
-                 metadata: Mapping[str, Any] | None = None, lock_hold: float = DEFAULT_LOCK_HOLD) -> None:
+    def __init__(
+        self,
+        repo: Any,
+        branch: str | None = None,
+        message: str = "",
+        metadata: Mapping[str, Any] | None = None,
+        lock_hold: float = DEFAULT_LOCK_HOLD,
+    ) -> None:
         super().__init__()
         self.lock_hold = lock_hold
         self.location = _location(repo)
@@ -233,8 +246,10 @@ class Writer(StorageWriter):
             with writing(ctx):  # still held, unless lock_hold ran out: then checked under it again
                 missing = [c.id for f in files for c in f.all_chunks() if not ctx.store.has_durable(c.id)]
                 if missing:
-                    raise IntegrityError(f"{len(missing)} object(s) the ranks reported are missing (first: "
-                                         f"{missing[0]}); nothing was committed")
+                    raise IntegrityError(
+                        f"{len(missing)} object(s) the ranks reported are missing (first: "
+                        f"{missing[0]}); nothing was committed"
+                    )
                 record = build_record(metadata, results, max(self._world, len(results)))
                 # The branch the ranks used (the one the global plan named).
                 request = dataclasses.replace(self._request, branch=self._plan_branch or self._request.branch)
@@ -345,8 +360,9 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if plan.storage_data is not None and plan.storage_data != self.commit_id:
-            raise ConflictError(f"the ranks read different commits of {self.ref!r} (it moved during the load); "
-                                "load a commit id instead")
+            raise ConflictError(
+                f"the ranks read different commits of {self.ref!r} (it moved during the load); load a commit id instead"
+            )
         for req in plan.items:
             where = self._where(req.storage_index)
             reader = self._file(where.file)
@@ -361,8 +377,10 @@ class Reader(StorageReader):
                 source = self._region(reader, where, req)
                 target = planner.resolve_tensor(req).detach()
                 if tuple(target.shape) != tuple(source.shape):
-                    raise IntegrityError(f"tensor {req.storage_index.fqn!r}: stored region {tuple(source.shape)} "
-                                         f"does not fit the target {tuple(target.shape)}")
+                    raise IntegrityError(
+                        f"tensor {req.storage_index.fqn!r}: stored region {tuple(source.shape)} "
+                        f"does not fit the target {tuple(target.shape)}"
+                    )
                 target.copy_(source)
                 planner.commit_tensor(req, target)
             self.bytes_read += reader.bytes_read - before
@@ -373,7 +391,9 @@ class Reader(StorageReader):
     def _where(self, index: MetadataIndex) -> Location:
         found = self._storage.get(index)
         if found is None:
-            raise IntegrityError(f"commit {str(self.commit_id)[:12]} has no stored piece {index.fqn!r} at {index.offset}")
+            raise IntegrityError(
+                f"commit {str(self.commit_id)[:12]} has no stored piece {index.fqn!r} at {index.offset}"
+            )
         return found
 
     @staticmethod

@@ -101,10 +101,24 @@ def record_json(record: DcpRecord) -> dict[str, Any]:
     return {
         "world_size": record.world_size,
         "tensors": [
-            {"fqn": t.fqn, "dtype": t.dtype, "shape": list(t.shape), "requires_grad": t.requires_grad,
-             "layout": t.layout, "memory_format": t.memory_format,
-             "pieces": [{"offsets": list(p.offsets), "sizes": list(p.sizes), "rank": p.rank, "file": p.file,
-                         "tensor": p.tensor} for p in t.pieces]}
+            {
+                "fqn": t.fqn,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "requires_grad": t.requires_grad,
+                "layout": t.layout,
+                "memory_format": t.memory_format,
+                "pieces": [
+                    {
+                        "offsets": list(p.offsets),
+                        "sizes": list(p.sizes),
+                        "rank": p.rank,
+                        "file": p.file,
+                        "tensor": p.tensor,
+                    }
+                    for p in t.pieces
+                ],
+            }
             for t in record.tensors
         ],
         "objects": [
@@ -171,14 +185,23 @@ def _parse_tensor(doc: Any, world: int, stored: StoredTensors) -> DcpTensor:
     where = f"dcp tensor {fqn!r}"
     if not isinstance(d["requires_grad"], bool) or not isinstance(d["pieces"], list):
         raise IntegrityError(f"manifest: {where}: malformed")
-    shell = DcpTensor(fqn, _str(d["dtype"], where, tuple(TORCH_DTYPES)), _dims(d["shape"], where), d["requires_grad"],
-                      _str(d["layout"], where, LAYOUTS), _str(d["memory_format"], where, MEMORY_FORMATS), ())
+    shell = DcpTensor(
+        fqn,
+        _str(d["dtype"], where, tuple(TORCH_DTYPES)),
+        _dims(d["shape"], where),
+        d["requires_grad"],
+        _str(d["layout"], where, LAYOUTS),
+        _str(d["memory_format"], where, MEMORY_FORMATS),
+        (),
+    )
     pieces = tuple(_parse_piece(p, shell, world, stored) for p in d["pieces"])
     # Pieces lie inside the shape (_parse_piece): disjoint ones whose volumes sum to the tensor's
     # cover every element exactly once. A sum alone let a hole pass (read back as zeros).
     if sum(p.numel for p in pieces) != math.prod(shell.shape) or _overlap(pieces):
         raise IntegrityError(f"manifest: {where}: its pieces do not cover the tensor exactly once")
-    return DcpTensor(shell.fqn, shell.dtype, shell.shape, shell.requires_grad, shell.layout, shell.memory_format, pieces)
+    return DcpTensor(
+        shell.fqn, shell.dtype, shell.shape, shell.requires_grad, shell.layout, shell.memory_format, pieces
+    )
 
 
 def _overlap(pieces: Sequence[DcpPiece]) -> bool:
@@ -193,7 +216,7 @@ def _overlap(pieces: Sequence[DcpPiece]) -> bool:
     active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for lo, hi in sorted(boxes, key=lambda b: b[0][axis] if ndim else 0):
         active = [b for b in active if not ndim or b[1][axis] > lo[axis]]
-        if any(all(a_lo < h and l < a_hi for l, h, a_lo, a_hi in zip(lo, hi, b_lo, b_hi)) for b_lo, b_hi in active):
+        if any(all(a_lo < h and low < a_hi for low, h, a_lo, a_hi in zip(lo, hi, b_lo, b_hi)) for b_lo, b_hi in active):
             return True
         active.append((lo, hi))
     return False
@@ -202,8 +225,13 @@ def _overlap(pieces: Sequence[DcpPiece]) -> bool:
 def _parse_object(doc: Any, world: int, stored: StoredTensors) -> DcpObject:
     d = _fields(doc, ("fqn", "rank", "file", "tensor", "encoding"), "dcp object")
     where = f"dcp object {d['fqn']!r:.60}"
-    obj = DcpObject(_str(d["fqn"], where), _int(d["rank"], where, 0, world), _str(d["file"], where),
-                    _str(d["tensor"], where), _str(d["encoding"], where, OBJECT_ENCODINGS))
+    obj = DcpObject(
+        _str(d["fqn"], where),
+        _int(d["rank"], where, 0, world),
+        _str(d["file"], where),
+        _str(d["tensor"], where),
+        _str(d["encoding"], where, OBJECT_ENCODINGS),
+    )
     dtype, shape = _stored(stored, obj.file, obj.tensor, where)
     if dtype != "U8" or len(shape) != 1:
         raise IntegrityError(f"manifest: {where}: not stored as a U8 byte tensor")

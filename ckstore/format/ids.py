@@ -27,7 +27,7 @@ _MULTITHREAD_MIN = 1 << 26
 
 def _hash_alone_after_fork() -> None:
     """blake3's thread pool, once started, is not in a forked child (a detached compaction:
-    write/detached.py): hashing there would wait for threads that do not exist."""
+    compaction/detached.py): hashing there would wait for threads that do not exist."""
     global _MULTITHREAD_MIN
     _MULTITHREAD_MIN = 1 << 62
 

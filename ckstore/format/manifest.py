@@ -87,8 +87,14 @@ class ManifestFiles(Sequence[FileEntry]):
 
     __slots__ = ("_doc", "_version", "_label", "_entries", "_pieces", "_read")
 
-    def __init__(self, doc: list[Any] | None, version: int, label: str,
-                 pieces: tuple[ChunkRef, ...] = (), read: ChunkReader | None = None) -> None:
+    def __init__(
+        self,
+        doc: list[Any] | None,
+        version: int,
+        label: str,
+        pieces: tuple[ChunkRef, ...] = (),
+        read: ChunkReader | None = None,
+    ) -> None:
         self._doc: list[Any] | None = doc
         self._version = version
         self._label = label  # names the commit in the error a damaged entry raises
@@ -211,8 +217,14 @@ def piece_chunk_ids(text: bytes | memoryview) -> list[str]:
             if type(refs) is not list:
                 raise IntegrityError(f"file list piece: file #{i} has a malformed chunk list")
             for ref in refs:
-                if (type(ref) is not list or len(ref) != 2 or type(ref[0]) is not str or type(ref[1]) is not int
-                        or ref[1] < 1 or not is_object_id(ref[0])):
+                if (
+                    type(ref) is not list
+                    or len(ref) != 2
+                    or type(ref[0]) is not str
+                    or type(ref[1]) is not int
+                    or ref[1] < 1
+                    or not is_object_id(ref[0])
+                ):
                     raise IntegrityError(f"file list piece: file #{i} has a malformed chunk reference")
                 out.append(ref[0])
     return out
@@ -389,8 +401,9 @@ def check_shape(data: bytes) -> None:
     # a manifest bomb is refused at the cost of one scan of its text.
     containers = data.count(b"[") + data.count(b"{")
     if containers > MAX_DENSE_CONTAINERS + len(data) // MIN_CONTAINER_BYTES:
-        raise IntegrityError(f"manifest holds {containers} JSON lists and objects in {len(data)} bytes, "
-                             "far more than a real one")
+        raise IntegrityError(
+            f"manifest holds {containers} JSON lists and objects in {len(data)} bytes, far more than a real one"
+        )
 
 
 def parse_json(data: bytes) -> Any:
@@ -407,9 +420,11 @@ def _parse_state(value: Any, files: Sequence[FileEntry]) -> StateFiles | None:
         return None
     kinds = {f.path: f.kind for f in files}
     if (
-        not isinstance(value, dict) or set(value) != {"values", "tensors"}
+        not isinstance(value, dict)
+        or set(value) != {"values", "tensors"}
         or not all(isinstance(v, str) for v in value.values())  # a list would make kinds.get raise TypeError
-        or kinds.get(value["values"]) != "blob" or kinds.get(value["tensors"]) != "safetensors"
+        or kinds.get(value["values"]) != "blob"
+        or kinds.get(value["tensors"]) != "safetensors"
     ):
         raise IntegrityError("manifest: malformed state record")
     return StateFiles(value["values"], value["tensors"])
@@ -419,10 +434,14 @@ def _parse_base(value: Any) -> BaseRef | None:
     if value is None:
         return None
     if (
-        not isinstance(value, dict) or set(value) != {"commit", "repo"}
-        or not isinstance(value["commit"], str) or not is_object_id(value["commit"])
-        or not (value["repo"] is None or (isinstance(value["repo"], str) and value["repo"].startswith("/")
-                                          and not CONTROL.search(value["repo"])))
+        not isinstance(value, dict)
+        or set(value) != {"commit", "repo"}
+        or not isinstance(value["commit"], str)
+        or not is_object_id(value["commit"])
+        or not (
+            value["repo"] is None
+            or (isinstance(value["repo"], str) and value["repo"].startswith("/") and not CONTROL.search(value["repo"]))
+        )
     ):
         raise IntegrityError("manifest: malformed base record")
     return BaseRef(ObjectId(value["commit"]), value["repo"])
@@ -436,8 +455,18 @@ def _parse_dcp(value: Any, files: Sequence[FileEntry]) -> DcpRecord:
 
 
 _COMMIT_FIELDS = (
-    "ckstore", "parents", "time", "branch", "message", "metadata", "provenance",
-    "logical_bytes", "added_bytes", "state", "base", "files",
+    "ckstore",
+    "parents",
+    "time",
+    "branch",
+    "message",
+    "metadata",
+    "provenance",
+    "logical_bytes",
+    "added_bytes",
+    "state",
+    "base",
+    "files",
 )
 _COMMIT_FIELDS_V2 = (*_COMMIT_FIELDS[:-1], "dcp", "files")
 _COMMIT_FIELDS_V4 = (*_COMMIT_FIELDS[:-1], "file_list")

@@ -126,8 +126,12 @@ def _parse_stats(doc: Any, where: str) -> TensorStats:
         raise IntegrityError(f"{where}: malformed stats")
     from ckstore.format.tensor_stats import TensorStats
 
-    return TensorStats(_optional_number(doc["l2"], where), _optional_number(doc["absmax"], where), nonfinite,
-                       _optional_number(doc["change"], where))
+    return TensorStats(
+        _optional_number(doc["l2"], where),
+        _optional_number(doc["absmax"], where),
+        nonfinite,
+        _optional_number(doc["change"], where),
+    )
 
 
 def _parse_tensor(doc: Any, where: str, version: int) -> TensorEntry:

@@ -56,10 +56,10 @@ def member(tensor_name: str) -> Member | None:
     if name.startswith(_OPTIM):
         for suffix, role in _MOMENTS.items():
             if name.endswith(suffix) and len(name) > len(_OPTIM) + len(suffix):
-                return Member((name[len(_OPTIM):-len(suffix)], offsets), role)
+                return Member((name[len(_OPTIM) : -len(suffix)], offsets), role)
         return None
     if name.startswith(_MODEL) and len(name) > len(_MODEL):
-        return Member((name[len(_MODEL):], offsets), WEIGHT)
+        return Member((name[len(_MODEL) :], offsets), WEIGHT)
     return None
 
 
@@ -84,12 +84,21 @@ def float32_members(files: Iterable[FileEntry]) -> dict[tuple[str, str], dict[st
 def _guess_weights(f: FileEntry, found: dict[tuple[str, str], dict[str, tuple[str, str, tuple[int, ...]]]]) -> None:
     """Give each ``commit_state`` optimizer state of ``f`` (by index) the next float32 tensor of
     its shape in file order that is not optimizer state (the module docstring says why)."""
-    indexed = sorted((key for key, roles in found.items() if WEIGHT not in roles and key[1].startswith("#")
-                      and roles.get(FIRST, ("",))[0] == f.path), key=lambda k: (k[0], int(k[1][1:])))
+    indexed = sorted(
+        (
+            key
+            for key, roles in found.items()
+            if WEIGHT not in roles and key[1].startswith("#") and roles.get(FIRST, ("",))[0] == f.path
+        ),
+        key=lambda k: (k[0], int(k[1][1:])),
+    )
     if not indexed:
         return
-    candidates = [t for t in f.tensors if t.dtype == "F32" and member(t.name) is None
-                  and not any(t.name.startswith(key[0] + ".") for key in indexed)]
+    candidates = [
+        t
+        for t in f.tensors
+        if t.dtype == "F32" and member(t.name) is None and not any(t.name.startswith(key[0] + ".") for key in indexed)
+    ]
     at = 0
     for key in indexed:
         shape = found[key][FIRST][2]

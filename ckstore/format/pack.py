@@ -163,7 +163,13 @@ def encode_index(pack_id: str, pack_size: int, entries: Iterable[PackEntry], ver
     """Index file bytes; ``entries`` must be sorted by id (PackIndex.entries always are)."""
     rows = list(entries)
     body = INDEX_HEADER.pack(
-        INDEX_MAGIC, version, _ZERO3, bytes.fromhex(pack_id), pack_size, len(rows), _ZERO4,
+        INDEX_MAGIC,
+        version,
+        _ZERO3,
+        bytes.fromhex(pack_id),
+        pack_size,
+        len(rows),
+        _ZERO4,
     ) + _table_bytes(rows, version)
     return body + blake3.blake3(body).digest()
 
@@ -285,8 +291,9 @@ def _fail(what: str, reason: str) -> IntegrityError:
     return IntegrityError(f"{what} is corrupt: {reason}")
 
 
-def _table_arrays(table: bytes | memoryview, count: int, data_end: int, what: str, version: int,
-                  validated: bool = False) -> _Arrays:
+def _table_arrays(
+    table: bytes | memoryview, count: int, data_end: int, what: str, version: int, validated: bool = False
+) -> _Arrays:
     """The columns of a table whose objects must tile ``[PACK_HEADER.size, data_end)`` exactly,
     validated with array operations (one Python object per entry cost 2-3 s at 10^5 objects);
     the first error is the one a walk in table order, then in offset order, would meet.
@@ -343,8 +350,10 @@ class _Arrays:
 
     def entries(self) -> tuple[PackEntry, ...]:
         digests = _whole(self.digests) if self.digests is not None else [None] * len(self.ids)
-        return tuple(PackEntry(i.hex(), o, n, d) for i, o, n, d in zip(
-            self._raw_ids(), self.offsets.tolist(), self.lengths.tolist(), digests))
+        return tuple(
+            PackEntry(i.hex(), o, n, d)
+            for i, o, n, d in zip(self._raw_ids(), self.offsets.tolist(), self.lengths.tolist(), digests)
+        )
 
     def _raw_ids(self) -> list[bytes]:
         return _whole(self.ids)
@@ -493,7 +502,7 @@ def parse_index_table(data: bytes | memoryview, pack_id: str | None = None, vali
     body = view[:-CHECKSUM_SIZE]
     if blake3.blake3(body).digest() != bytes(view[-CHECKSUM_SIZE:]):
         raise _fail(what, "checksum mismatch")
-    table = view[INDEX_HEADER.size:-CHECKSUM_SIZE]
+    table = view[INDEX_HEADER.size : -CHECKSUM_SIZE]
     data_end = size - len(table) - TRAILER.size
     return PackTable(raw_pack.hex(), size, _table_arrays(table, count, data_end, what, version, validated), version)
 
@@ -534,7 +543,7 @@ def table_from_tail(tail: bytes | memoryview, pack_size: int, pack_id: str) -> P
     if len(view) > pack_size:
         raise ValueError("tail is longer than the pack")
     count, version, _, checksum, _ = TRAILER.unpack_from(view, len(view) - TRAILER.size)
-    table = view[len(view) - needed:len(view) - TRAILER.size]
+    table = view[len(view) - needed : len(view) - TRAILER.size]
     if blake3.blake3(table).digest() != checksum:
         raise _fail(what, "table checksum mismatch")
     return PackTable(pack_id, pack_size, _table_arrays(table, count, pack_size - needed, what, version), version)
@@ -554,15 +563,15 @@ def parse_pack(data: bytes | memoryview, pack_id: str) -> PackIndex:
     _check_size(len(view), what)
     magic, version, reserved = PACK_HEADER.unpack_from(view)
     _check_frame(what, "header", magic == PACK_MAGIC, version, reserved == _ZERO3)
-    index = index_from_tail(view[len(view) - tail_length(view, len(view), pack_id):], len(view), pack_id)
+    index = index_from_tail(view[len(view) - tail_length(view, len(view), pack_id) :], len(view), pack_id)
     if index.version != version:
         raise _fail(what, f"its header says version {version}, its trailer {index.version}")
     for e in index.entries:
         try:
-            parse_header(view[e.offset:e.offset + HEADER_SIZE])
+            parse_header(view[e.offset : e.offset + HEADER_SIZE])
         except IntegrityError as exc:
             raise _fail(what, f"object {e.id}: {exc}") from None
-        check_read(view[e.offset:e.end], e, what[len("pack "):])
+        check_read(view[e.offset : e.end], e, what[len("pack ") :])
     return index
 
 
@@ -571,7 +580,7 @@ def object_bytes(pack: bytes | memoryview, entry: PackEntry) -> memoryview:
     view = memoryview(pack)
     if entry.end > len(view):
         raise IntegrityError(f"object {entry.id}: the pack is {len(view)} bytes, the object ends at {entry.end}")
-    return view[entry.offset:entry.end]
+    return view[entry.offset : entry.end]
 
 
 def check_read(data: bytes | memoryview, entry: PackEntry, pack_id: str) -> bool:
@@ -588,6 +597,8 @@ def check_read(data: bytes | memoryview, entry: PackEntry, pack_id: str) -> bool
     if entry.digest is None:
         return False
     if blake3.blake3(data).digest() != entry.digest:
-        raise IntegrityError(f"object {entry.id} is corrupt: its stored bytes in pack {pack_id} do not match "
-                             "the digest its index records")
+        raise IntegrityError(
+            f"object {entry.id} is corrupt: its stored bytes in pack {pack_id} do not match "
+            "the digest its index records"
+        )
     return True

@@ -18,9 +18,9 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ckstore.format.dtypes import DTYPE_BITS
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import ChunkRef, FileEntry
-from ckstore.format.dtypes import DTYPE_BITS
 
 # A tensor name cannot contain NUL (the safetensors parser refuses control characters in names),
 # so this part never collides with a tensor's.

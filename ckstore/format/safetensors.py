@@ -181,7 +181,7 @@ def _check_dtype(name: str, dtype: Any) -> str:
     if isinstance(dtype, _Object):
         # serde also reads an enum variant from a one-key object: {"F32": null} is "F32".
         if len(dtype) != 1 or dtype[0][1] is not None:
-            _fail(f"tensor {name!r}: dtype {dtype!r:.200} is neither a string nor {{\"<dtype>\": null}}")
+            _fail(f'tensor {name!r}: dtype {dtype!r:.200} is neither a string nor {{"<dtype>": null}}')
         dtype = dtype[0][0]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         _fail(f"tensor {name!r}: unknown dtype {dtype!r:.200}")
@@ -308,8 +308,11 @@ def _load_json(raw: bytes) -> _Object:
         # Whitespace (space, tab, CR, LF) before and after the value is accepted here exactly as
         # by serde_json; the writer pads with spaces.
         value = json.loads(
-            text, object_pairs_hook=_Object, parse_constant=_refuse_constant,
-            parse_int=_json_int, parse_float=_json_float,
+            text,
+            object_pairs_hook=_Object,
+            parse_constant=_refuse_constant,
+            parse_int=_json_int,
+            parse_float=_json_float,
         )
     except json.JSONDecodeError as exc:
         _fail(f"header is not valid JSON: {exc.msg} at character {exc.pos}")
@@ -319,8 +322,10 @@ def _load_json(raw: bytes) -> _Object:
     # can only come from \\u escapes, and only ignored fields can nest deep and still be valid
     # (too deep a known field fails its type check).
     check_strings = _SURROGATE_ESCAPE.search(text) is not None
-    if check_strings or not isinstance(value, _Object) or any(
-        isinstance(entry, _Object) and len(entry) > len(_TENSOR_FIELDS) for _, entry in value
+    if (
+        check_strings
+        or not isinstance(value, _Object)
+        or any(isinstance(entry, _Object) and len(entry) > len(_TENSOR_FIELDS) for _, entry in value)
     ):
         _check_tree(value, check_strings)
     if not isinstance(value, _Object):
@@ -375,8 +380,7 @@ def _check_tiling(tensors: Sequence[TensorInfo], data_size: int) -> None:
         if tensor.begin < position:
             assert previous is not None  # position > 0 only after a tensor
             _fail(
-                f"tensor {tensor.name!r}: data_offsets [{tensor.begin}, {tensor.end}]"
-                f" overlap tensor {previous.name!r}"
+                f"tensor {tensor.name!r}: data_offsets [{tensor.begin}, {tensor.end}] overlap tensor {previous.name!r}"
             )
         position = tensor.end
         previous = tensor

@@ -83,8 +83,12 @@ class RepoConfig:
     reflog_expire_unreachable_days: int = DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS
 
     def to_json(self) -> bytes:
-        doc: dict[str, Any] = {"ckstore": "repository", "version": self.version,
-                               "chunk_size": self.chunk_size, "zstd_level": self.zstd_level}
+        doc: dict[str, Any] = {
+            "ckstore": "repository",
+            "version": self.version,
+            "chunk_size": self.chunk_size,
+            "zstd_level": self.zstd_level,
+        }
         if self.version >= 2:
             doc["max_delta_depth"] = self.max_delta_depth
         doc["reflog_expire_days"] = self.reflog_expire_days
@@ -111,9 +115,14 @@ class RepoConfig:
             )
         depth = doc.get("max_delta_depth", 0 if version == 1 else DEFAULT_MAX_DELTA_DEPTH)
         # Repositories made before the reflog have no reflog settings: the defaults apply.
-        config = cls(doc.get("chunk_size"), doc.get("zstd_level"), depth, version,  # type: ignore[arg-type]
-                     doc.get("reflog_expire_days", DEFAULT_REFLOG_EXPIRE_DAYS),
-                     doc.get("reflog_expire_unreachable_days", DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS))
+        config = cls(
+            doc.get("chunk_size"),
+            doc.get("zstd_level"),
+            depth,
+            version,  # type: ignore[arg-type]
+            doc.get("reflog_expire_days", DEFAULT_REFLOG_EXPIRE_DAYS),
+            doc.get("reflog_expire_unreachable_days", DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS),
+        )
         config.validate(where)
         return config
 

@@ -21,7 +21,7 @@ from ckstore.format.dtypes import NUMPY_TYPES
 
 # Real numeric types numpy can read (floats and integers: a view of the one dtype table, as type
 # strings: numpy is imported where figures are computed, not here, since manifest.py imports this
-# module and reading commands (log, show) start without numpy, tests/test_startup.py). BF16, which
+# module and reading commands (log, show) start without numpy, tests/cli/test_startup.py). BF16, which
 # numpy lacks, is widened by hand.
 _VIEWS = {code: t for code, t in NUMPY_TYPES.items() if t.lstrip("<")[0] in "fiu"}
 NUMERIC_DTYPES = frozenset((*_VIEWS, "BF16"))
@@ -104,8 +104,12 @@ class StatsAccumulator:
             # no finite relative change, as relative_change says).
             return replace(self.parent, change=0.0 if self.parent.l2 is not None else None)
         assert not self.skipped, "figures of the skipped chunks must be added first"
-        return TensorStats(math.sqrt(self.sum_sq), self.absmax, self.nonfinite,
-                           relative_change(self.diff_sq, self.parent_sq) if self.comparable else None)
+        return TensorStats(
+            math.sqrt(self.sum_sq),
+            self.absmax,
+            self.nonfinite,
+            relative_change(self.diff_sq, self.parent_sq) if self.comparable else None,
+        )
 
 
 def relative_change(diff_sq: float, parent_sq: float) -> float | None:
@@ -267,8 +271,12 @@ def _finite_or_none(value: float | None) -> float | None:
 
 def stats_json(stats: TensorStats) -> dict[str, float | int | None]:
     """The manifest's ``stats`` object; a float64 sum that overflowed is written as null (JSON has no inf)."""
-    return {"l2": _finite_or_none(stats.l2), "absmax": _finite_or_none(stats.absmax), "nonfinite": stats.nonfinite,
-            "change": _finite_or_none(stats.change)}
+    return {
+        "l2": _finite_or_none(stats.l2),
+        "absmax": _finite_or_none(stats.absmax),
+        "nonfinite": stats.nonfinite,
+        "change": _finite_or_none(stats.change),
+    }
 
 
 def difference_sums(old: bytes | memoryview, new: bytes | memoryview, dtype: str) -> tuple[float, float]:

@@ -51,8 +51,9 @@ import collections
 import math
 import re
 import struct
+from collections.abc import Callable
 from types import NotImplementedType
-from typing import Any, Callable, TypeAlias, cast
+from typing import Any, TypeAlias, cast
 
 from ckstore.errors import CkstoreError, IntegrityError, UnencodableValueError
 
@@ -142,8 +143,7 @@ class _Encoder:
         except ValueError:  # interpreter's int-to-str limit (sys.set_int_max_str_digits)
             text = ""
         if not text or len(text.lstrip("-")) > MAX_INT_DIGITS:
-            raise UnencodableValueError(
-                f"integer at {format_path(path)} has more than {MAX_INT_DIGITS} digits")
+            raise UnencodableValueError(f"integer at {format_path(path)} has more than {MAX_INT_DIGITS} digits")
         return text
 
     def _container(self, v: Any, path: KeyPath, depth: int) -> JSONValue:
@@ -164,8 +164,7 @@ class _Encoder:
                         raise UnencodableValueError(f"key at {format_path(path)} holds a lone surrogate")
                 return {k: self.encode(x, path + (k,), d) for k, x in v.items()}
             pairs: list[JSONValue] = [
-                [self.encode(k, path + (_label(k),), d), self.encode(x, path + (_label(k),), d)]
-                for k, x in v.items()
+                [self.encode(k, path + (_label(k),), d), self.encode(x, path + (_label(k),), d)] for k, x in v.items()
             ]
             if t is dict:
                 return {"$dict": pairs}
@@ -331,8 +330,13 @@ class _Decoder:
 
 
 def _decode_npscalar(p: object, path: KeyPath) -> object:
-    if type(p) is not dict or set(p) != {"dtype", "hex"} or type(p["dtype"]) is not str \
-            or type(p["hex"]) is not str or not _HEX_RE.match(p["hex"]):
+    if (
+        type(p) is not dict
+        or set(p) != {"dtype", "hex"}
+        or type(p["dtype"]) is not str
+        or type(p["hex"]) is not str
+        or not _HEX_RE.match(p["hex"])
+    ):
         raise _bad(path, "$npscalar payload is not {dtype: str, hex: lowercase hex}")
     try:
         import numpy as np  # lazily: only manifests holding numpy scalars need it

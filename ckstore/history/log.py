@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckstore.errors import NotFoundError
-from ckstore.repository.graph import CommitGraph, kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.positions import HEADER, position_chunks
+from ckstore.repository.graph import CommitGraph, kept_parents
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.repository.store import ObjectStore
 
@@ -95,12 +95,18 @@ def decorations(graph: CommitGraph) -> dict[ObjectId, Decorations]:
         names.setdefault(oid, ([], []))[0].append(name)
     for name, oid in sorted(graph.refs.list(TAGS).items()):
         names.setdefault(oid, ([], []))[1].append(name)
-    return {oid: Decorations(head in branches, tuple(sorted(branches, key=lambda b: b != head)), tuple(tags))
-            for oid, (branches, tags) in names.items()}
+    return {
+        oid: Decorations(head in branches, tuple(sorted(branches, key=lambda b: b != head)), tuple(tags))
+        for oid, (branches, tags) in names.items()
+    }
 
 
-def log(graph: CommitGraph, ref: str | Sequence[str] | None = None, limit: int | None = None,
-        best: tuple[str, bool] | None = None) -> list[LogEntry]:
+def log(
+    graph: CommitGraph,
+    ref: str | Sequence[str] | None = None,
+    limit: int | None = None,
+    best: tuple[str, bool] | None = None,
+) -> list[LogEntry]:
     """Commits reachable from ``ref`` (default HEAD; several refs: from any of them, as
     ``log --all``), newest first, at most ``limit``, each with the names pointing at it;
     ``best`` = (metric, maximize) also marks the listed commit with the best value of that

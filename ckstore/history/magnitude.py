@@ -7,10 +7,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-
 from ckstore.format.manifest import Commit, TensorEntry
 from ckstore.format.tensor_stats import (
-    NUMERIC_DTYPES, StatsAccumulator, TensorStats, chunk_stats, difference_sums, item_size,
+    NUMERIC_DTYPES,
+    StatsAccumulator,
+    TensorStats,
+    chunk_stats,
+    difference_sums,
+    item_size,
 )
 from ckstore.repository.change_record import Sums, TensorKey, change_from_sums, read_changes, write_changes
 from ckstore.repository.store import ObjectStore
@@ -63,9 +67,21 @@ class RecordedChanges:
     back to the record when ``save`` is called (format.md 5.2). ``use_record=False``: computed
     only (``parent`` is not the commit's first parent)."""
 
-    def __init__(self, store: ObjectStore, commit_id: str, commit: Commit, parent_id: str, parent: Commit,
-                 use_record: bool = True) -> None:
-        self.store, self.ids, self.commits, self.use_record = store, (commit_id, parent_id), (commit, parent), use_record
+    def __init__(
+        self,
+        store: ObjectStore,
+        commit_id: str,
+        commit: Commit,
+        parent_id: str,
+        parent: Commit,
+        use_record: bool = True,
+    ) -> None:
+        self.store, self.ids, self.commits, self.use_record = (
+            store,
+            (commit_id, parent_id),
+            (commit, parent),
+            use_record,
+        )
         self.recorded = read_changes(store.backend, commit_id, commit, parent_id, parent) if use_record else {}
         self.computed: dict[TensorKey, Sums] = {}
 
@@ -96,8 +112,12 @@ def _elements(store: ObjectStore, t: TensorEntry, item: int) -> Iterator[bytes]:
             yield data[:cut]
 
 
-def computed_stats(store: ObjectStore, t: TensorEntry, previous: TensorEntry | None,
-                   recorded: tuple[RecordedChanges, TensorKey] | None = None) -> TensorStats | None:
+def computed_stats(
+    store: ObjectStore,
+    t: TensorEntry,
+    previous: TensorEntry | None,
+    recorded: tuple[RecordedChanges, TensorKey] | None = None,
+) -> TensorStats | None:
     """What a commit would have recorded about ``t`` (None for a non-numeric dtype), read from its
     chunks: for commits made before statistics were recorded."""
     if t.dtype not in NUMERIC_DTYPES:
@@ -109,8 +129,12 @@ def computed_stats(store: ObjectStore, t: TensorEntry, previous: TensorEntry | N
     return TensorStats(figures.l2, figures.absmax, figures.nonfinite, change_against(store, t, previous, recorded))
 
 
-def change_against(store: ObjectStore, t: TensorEntry, previous: TensorEntry | None,
-                   recorded: tuple[RecordedChanges, TensorKey] | None = None) -> float | None:
+def change_against(
+    store: ObjectStore,
+    t: TensorEntry,
+    previous: TensorEntry | None,
+    recorded: tuple[RecordedChanges, TensorKey] | None = None,
+) -> float | None:
     """||t − previous|| / ||previous||, None where undefined (format.md 5.1); ``recorded``: where
     the change record may hold it, and under which key."""
     if previous is None or previous.dtype != t.dtype or previous.shape != t.shape:
@@ -121,8 +145,9 @@ def change_against(store: ObjectStore, t: TensorEntry, previous: TensorEntry | N
     return change if change is not None and math.isfinite(change) else None
 
 
-def commit_stats(store: ObjectStore, commit: Commit, parent: Commit | None,
-                 ids: tuple[str, str] | None = None) -> dict[tuple[str, str], TensorStats]:
+def commit_stats(
+    store: ObjectStore, commit: Commit, parent: Commit | None, ids: tuple[str, str] | None = None
+) -> dict[tuple[str, str], TensorStats]:
     """Every numeric tensor's statistics by (path, name): the recorded ones, computing what a
     manifest lacks (no stats, or a change it did not record although there is a parent). With
     ``ids`` (the commit's and its first parent's), changes come from the change record where it
@@ -139,7 +164,9 @@ def commit_stats(store: ObjectStore, commit: Commit, parent: Commit | None,
             if figures is None:
                 figures = computed_stats(store, t, before, where)
             elif figures.change is None and before is not None:
-                figures = TensorStats(figures.l2, figures.absmax, figures.nonfinite, change_against(store, t, before, where))
+                figures = TensorStats(
+                    figures.l2, figures.absmax, figures.nonfinite, change_against(store, t, before, where)
+                )
             if figures is not None:
                 out[key] = figures
     if changes is not None:

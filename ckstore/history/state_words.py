@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckstore.format.manifest import TensorEntry
-from ckstore.format.units import human
+from ckstore.runtime.units import human
 
 WIDTH = 110  # characters per top-level line before "…"
 
@@ -75,9 +75,13 @@ def describe(value: Any, tensors: Mapping[str, TensorEntry]) -> str:
         if pairs and "" not in names:  # tensors only: count them, list the first few
             found = [tensors[n] for n in names if n in tensors]
             dtypes = ", ".join(f"{d} ×{n}" if n > 1 else d for d, n in Counter(t.dtype for t in found).items())
-            head = f"{len(names)} tensor{'s' if len(names) != 1 else ''} ({dtypes}, {human(sum(t.nbytes for t in found))})"
+            head = (
+                f"{len(names)} tensor{'s' if len(names) != 1 else ''} ({dtypes}, {human(sum(t.nbytes for t in found))})"
+            )
             if len(pairs) <= 4 and all(isinstance(v, dict) and "$tensor" in v for _, v in pairs):
-                head += ": " + ", ".join(f"{_key(k)} {_shape(tensors.get(v['$tensor'].get('name', '')))}" for k, v in pairs)
+                head += ": " + ", ".join(
+                    f"{_key(k)} {_shape(tensors.get(v['$tensor'].get('name', '')))}" for k, v in pairs
+                )
             return head
         if len(pairs) > 8:
             return f"{len(pairs)} entries: " + ", ".join(_key(k) for k, _ in pairs[:8]) + ", …"
@@ -99,4 +103,4 @@ def state_lines(value: Any, tensors: Mapping[str, TensorEntry]) -> list[str]:
 
 
 def _cut(text: str) -> str:
-    return text if len(text) <= WIDTH else text[:WIDTH - 1] + "…"
+    return text if len(text) <= WIDTH else text[: WIDTH - 1] + "…"

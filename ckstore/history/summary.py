@@ -18,8 +18,9 @@ from ckstore.format.manifest import Commit, TensorEntry
 # What torch's optimizers keep per parameter. A group is optimizer state when its name says so,
 # or when all its tensors end in these names and one of them is unmistakable (not just "step").
 _OPTIMIZER_NAMES = frozenset({"optimizer", "optimizers", "optim", "opt", "optimizer_state", "optimizer_states"})
-_DISTINCT_LEAVES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                              "acc_delta", "exp_inf", "sum"})
+_DISTINCT_LEAVES = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "exp_inf", "sum"}
+)
 _STATE_LEAVES = _DISTINCT_LEAVES | {"step", "mu_product", "eta", "prev", "step_size", "ax"}
 MAX_GROUPS = 8
 
@@ -54,9 +55,16 @@ def _counts(items: Iterable[str]) -> tuple[tuple[str, int], ...]:
 def _group(name: str, tensors: list[TensorEntry]) -> TensorGroup:
     leaves = [t.name.rsplit(".", 1)[-1] for t in tensors]
     optimizer = name in _OPTIMIZER_NAMES or (
-        all(leaf in _STATE_LEAVES for leaf in leaves) and any(leaf in _DISTINCT_LEAVES for leaf in leaves))
-    return TensorGroup(name, len(tensors), sum(t.nbytes for t in tensors), _counts(t.dtype for t in tensors),
-                       optimizer, _counts(leaves) if optimizer else ())
+        all(leaf in _STATE_LEAVES for leaf in leaves) and any(leaf in _DISTINCT_LEAVES for leaf in leaves)
+    )
+    return TensorGroup(
+        name,
+        len(tensors),
+        sum(t.nbytes for t in tensors),
+        _counts(t.dtype for t in tensors),
+        optimizer,
+        _counts(leaves) if optimizer else (),
+    )
 
 
 def group_tensors(tensors: Iterable[TensorEntry]) -> tuple[TensorGroup, ...]:
@@ -68,9 +76,11 @@ def group_tensors(tensors: Iterable[TensorEntry]) -> tuple[TensorGroup, ...]:
         return ()
     if len(groups) > MAX_GROUPS:  # the largest groups by bytes, then one line for the rest
         groups.sort(key=lambda g: -g.bytes)
-        rest = [t for g in groups[MAX_GROUPS - 1:] for t in by_name[g.name]]
-        groups = [*groups[: MAX_GROUPS - 1], TensorGroup("", len(rest), sum(t.nbytes for t in rest),
-                                                         _counts(t.dtype for t in rest), False)]
+        rest = [t for g in groups[MAX_GROUPS - 1 :] for t in by_name[g.name]]
+        groups = [
+            *groups[: MAX_GROUPS - 1],
+            TensorGroup("", len(rest), sum(t.nbytes for t in rest), _counts(t.dtype for t in rest), False),
+        ]
     return tuple(groups)
 
 
@@ -78,8 +88,17 @@ def summarise(commit: Commit, inherited: Collection[tuple[str, str | None]] = ()
     """One summary per file; ``inherited`` are the (path, tensor) pairs identical to the base's."""
     out = []
     for f in commit.files:
-        out.append(FileSummary(
-            f.path, f.kind, f.size, (f.path, None) in inherited, len(f.tensors), sum(t.nbytes for t in f.tensors),
-            _counts(t.dtype for t in f.tensors), sum((f.path, t.name) in inherited for t in f.tensors),
-            group_tensors(f.tensors)))
+        out.append(
+            FileSummary(
+                f.path,
+                f.kind,
+                f.size,
+                (f.path, None) in inherited,
+                len(f.tensors),
+                sum(t.nbytes for t in f.tensors),
+                _counts(t.dtype for t in f.tensors),
+                sum((f.path, t.name) in inherited for t in f.tensors),
+                group_tensors(f.tensors),
+            )
+        )
     return out

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
+from ckstore.integrations import plain, scalar_metrics
 from ckstore.repo import Repo
 from ckstore.training.state import rng_state, set_rng_state
-from ckstore.integrations import plain
-from ckstore.integrations import scalar_metrics
 
 try:
     from transformers import TrainerCallback
@@ -33,8 +32,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
 class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
     """Commit the training state to ckstore on Trainer saves or at epoch ends."""
 
-    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None, on: str = "save",
-                 background: bool = False) -> None:
+    def __init__(
+        self, repo: Repo | str | os.PathLike[str], branch: str | None = None, on: str = "save", background: bool = False
+    ) -> None:
         if on not in ("save", "epoch"):
             raise InvalidInputError("on must be 'save' or 'epoch'")
         root = None if isinstance(repo, Repo) else Path(repo)
@@ -56,8 +56,11 @@ class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
         model, optimizer, scheduler = parts.get("model"), parts.get("optimizer"), parts.get("lr_scheduler")
         if model is None:
             raise InvalidInputError("the Trainer passed no model to the callback")
-        snapshot: dict[str, Any] = {"model": model.state_dict(), "rng": rng_state(),
-                                    "trainer_state": plain(dataclasses.asdict(state))}
+        snapshot: dict[str, Any] = {
+            "model": model.state_dict(),
+            "rng": rng_state(),
+            "trainer_state": plain(dataclasses.asdict(state)),
+        }
         if optimizer is not None:
             snapshot["optimizer"] = optimizer.state_dict()
         if scheduler is not None:
@@ -68,8 +71,13 @@ class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
         metadata = {**scalar_metrics(metrics), "step": state.global_step}
         if state.epoch is not None:
             metadata["epoch"] = int(round(state.epoch)) if abs(state.epoch - round(state.epoch)) < 1e-9 else state.epoch
-        result = self.repo.commit_state(snapshot, message=f"trainer step {state.global_step}", branch=self.branch,
-                                        metadata=metadata, background=self.background)
+        result = self.repo.commit_state(
+            snapshot,
+            message=f"trainer step {state.global_step}",
+            branch=self.branch,
+            metadata=metadata,
+            background=self.background,
+        )
         if self.background:
             result.add_done_callback(self.commits.append)
         else:
@@ -79,8 +87,9 @@ class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
         self.repo.wait()  # every commit recorded (or its error raised) before train() returns
 
 
-def restore(repo: Repo, ref: str, model: Any, optimizer: Any = None, scheduler: Any = None,
-            rng: bool = True) -> dict[str, Any]:
+def restore(
+    repo: Repo, ref: str, model: Any, optimizer: Any = None, scheduler: Any = None, rng: bool = True
+) -> dict[str, Any]:
     """Load the commit ``ref`` into ``model`` (and optimizer, scheduler, RNG); return the state."""
     state = repo.load_state(ref)
     model.load_state_dict(state["model"])

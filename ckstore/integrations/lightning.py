@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
+from ckstore.integrations import plain, scalar_metrics
 from ckstore.repo import Repo
-from ckstore.integrations import plain
-from ckstore.integrations import scalar_metrics
 
 try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -36,7 +35,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
     except ImportError:
         raise MissingDependencyError(
-            "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning") from None
+            "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning"
+        ) from None
 
 POINTER_FORMAT = "ckstore-checkpoint"
 
@@ -63,7 +63,9 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         doc = None
     if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT or not isinstance(doc.get("commit"), str):
-        raise InvalidInputError(f"{path} is not a ckstore checkpoint pointer (a torch.save file? ckstore never unpickles)")
+        raise InvalidInputError(
+            f"{path} is not a ckstore checkpoint pointer (a torch.save file? ckstore never unpickles)"
+        )
     return doc
 
 
@@ -75,7 +77,9 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
     and the pointer file appears once it is recorded. ``teardown`` (end of fit) waits for it.
     """
 
-    def __init__(self, repo: Repo | str | os.PathLike[str], branch: str | None = None, background: bool = False) -> None:
+    def __init__(
+        self, repo: Repo | str | os.PathLike[str], branch: str | None = None, background: bool = False
+    ) -> None:
         super().__init__()
         self.repo = repo if isinstance(repo, Repo) else _open_or_init(repo)
         self.branch = branch
@@ -85,14 +89,19 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not use storage_options, got {storage_options!r}")
-        metadata: dict[str, Any] = scalar_metrics({"epoch": checkpoint.get("epoch"), "step": checkpoint.get("global_step")})
+        metadata: dict[str, Any] = scalar_metrics(
+            {"epoch": checkpoint.get("epoch"), "step": checkpoint.get("global_step")}
+        )
         for state in (checkpoint.get("callbacks") or {}).values():
             # ModelCheckpoint(monitor=...) records the score this save is ranked by.
             if isinstance(state, dict) and isinstance(state.get("monitor"), str) and "current_score" in state:
                 metadata.update(scalar_metrics({state["monitor"]: state["current_score"]}))
         result = self.repo.commit_state(
-            plain(checkpoint), message=f"lightning checkpoint {Path(path).name}", branch=self.branch,
-            metadata={**metadata, "checkpoint": Path(path).name}, background=self.background,
+            plain(checkpoint),
+            message=f"lightning checkpoint {Path(path).name}",
+            branch=self.branch,
+            metadata={**metadata, "checkpoint": Path(path).name},
+            background=self.background,
         )
         if self.background:
             result.add_done_callback(lambda oid: self._recorded(path, oid))
@@ -106,7 +115,9 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def teardown(self) -> None:
         self.repo.wait()  # raises a background commit's error rather than losing it
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         self.repo.wait()
         # weights_only is about unpickling, which ckstore never does: every load is "weights only".
         pointer = read_pointer(path)

@@ -10,13 +10,14 @@ lost ones: every object it does not find here is counted on the one line naming 
 
 from __future__ import annotations
 
-from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError
-from ckstore.repository.graph import ROOT_PREFIXES, kept_parents
 from ckstore.format.ids import ObjectId
+from ckstore.repository.context import RepoContext
+from ckstore.repository.graph import ROOT_PREFIXES, kept_parents
 from ckstore.repository.overlay import link_problems, unreachable_bases
-from ckstore.write.pipeline import ProgressFactory, ordered_map
 from ckstore.repository.store import MAX_CHAIN_DEPTH, ObjectStore
+from ckstore.runtime.pipeline import ordered_map
+from ckstore.runtime.progress import ProgressFactory
 
 
 def _read_headers(store: ObjectStore, oids: list[str]) -> dict[str, tuple[str, ...] | CkstoreError]:
@@ -25,8 +26,13 @@ def _read_headers(store: ObjectStore, oids: list[str]) -> dict[str, tuple[str, .
     return dict(store.bases_or_errors(oids))
 
 
-def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], needed: dict[str, tuple[int, str]],
-                 unchecked: set[str] | None = None) -> list[str]:
+def _check_bases(
+    store: ObjectStore,
+    chunks: list[str],
+    present: set[str],
+    needed: dict[str, tuple[int, str]],
+    unchecked: set[str] | None = None,
+) -> list[str]:
     """Every delta's bases exist and its chains end in whole objects within the depth limit; with
     ``unchecked`` (a base repository is unreachable), a missing delta base is added to it instead."""
     problems: list[str] = []
@@ -41,15 +47,17 @@ def _check_bases(store: ObjectStore, chunks: list[str], present: set[str], neede
             if oid in depth_of:
                 pass
             elif oid in path or len(path) > MAX_CHAIN_DEPTH:
-                problems.append(f"object {start} ({needed[start][1]}): delta chain is cyclic or longer than "
-                                f"{MAX_CHAIN_DEPTH}")
+                problems.append(
+                    f"object {start} ({needed[start][1]}): delta chain is cyclic or longer than {MAX_CHAIN_DEPTH}"
+                )
                 break
             elif oid not in present and not store.has(oid):  # an overlay's base may be in a base repository
                 if unchecked is not None:
                     unchecked.add(oid)
                 else:
-                    problems.append(f"object {path[-1] if path else start} is a delta of missing object {oid} "
-                                    f"({needed[start][1]})")
+                    problems.append(
+                        f"object {path[-1] if path else start} is a delta of missing object {oid} ({needed[start][1]})"
+                    )
                 break
             else:
                 try:
@@ -141,7 +149,9 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
                 if lost_bases:
                     unchecked.add(commit.base.commit)
                 else:
-                    problems.append(f"commit {oid}: base commit {commit.base.commit} in {commit.base.repo} is unreachable")
+                    problems.append(
+                        f"commit {oid}: base commit {commit.base.commit} in {commit.base.repo} is unreachable"
+                    )
         for parent in kept_parents(commit.parents, pruned):  # walk on to the older commits gc kept
             if parent not in seen:
                 todo.append((parent, f"commit {oid[:12]}"))
@@ -162,10 +172,12 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
                 unchecked.add(oid)
             else:
                 problems.append(f"object {oid} is missing ({where})")
-    chain_problems = _check_bases(store, [oid for oid in sorted(needed) if oid in present], present, needed,
-                                  unchecked if lost_bases else None)
+    chain_problems = _check_bases(
+        store, [oid for oid in sorted(needed) if oid in present], present, needed, unchecked if lost_bases else None
+    )
 
     if read_data:
+
         def verify(oid: str) -> str | None:
             try:
                 if oid in needed:
@@ -197,8 +209,10 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
     else:
         problems.extend(chain_problems)
     if unchecked:
-        note = (f"; {len(unchecked)} object(s) this repository uses are not here and are checked once the base "
-                "is reachable again")
+        note = (
+            f"; {len(unchecked)} object(s) this repository uses are not here and are checked once the base "
+            "is reachable again"
+        )
         problems = [p + note if p in lost_bases else p for p in problems]
     result = Problems(problems)
     result.unreachable_bases = sum(1 for p in problems if p.startswith("base repository unreachable: "))

@@ -29,7 +29,7 @@ from ckstore.repository.change_record import prune_records
 from ckstore.repository.context import RepoContext
 
 if TYPE_CHECKING:
-    from ckstore.write.pipeline import ProgressFactory
+    from ckstore.runtime.progress import ProgressFactory
 
 
 @dataclass
@@ -48,8 +48,13 @@ class GcReport:
 
 
 def collect_garbage(
-    ctx: RepoContext, policy: RetentionPolicy | None = None, dry_run: bool = False, repack: bool = False,
-    prune_now: bool = False, force: bool = False, progress: ProgressFactory | None = None,
+    ctx: RepoContext,
+    policy: RetentionPolicy | None = None,
+    dry_run: bool = False,
+    repack: bool = False,
+    prune_now: bool = False,
+    force: bool = False,
+    progress: ProgressFactory | None = None,
 ) -> GcReport:
     """Expire reflog entries, prune commits the policy drops and delete every object no kept
     commit needs.
@@ -117,8 +122,11 @@ def collect_garbage(
 def _refuse_deleting_every_commit(ctx: RepoContext, prune_now: bool) -> None:
     commits = len(ctx.store.commits_among(list(ctx.store.iter_ids())))
     if commits:
-        why = "--prune-now expires the reflog entries that name them" if prune_now else \
-            "no branch, tag or unexpired reflog entry names any of them"
+        why = (
+            "--prune-now expires the reflog entries that name them"
+            if prune_now
+            else "no branch, tag or unexpired reflog entry names any of them"
+        )
         raise ForceRequiredError(
             f"gc would delete every commit of this repository ({commits}): {why}; restore a branch first"
             " ('ckstore reflog' lists earlier values, 'ckstore branch NAME ID' names one) or pass --force"

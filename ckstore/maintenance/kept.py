@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ckstore.errors import CkstoreError, IntegrityError
-from ckstore.format.manifest import piece_chunk_ids
 from ckstore.format.ids import ObjectId
+from ckstore.format.manifest import piece_chunk_ids
 from ckstore.maintenance.retention import RetentionPolicy, select_kept
 from ckstore.repository.context import RepoContext
 from ckstore.repository.overlay import external_needs
@@ -49,8 +49,9 @@ def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = Fa
     # An entry whose value this run deletes (a policy pruned it) goes with it; one whose old
     # value alone goes stays, as in git (the surviving tip keeps its reflog).
     alive = {ref: [e for e in entries if e.value in commits] for ref, entries in alive.items()}
-    return Kept(reachable, chosen, pinned, logged, commits, {c for c in needed_objects if store.has_local(c)},
-                logs, alive)
+    return Kept(
+        reachable, chosen, pinned, logged, commits, {c for c in needed_objects if store.has_local(c)}, logs, alive
+    )
 
 
 def live_objects(ctx: RepoContext, kept: Kept) -> set[str]:

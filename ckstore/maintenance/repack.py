@@ -27,15 +27,16 @@ from contextlib import closing
 from dataclasses import dataclass, replace
 
 from ckstore.codecs.objects import delta_bases, encode_chunk, parse_header
-from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH, version_for
-from ckstore.repository.context import RepoContext
 from ckstore.errors import CkstoreError
-from ckstore.repository.graph import CommitGraph
 from ckstore.format.ids import ObjectId
-from ckstore.maintenance import sizes
-from ckstore.write.pipeline import ProgressFactory, ordered_map
 from ckstore.format.manifest import FileEntry
 from ckstore.format.positions import ChunkIndex, chunk_at, slots
+from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH, version_for
+from ckstore.maintenance import sizes
+from ckstore.repository.context import RepoContext
+from ckstore.repository.graph import CommitGraph
+from ckstore.runtime.pipeline import ordered_map
+from ckstore.runtime.progress import ProgressFactory
 
 
 @dataclass
@@ -107,7 +108,9 @@ def repack(ctx: RepoContext, progress: ProgressFactory | None = None) -> RepackR
         return report
 
 
-def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: ProgressFactory | None = None) -> RepackReport:
+def repack_locked(
+    ctx: RepoContext, commits: Iterable[ObjectId], progress: ProgressFactory | None = None
+) -> RepackReport:
     """Repack the chunks of ``commits``; the caller holds the exclusive repository lock."""
     report = RepackReport(stored_bytes_before=sum(ctx.store.stored_sizes().values()))
     if ctx.config.version < 2:
@@ -143,8 +146,9 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
                 base_raw = store.get_chunk(p.base, p.size)
             except CkstoreError:
                 base_raw = None  # a damaged base: store this one whole instead
-        data = encode_chunk(raw, settings.zstd_level, p.width, p.base if base_raw else None, base_raw,
-                            allowed=settings.allowed_off_loop)
+        data = encode_chunk(
+            raw, settings.zstd_level, p.width, p.base if base_raw else None, base_raw, allowed=settings.allowed_off_loop
+        )
         # Never store more than before: the current encoding (a predicted delta, a delta against
         # another commit's chunk) stays when it is no larger and safe to keep.
         if keep is not None and len(current) <= len(data):
@@ -157,8 +161,10 @@ def repack_locked(ctx: RepoContext, commits: Iterable[ObjectId], progress: Progr
         store.replace_chunk(oid, data)
         return len(current), len(data), True, depth
 
-    levels = [sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has(oid))
-              for depth in range(settings.max_delta_depth + 1)]
+    levels = [
+        sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has(oid))
+        for depth in range(settings.max_delta_depth + 1)
+    ]
     bar = progress(sum(p.size for level in levels for _, p in level), "repack") if progress else None
     try:
         for level in levels:

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckstore.errors import InvalidInputError, NotFoundError
-from ckstore.repository.graph import REMOTES, CommitGraph
-from ckstore.history.log import LogEntry, log, ranked
 from ckstore.format.ids import ObjectId
+from ckstore.history.log import LogEntry, log, ranked
+from ckstore.repository.graph import REMOTES, CommitGraph
 from ckstore.repository.refs import HEADS, TAGS
 
 

@@ -13,7 +13,7 @@
 - **held alone** (now): what deleting only this commit would free, i.e. the stored bytes of the
   objects (its manifest, its chunks, their delta bases) that no other commit gc keeps needs.
   Computed from gc's own ``kept_commits`` and ``live_objects``, so ``gc`` that drops exactly this
-  commit frees exactly this (tests/test_cli_output.py checks it for every commit).
+  commit frees exactly this (tests/cli/test_output.py checks it for every commit).
 - **unreferenced** (now): stored bytes that no kept commit needs; plain ``gc`` frees exactly this,
   plus the **temporary** files interrupted writes left (a killed commit's half-written pack),
   which are not objects and count in neither stored nor unreferenced.
@@ -33,14 +33,14 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 
-from ckstore.repository.context import RepoContext
 from ckstore.errors import DependentNotFoundError
+from ckstore.format.ids import ObjectId
+from ckstore.history.log import new_objects, stored_bytes
 from ckstore.maintenance import sizes_cache
 from ckstore.maintenance.kept import Kept, kept_commits, live_objects
-from ckstore.repository.graph import kept_parents
-from ckstore.history.log import new_objects, stored_bytes
-from ckstore.format.ids import ObjectId
 from ckstore.maintenance.retention import RetentionPolicy
+from ckstore.repository.context import RepoContext
+from ckstore.repository.graph import kept_parents
 from ckstore.repository.reader import delta_closure, delta_closure_many
 from ckstore.repository.store import ObjectStore
 
@@ -78,7 +78,9 @@ def stats(ctx: RepoContext) -> Stats:
     return figures
 
 
-def record_after_gc(ctx: RepoContext, kept: Kept, live: set[str], remaining: dict[ObjectId, int], started: float) -> None:
+def record_after_gc(
+    ctx: RepoContext, kept: Kept, live: set[str], remaining: dict[ObjectId, int], started: float
+) -> None:
     """Keep the figures a gc that started at ``started`` leaves (its caller holds the exclusive
     lock), from what it walked: the commits it kept, the objects they need (``live``) and the
     objects left with their sizes (``remaining``). So ``status`` right after gc is exact without
@@ -95,8 +97,16 @@ def record_after_gc(ctx: RepoContext, kept: Kept, live: set[str], remaining: dic
     garbage = remaining.keys() - live
     logical = sum(ctx.graph.read_commit(c, files=False).logical_bytes for c in after.reachable)
     temporaries = ctx.backend.temporary_sizes()
-    figures = Stats(logical, sum(remaining.values()), len(after.reachable), len(remaining),
-                    sum(remaining[oid] for oid in garbage), len(garbage), len(temporaries), sum(temporaries))
+    figures = Stats(
+        logical,
+        sum(remaining.values()),
+        len(after.reachable),
+        len(remaining),
+        sum(remaining[oid] for oid in garbage),
+        len(garbage),
+        len(temporaries),
+        sum(temporaries),
+    )
     sizes_cache.record(ctx, sizes_cache.settled_key(ctx), started, asdict(figures))
 
 
@@ -162,13 +172,14 @@ def _kept(ctx: RepoContext) -> Kept | None:
         return None
 
 
-def _held_alone(ctx: RepoContext, kept: Kept, needs: dict[str, set[str]], holders: Counter[str],
-                oid: ObjectId) -> int:
+def _held_alone(ctx: RepoContext, kept: Kept, needs: dict[str, set[str]], holders: Counter[str], oid: ObjectId) -> int:
     if oid not in kept.commits:
         return 0
     # Dropping a commit drops the in-repository overlay bases only it kept, unless they are
     # kept for their own sake: exactly what gc's kept_commits would decide without it.
-    remaining = ctx.graph.with_overlay_bases((kept.chosen - {oid}) | (kept.logged - kept.reachable - {oid}) | kept.pinned)
+    remaining = ctx.graph.with_overlay_bases(
+        (kept.chosen - {oid}) | (kept.logged - kept.reachable - {oid}) | kept.pinned
+    )
     dropped = kept.commits - remaining
     inside: Counter[str] = Counter()
     for commit in dropped:

@@ -99,8 +99,11 @@ def read(ctx: RepoContext, fields: Collection[str]) -> Measured | None:
         if doc.get("ckstore") != "sizes cache" or doc.get("version") != VERSION:
             return None
         figures = doc["stats"]
-        if not isinstance(figures, dict) or set(figures) != set(fields) or not all(
-                v is None or (type(v) is int and v >= 0) for v in figures.values()):
+        if (
+            not isinstance(figures, dict)
+            or set(figures) != set(fields)
+            or not all(v is None or (type(v) is int and v >= 0) for v in figures.values())
+        ):
             return None
         measured, seconds, key = doc["measured"], doc["seconds"], doc["key"]
         if not (isinstance(measured, (int, float)) and isinstance(seconds, (int, float)) and isinstance(key, str)):
@@ -115,8 +118,14 @@ def record(ctx: RepoContext, key: str | None, started: float, figures: dict[str,
     Failing to write is not an error: the next status measures again."""
     if key is None:
         return
-    doc: dict[str, Any] = {"ckstore": "sizes cache", "version": VERSION, "key": key, "measured": started,
-                           "seconds": time.time() - started, "stats": figures}
+    doc: dict[str, Any] = {
+        "ckstore": "sizes cache",
+        "version": VERSION,
+        "key": key,
+        "measured": started,
+        "seconds": time.time() - started,
+        "stats": figures,
+    }
     try:
         ctx.backend.replace(KEY, json.dumps(doc, separators=(",", ":")).encode())
     except (OSError, CkstoreError):

@@ -20,21 +20,31 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckstore.backend.fsio import (
+    EarlyFlush,
+    PositionalWriter,
+    available_memory,
+    fsync_path,
+    mutating_step,
+    pid_alive,
+    write_out,
+    write_out_and_drop,
+)
 from ckstore.errors import InvalidPathError, OutputExistsError, StorageError, TensorNotFoundError
-from ckstore.backend.fsio import EarlyFlush, PositionalWriter, available_memory, fsync_path, mutating_step, pid_alive, write_out, write_out_and_drop
 from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry, check_relative_path
-from ckstore.write.pipeline import ProgressFactory, ordered_map
-from ckstore.repository.filedata import file_context, header_metadata
 from ckstore.format.safetensors import emit_header
+from ckstore.repository.filedata import file_context, header_metadata
 from ckstore.repository.store import ObjectStore
+from ckstore.runtime.pipeline import ordered_map
+from ckstore.runtime.progress import ProgressFactory
 
 if TYPE_CHECKING:
     import numpy as np
@@ -152,7 +162,9 @@ def _get(store: ObjectStore, item: tuple[Piece, str]) -> bytes | memoryview:
 
 
 def _get_reusing(
-    store: ObjectStore, item: tuple[Piece, str], buffers: _Buffers,
+    store: ObjectStore,
+    item: tuple[Piece, str],
+    buffers: _Buffers,
 ) -> tuple[bytes | memoryview, np.ndarray | None]:
     """``_get``, a chunk decoded into one of ``buffers`` (returned too: given back once written)."""
     piece, context = item
@@ -175,6 +187,7 @@ class _Buffers:
 
     def take(self, n: int) -> np.ndarray:
         import numpy as np
+
         with self.lock:
             for i, buf in enumerate(self.free):
                 if buf.size == n:
@@ -220,8 +233,15 @@ class _Staged:
         self.writer = PositionalWriter(fd)
         # Keeps the final fsync short (fsio.py); without one, writeback is left to the kernel,
         # unless the file is written through or out (``WRITE_THROUGH_SHARE``, ``WRITE_OUT_SHARE``).
-        flush = ((lambda: os.fdatasync(fd)) if durable else (lambda: write_out_and_drop(fd)) if through
-                 else (lambda: write_out(fd)) if out else (lambda: None))
+        flush = (
+            (lambda: os.fdatasync(fd))
+            if durable
+            else (lambda: write_out_and_drop(fd))
+            if through
+            else (lambda: write_out(fd))
+            if out
+            else (lambda: None)
+        )
         self.early = EarlyFlush(flush)
 
     def write(self, data: bytes | memoryview) -> None:
@@ -298,6 +318,7 @@ def _write_all(store: ObjectStore, todo: list[tuple[Path, Output]], progress: Pr
 
     with ThreadPoolExecutor(1, thread_name_prefix="ckstore-fsync") as syncer:
         try:
+
             def close_before(i: int) -> None:  # every piece of the outputs before i is written
                 while len(syncs) < i:
                     syncs.append(syncer.submit(staged[len(syncs)].sync))
@@ -352,7 +373,11 @@ def remove_dead_temporaries(folder: Path) -> int:
 
 
 def write_outputs(
-    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: Progress | None = None,
+    store: ObjectStore,
+    outputs: list[Output],
+    out_dir: Path,
+    force: bool,
+    progress: Progress | None = None,
     durable: bool = False,
 ) -> CheckoutResult:
     result = CheckoutResult()
@@ -395,8 +420,13 @@ def total_size(outputs: list[Output]) -> int:
 
 
 def write_with_progress(
-    store: ObjectStore, outputs: list[Output], out_dir: Path, force: bool, progress: ProgressFactory | None,
-    desc: str = "checkout", durable: bool = False,
+    store: ObjectStore,
+    outputs: list[Output],
+    out_dir: Path,
+    force: bool,
+    progress: ProgressFactory | None,
+    desc: str = "checkout",
+    durable: bool = False,
 ) -> CheckoutResult:
     """``write_outputs`` with a progress bar over the bytes to write (when a factory is given)."""
     bar = progress(total_size(outputs), desc) if progress else None

@@ -15,14 +15,14 @@ import fnmatch
 import math
 from collections.abc import Callable, Sequence
 
-from ckstore.read.checkout import Output, Piece
-from ckstore.format.dtypes import TORCH_DTYPES
-from ckstore.format.dcp_record import DcpPiece, DcpTensor
 from ckstore.errors import InvalidInputError
-from ckstore.repository.filedata import file_context
+from ckstore.format.dcp_record import DcpPiece, DcpTensor
+from ckstore.format.dtypes import TORCH_DTYPES
 from ckstore.format.manifest import ChunkRef, Commit, FileEntry
 from ckstore.format.safetensors import emit_header
+from ckstore.read.checkout import Output, Piece
 from ckstore.read.shards import DEFAULT_METADATA, INDEX_NAME, index_document, shard_names, split_into_shards
+from ckstore.repository.filedata import file_context
 from ckstore.repository.store import ObjectStore
 
 Stored = dict[tuple[str, str], tuple[FileEntry, tuple[ChunkRef, ...]]]  # (file, tensor) -> its chunks
@@ -53,8 +53,7 @@ def _row_pieces(t: DcpTensor, pieces: list[DcpPiece]) -> bool:
     return row == t.shape[0] or math.prod(t.shape) == 0
 
 
-def _assemble(store: ObjectStore, t: DcpTensor, pieces: list[DcpPiece],
-              stored: Stored) -> Callable[[], bytes]:
+def _assemble(store: ObjectStore, t: DcpTensor, pieces: list[DcpPiece], stored: Stored) -> Callable[[], bytes]:
     width = TORCH_DTYPES[t.dtype][0] // 8
 
     def build() -> bytes:
@@ -90,7 +89,10 @@ def _tensor_pieces(store: ObjectStore, stored: Stored, t: DcpTensor) -> list[tup
 
 
 def plan_consolidated(
-    store: ObjectStore, commit: Commit, only: Sequence[str] | None = None, shard_size: int | None = None,
+    store: ObjectStore,
+    commit: Commit,
+    only: Sequence[str] | None = None,
+    shard_size: int | None = None,
 ) -> list[Output]:
     """Outputs for a checkout of a DCP commit (see the module docstring)."""
     assert commit.dcp is not None
@@ -99,10 +101,14 @@ def plan_consolidated(
         raise InvalidInputError("no tensor of the checkpoint matches" if only else "the checkpoint holds no tensors")
     for t in tensors:
         if TORCH_DTYPES[t.dtype][1] is None:
-            raise InvalidInputError(f"tensor {t.fqn!r} has dtype {t.dtype}, which safetensors cannot store; "
-                                    "leave it out with --only")
-    groups = split_into_shards([(t.fqn, t.nbytes) for t in tensors], shard_size) if shard_size else [
-        [t.fqn for t in tensors]]
+            raise InvalidInputError(
+                f"tensor {t.fqn!r} has dtype {t.dtype}, which safetensors cannot store; leave it out with --only"
+            )
+    groups = (
+        split_into_shards([(t.fqn, t.nbytes) for t in tensors], shard_size)
+        if shard_size
+        else [[t.fqn for t in tensors]]
+    )
     by_name = {t.fqn: t for t in tensors}
     stored = _stored(commit)
     outputs = []

@@ -31,15 +31,15 @@ import fnmatch
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ckstore.errors import IntegrityError, InvalidInputError, TensorNotFoundError
+from ckstore.format.manifest import Commit, FileEntry, TensorEntry
+from ckstore.format.values import JSONValue, decode_value
 from ckstore.read.checkout import Output, full_output, plan_outputs
 from ckstore.read.consolidate import plan_consolidated
-from ckstore.errors import IntegrityError, InvalidInputError, TensorNotFoundError
-from ckstore.repository.filedata import header_metadata, state_document
 from ckstore.read.lora import find_merge, plan_merged
-from ckstore.format.manifest import Commit, FileEntry, TensorEntry
 from ckstore.read.shards import SINGLE_NAME, gather_tensors, parse_size, plan_model_files, plan_shards
+from ckstore.repository.filedata import header_metadata, state_document
 from ckstore.repository.store import ObjectStore
-from ckstore.format.values import JSONValue, decode_value
 
 MODEL_FILES = ("model.safetensors", "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors")
 STATE_MODEL_KEY = "model"
@@ -50,7 +50,10 @@ HF_FORMATS = ("pt", "tf", "flax", "mlx")  # the "format" values from_pretrained 
 
 
 def plan_checkout(
-    store: ObjectStore, commit: Commit, only: Sequence[str] | None = None, shard_size: int | str | None = None,
+    store: ObjectStore,
+    commit: Commit,
+    only: Sequence[str] | None = None,
+    shard_size: int | str | None = None,
     merge_lora: bool = False,
 ) -> list[Output]:
     if merge_lora:
@@ -71,21 +74,31 @@ class ExportPlan:
 
 
 def plan_export(
-    store: ObjectStore, commit: Commit, *, prefix: str | None = None, weights: Sequence[str] | None = None,
-    files_from: Commit | None = None, shard_size: int | str | None = None,
+    store: ObjectStore,
+    commit: Commit,
+    *,
+    prefix: str | None = None,
+    weights: Sequence[str] | None = None,
+    files_from: Commit | None = None,
+    shard_size: int | str | None = None,
 ) -> ExportPlan:
     """The outputs of an export (module docstring): model tensors, then the other files."""
     size = None if shard_size is None else parse_size(shard_size)
     if commit.dcp is not None:
-        raise InvalidInputError("a distributed checkpoint has no model folder to export; check it out "
-                                "(consolidated safetensors, optionally --shard-size) instead")
+        raise InvalidInputError(
+            "a distributed checkpoint has no model folder to export; check it out "
+            "(consolidated safetensors, optionally --shard-size) instead"
+        )
     if commit.state is not None:
         if weights:
-            raise InvalidInputError("weights names files of a commit of files; a training state's model is chosen "
-                                    "by its key prefix")
+            raise InvalidInputError(
+                "weights names files of a commit of files; a training state's model is chosen by its key prefix"
+            )
         tensors = _state_tensors(store, commit, STATE_MODEL_KEY if prefix is None else prefix)
-        return ExportPlan(plan_model_files(store, tensors, size, {"format": "pt"})
-                          + [full_output(f) for f in _companion_files(files_from or commit)])
+        return ExportPlan(
+            plan_model_files(store, tensors, size, {"format": "pt"})
+            + [full_output(f) for f in _companion_files(files_from or commit)]
+        )
     files = _weight_files(commit, weights)
     # A LoRA adapter overlay's model is the base with the adapter merged: what from_pretrained
     # loads with no peft and no base_model_name_or_path to resolve (unless --weights names the
@@ -96,15 +109,14 @@ def plan_export(
     dotted = _dotted(prefix)
     if dotted:
         _check_prefix([t.name for f in files for t in f.tensors], dotted)
-    tensors = gather_tensors(files, lambda t: t.name[len(dotted):] if t.name.startswith(dotted) else None)
+    tensors = gather_tensors(files, lambda t: t.name[len(dotted) :] if t.name.startswith(dotted) else None)
     if not tensors:
         raise TensorNotFoundError(f"{', '.join(f.path for f in files)} hold(s) no tensors")
     if len(files) == 1 and size is None and not dotted and files[0].path == SINGLE_NAME:
         # the committed model file, byte for byte (with the adapter merged: its own header metadata)
         outputs = [merge.file_output(store, files[0]) if merge else full_output(files[0])]
     else:
-        outputs = plan_model_files(store, tensors, size, _model_metadata(store, files),
-                                   merge.tensor if merge else None)
+        outputs = plan_model_files(store, tensors, size, _model_metadata(store, files), merge.tensor if merge else None)
     if files_from is not None or merge is None:
         companions = _companion_files(files_from or commit)
     else:
@@ -124,8 +136,9 @@ def _top_level_keys(names: Sequence[str]) -> str:
 
 def _check_prefix(names: Sequence[str], dotted: str) -> None:
     if not any(n.startswith(dotted) for n in names):
-        raise TensorNotFoundError(f"no tensor of the commit has the prefix {dotted!r} (top-level keys: "
-                                  f"{_top_level_keys(names)})")
+        raise TensorNotFoundError(
+            f"no tensor of the commit has the prefix {dotted!r} (top-level keys: {_top_level_keys(names)})"
+        )
 
 
 def _weight_files(commit: Commit, patterns: Sequence[str] | None) -> list[FileEntry]:
@@ -139,7 +152,8 @@ def _weight_files(commit: Commit, patterns: Sequence[str] | None) -> list[FileEn
     if not chosen:
         raise TensorNotFoundError(
             "the commit has no model.safetensors (or model-*-of-*.safetensors shards); name the files holding the "
-            f"model (its safetensors files: {', '.join(sorted(f.path for f in safetensors)) or 'none'})")
+            f"model (its safetensors files: {', '.join(sorted(f.path for f in safetensors)) or 'none'})"
+        )
     return chosen
 
 
@@ -155,8 +169,15 @@ def _model_metadata(store: ObjectStore, files: Sequence[FileEntry]) -> dict[str,
 def _companion_files(commit: Commit) -> list[FileEntry]:
     """Every file an export copies as it is (module docstring)."""
     state = {commit.state.values, commit.state.tensors} if commit.state is not None else set()
-    return [f for f in commit.files if f.path not in state and ("/" in f.path or not (
-        f.kind == "safetensors" or f.path.endswith((*PICKLE_SUFFIXES, ".safetensors.index.json"))))]
+    return [
+        f
+        for f in commit.files
+        if f.path not in state
+        and (
+            "/" in f.path
+            or not (f.kind == "safetensors" or f.path.endswith((*PICKLE_SUFFIXES, ".safetensors.index.json")))
+        )
+    ]
 
 
 # ---- training-state commits ------------------------------------------------------------------------
@@ -215,5 +236,5 @@ def _state_tensors(store: ObjectStore, commit: Commit, prefix: str) -> dict[str,
             raise InvalidInputError(f"{path} has dtype {leaf.dtype}, which safetensors cannot name")
         if leaf.name not in by_name:
             raise IntegrityError(f"{path} names tensor {leaf.name!r}, which the state's file does not hold")
-        tensors[path[len(dotted):]] = (stored, by_name[leaf.name])
+        tensors[path[len(dotted) :]] = (stored, by_name[leaf.name])
     return tensors

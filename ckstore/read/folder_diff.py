@@ -8,8 +8,6 @@ relative change of a changed tensor reads the folder's bytes back from the files
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +23,14 @@ from ckstore.write.ingest import SourceFile, collect_sources, ingest
 class _HashingStore:
     """What ingest writes to: names each chunk and keeps nothing."""
 
-    def put_chunk(self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None,
-                  fast: bool = False, oid: str | None = None) -> PutResult:
+    def put_chunk(
+        self,
+        raw: bytes | memoryview,
+        width: int = 1,
+        base_id: str | None = None,
+        fast: bool = False,
+        oid: str | None = None,
+    ) -> PutResult:
         return PutResult(oid or chunk_id(raw), 0)
 
 

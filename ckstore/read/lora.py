@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckstore.read.checkout import Output, Piece, full_output
 from ckstore.errors import InvalidInputError, MissingDependencyError
-from ckstore.repository.filedata import file_context, header_metadata, read_file_bytes
 from ckstore.format.manifest import Commit, FileEntry, TensorEntry, decode_commit
 from ckstore.format.safetensors import emit_header
+from ckstore.read.checkout import Output, Piece, full_output
+from ckstore.repository.filedata import file_context, header_metadata, read_file_bytes
 from ckstore.repository.store import ObjectStore
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -157,7 +157,7 @@ def plan_lora_merge(store: ObjectStore, commit: Commit) -> LoraMerge:
 
     updates: dict[str, _Update] = {}
     for t in weights.tensors:
-        key = t.name[len(_PREFIX):] if t.name.startswith(_PREFIX) else t.name
+        key = t.name[len(_PREFIX) :] if t.name.startswith(_PREFIX) else t.name
         m = _LORA_KEY.match(key)
         if m:
             target = _match(m["module"] + ".weight", names)
@@ -197,8 +197,10 @@ def _base_card(store: ObjectStore, commit: Commit, adapter: FileEntry) -> tuple[
     if commit.base is None or _folder(adapter.path) or mine is None:
         return False, None
     base_id = commit.base.commit
-    base = decode_commit(store.get_commit(base_id), read=lambda ref: store.get_chunk(ref.id, ref.size,
-                                                                                    f" (file list of commit {base_id})"))
+    base = decode_commit(
+        store.get_commit(base_id),
+        read=lambda ref: store.get_chunk(ref.id, ref.size, f" (file list of commit {base_id})"),
+    )
     theirs = next((f for f in base.files if f.path == README), None)
     if theirs is not None and [c.id for c in theirs.all_chunks()] == [c.id for c in mine.all_chunks()]:
         return False, None
@@ -209,8 +211,9 @@ def plan_merged(store: ObjectStore, commit: Commit) -> list[Output]:
     """Outputs writing every non-adapter file, with LoRA updates merged into the base weights."""
     merge = plan_lora_merge(store, commit)
     outputs = [full_output(f) for f in merge.other_files(commit)]
-    return outputs + [merge.file_output(store, f) for f in commit.files
-                      if f.kind == "safetensors" and not merge.is_adapter_file(f)]
+    return outputs + [
+        merge.file_output(store, f) for f in commit.files if f.kind == "safetensors" and not merge.is_adapter_file(f)
+    ]
 
 
 def _check_shapes(weight: TensorEntry, a: TensorEntry, b: TensorEntry, transpose: bool) -> None:
@@ -221,10 +224,13 @@ def _check_shapes(weight: TensorEntry, a: TensorEntry, b: TensorEntry, transpose
         shape = shape[::-1] if transpose else shape
         if tuple(weight.shape) == shape:
             return
-        raise InvalidInputError(f"LoRA merge: update for {weight.name!r} has shape {shape}, "
-                                f"the weight {tuple(weight.shape)}")
-    raise InvalidInputError(f"LoRA merge: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {weight.name!r} "
-                            "do not form a rank-r product")
+        raise InvalidInputError(
+            f"LoRA merge: update for {weight.name!r} has shape {shape}, the weight {tuple(weight.shape)}"
+        )
+    raise InvalidInputError(
+        f"LoRA merge: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {weight.name!r} "
+        "do not form a rank-r product"
+    )
 
 
 def _written(t: TensorEntry, u: _Update | None) -> TensorEntry:
@@ -234,7 +240,9 @@ def _written(t: TensorEntry, u: _Update | None) -> TensorEntry:
     return TensorEntry(t.name, u.replacement.dtype, u.replacement.shape, u.replacement.chunks)
 
 
-def _merge_fn(store: ObjectStore, weight: TensorEntry, u: _Update, scale: float, transpose: bool) -> Callable[[], bytes]:
+def _merge_fn(
+    store: ObjectStore, weight: TensorEntry, u: _Update, scale: float, transpose: bool
+) -> Callable[[], bytes]:
     def merged() -> bytes:
         try:
             import torch
@@ -254,8 +262,9 @@ def _merge_fn(store: ObjectStore, weight: TensorEntry, u: _Update, scale: float,
         if transpose:
             delta = delta.T
         if delta.shape != w.shape:
-            raise InvalidInputError(f"LoRA merge: update for {weight.name!r} has shape {tuple(delta.shape)}, "
-                                    f"the weight {tuple(w.shape)}")
+            raise InvalidInputError(
+                f"LoRA merge: update for {weight.name!r} has shape {tuple(delta.shape)}, the weight {tuple(w.shape)}"
+            )
         out = (w.to(compute) + delta).to(w.dtype).contiguous()
         return out.reshape(-1).view(torch.uint8).numpy().tobytes()
 

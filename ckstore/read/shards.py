@@ -23,18 +23,28 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from ckstore.read.checkout import Output, Piece, check_patterns, full_output, select_tensors
 from ckstore.errors import InvalidInputError
 from ckstore.format.manifest import Commit, FileEntry, TensorEntry
-from ckstore.repository.filedata import file_context, header_metadata
 from ckstore.format.safetensors import emit_header
+from ckstore.read.checkout import Output, Piece, check_patterns, full_output, select_tensors
+from ckstore.repository.filedata import file_context, header_metadata
 from ckstore.repository.store import ObjectStore
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_METADATA = {"format": "pt"}  # what save_pretrained writes; from_pretrained checks it
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"\s*(\d+)\s*([A-Za-z]*)\s*")
 
 
@@ -103,7 +113,8 @@ def _common_metadata(store: ObjectStore, files: Sequence[FileEntry]) -> dict[str
 
 
 def gather_tensors(
-    files: Sequence[FileEntry], name_of: Callable[[TensorEntry], str | None],
+    files: Sequence[FileEntry],
+    name_of: Callable[[TensorEntry], str | None],
 ) -> dict[str, tuple[FileEntry, TensorEntry]]:
     """The tensors of ``files`` that ``name_of`` names (None: left out), under those names, each
     with its file; two tensors under one name cannot go into one model and are refused."""
@@ -114,15 +125,19 @@ def gather_tensors(
             if name is None:
                 continue
             if name in tensors:
-                raise InvalidInputError(f"tensor {name!r} is in both {tensors[name][0].path} and {f.path}; "
-                                        "one model cannot hold both")
+                raise InvalidInputError(
+                    f"tensor {name!r} is in both {tensors[name][0].path} and {f.path}; one model cannot hold both"
+                )
             tensors[name] = (f, t)
     return tensors
 
 
 def plan_model_files(
-    store: ObjectStore, tensors: Mapping[str, tuple[FileEntry, TensorEntry]], shard_size: int | None,
-    metadata: dict[str, str], rewrite: Callable[[FileEntry, TensorEntry], tuple[TensorEntry, list[Piece]]] | None = None,
+    store: ObjectStore,
+    tensors: Mapping[str, tuple[FileEntry, TensorEntry]],
+    shard_size: int | None,
+    metadata: dict[str, str],
+    rewrite: Callable[[FileEntry, TensorEntry], tuple[TensorEntry, list[Piece]]] | None = None,
 ) -> list[Output]:
     """The shards (plus their index) holding ``tensors`` under their keys, or ``model.safetensors``
     alone when they fit one shard or ``shard_size`` is None. Each value is the committed tensor
@@ -134,7 +149,9 @@ def plan_model_files(
         tensors = {n: (f, t) for n, (f, t, _) in rewritten.items()}
         parts = {n: p for n, (_, _, p) in rewritten.items()}
     order = sorted(tensors)
-    groups = [order] if shard_size is None else split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
+    groups = (
+        [order] if shard_size is None else split_into_shards([(n, tensors[n][1].nbytes) for n in order], shard_size)
+    )
     outputs = []
     weight_map: dict[str, str] = {}
     for shard_name, group in zip(shard_names(len(groups)), groups):
@@ -151,9 +168,7 @@ def plan_model_files(
     return outputs
 
 
-def plan_shards(
-    store: ObjectStore, commit: Commit, shard_size: int, only: Sequence[str] | None = None
-) -> list[Output]:
+def plan_shards(store: ObjectStore, commit: Commit, shard_size: int, only: Sequence[str] | None = None) -> list[Output]:
     """Outputs for a sharded checkout: the shards, their index, and the other files unchanged."""
     inputs = [f for f in commit.files if _is_sharded_input(f)]
     if only:

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckstore.codecs.objects import Encoding
-from ckstore.format.settings import RepoConfig, version_for
-from ckstore.repository.context import RepoContext, init_context
 from ckstore.errors import (
     ConflictError,
     IntegrityError,
@@ -40,15 +38,18 @@ from ckstore.errors import (
 )
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import ChunkReader, Commit, decode_commit
-from ckstore.repository.refs import DEFAULT_BRANCH, HEADS, REMOTES, TAGS, check_ref_name
-from ckstore.repository.writing import writing
-from ckstore.remote.awsconfig import endpoint_problem
+from ckstore.format.settings import RepoConfig, version_for
 from ckstore.remote.landing import Batches, Lander, read_objects
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import add, open_remote, tracking_ref
+from ckstore.repository.context import RepoContext, init_context
 from ckstore.repository.reader import VerifiedReader, verified_commit
+from ckstore.repository.refs import DEFAULT_BRANCH, HEADS, REMOTES, TAGS, check_ref_name
 from ckstore.repository.store import ObjectStore, object_key
-from ckstore.write.pipeline import ProgressBar, ProgressFactory
+from ckstore.repository.writing import writing
+from ckstore.runtime.progress import ProgressBar, ProgressFactory
+from ckstore.transport.awsconfig import endpoint_problem
+
 
 @dataclass(frozen=True)
 class SkippedRef:
@@ -74,8 +75,11 @@ class FetchReport:
         (called once the refs that could move have moved, and the report was shown)."""
         damaged = [s for s in self.skipped if s.damaged]
         if damaged:
-            raise IntegrityError(f"remote {self.remote}: {len(damaged)} ref(s) not fetched (the others were): "
-                                 + "; ".join(f"{s.ref}: {s.reason}" for s in damaged))
+            raise IntegrityError(
+                f"remote {self.remote}: {len(damaged)} ref(s) not fetched (the others were): "
+                + "; ".join(f"{s.ref}: {s.reason}" for s in damaged)
+            )
+
     progress: ProgressBar | None = field(default=None, repr=False, compare=False)  # the CLI's bar
 
     def received(self, n: int, objects: int = 0) -> None:
@@ -97,6 +101,7 @@ def file_list_reader(store: ObjectStore, remote: RemoteRepo, where: Mapping[str,
     """Reads a fetched commit's file list pieces, verified: from here when held here (a piece
     an earlier commit shares), else from the remote's packs. The pieces are then fetched with
     the commit's other chunks (they are in its ``all_chunks``): read twice, stored once."""
+
     def stored(oid: str, context: str) -> bytes:
         if store.has_durable(oid):
             return store.read_raw(oid)
@@ -165,8 +170,13 @@ def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId]
             # A file-list piece a commit here names holds the same entries: their chunks are here
             # with their bases (format.md 5.3), so only the other pieces' chunks are looked at.
             # Not an overlay's: its chunks may be its base repository's.
-            pieces = {p.id for oid in here for c in [graph.read_commit(oid, files=False)] if c.base is None
-                      for p in c.file_list}
+            pieces = {
+                p.id
+                for oid in here
+                for c in [graph.read_commit(oid, files=False)]
+                if c.base is None
+                for p in c.file_list
+            }
             for oid in order:
                 lander.want_commit(oid, commits[oid], pieces, read_list)
             lander.run()
@@ -203,7 +213,9 @@ def _oldest_first(commits: dict[ObjectId, Commit]) -> list[ObjectId]:
                 continue
             stack.append((oid, True))
             c = commits[oid]
-            stack.extend((p, False) for p in [*c.parents, *([c.base.commit] if c.base is not None else [])] if p not in done)
+            stack.extend(
+                (p, False) for p in [*c.parents, *([c.base.commit] if c.base is not None else [])] if p not in done
+            )
     return out
 
 
@@ -243,7 +255,9 @@ def _fetch_locked(ctx: RepoContext, remote_name: str | None, progress: ProgressF
             report.progress.close()
     for ref, oid in sorted(refs.items()):
         if oid in missing:
-            report.skipped.append(SkippedRef(ref, f"it names commit {oid[:12]}, which no pack there holds", damaged=True))
+            report.skipped.append(
+                SkippedRef(ref, f"it names commit {oid[:12]}, which no pack there holds", damaged=True)
+            )
             continue
         local = tracking_ref(remote.name, ref)
         if local is None:
@@ -274,21 +288,23 @@ def _local_name_problem(ref: str) -> str | None:
     for prefix in (HEADS, TAGS):
         if ref.startswith(prefix):
             try:
-                check_ref_name(ref[len(prefix):], "branch" if prefix == HEADS else "tag")
+                check_ref_name(ref[len(prefix) :], "branch" if prefix == HEADS else "tag")
             except InvalidRefNameError as exc:
                 return str(exc)
     return None
 
 
-def pull(ctx: RepoContext, remote_name: str | None = None,
-         progress: ProgressFactory | None = None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
+def pull(
+    ctx: RepoContext, remote_name: str | None = None, progress: ProgressFactory | None = None
+) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
     """Fetch, then fast-forward the current branch to its remote-tracking ref; (report, old, new)."""
     with writing(ctx):
         return _pull_locked(ctx, remote_name, progress)
 
 
-def _pull_locked(ctx: RepoContext, remote_name: str | None,
-                 progress: ProgressFactory | None) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
+def _pull_locked(
+    ctx: RepoContext, remote_name: str | None, progress: ProgressFactory | None
+) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
     report = fetch(ctx, remote_name, progress)
     branch = ctx.refs.head_branch()
     theirs = ctx.refs.read(f"{REMOTES}{report.remote}/{branch}")
@@ -310,8 +326,13 @@ def _pull_locked(ctx: RepoContext, remote_name: str | None,
     return report, ours, theirs
 
 
-def clone(url: str, path: str | os.PathLike[str], endpoint_url: str | None = None,
-          config: RepoConfig | None = None, progress: ProgressFactory | None = None) -> tuple[RepoContext, FetchReport]:
+def clone(
+    url: str,
+    path: str | os.PathLike[str],
+    endpoint_url: str | None = None,
+    config: RepoConfig | None = None,
+    progress: ProgressFactory | None = None,
+) -> tuple[RepoContext, FetchReport]:
     """A new repository at ``path`` with remote "origin", every remote branch as a local branch,
     and HEAD on "main" (or the first branch)."""
     from ckstore.remote.names import RemoteSpec, open_spec

@@ -36,13 +36,9 @@ from dataclasses import dataclass, field
 from ckstore.backend.fsio import owner_surely_dead, process_owner
 from ckstore.backend.memory import MemoryBackend
 from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
-from ckstore.repository.context import RepoContext
 from ckstore.errors import IntegrityError, LockedError
-from ckstore.repository.graph import PRUNED_KEY, CommitGraph
 from ckstore.format.ids import ObjectId
-from ckstore.remote.lazy import RemoteObjects
-from ckstore.repository.reader import delta_closure_many
-from ckstore.repository.refs import RefStore, encode_ref
+from ckstore.maintenance.retention import RetentionPolicy, select_kept
 from ckstore.remote.layout import (
     DEFAULT_GRACE,
     GC_LOCK_KEY,
@@ -54,9 +50,13 @@ from ckstore.remote.layout import (
     index_key,
     pack_key,
 )
+from ckstore.remote.lazy import RemoteObjects
 from ckstore.remote.names import open_remote
 from ckstore.remote.push import send_superseded
-from ckstore.maintenance.retention import RetentionPolicy, select_kept
+from ckstore.repository.context import RepoContext
+from ckstore.repository.graph import PRUNED_KEY, CommitGraph
+from ckstore.repository.reader import delta_closure_many
+from ckstore.repository.refs import RefStore, encode_ref
 from ckstore.repository.store import ObjectStore
 
 # S3 reports Last-Modified in whole seconds: a pack may be up to this much younger than it looks.
@@ -86,8 +86,10 @@ def _gc_lock(remote: RemoteRepo) -> Iterator[None]:
             who = f" (started {time.ctime(info['time'])} by process {info['pid']} on {info['host']})"
         except (KeyError, ValueError, TypeError, IntegrityError):
             who = ""
-        raise LockedError(f"remote {remote.name}: another remote gc is running{who}; if none is, delete "
-                          f"{remote.describe(GC_LOCK_KEY)}")
+        raise LockedError(
+            f"remote {remote.name}: another remote gc is running{who}; if none is, delete "
+            f"{remote.describe(GC_LOCK_KEY)}"
+        )
     try:
         yield
     finally:
@@ -104,7 +106,9 @@ def _take_over_dead_gc_lock(remote: RemoteRepo, owner: bytes) -> bool:
         info = json.loads(stale)
     except (KeyError, ValueError, TypeError, IntegrityError):
         return False
-    return isinstance(info, dict) and owner_surely_dead(info) and remote.transport.put_if_match(GC_LOCK_KEY, owner, token)
+    return (
+        isinstance(info, dict) and owner_surely_dead(info) and remote.transport.put_if_match(GC_LOCK_KEY, owner, token)
+    )
 
 
 def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> CommitGraph:
@@ -124,6 +128,7 @@ def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> 
 def remote_bases(remote: RemoteRepo, where: Mapping[str, Located], chunks: set[str]) -> set[str]:
     """``chunks`` plus every delta base they need as stored on the remote (headers read there,
     one ranged read per pack and level)."""
+
     def bases_of_many(todo: list[str]) -> Iterator[tuple[str, tuple[str, ...]]]:
         by_pack: dict[str, list[Located]] = {}
         for oid in todo:
@@ -134,15 +139,23 @@ def remote_bases(remote: RemoteRepo, where: Mapping[str, Located], chunks: set[s
                 try:
                     yield loc.entry.id, delta_bases(head)
                 except IntegrityError as exc:
-                    raise IntegrityError(f"object {loc.entry.id} in {remote.describe(pack_key(pack_id))} "
-                                         f"is corrupt: {exc}") from None
+                    raise IntegrityError(
+                        f"object {loc.entry.id} in {remote.describe(pack_key(pack_id))} is corrupt: {exc}"
+                    ) from None
 
     return delta_closure_many(chunks, bases_of_many, follow=lambda oid: oid in where)
 
 
 def collect_remote(
-    ctx: RepoContext, remote_name: str | None = None, *, keep_last: int | None = None, keep_best: int | None = None,
-    metric: str | None = None, maximize: bool = False, keep_every: int | None = None, grace: float = DEFAULT_GRACE,
+    ctx: RepoContext,
+    remote_name: str | None = None,
+    *,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    maximize: bool = False,
+    keep_every: int | None = None,
+    grace: float = DEFAULT_GRACE,
     dry_run: bool = False,
 ) -> RemoteGcReport:
     policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
@@ -157,8 +170,11 @@ def collect_remote(
             sent = send_superseded(ctx, remote)
             report.resent_objects, report.resent_bytes = sent.objects, sent.bytes
         refs = remote.list_refs()
-        packs = {info.key[len(PACKS):-len(".pack")]: info for info in remote.transport.list(PACKS)
-                 if info.key.endswith(".pack")}
+        packs = {
+            info.key[len(PACKS) : -len(".pack")]: info
+            for info in remote.transport.list(PACKS)
+            if info.key.endswith(".pack")
+        }
         condemned = remote.read_condemned()
         remote.catalogue()
         # An object in a condemned pack and in another counts in the other: the condemned one may
@@ -173,10 +189,18 @@ def collect_remote(
         report.live_objects = len(live)
         live_packs = {where[o].pack_id for o in live if o in where}
         now = time.time()
-        due = {p for p, (since, claimed) in condemned.packs.items()
-               if p not in live_packs and (claimed or now - since >= grace)}
-        fresh = sorted(p for p, info in packs.items() if p not in live_packs and p not in condemned.packs
-                       and now - info.last_modified.timestamp() - MTIME_RESOLUTION >= grace)
+        due = {
+            p
+            for p, (since, claimed) in condemned.packs.items()
+            if p not in live_packs and (claimed or now - since >= grace)
+        }
+        fresh = sorted(
+            p
+            for p, info in packs.items()
+            if p not in live_packs
+            and p not in condemned.packs
+            and now - info.last_modified.timestamp() - MTIME_RESOLUTION >= grace
+        )
         report.rescued = sorted(p for p, (_, claimed) in condemned.packs.items() if p in live_packs and not claimed)
         report.condemned = fresh
         if dry_run:

@@ -32,7 +32,9 @@ MAX_IN_FLIGHT = 64 << 20
 BASE_CACHE = 64 << 20
 
 
-def read_objects(remote: RemoteRepo, where: Mapping[str, Located], oids: Iterable[str]) -> Iterator[tuple[str, str, bytes]]:
+def read_objects(
+    remote: RemoteRepo, where: Mapping[str, Located], oids: Iterable[str]
+) -> Iterator[tuple[str, str, bytes]]:
     """(object id, pack id, stored bytes) of each object, by ranged reads grouped per pack; a few
     packs are read at once, so memory stays a few packs' worth of wanted ranges."""
     by_pack: dict[str, list[Located]] = {}
@@ -147,8 +149,15 @@ class Lander:
     a delta whose bases never resolve (a cycle across objects of this fetch) is an IntegrityError.
     """
 
-    def __init__(self, view: ObjectStore, batches: Batches, remote: RemoteRepo, where: Mapping[str, Located],
-                 pool: ThreadPoolExecutor, received: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        view: ObjectStore,
+        batches: Batches,
+        remote: RemoteRepo,
+        where: Mapping[str, Located],
+        pool: ThreadPoolExecutor,
+        received: Callable[[int], None],
+    ) -> None:
         self.view, self.remote, self.where, self.pool = view, remote, where, pool
         self.received = received  # called with each downloaded object's stored length
         self.batches = batches
@@ -168,8 +177,9 @@ class Lander:
         # Before an object in an encoding newer than format 2 (a predicted or context-sorted delta) is staged.
         self.on_newer_encoding: Callable[[Encoding], None] = lambda encoding: None
 
-    def want_commit(self, oid: ObjectId, commit: Commit, pieces: set[str] | None = None,
-                    read: ChunkReader | None = None) -> None:
+    def want_commit(
+        self, oid: ObjectId, commit: Commit, pieces: set[str] | None = None, read: ChunkReader | None = None
+    ) -> None:
         """Queue what ``commit`` needs that is not here. ``pieces``: file-list pieces (format.md
         5.3) of commits here or wanted before, whose chunks are here or queued (extended with
         this commit's); ``read`` reads this commit's other pieces."""
@@ -193,8 +203,10 @@ class Lander:
                 for o in absent:
                     if o not in self.where:
                         needer = self.queued.get(o, "?")
-                        raise IntegrityError(f"remote {self.remote.name}: object {o} (needed by commit {needer[:12]}) "
-                                             "is in no pack there")
+                        raise IntegrityError(
+                            f"remote {self.remote.name}: object {o} (needed by commit {needer[:12]}) "
+                            "is in no pack there"
+                        )
                     self.origin[o] = self.where[o].pack_id
                 todo = []
                 for o, pack_id, data in read_objects(self.remote, self.where, absent):
@@ -216,10 +228,13 @@ class Lander:
             raise IntegrityError(
                 f"remote {self.remote.name}: object {stuck[0]}"
                 + (f" and {len(stuck) - 1} more" if len(stuck) > 1 else "")
-                + " never resolved: its delta bases form a cycle or never came")
+                + " never resolved: its delta bases form a cycle or never came"
+            )
 
     def _fail(self, o: str, pack_id: str, reason: str) -> IntegrityError:
-        return IntegrityError(f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})")
+        return IntegrityError(
+            f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})"
+        )
 
     def _arrive(self, o: str, pack_id: str, data: bytes) -> list[str]:
         """Hand one downloaded object to a worker, or park it until its bases are verified; the
@@ -325,7 +340,9 @@ class Lander:
 def missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
     """Delta bases that objects already here lack: a crash while an earlier fetch's batch was
     landing can leave an object in place without its base (and without any commit naming it)."""
-    return sorted(b for b in delta_closure(present, view.bases_of, follow=view.has_durable) - present if not view.has_durable(b))
+    return sorted(
+        b for b in delta_closure(present, view.bases_of, follow=view.has_durable) - present if not view.has_durable(b)
+    )
 
 
 def _cost(data: bytes) -> int:

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckstore.backend.base import Backend
-from ckstore.errors import IntegrityError, StorageError, UnsupportedFormatError
 from ckstore.backend.fsio import mutating_step
+from ckstore.errors import IntegrityError, StorageError, UnsupportedFormatError
 from ckstore.format.ids import ObjectId, is_object_id
 from ckstore.format.pack import (
     ENTRY,
@@ -39,7 +39,7 @@ from ckstore.format.pack import (
     check_read,
     parse_index_table,
 )
-from ckstore.remote.transport import MAX_SWAPPED, NotFound, Transport
+from ckstore.transport.base import MAX_SWAPPED, NotFound, Transport
 
 FORMAT_KEY = "ckstore-remote.json"
 FORMAT_NAME = "ckstore remote"
@@ -79,7 +79,7 @@ def pack_name(key: str) -> str | None:
 
 
 def _named(key: str, folder: str, suffix: str) -> str | None:
-    name = key[len(folder):-len(suffix)] if key.startswith(folder) and key.endswith(suffix) else ""
+    name = key[len(folder) : -len(suffix)] if key.startswith(folder) and key.endswith(suffix) else ""
     return name if is_object_id(name) else None
 
 
@@ -107,7 +107,9 @@ class Condemned:
     token: str | None = None
 
     def to_bytes(self) -> bytes:
-        return canonical({"version": 1, "packs": {p: {"since": s, "claimed": c} for p, (s, c) in sorted(self.packs.items())}})
+        return canonical(
+            {"version": 1, "packs": {p: {"since": s, "claimed": c} for p, (s, c) in sorted(self.packs.items())}}
+        )
 
     @classmethod
     def parse(cls, data: bytes, token: str | None, where: str) -> Condemned:
@@ -131,8 +133,14 @@ class RemoteRepo:
     client downloads each immutable index once.
     """
 
-    def __init__(self, transport: Transport, encode_ref: Callable[[str], str], decode_ref: Callable[[str], str | None],
-                 name: str = "", cache: IndexCache | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        encode_ref: Callable[[str], str],
+        decode_ref: Callable[[str], str | None],
+        name: str = "",
+        cache: IndexCache | None = None,
+    ) -> None:
         self.transport = transport
         # The ref-name encoding of local repositories (refs.py, a layer above this one).
         self.encode_ref, self.decode_ref = encode_ref, decode_ref
@@ -155,8 +163,9 @@ class RemoteRepo:
 
     def _bounded(self, key: str, limit: int, data: bytes) -> bytes:
         if len(data) > limit:
-            raise IntegrityError(f"{self.describe(key)} is corrupt: larger than {limit} bytes, "
-                                 "more than a real one can be")
+            raise IntegrityError(
+                f"{self.describe(key)} is corrupt: larger than {limit} bytes, more than a real one can be"
+            )
         return data
 
     # ---- format ----------------------------------------------------------------------------
@@ -402,11 +411,19 @@ def _choose(tables: Iterable[tuple[str, PackTable]], avoided: set[str]) -> dict[
     for pack_id, index in tables:
         for e in index.entries:
             copies.setdefault(e.id, []).append(Located(pack_id, e))
-    stale = {loc.pack_id for locs in copies.values() if len(locs) > 1
-             for loc in locs if loc.entry.length > min(c.entry.length for c in locs)}
-    return {oid: locs[0] if len(locs) == 1 else
-            min(locs, key=lambda c: (c.pack_id in avoided, c.entry.length, c.pack_id in stale, c.pack_id))
-            for oid, locs in copies.items()}
+    stale = {
+        loc.pack_id
+        for locs in copies.values()
+        if len(locs) > 1
+        for loc in locs
+        if loc.entry.length > min(c.entry.length for c in locs)
+    }
+    return {
+        oid: locs[0]
+        if len(locs) == 1
+        else min(locs, key=lambda c: (c.pack_id in avoided, c.entry.length, c.pack_id in stale, c.pack_id))
+        for oid, locs in copies.items()
+    }
 
 
 class Holdings(Mapping[str, Located]):

@@ -12,13 +12,13 @@ re-hashed by the store as any other read.
 
 from __future__ import annotations
 
-from ckstore.repository.context import RepoContext
 from ckstore.errors import ObjectMissingError, RefNotFoundError
 from ckstore.format.ids import ObjectId
-from ckstore.repository.refs import HEADS, TAGS
 from ckstore.remote.layout import Holdings, RemoteRepo, pack_key
 from ckstore.remote.names import cache_backend, default_name, open_remote
+from ckstore.repository.context import RepoContext
 from ckstore.repository.reader import VerifiedReader
+from ckstore.repository.refs import HEADS, TAGS
 from ckstore.repository.store import ObjectStore, object_key
 
 
@@ -88,7 +88,7 @@ class RemoteNames:
         for ref, oid in refs.items():
             for prefix in (HEADS, TAGS):
                 if ref.startswith(prefix):
-                    short = ref[len(prefix):]
+                    short = ref[len(prefix) :]
                     self.names.setdefault(short, ObjectId(oid))
                     if prefix == HEADS:
                         self.names[f"{name}/{short}"] = ObjectId(oid)

@@ -2,7 +2,7 @@
 
 ``remotes`` (docs/format.md section 15.8) maps a name to a URL and, optionally, an S3 endpoint
 URL. Credentials are never stored: they come from the standard AWS environment variables and
-config files each time (remote/awsconfig.py). Opening a remote gives a ``RemoteRepo`` whose
+config files each time (transport/awsconfig.py). Opening a remote gives a ``RemoteRepo`` whose
 index files are cached under ``remote-cache/<name>/`` in the repository, so each immutable
 index is downloaded once.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 from ckstore.backend.base import Backend
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
-from ckstore.repository.context import RepoContext
 from ckstore.errors import IntegrityError, InvalidInputError, NotFoundError, RefExistsError
-from ckstore.repository.refs import HEADS, REMOTES, decode_ref, encode_ref
-from ckstore.remote import RemoteOptions, open_transport, parse_url
-from ckstore.remote.awsconfig import endpoint_problem
 from ckstore.remote.layout import IndexCache, RemoteRepo
+from ckstore.repository.context import RepoContext
+from ckstore.repository.refs import HEADS, REMOTES, decode_ref, encode_ref
+from ckstore.transport import RemoteOptions, open_transport, parse_url
+from ckstore.transport.awsconfig import endpoint_problem
 
 REMOTES_KEY = "remotes"
 CACHE_DIR = "remote-cache"
@@ -63,9 +63,13 @@ def read_remotes(backend: Backend) -> dict[str, RemoteSpec]:
 
 
 def _write(backend: Backend, remotes: dict[str, RemoteSpec]) -> None:
-    doc = {"version": 1, "remotes": {
-        s.name: {"url": s.url, **({"endpoint_url": s.endpoint_url} if s.endpoint_url else {})}
-        for s in sorted(remotes.values(), key=lambda s: s.name)}}
+    doc = {
+        "version": 1,
+        "remotes": {
+            s.name: {"url": s.url, **({"endpoint_url": s.endpoint_url} if s.endpoint_url else {})}
+            for s in sorted(remotes.values(), key=lambda s: s.name)
+        },
+    }
     backend.replace(REMOTES_KEY, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
@@ -110,7 +114,7 @@ def get(ctx: RepoContext, name: str, remotes: dict[str, RemoteSpec] | None = Non
 
 
 def default_name(ctx: RepoContext) -> str:
-    """"origin" if there is one, else the only remote."""
+    """ "origin" if there is one, else the only remote."""
     remotes = read_remotes(ctx.backend)
     if "origin" in remotes or not remotes:
         return "origin"
@@ -136,10 +140,11 @@ def open_remote(ctx: RepoContext, name: str | None = None) -> RemoteRepo:
 
 def open_spec(spec: RemoteSpec, cache: Backend | None = None) -> RemoteRepo:
     transport = open_transport(spec.url, spec.options())
-    return RemoteRepo(transport, encode_ref, decode_ref, spec.name,
-                      IndexCache(cache, "indexes") if cache is not None else None)
+    return RemoteRepo(
+        transport, encode_ref, decode_ref, spec.name, IndexCache(cache, "indexes") if cache is not None else None
+    )
 
 
 def tracking_ref(name: str, ref: str) -> str | None:
     """refs/remotes/NAME/BRANCH for a remote branch (tags are fetched as tags: None)."""
-    return f"{REMOTES}{name}/{ref[len(HEADS):]}" if ref.startswith(HEADS) else None
+    return f"{REMOTES}{name}/{ref[len(HEADS) :]}" if ref.startswith(HEADS) else None

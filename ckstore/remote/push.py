@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import blake3
 
 from ckstore.codecs.objects import delta_bases
-from ckstore.repository.context import RepoContext
 from ckstore.errors import (
     ConflictError,
     IntegrityError,
@@ -41,18 +40,19 @@ from ckstore.errors import (
     RefNotFoundError,
     StorageError,
 )
-from ckstore.repository.graph import kept_parents
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import chunks_beyond
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
-from ckstore.repository.refs import HEADS, REMOTES, TAGS
 from ckstore.remote.layout import DEFAULT_GRACE, REFS, Condemned, Located, RemoteRepo
+from ckstore.remote.names import open_remote, tracking_ref
 from ckstore.remote.repack import superseded
 from ckstore.remote.uploads import PackUploads
-from ckstore.remote.names import open_remote, tracking_ref
+from ckstore.repository.context import RepoContext
+from ckstore.repository.graph import kept_parents
 from ckstore.repository.reader import VerifiedReader
+from ckstore.repository.refs import HEADS, REMOTES, TAGS
 from ckstore.repository.store import ObjectStore
-from ckstore.write.pipeline import ProgressFactory
+from ckstore.runtime.progress import ProgressFactory
 
 UPLOAD_WORKERS = 4
 # Objects read and verified ahead of the pack being built (memory: this many stored objects).
@@ -78,14 +78,18 @@ class FetchFirstError(RefChangedError):
 
 def full_ref(ctx: RepoContext, name: str) -> str:
     """The local ref a push argument names: a branch, else a tag, else a full ref name."""
-    for ref in ([name] if name.startswith("refs/") else [HEADS + name, TAGS + name]):
+    for ref in [name] if name.startswith("refs/") else [HEADS + name, TAGS + name]:
         if ctx.refs.read(ref) is not None:
             return ref
     raise RefNotFoundError(f"no branch or tag {name!r} to push")
 
 
-def needed_objects(ctx: RepoContext, tips: Sequence[ObjectId], remote_pruned: Mapping[str, Sequence[str]] = {},
-                   held: Collection[ObjectId] = frozenset()) -> tuple[list[str], list[ObjectId]]:
+def needed_objects(
+    ctx: RepoContext,
+    tips: Sequence[ObjectId],
+    remote_pruned: Mapping[str, Sequence[str]] = {},
+    held: Collection[ObjectId] = frozenset(),
+) -> tuple[list[str], list[ObjectId]]:
     """Every object the history of ``tips`` needs down to ``held`` (commits the remote holds
     with everything they need: the walk stops there), in a reader-friendly order: for each
     commit (oldest first) its chunks in file order, then the commit; then any delta base not
@@ -134,8 +138,13 @@ def send_superseded(ctx: RepoContext, remote: RemoteRepo, target_size: int = DEF
 
 
 def push(
-    ctx: RepoContext, remote_name: str | None = None, names: Sequence[str] = (), force: bool = False,
-    target_size: int = DEFAULT_TARGET_SIZE, grace: float = DEFAULT_GRACE, progress: ProgressFactory | None = None,
+    ctx: RepoContext,
+    remote_name: str | None = None,
+    names: Sequence[str] = (),
+    force: bool = False,
+    target_size: int = DEFAULT_TARGET_SIZE,
+    grace: float = DEFAULT_GRACE,
+    progress: ProgressFactory | None = None,
 ) -> PushReport:
     remote = open_remote(ctx, remote_name)
     report = PushReport(remote.name)
@@ -209,8 +218,12 @@ def push(
     return report
 
 
-def _held_by_remote(ctx: RepoContext, remote: RemoteRepo, plan: Sequence[tuple[str, ObjectId, ObjectId | None, str | None]],
-                    where: Mapping[str, object]) -> tuple[set[ObjectId], set[ObjectId]]:
+def _held_by_remote(
+    ctx: RepoContext,
+    remote: RemoteRepo,
+    plan: Sequence[tuple[str, ObjectId, ObjectId | None, str | None]],
+    where: Mapping[str, object],
+) -> tuple[set[ObjectId], set[ObjectId]]:
     """Commits the remote holds with all they need, where push's walk stops: (the values of
     the refs being pushed, as read for their swap; the values of the remote's other branches
     that this repository tracks, read now). A ref there names only a commit whose history and
@@ -230,8 +243,10 @@ def _held_by_remote(ctx: RepoContext, remote: RemoteRepo, plan: Sequence[tuple[s
                 value, _ = remote.read_ref(ref)
                 if value is not None:
                     others.add(value)
-    return ({c for c in swapped if c in where and ctx.store.has(c)},
-            {c for c in others - swapped if c in where and ctx.store.has(c)})
+    return (
+        {c for c in swapped if c in where and ctx.store.has(c)},
+        {c for c in others - swapped if c in where and ctx.store.has(c)},
+    )
 
 
 def _condemned_long_ago(condemned: Condemned, grace: float) -> bool:
@@ -266,16 +281,22 @@ def _refuse_conflict(remote: RemoteRepo, ref: str, existing: Sequence[str]) -> N
     ("exp" and "exp/x"): S3 would store both, and no repository could fetch both."""
     for other in existing:
         if ref.startswith(other + "/"):
-            raise ConflictError(f"remote {remote.name}: cannot create {_short(ref)}: {_short(other)} exists there "
-                                "(a ref cannot also be a folder of refs); choose another name")
+            raise ConflictError(
+                f"remote {remote.name}: cannot create {_short(ref)}: {_short(other)} exists there "
+                "(a ref cannot also be a folder of refs); choose another name"
+            )
         if other.startswith(ref + "/"):
-            raise ConflictError(f"remote {remote.name}: cannot create {_short(ref)}: refs exist below it there "
-                                f"({_short(other)}); choose another name")
+            raise ConflictError(
+                f"remote {remote.name}: cannot create {_short(ref)}: refs exist below it there "
+                f"({_short(other)}); choose another name"
+            )
 
 
 def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old: ObjectId, new: ObjectId) -> None:
     if ref.startswith(TAGS):
-        raise ConflictError(f"remote {remote.name}: tag {ref[len(TAGS):]!r} exists there at {old[:12]}; use --force to move it")
+        raise ConflictError(
+            f"remote {remote.name}: tag {ref[len(TAGS) :]!r} exists there at {old[:12]}; use --force to move it"
+        )
     if not ctx.graph.reaches(new, old):
         raise FetchFirstError(
             f"remote {remote.name}: {_short(ref)} is at {old[:12]}, which the local branch does not contain; "
@@ -284,9 +305,15 @@ def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old
 
 
 def _send_missing(
-    ctx: RepoContext, remote: RemoteRepo, wanted: list[str], target_size: int, report: PushReport,
-    forget: frozenset[str] | set[str] = frozenset(), resend: bool = False,
-    progress: ProgressFactory | None = None, known: tuple[Mapping[str, Located], Condemned] | None = None,
+    ctx: RepoContext,
+    remote: RemoteRepo,
+    wanted: list[str],
+    target_size: int,
+    report: PushReport,
+    forget: frozenset[str] | set[str] = frozenset(),
+    resend: bool = False,
+    progress: ProgressFactory | None = None,
+    known: tuple[Mapping[str, Located], Condemned] | None = None,
 ) -> set[str]:
     """Upload the wanted objects no usable pack holds (with ``resend``, also those of the packs
     local compaction has superseded: remote gc's repack); return every pack the wanted objects
@@ -302,8 +329,11 @@ def _send_missing(
     store = ctx.store
     # Objects local compaction has since stored smaller, with the rest of their packs: sent again
     # so that remote gc can drop those packs (repack.py); relied on in their new packs only.
-    again = [oid for oid in superseded(remote, store.stored_size, skip=set(condemned.packs) | claimed)
-             if oid in where] if resend else []
+    again = (
+        [oid for oid in superseded(remote, store.stored_size, skip=set(condemned.packs) | claimed) if oid in where]
+        if resend
+        else []
+    )
     missing += again
     resent = set(again)
     relied = {where[oid].pack_id for oid in wanted if oid in where and oid not in resent}
@@ -332,8 +362,11 @@ def _send_missing(
                 pool.shutdown(cancel_futures=True)
 
     # The bar's total is what the missing objects take here; delta bases found on the way add to it.
-    bar = progress(sum(store.stored_size(oid) or 0 for oid in missing), f"push {remote.name}") \
-        if progress and missing else None
+    bar = (
+        progress(sum(store.stored_size(oid) or 0 for oid in missing), f"push {remote.name}")
+        if progress and missing
+        else None
+    )
     try:
         with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
             first_again = again[0] if again else None
@@ -378,8 +411,9 @@ class _Verifier:
             self.reader.verify(oid, data)
         except ObjectCorruptError as exc:
             which = "" if exc.oid == oid else f" (a delta base of {oid})"
-            raise IntegrityError(f"object {exc.oid} is corrupt here{which}, so it is not sent: {exc.reason}; "
-                                 "run 'ckstore fsck'") from None
+            raise IntegrityError(
+                f"object {exc.oid} is corrupt here{which}, so it is not sent: {exc.reason}; run 'ckstore fsck'"
+            ) from None
         except IntegrityError as exc:
             raise IntegrityError(f"{exc}; it is not sent, run 'ckstore fsck'") from None
         return oid, data, blake3.blake3(data).digest(), bases
@@ -387,5 +421,5 @@ class _Verifier:
 
 def _short(ref: str) -> str:
     if ref.startswith(TAGS):
-        return f"tag {ref[len(TAGS):]!r}"
-    return f"branch {ref[len(HEADS):]!r}" if ref.startswith(HEADS) else ref
+        return f"tag {ref[len(TAGS) :]!r}"
+    return f"branch {ref[len(HEADS) :]!r}" if ref.startswith(HEADS) else ref

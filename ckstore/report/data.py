@@ -20,8 +20,8 @@ from ckstore.history.magnitude import commit_stats
 from ckstore.maintenance.gc import collect_garbage
 from ckstore.maintenance.retention import RetentionPolicy
 from ckstore.maintenance.sizes import CommitSizes, commit_sizes
-from ckstore.repository.refs import REMOTES
 from ckstore.repository.context import RepoContext
+from ckstore.repository.refs import REMOTES
 
 TensorKey = tuple[str, str]  # (file path, tensor name)
 # Metrics whose name says higher is better; every other metric is taken as lower-is-better (a loss).
@@ -113,17 +113,27 @@ def _flags(rows: list[CommitRow]) -> list[Flag]:
             if s.l2 is not None:
                 start = first.setdefault(key, s.l2)
                 if start > 0 and s.l2 > EXPLODING * start:
-                    flags.append(Flag("exploding", row.id, key, f"norm {s.l2:.4g}, {s.l2 / start:.3g}x its first {start:.4g}"))
+                    flags.append(
+                        Flag("exploding", row.id, key, f"norm {s.l2:.4g}, {s.l2 / start:.3g}x its first {start:.4g}")
+                    )
                 top = peak.get(key, 0.0)
                 if top > 0 and s.l2 < VANISHING * top:
-                    flags.append(Flag("vanishing", row.id, key, f"norm {s.l2:.4g}, below {VANISHING:g} of its peak {top:.4g}"))
+                    flags.append(
+                        Flag("vanishing", row.id, key, f"norm {s.l2:.4g}, below {VANISHING:g} of its peak {top:.4g}")
+                    )
                 peak[key] = max(top, s.l2)
             if s.change == 0.0:
                 still[key] = still.get(key, 0) + 1
             elif s.change is not None:
                 if still.get(key, 0) >= FROZEN_RUN:
-                    flags.append(Flag("frozen changed", row.id, key,
-                                      f"changed by {s.change:.3g} after {still[key]} commits without change"))
+                    flags.append(
+                        Flag(
+                            "frozen changed",
+                            row.id,
+                            key,
+                            f"changed by {s.change:.3g} after {still[key]} commits without change",
+                        )
+                    )
                 still[key] = 0
     return flags
 
@@ -149,11 +159,18 @@ def _metrics(entries: list[LogEntry]) -> list[Metric]:
 
 def _retention(ctx: RepoContext, count: int, metrics: list[Metric]) -> list[tuple[str, int, int, int]]:
     policies: list[tuple[str, RetentionPolicy]] = [
-        (f"--keep-last {n}", RetentionPolicy(keep_last=n)) for n in (1, 3, 10) if n < count]
+        (f"--keep-last {n}", RetentionPolicy(keep_last=n)) for n in (1, 3, 10) if n < count
+    ]
     if metrics:
         m = metrics[0]
-        policies += [(f"--keep-best {n} --metric {m.name}{' --max' if m.maximize else ''}",
-                      RetentionPolicy(keep_best=n, metric=m.name, maximize=m.maximize)) for n in (1, 3) if n < count]
+        policies += [
+            (
+                f"--keep-best {n} --metric {m.name}{' --max' if m.maximize else ''}",
+                RetentionPolicy(keep_best=n, metric=m.name, maximize=m.maximize),
+            )
+            for n in (1, 3)
+            if n < count
+        ]
     out = []
     for label, policy in policies:
         now = collect_garbage(ctx, policy, dry_run=True, force=True)
@@ -170,10 +187,17 @@ def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
     for e in entries:
         parent = e.commit.parents[0] if e.commit.parents and ctx.store.has(e.commit.parents[0]) else None
         parent_commit = ctx.graph.read_commit(parent) if parent else None
-        rows.append(CommitRow(
-            e.id, e.commit, parent, sizes[e.id], stored_bytes(ctx.store, {c.id for c in e.commit.all_chunks()}),
-            torch_save_estimate(e.commit),
-            commit_stats(ctx.store, e.commit, parent_commit, (e.id, parent) if parent else None)))
+        rows.append(
+            CommitRow(
+                e.id,
+                e.commit,
+                parent,
+                sizes[e.id],
+                stored_bytes(ctx.store, {c.id for c in e.commit.all_chunks()}),
+                torch_save_estimate(e.commit),
+                commit_stats(ctx.store, e.commit, parent_commit, (e.id, parent) if parent else None),
+            )
+        )
     groups: dict[str, list[TensorKey]] = {}
     for row in rows:
         for key in row.stats:
@@ -182,9 +206,15 @@ def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
                 members.append(key)
     metrics = _metrics(entries)
     return ReportData(
-        rows, groups, metrics, _flags(rows), _retention(ctx, len(rows), metrics),
-        branches=ctx.refs.list("refs/heads/"), tags=ctx.refs.list("refs/tags/"),
-        tracking=ctx.refs.list(REMOTES), head=ctx.refs.head_branch(),
+        rows,
+        groups,
+        metrics,
+        _flags(rows),
+        _retention(ctx, len(rows), metrics),
+        branches=ctx.refs.list("refs/heads/"),
+        tags=ctx.refs.list("refs/tags/"),
+        tracking=ctx.refs.list(REMOTES),
+        head=ctx.refs.head_branch(),
     )
 
 

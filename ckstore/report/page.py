@@ -16,9 +16,9 @@ from html import escape
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
-from ckstore.format.units import human as human_bytes
 from ckstore.report import plots
 from ckstore.report.data import ReportData, group_change
+from ckstore.runtime.units import human as human_bytes
 from ckstore.version import __version__
 
 _CSS = """
@@ -64,37 +64,58 @@ def _tensor_tables(data: ReportData) -> str:
                 change = s.change if s is not None else None
                 value = "" if change is None else f' data-change="{change!r}" title="{change:.4g}"'
                 cells.append(f'<td data-id="{r.id[:12]}"{value} style="background:{_color(change, low, high)}"></td>')
-            rows.append(f'<tr data-path="{escape(path)}" data-name="{escape(name)}"><td class="n">{escape(name)}</td>'
-                        + "".join(cells) + "</tr>")
-        out.append(f"<details><summary><code>{escape(module)}</code> · {len(members)} tensor(s) · {note}</summary>"
-                   f'<table class="t">{"".join(rows)}</table></details>')
+            rows.append(
+                f'<tr data-path="{escape(path)}" data-name="{escape(name)}"><td class="n">{escape(name)}</td>'
+                + "".join(cells)
+                + "</tr>"
+            )
+        out.append(
+            f"<details><summary><code>{escape(module)}</code> · {len(members)} tensor(s) · {note}</summary>"
+            f'<table class="t">{"".join(rows)}</table></details>'
+        )
     return "\n".join(out)
 
 
 def _storage_table(data: ReportData) -> str:
-    head = ("<tr><th>#</th><th class=l>commit</th><th class=l>message</th><th>logical</th><th>stored</th>"
-            "<th>added</th><th>new</th><th>held alone</th><th>torch.save ≈</th></tr>")
+    head = (
+        "<tr><th>#</th><th class=l>commit</th><th class=l>message</th><th>logical</th><th>stored</th>"
+        "<th>added</th><th>new</th><th>held alone</th><th>torch.save ≈</th></tr>"
+    )
     rows = []
     for i, r in enumerate(data.commits, 1):
-        figures = {"logical-bytes": r.commit.logical_bytes, "stored-bytes": r.stored_bytes,
-                   "added-bytes": r.commit.added_bytes, "new-bytes": r.sizes.new_bytes,
-                   "held-alone-bytes": r.sizes.held_alone_bytes, "torch-save-bytes": r.torch_save_bytes}
+        figures = {
+            "logical-bytes": r.commit.logical_bytes,
+            "stored-bytes": r.stored_bytes,
+            "added-bytes": r.commit.added_bytes,
+            "new-bytes": r.sizes.new_bytes,
+            "held-alone-bytes": r.sizes.held_alone_bytes,
+            "torch-save-bytes": r.torch_save_bytes,
+        }
         cells = "".join(f'<td data-{k}="{"" if v is None else v}">{human(v)}</td>' for k, v in figures.items())
-        rows.append(f'<tr data-id="{r.id}"><td>{i}</td><td class=l><code>{r.id[:12]}</code></td>'
-                    f"<td class=l>{escape(r.commit.message.splitlines()[0] if r.commit.message else '')}</td>{cells}</tr>")
-    return (f"<details><summary>Every commit's figures ({len(rows)} rows)</summary>"
-            f'<table id="storage">{head}{"".join(rows)}</table></details>')
+        rows.append(
+            f'<tr data-id="{r.id}"><td>{i}</td><td class=l><code>{r.id[:12]}</code></td>'
+            f"<td class=l>{escape(r.commit.message.splitlines()[0] if r.commit.message else '')}</td>{cells}</tr>"
+        )
+    return (
+        f"<details><summary>Every commit's figures ({len(rows)} rows)</summary>"
+        f'<table id="storage">{head}{"".join(rows)}</table></details>'
+    )
 
 
 def _retention_table(data: ReportData) -> str:
     if not data.retention:
         return "<p class=muted>Too few commits for a retention policy to delete any.</p>"
-    rows = "".join(f"<tr><td class=l><code>ckstore gc {escape(label)}</code></td><td>{n}</td>"
-                   f'<td data-freed-bytes="{now}">{human(now)}</td><td data-freed-prune-now-bytes="{expired}">'
-                   f"{human(expired)}</td></tr>" for label, n, now, expired in data.retention)
-    return ("<table id=retention><tr><th class=l>policy</th><th>commits deleted</th><th>frees now</th>"
-            f"<th>with --prune-now</th></tr>{rows}</table><p class=muted>“Frees now” keeps what the reflog still "
-            "names (90 days); --prune-now expires those entries first.</p>")
+    rows = "".join(
+        f"<tr><td class=l><code>ckstore gc {escape(label)}</code></td><td>{n}</td>"
+        f'<td data-freed-bytes="{now}">{human(now)}</td><td data-freed-prune-now-bytes="{expired}">'
+        f"{human(expired)}</td></tr>"
+        for label, n, now, expired in data.retention
+    )
+    return (
+        "<table id=retention><tr><th class=l>policy</th><th>commits deleted</th><th>frees now</th>"
+        f"<th>with --prune-now</th></tr>{rows}</table><p class=muted>“Frees now” keeps what the reflog still "
+        "names (90 days); --prune-now expires those entries first.</p>"
+    )
 
 
 def _lineage(data: ReportData) -> str:
@@ -105,8 +126,10 @@ def _lineage(data: ReportData) -> str:
         text = escape(row.commit.message.splitlines()[0]) if row and row.commit.message else ""
         return f"<code>{oid[:12]}</code> {text}"
 
-    items = [f"<li>branch <b>{escape(b)}</b>{' (HEAD)' if b == data.head else ''} → {name(o)}</li>"
-             for b, o in sorted(data.branches.items())]
+    items = [
+        f"<li>branch <b>{escape(b)}</b>{' (HEAD)' if b == data.head else ''} → {name(o)}</li>"
+        for b, o in sorted(data.branches.items())
+    ]
     items += [f"<li>tag <b>{escape(t)}</b> → {name(o)}</li>" for t, o in sorted(data.tags.items())]
     items += [f"<li>remote-tracking <b>{escape(t)}</b> → {name(o)}</li>" for t, o in sorted(data.tracking.items())]
     for r in data.commits:
@@ -119,29 +142,41 @@ def _lineage(data: ReportData) -> str:
 def _flags(data: ReportData) -> str:
     if not data.flags:
         return "<p id=health>No non-finite values, exploding or vanishing norms, or frozen tensors that moved.</p>"
-    rows = "".join(f'<tr data-id="{f.commit}"><td class="l flag">{escape(f.kind)}</td><td class=l><code>'
-                   f"{f.commit[:12]}</code></td><td class=l>{escape(f.tensor[1])} <span class=muted>"
-                   f"({escape(f.tensor[0])})</span></td><td class=l>{escape(f.detail)}</td></tr>"
-                   for f in data.flags[:500])
+    rows = "".join(
+        f'<tr data-id="{f.commit}"><td class="l flag">{escape(f.kind)}</td><td class=l><code>'
+        f"{f.commit[:12]}</code></td><td class=l>{escape(f.tensor[1])} <span class=muted>"
+        f"({escape(f.tensor[0])})</span></td><td class=l>{escape(f.detail)}</td></tr>"
+        for f in data.flags[:500]
+    )
     more = f"<p class=muted>and {len(data.flags) - 500} more</p>" if len(data.flags) > 500 else ""
-    return f"<table id=health><tr><th class=l>flag</th><th class=l>commit</th><th class=l>tensor</th>" \
-           f"<th class=l>detail</th></tr>{rows}</table>{more}"
+    return (
+        f"<table id=health><tr><th class=l>flag</th><th class=l>commit</th><th class=l>tensor</th>"
+        f"<th class=l>detail</th></tr>{rows}</table>{more}"
+    )
 
 
 def render(data: ReportData, refs: Sequence[str], location: str) -> str:
     labels = [f"{i} {r.id[:7]}" for i, r in enumerate(data.commits, 1)]
     ids = [r.id for r in data.commits]
-    metrics = "".join(f'<div class="plot" data-plot="metric" data-metric="{escape(m.name)}" data-best="{m.best}">'
-                      f"{plots.metric(m, labels, ids)}</div>" for m in data.metrics) \
+    metrics = (
+        "".join(
+            f'<div class="plot" data-plot="metric" data-metric="{escape(m.name)}" data-best="{m.best}">'
+            f"{plots.metric(m, labels, ids)}</div>"
+            for m in data.metrics
+        )
         or "<p class=muted>No numeric metric is recorded in at least two commits' metadata.</p>"
+    )
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    heat = (f'<div class="plot" data-plot="heatmap">{plots.heatmap(data, labels)}</div>' if data.groups
-            else "<p class=muted>No numeric tensors.</p>")
+    heat = (
+        f'<div class="plot" data-plot="heatmap">{plots.heatmap(data, labels)}</div>'
+        if data.groups
+        else "<p class=muted>No numeric tensors.</p>"
+    )
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>ckstore report: {escape(' '.join(refs) or 'HEAD')}</title>
+<html lang="en"><head><meta charset="utf-8"><title>ckstore report: {escape(" ".join(refs) or "HEAD")}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>{_CSS}</style></head><body>
-<h1>ckstore report: {escape(' '.join(refs) or 'HEAD')}</h1>
+<h1>ckstore report: {escape(" ".join(refs) or "HEAD")}</h1>
 <p class=muted>{len(data.commits)} commit(s) of <code>{escape(location)}</code>, made {when} by ckstore {__version__}.</p>
 <h2>Health</h2>{_flags(data)}
 <h2>How much each module changed</h2>

@@ -26,7 +26,7 @@ def _svg(fig: Figure, salt: str) -> str:
     with matplotlib.rc_context({"svg.hashsalt": salt, "svg.fonttype": "path"}):
         fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
     text = buf.getvalue()
-    return text[text.index("<svg"):]
+    return text[text.index("<svg") :]
 
 
 def _commit_ticks(ax: matplotlib.axes.Axes, count: int, labels: Sequence[str]) -> None:
@@ -74,7 +74,9 @@ def storage(data: ReportData, labels: Sequence[str]) -> str:
     fig = Figure(figsize=(min(5 + 0.12 * len(rows), 18), 6.5))
     top, bottom = fig.subplots(2, 1, sharex=True)
     top.plot(x + 0.5, np.cumsum([r.commit.logical_bytes for r in rows]) / MIB, label="files as they are (safetensors)")
-    top.plot(x + 0.5, np.cumsum([r.torch_save_bytes for r in rows]) / MIB, label="torch.save (estimate)", linestyle="--")
+    top.plot(
+        x + 0.5, np.cumsum([r.torch_save_bytes for r in rows]) / MIB, label="torch.save (estimate)", linestyle="--"
+    )
     top.plot(x + 0.5, np.cumsum([r.commit.added_bytes for r in rows]) / MIB, label="ckstore: added when committed")
     top.set_ylabel("MiB, keeping every commit")
     top.legend(fontsize=8)
@@ -94,10 +96,16 @@ def metric(m: Metric, labels: Sequence[str], ids: Sequence[str]) -> str:
     fig = Figure(figsize=(6, 3))
     ax = fig.add_subplot()
     ax.plot([i + 0.5 for i, _ in points], [v for _, v in points], marker=".", linewidth=1)
-    ax.plot([best + 0.5], [m.values[best]], marker="*", markersize=14, color="#d62728", linestyle="none",
-            label=f"best ({'max' if m.maximize else 'min'}): {m.values[best]:.4g}")
+    ax.plot(
+        [best + 0.5],
+        [m.values[best]],
+        marker="*",
+        markersize=14,
+        color="#d62728",
+        linestyle="none",
+        label=f"best ({'max' if m.maximize else 'min'}): {m.values[best]:.4g}",
+    )
     ax.set_title(m.name, fontsize=10)
     ax.legend(fontsize=8)
     _commit_ticks(ax, len(labels), labels)
     return _svg(fig, f"metric-{m.name}")
-

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from ckstore.errors import LockedError
 from ckstore.format.ids import ObjectId
 from ckstore.maintenance import sizes
-from ckstore.repository.refs import REMOTES
 from ckstore.repository.context import RepoContext
-from ckstore.repository.refs import HEADS
+from ckstore.repository.refs import HEADS, REMOTES
 
 
 @dataclass(frozen=True)
@@ -113,5 +112,14 @@ def status(ctx: RepoContext, remotes: dict[str, str]) -> Status:
             ahead, behind = _counts(ctx, local, oid)
             tracking.append(TrackingStatus(name, remote_branch, oid, local, ahead, behind))
     figures, measured, current = _storage(ctx)
-    return Status(branch, ctx.refs.read(HEADS + branch), compaction_running(ctx), figures, bases,
-                  dict(remotes), tracking, measured, current)
+    return Status(
+        branch,
+        ctx.refs.read(HEADS + branch),
+        compaction_running(ctx),
+        figures,
+        bases,
+        dict(remotes),
+        tracking,
+        measured,
+        current,
+    )

@@ -8,9 +8,9 @@ deletion (the reflog then keeps them until it expires).
 
 from __future__ import annotations
 
-from ckstore.repository.context import RepoContext
 from ckstore.errors import ForceRequiredError, RefExistsError, RefNotFoundError
 from ckstore.format.ids import ObjectId
+from ckstore.repository.context import RepoContext
 from ckstore.repository.refs import HEADS, TAGS, check_ref_name
 from ckstore.repository.writing import writing
 
@@ -18,7 +18,11 @@ _PREFIX = {"branch": HEADS, "tag": TAGS}
 
 
 def create(
-    ctx: RepoContext, kind: str, name: str, rev: str = "HEAD", force: bool = False,
+    ctx: RepoContext,
+    kind: str,
+    name: str,
+    rev: str = "HEAD",
+    force: bool = False,
 ) -> tuple[ObjectId | None, ObjectId]:
     """Create branch or tag ``name`` at ``rev``; with ``force``, move it there if it exists.
     Return (the commit it held before, the commit it holds now)."""

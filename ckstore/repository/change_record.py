@@ -35,8 +35,17 @@ def record_key(commit_id: str, parent_id: str) -> str:
 
 def chunks_digest(new: TensorEntry, old: TensorEntry) -> str:
     """What an entry was computed from: both tensors' dtype, shape and chunk ids."""
-    text = "\n".join([new.dtype, repr(tuple(new.shape)), *(c.id for c in new.chunks), "",
-                      old.dtype, repr(tuple(old.shape)), *(c.id for c in old.chunks)])
+    text = "\n".join(
+        [
+            new.dtype,
+            repr(tuple(new.shape)),
+            *(c.id for c in new.chunks),
+            "",
+            old.dtype,
+            repr(tuple(old.shape)),
+            *(c.id for c in old.chunks),
+        ]
+    )
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
@@ -50,22 +59,34 @@ def comparable(commit: Commit, parent: Commit) -> dict[TensorKey, tuple[TensorEn
     for f in commit.files:
         for t in f.tensors:
             old = before.get((f.path, t.name))
-            if (old is not None and old.dtype == t.dtype and tuple(old.shape) == tuple(t.shape)
-                    and t.dtype in NUMERIC_DTYPES and [c.id for c in old.chunks] != [c.id for c in t.chunks]):
+            if (
+                old is not None
+                and old.dtype == t.dtype
+                and tuple(old.shape) == tuple(t.shape)
+                and t.dtype in NUMERIC_DTYPES
+                and [c.id for c in old.chunks] != [c.id for c in t.chunks]
+            ):
                 out[(f.path, t.name)] = (t, old)
     return out
 
 
-def read_changes(backend: Backend, commit_id: str, commit: Commit, parent_id: str, parent: Commit) -> dict[TensorKey, Sums]:
+def read_changes(
+    backend: Backend, commit_id: str, commit: Commit, parent_id: str, parent: Commit
+) -> dict[TensorKey, Sums]:
     """The record's sums for the tensors it describes correctly; empty when there is no record
     or it cannot be read. Entries that disagree with the two manifests are left out."""
     try:
         document = json.loads(backend.get(record_key(commit_id, parent_id)))
     except (KeyError, CkstoreError, OSError, ValueError):
         return {}
-    if (not isinstance(document, dict) or document.get("ckstore") != MARK or document.get("version") != VERSION
-            or document.get("commit") != commit_id or document.get("parent") != parent_id
-            or not isinstance(document.get("tensors"), list)):
+    if (
+        not isinstance(document, dict)
+        or document.get("ckstore") != MARK
+        or document.get("version") != VERSION
+        or document.get("commit") != commit_id
+        or document.get("parent") != parent_id
+        or not isinstance(document.get("tensors"), list)
+    ):
         return {}
     pairs = comparable(commit, parent)
     out: dict[TensorKey, Sums] = {}
@@ -76,14 +97,18 @@ def read_changes(backend: Backend, commit_id: str, commit: Commit, parent_id: st
             digest = entry["chunks"]
         except (KeyError, TypeError):
             continue
-        if (key in pairs and digest == chunks_digest(*pairs[key])
-                and all(isinstance(x, float) and math.isfinite(x) and x >= 0 for x in sums)):
+        if (
+            key in pairs
+            and digest == chunks_digest(*pairs[key])
+            and all(isinstance(x, float) and math.isfinite(x) and x >= 0 for x in sums)
+        ):
             out[key] = (float(sums[0]), float(sums[1]))
     return out
 
 
-def write_changes(backend: Backend, commit_id: str, commit: Commit, parent_id: str, parent: Commit,
-                  sums: Mapping[TensorKey, Sums]) -> None:
+def write_changes(
+    backend: Backend, commit_id: str, commit: Commit, parent_id: str, parent: Commit, sums: Mapping[TensorKey, Sums]
+) -> None:
     """Add ``sums`` (finite ones, for tensors ``comparable`` names) to the record, keeping the
     valid entries it has; written whole and atomically. A cache: failing to write it is not an
     error (a read-only repository, a full disk), the figures are computed again next time."""
@@ -93,9 +118,22 @@ def write_changes(backend: Backend, commit_id: str, commit: Commit, parent_id: s
     if not fresh or all(known.get(k) == s for k, s in fresh.items()):
         return
     merged = {**known, **fresh}
-    document = {"ckstore": MARK, "version": VERSION, "commit": commit_id, "parent": parent_id,
-                "tensors": [{"path": k[0], "name": k[1], "chunks": chunks_digest(*pairs[k]),
-                             "diff_sq": float(s[0]), "base_sq": float(s[1])} for k, s in sorted(merged.items())]}
+    document = {
+        "ckstore": MARK,
+        "version": VERSION,
+        "commit": commit_id,
+        "parent": parent_id,
+        "tensors": [
+            {
+                "path": k[0],
+                "name": k[1],
+                "chunks": chunks_digest(*pairs[k]),
+                "diff_sq": float(s[0]),
+                "base_sq": float(s[1]),
+            }
+            for k, s in sorted(merged.items())
+        ],
+    }
     try:
         backend.replace(record_key(commit_id, parent_id), json.dumps(document, separators=(",", ":")).encode())
     except (CkstoreError, OSError):

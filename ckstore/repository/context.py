@@ -18,8 +18,8 @@ from pathlib import Path
 from ckstore.backend.base import Backend
 from ckstore.backend.local import LocalBackend, find_repository, locate_repository, prepare_new_repository
 from ckstore.backend.memory import MemoryBackend
-from ckstore.format.settings import CONFIG_KEY, PACKS_VERSION, RepoConfig
 from ckstore.errors import CkstoreError, InvalidInputError, RefExistsError, RepoNotFoundError, UnsupportedFormatError
+from ckstore.format.settings import CONFIG_KEY, PACKS_VERSION, RepoConfig
 from ckstore.repository.graph import CommitGraph
 from ckstore.repository.links import ALTERNATES_KEY, MAX_BASE_DEPTH, Link, read_links
 from ckstore.repository.refs import DEFAULT_BRANCH, RefStore
@@ -39,8 +39,10 @@ class BrokenBase:
     reason: str
 
     def __str__(self) -> str:
-        return (f"{self.link.entry} ({self.link.location}) cannot be opened: {self.reason}; if it moved, "
-                f"run 'ckstore --repo {shlex.quote(self.holder)} relink NEW_LOCATION'")
+        return (
+            f"{self.link.entry} ({self.link.location}) cannot be opened: {self.reason}; if it moved, "
+            f"run 'ckstore --repo {shlex.quote(self.holder)} relink NEW_LOCATION'"
+        )
 
 
 @dataclass
@@ -113,8 +115,11 @@ class RepoContext:
 
 
 def open_context(
-    path: str | os.PathLike[str] | None = None, *, backend: Backend | None = None,
-    open_alternates: bool = True, depth: int = 0,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    backend: Backend | None = None,
+    open_alternates: bool = True,
+    depth: int = 0,
 ) -> RepoContext:
     """Open the repository at ``path`` (or its ``.ckstore`` child), or on ``backend``."""
     root: Path | None
@@ -148,7 +153,9 @@ def why_unopened(exc: CkstoreError) -> str:
 
 
 def init_context(
-    path: str | os.PathLike[str], config: RepoConfig, backend: Backend | None = None,
+    path: str | os.PathLike[str],
+    config: RepoConfig,
+    backend: Backend | None = None,
 ) -> RepoContext:
     """Create a repository with ``config`` (on a new local folder unless ``backend`` is given)."""
     config.validate()
@@ -161,7 +168,10 @@ def init_context(
 
 
 def open_or_init_context(
-    path: str | os.PathLike[str], config: RepoConfig, backend: Backend | None = None, check: Iterable[str] = (),
+    path: str | os.PathLike[str],
+    config: RepoConfig,
+    backend: Backend | None = None,
+    check: Iterable[str] = (),
 ) -> RepoContext:
     """The repository at ``path``, created with ``config`` if there is none (a training script
     that runs twice). A setting named in ``check`` that the existing repository has with another
@@ -183,7 +193,9 @@ def memory_context(config: RepoConfig) -> RepoContext:
     return ctx
 
 
-def find_context(explicit: str | os.PathLike[str] | None = None, start: str | os.PathLike[str] | None = None) -> RepoContext:
+def find_context(
+    explicit: str | os.PathLike[str] | None = None, start: str | os.PathLike[str] | None = None
+) -> RepoContext:
     """``explicit``, else $CKSTORE_REPO, else the nearest .ckstore at or above ``start``."""
     if explicit:
         return open_context(explicit)

@@ -73,8 +73,9 @@ class CommitGraph:
         if commit is None:
             data = self.store.get_commit(oid)  # its errors already name the commit
             try:
-                commit = decode_commit(data, lazy_files=None if files else f"commit {oid}",
-                                       read=self.file_list_reader(oid))
+                commit = decode_commit(
+                    data, lazy_files=None if files else f"commit {oid}", read=self.file_list_reader(oid)
+                )
             except IntegrityError as exc:
                 raise IntegrityError(f"commit {oid}: {exc}") from None
             self.cache[oid] = commit
@@ -168,7 +169,7 @@ class CommitGraph:
         as (its short name, entries newest first)."""
         if name == HEAD:
             logs = self.refs.logs
-            branches = {ref[len(HEADS):]: logs.read(ref) for ref in logs.refs() if ref.startswith(HEADS)}
+            branches = {ref[len(HEADS) :]: logs.read(ref) for ref in logs.refs() if ref.startswith(HEADS)}
             return HEAD, head_view(logs.read(HEAD_LOG), branches, self.head_branch())
         candidates = ref_candidates(name)
         for ref in candidates:
@@ -323,5 +324,5 @@ class CommitGraph:
 def _short_name(ref: str) -> str:
     for prefix in (HEADS, TAGS):
         if ref.startswith(prefix):
-            return ref[len(prefix):]
+            return ref[len(prefix) :]
     return ref

@@ -50,8 +50,9 @@ def link_entry(target: str, holder: str, same_device: bool = True) -> str:
     else absolute (a base on another disk stays put when the project moves)."""
     for path in (target, holder):
         if not os.path.isabs(path) or any(ord(c) < 32 or c == "\x7f" for c in path):
-            raise InvalidInputError(f"cannot record repository location {path!r}: it must be absolute, "
-                                    "without control characters")
+            raise InvalidInputError(
+                f"cannot record repository location {path!r}: it must be absolute, without control characters"
+            )
     common = os.path.commonpath([target, holder])
     if not same_device or os.path.dirname(common) == common:
         return target

@@ -14,14 +14,26 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckstore.format.settings import RELATIVE_LINKS_VERSION
-from ckstore.repository.context import RepoContext, open_context, why_unopened
 from ckstore.errors import CkstoreError, DependentNotFoundError, InvalidInputError, InvalidPathError, RepoNotFoundError
 from ckstore.format.ids import ObjectId
-from ckstore.repository.links import (ALTERNATES_KEY, DEPENDENTS_KEY, MAX_BASE_DEPTH, Link, add_link, entry_for, read_links,
-                    read_location, read_paths, resolve_entry, write_location, write_paths)
 from ckstore.format.manifest import BaseRef, Commit, FileEntry
 from ckstore.format.positions import position_chunks
+from ckstore.format.settings import RELATIVE_LINKS_VERSION
+from ckstore.repository.context import RepoContext, open_context, why_unopened
+from ckstore.repository.links import (
+    ALTERNATES_KEY,
+    DEPENDENTS_KEY,
+    MAX_BASE_DEPTH,
+    Link,
+    add_link,
+    entry_for,
+    read_links,
+    read_location,
+    read_paths,
+    resolve_entry,
+    write_location,
+    write_paths,
+)
 
 
 def link_base_repo(ctx: RepoContext, base: RepoContext) -> None:
@@ -85,8 +97,11 @@ def merge_files(base: Commit, new: list[FileEntry]) -> list[FileEntry]:
 def from_base(commit: Commit, base: Commit) -> set[tuple[str, str | None]]:
     """(path, tensor) pairs of ``commit`` that are byte-identical to the base's (None: whole file)."""
     old = {(f.path, None): tuple(c.id for c in f.all_chunks()) for f in base.files}
-    old.update((pos, tuple(c.id for c in chunks)) for pos, chunks in position_chunks(base.files, header=False).items()
-               if pos[1] is not None)
+    old.update(
+        (pos, tuple(c.id for c in chunks))
+        for pos, chunks in position_chunks(base.files, header=False).items()
+        if pos[1] is not None
+    )
     same = set()
     for f in commit.files:
         if old.get((f.path, None)) == tuple(c.id for c in f.all_chunks()):
@@ -116,7 +131,8 @@ def external_needs(ctx: RepoContext, seen: set[str] | None = None) -> tuple[set[
         except CkstoreError as exc:
             raise DependentNotFoundError(
                 f"dependent repository {link.location} of {here} cannot be opened ({why_unopened(exc)}); "
-                f"gc stopped rather than delete what it may need: {_dependent_advice(here)}") from None
+                f"gc stopped rather than delete what it may need: {_dependent_advice(here)}"
+            ) from None
         # What the dependent's own gc may keep: commits its refs or reflogs reach plus,
         # transitively, the in-repository bases of its overlays ...
         mine: set[str] = set()
@@ -136,6 +152,7 @@ def external_needs(ctx: RepoContext, seen: set[str] | None = None) -> tuple[set[
 
 # ---- repairing links after a move ---------------------------------------------------------------
 
+
 @dataclass
 class RelinkedBase:
     location: str  # the base repository, where it is now
@@ -152,8 +169,12 @@ class RelinkReport:
     pruned: list[str] = field(default_factory=list)  # dependents forgotten: nothing is there any more
 
 
-def relink(ctx: RepoContext, bases: Sequence[str | os.PathLike[str]] = (),
-           dependents: Sequence[str | os.PathLike[str]] = (), prune: bool = False) -> RelinkReport:
+def relink(
+    ctx: RepoContext,
+    bases: Sequence[str | os.PathLike[str]] = (),
+    dependents: Sequence[str | os.PathLike[str]] = (),
+    prune: bool = False,
+) -> RelinkReport:
     """Repair the links between repositories after one of them moved.
 
     ``bases``: the new locations of base repositories that no longer open from here. Every
@@ -192,7 +213,9 @@ def _relink_bases(ctx: RepoContext, new_bases: list[RepoContext]) -> list[Relink
             continue  # linked and reachable: only rewritten below
         broken = [i for i, t in enumerate(targets) if t is None]
         if not broken:
-            raise InvalidInputError(f"{there} is not a base repository of {here}, and every base repository it names opens")
+            raise InvalidInputError(
+                f"{there} is not a base repository of {here}, and every base repository it names opens"
+            )
         needs = needs or _base_needs(ctx)
         _check_is_base(here, new, needs)
         if here in _all_alternates(new):
@@ -202,8 +225,10 @@ def _relink_bases(ctx: RepoContext, new_bases: list[RepoContext]) -> list[Relink
         return []
     for link, target in zip(links, targets):
         if target is None:
-            raise RepoNotFoundError(f"base repository {link.entry} ({link.location}) cannot be opened: give its "
-                                    f"new location too ('ckstore relink PATH...')")
+            raise RepoNotFoundError(
+                f"base repository {link.entry} ({link.location}) cannot be opened: give its "
+                f"new location too ('ckstore relink PATH...')"
+            )
     changes = []
     for link, target in zip(links, targets):
         assert target is not None
@@ -243,17 +268,23 @@ def _check_is_base(here: str, new: RepoContext, needs: tuple[dict[ObjectId, str]
     named, missing = needs
     evidence, what = set(named) & missing, "missing base commit(s) its overlays name"
     if not evidence:
-        evidence, what = (missing, "object(s) it misses") if missing else (set(named), "base commit(s) its overlays name")
+        evidence, what = (
+            (missing, "object(s) it misses") if missing else (set(named), "base commit(s) its overlays name")
+        )
     if not evidence:
-        raise InvalidInputError(f"{here} names no base commit and misses no object: nothing shows that "
-                                f"{new.location} is its base repository")
+        raise InvalidInputError(
+            f"{here} names no base commit and misses no object: nothing shows that "
+            f"{new.location} is its base repository"
+        )
     if not any(new.store.has(oid) for oid in evidence):
-        raise InvalidInputError(f"{new.location} is not the base repository of {here}: it holds none of the "
-                                f"{len(evidence)} {what}")
+        raise InvalidInputError(
+            f"{new.location} is not the base repository of {here}: it holds none of the {len(evidence)} {what}"
+        )
 
 
-def _replaced_link(here: str, new: RepoContext, broken: list[tuple[int, Link]], written_from: str,
-                   named: dict[ObjectId, str]) -> int:
+def _replaced_link(
+    here: str, new: RepoContext, broken: list[tuple[int, Link]], written_from: str, named: dict[ObjectId, str]
+) -> int:
     """Which unreachable ``alternates`` line ``new`` replaces: the only one, else the one whose old
     location the overlays' manifests record for a base commit that ``new`` holds."""
     if len(broken) == 1:
@@ -261,8 +292,10 @@ def _replaced_link(here: str, new: RepoContext, broken: list[tuple[int, Link]], 
     recorded = {repo for oid, repo in named.items() if new.store.has(oid)}
     matches = [i for i, link in broken if {link.location, resolve_entry(link.entry, written_from)} & recorded]
     if len(matches) != 1:
-        raise InvalidInputError(f"{len(broken)} base repositories of {here} cannot be opened and nothing tells "
-                                f"which one {new.location} replaces")
+        raise InvalidInputError(
+            f"{len(broken)} base repositories of {here} cannot be opened and nothing tells "
+            f"which one {new.location} replaces"
+        )
     return matches[0]
 
 
@@ -321,8 +354,10 @@ def _prune_dependents(ctx: RepoContext) -> list[str]:
 
 def _dependent_advice(here: str) -> str:
     repo = shlex.quote(here)
-    return (f"if it moved, run 'ckstore --repo {repo} relink --dependent NEW_LOCATION'; "
-            f"if it was deleted, run 'ckstore --repo {repo} relink --prune'")
+    return (
+        f"if it moved, run 'ckstore --repo {repo} relink --dependent NEW_LOCATION'; "
+        f"if it was deleted, run 'ckstore --repo {repo} relink --prune'"
+    )
 
 
 def unreachable_bases(ctx: RepoContext) -> list[str]:
@@ -340,16 +375,22 @@ def link_problems(ctx: RepoContext) -> list[str]:
     here = ctx.location
     for base in ctx.bases:
         if here not in {d.location for d in read_links(base.backend, DEPENDENTS_KEY, base.location)}:
-            problems.append(f"base repository {base.location} does not list {here} among its dependents, so its "
-                            f"gc may delete what this one needs: run 'ckstore --repo {shlex.quote(here)} relink'")
+            problems.append(
+                f"base repository {base.location} does not list {here} among its dependents, so its "
+                f"gc may delete what this one needs: run 'ckstore --repo {shlex.quote(here)} relink'"
+            )
     for link in read_links(ctx.backend, DEPENDENTS_KEY, here):
         try:
             dependent = open_context(link.location, open_alternates=False)
         except CkstoreError as exc:
-            problems.append(f"dependent repository unreachable: {link.entry} ({link.location}) cannot be opened: "
-                            f"{why_unopened(exc)}; {_dependent_advice(here)}")
+            problems.append(
+                f"dependent repository unreachable: {link.entry} ({link.location}) cannot be opened: "
+                f"{why_unopened(exc)}; {_dependent_advice(here)}"
+            )
             continue
         if here not in {b.location for b in read_links(dependent.backend, ALTERNATES_KEY, dependent.location)}:
-            problems.append(f"dependent repository {dependent.location} does not name {here} in its alternates: "
-                            f"run 'ckstore --repo {shlex.quote(here)} relink --dependent {shlex.quote(dependent.location)}'")
+            problems.append(
+                f"dependent repository {dependent.location} does not name {here} in its alternates: "
+                f"run 'ckstore --repo {shlex.quote(here)} relink --dependent {shlex.quote(dependent.location)}'"
+            )
     return list(dict.fromkeys(problems))

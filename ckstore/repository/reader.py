@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
 from ckstore.codecs.objects import Kind, decode_view, parse_header
+from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
 from ckstore.format.ids import chunk_id, commit_id
 
 if TYPE_CHECKING:
@@ -70,8 +70,9 @@ class _Refused(ObjectCorruptError):
     """A failure deeper in a chain whose message already names the object and the chain."""
 
     def __init__(self, oid: str, context: str, reason: str) -> None:
-        super().__init__(f"object {oid}{context} is {'refused' if 'memory' in reason else 'corrupt'}: {reason}",
-                         oid, reason)
+        super().__init__(
+            f"object {oid}{context} is {'refused' if 'memory' in reason else 'corrupt'}: {reason}", oid, reason
+        )
 
 
 def _public(exc: _Refused) -> ObjectCorruptError:
@@ -96,8 +97,11 @@ class _Read:
 
     def reserve(self, oid: str, n: int, context: str) -> None:
         if self.held + n > self.budget:
-            raise _Refused(oid, context, f"decoding it needs more than {self.budget} bytes of memory "
-                                         "(its delta chain is too long or too wide)")
+            raise _Refused(
+                oid,
+                context,
+                f"decoding it needs more than {self.budget} bytes of memory (its delta chain is too long or too wide)",
+            )
         self.held += n
 
 
@@ -110,6 +114,7 @@ class _BaseBuffers(threading.local):
 
     def take(self, n: int) -> np.ndarray:
         import numpy as np
+
         for i, buf in enumerate(self.free):
             if buf.size == n:
                 return self.free.pop(i)
@@ -135,8 +140,10 @@ def check_manifest_size(stored_len: int, raw_len: int) -> None:
     if raw_len > MAX_COMMIT_SIZE:
         raise IntegrityError(f"object declares {raw_len} bytes, more than the limit {MAX_COMMIT_SIZE}")
     if not manifest_size_ok(stored_len, raw_len):
-        raise IntegrityError(f"manifest declares {raw_len} bytes from {stored_len} stored ones, "
-                             f"more than a real manifest can compress ({MANIFEST_RATIO}:1)")
+        raise IntegrityError(
+            f"manifest declares {raw_len} bytes from {stored_len} stored ones, "
+            f"more than a real manifest can compress ({MANIFEST_RATIO}:1)"
+        )
 
 
 def verified_commit(oid: str, data: bytes | memoryview) -> bytes:
@@ -158,8 +165,9 @@ class VerifiedReader:
     Thread-safe: each read has its own path and budget; only the cache is shared.
     """
 
-    def __init__(self, source: Source, budget: int = DECODE_BUDGET, base_cache: int = 0,
-                 on_verified: Verified | None = None) -> None:
+    def __init__(
+        self, source: Source, budget: int = DECODE_BUDGET, base_cache: int = 0, on_verified: Verified | None = None
+    ) -> None:
         self.source = source
         self.on_verified = on_verified
         self.budget = budget
@@ -168,8 +176,14 @@ class VerifiedReader:
         self._cached = 0
         self._lock = threading.Lock()
 
-    def chunk(self, oid: str, size: int | None, context: str = "",
-              data: bytes | memoryview | None = None, out: np.ndarray | None = None) -> bytes | memoryview:
+    def chunk(
+        self,
+        oid: str,
+        size: int | None,
+        context: str = "",
+        data: bytes | memoryview | None = None,
+        out: np.ndarray | None = None,
+    ) -> bytes | memoryview:
         """The verified bytes of chunk ``oid`` (``size`` long when given); ``data`` is its stored
         form when the caller has it already. ``context`` names it in errors. A chunk that is not
         stored whole-and-plain may be decoded into ``out`` (a uint8 array of ``size`` bytes the
@@ -227,14 +241,21 @@ class VerifiedReader:
                 self._cached -= len(self._cache.popitem(last=False)[1][0])
         return True
 
-    def chunk_depth(self, oid: str, size: int | None, context: str,
-                    data: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+    def chunk_depth(
+        self, oid: str, size: int | None, context: str, data: bytes | memoryview
+    ) -> tuple[bytes | memoryview, int]:
         """``chunk`` and the verified chunk's delta chain depth (0 when whole)."""
         raw, depth, _ = self._read(oid, data, size, context, None)
         return raw, depth
 
-    def _read(self, oid: str, data: bytes | memoryview, size: int | None, context: str,
-              into: Callable[[int], np.ndarray | None] | None) -> tuple[bytes | memoryview, int, np.ndarray | None]:
+    def _read(
+        self,
+        oid: str,
+        data: bytes | memoryview,
+        size: int | None,
+        context: str,
+        into: Callable[[int], np.ndarray | None] | None,
+    ) -> tuple[bytes | memoryview, int, np.ndarray | None]:
         """One top-level read; repeated re-hashing every base when the object does not hash to
         its name and some base was not re-hashed (so the error names the corrupt object)."""
         try:
@@ -245,8 +266,15 @@ class VerifiedReader:
         except _Refused as exc:
             raise _public(exc) from None
 
-    def _decode_into(self, oid: str, data: bytes | memoryview, size: int | None, context: str, read: _Read,
-                     into: Callable[[int], np.ndarray | None] | None) -> tuple[bytes | memoryview, int, np.ndarray | None]:
+    def _decode_into(
+        self,
+        oid: str,
+        data: bytes | memoryview,
+        size: int | None,
+        context: str,
+        read: _Read,
+        into: Callable[[int], np.ndarray | None] | None,
+    ) -> tuple[bytes | memoryview, int, np.ndarray | None]:
         """Decode and verify ``oid`` and its chain, into the array ``into`` gives for the raw
         length once it is reserved (also returned: a base's buffer goes back to the thread's once
         nothing reads it)."""
@@ -267,8 +295,14 @@ class VerifiedReader:
         read.borrowed.append([])
         held_before = read.held
         try:
-            raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size,
-                              fetch_base=lambda base, length: self._base(base, length, oid, context, read), out=out)
+            raw = decode_view(
+                data,
+                Kind.CHUNK,
+                MAX_CHUNK_SIZE,
+                expected_len=size,
+                fetch_base=lambda base, length: self._base(base, length, oid, context, read),
+                out=out,
+            )
         except _Refused:
             raise
         except IntegrityError as exc:
@@ -300,7 +334,9 @@ class VerifiedReader:
                 raise _Refused(of, context, f"delta chain longer than {MAX_CHAIN_DEPTH}")
         else:
             where = f" (delta base of {of}{context})"
-            raw, depth, buf = self._decode_into(base, self._stored(base, where), length, where, read, _BASE_BUFFERS.take)
+            raw, depth, buf = self._decode_into(
+                base, self._stored(base, where), length, where, read, _BASE_BUFFERS.take
+            )
             if not self.remember(base, raw, depth) and buf is not None:  # its bytes stay reserved
                 read.borrowed[-1].append(buf)
         read.below[-1] = max(read.below[-1], depth + 1)
@@ -310,6 +346,7 @@ class VerifiedReader:
 def check_encoding(oid: str, data: bytes | memoryview, size: int, bases: dict[str, bytes | memoryview]) -> None:
     """Raise IntegrityError unless a new encoding ``data`` decodes to chunk ``oid``, its bases
     taken only from ``bases`` (verified bytes the caller holds): compaction and repack."""
+
     def fetch_base(wanted: str, length: int) -> bytes | memoryview:
         if wanted not in bases or length != len(bases[wanted]):
             raise IntegrityError(f"it names an unexpected base {wanted}")
@@ -327,22 +364,26 @@ def check_encoding(oid: str, data: bytes | memoryview, size: int, bases: dict[st
 BasesOfMany = Callable[[list[str]], Iterable[tuple[str, Iterable[str]]]]
 
 
-def delta_closure(objects: Iterable[str], bases_of: Callable[[str], Iterable[str]],
-                  follow: Callable[[str], bool] = lambda oid: True) -> set[str]:
+def delta_closure(
+    objects: Iterable[str], bases_of: Callable[[str], Iterable[str]], follow: Callable[[str], bool] = lambda oid: True
+) -> set[str]:
     """``objects`` plus every delta base they need, transitively (the one closure over delta
     bases; ``delta_closure_many`` reads headers a batch at a time). ``bases_of`` reads an
     object's bases from its header; a missing object has none to follow (fsck reports it)."""
+
     def each(oids: list[str]) -> Iterator[tuple[str, Iterable[str]]]:
         for oid in oids:
             try:
                 yield oid, bases_of(oid)
             except ObjectMissingError:
                 yield oid, ()
+
     return delta_closure_many(objects, each, follow)
 
 
-def delta_closure_many(objects: Iterable[str], bases_of_many: BasesOfMany,
-                       follow: Callable[[str], bool] = lambda oid: True) -> set[str]:
+def delta_closure_many(
+    objects: Iterable[str], bases_of_many: BasesOfMany, follow: Callable[[str], bool] = lambda oid: True
+) -> set[str]:
     """``delta_closure``, one round of header reads per level of the chains. An object for which
     ``follow`` is False is included but not read (it is not where the headers are read). A
     header that cannot be read (IntegrityError) stops the walk with one error text: without it

@@ -92,8 +92,7 @@ class Entry:
         return self.new or self.old
 
     def line(self) -> bytes:
-        return (f"{self.old or NONE_ID} {self.new or NONE_ID} {self.time:.6f} {self.who}\t{self.what}\n"
-                .encode())
+        return f"{self.old or NONE_ID} {self.new or NONE_ID} {self.time:.6f} {self.who}\t{self.what}\n".encode()
 
 
 def parse_line(ref: str, line: bytes) -> Entry | None:
@@ -119,8 +118,9 @@ class RefLog:
     """The logs of one repository's refs. ``encode``/``decode`` map a full ref name to the
     backend key its ref file has (and back); the log's key is that key below ``logs/``."""
 
-    def __init__(self, backend: Backend, encode: Callable[[str], str] = str,
-                 decode: Callable[[str], str | None] = str) -> None:
+    def __init__(
+        self, backend: Backend, encode: Callable[[str], str] = str, decode: Callable[[str], str | None] = str
+    ) -> None:
         self.backend = backend
         self.encode = encode
         self.decode = decode
@@ -141,7 +141,7 @@ class RefLog:
         out = []
         for key in self.backend.list(LOGS):
             if key.endswith("/" + LOG_FILE):
-                ref = self.decode(key[len(LOGS):-len(LOG_FILE) - 1])
+                ref = self.decode(key[len(LOGS) : -len(LOG_FILE) - 1])
                 if ref is not None:
                     out.append(ref)
         return out
@@ -167,8 +167,10 @@ class RefLog:
         for number, line in enumerate(data.split(b"\n")[:-1], start=1):
             entry = parse_line(ref, line)
             if entry is None:
-                problems.append(f"reflog {self.backend.describe(key)} line {number} is corrupt;"
-                                " fix or delete that line (the reflog only protects commits from gc)")
+                problems.append(
+                    f"reflog {self.backend.describe(key)} line {number} is corrupt;"
+                    " fix or delete that line (the reflog only protects commits from gc)"
+                )
             else:
                 entries.append(entry)
         return entries, problems
@@ -239,8 +241,9 @@ class Expiry:
         return cls(reachable_days * DAY, -math.inf if prune_now else unreachable_days * DAY, now())
 
 
-def surviving(entries: Iterable[Entry], from_tip: Callable[[ObjectId], bool],
-              exists: Callable[[ObjectId], bool], expiry: Expiry) -> list[Entry]:
+def surviving(
+    entries: Iterable[Entry], from_tip: Callable[[ObjectId], bool], exists: Callable[[ObjectId], bool], expiry: Expiry
+) -> list[Entry]:
     """The entries of one ref that survive expiry. ``from_tip``: whether a commit is reachable
     from the ref's current value; an entry whose value (``Entry.value``) is gone is dropped too."""
     out = []

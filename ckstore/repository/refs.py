@@ -120,8 +120,14 @@ def _short_name_problem(name: object) -> str | None:
     # ckstore: a revision starting with refs/ is a full ref name, so such a branch could never be
     # named by its short name (git would create the ambiguous refs/heads/refs/heads/x).
     if name.startswith("refs/"):
-        hint = next((f"; give the short name {name[len(p):]!r}" for p in (HEADS, TAGS)
-                     if name.startswith(p) and len(name) > len(p)), "")
+        hint = next(
+            (
+                f"; give the short name {name[len(p) :]!r}"
+                for p in (HEADS, TAGS)
+                if name.startswith(p) and len(name) > len(p)
+            ),
+            "",
+        )
         return f"it starts with 'refs/', which names a full ref{hint}"
     # On-disk safety (docs/format.md section 6): file and path names have length limits.
     key = encode_ref(name)
@@ -220,7 +226,7 @@ class RefStore:
                 raise self.stray_error(key)  # it might be a ref gc must keep: do not guess
             oid = self.read(ref)
             if oid is not None:
-                out[ref[len(prefix):]] = oid
+                out[ref[len(prefix) :]] = oid
         return out
 
     def head_branch(self) -> str:
@@ -232,7 +238,7 @@ class RefStore:
             raise IntegrityError("HEAD is corrupt: it is not UTF-8 text") from None
         if not data.startswith("ref: " + HEADS) or not data.endswith("\n"):
             raise IntegrityError("HEAD is corrupt: it does not name a branch")
-        branch = data[len("ref: " + HEADS):-1]
+        branch = data[len("ref: " + HEADS) : -1]
         # Git's format rules only: a branch an older ckstore created stays usable as HEAD.
         problem = refname_problem(HEADS + branch)
         if problem:
@@ -422,5 +428,5 @@ class RefStore:
 def _short(ref: str) -> str:
     for prefix, word in ((HEADS, "branch"), (TAGS, "tag")):
         if ref.startswith(prefix):
-            return f"{word} {ref[len(prefix):]!r}"
+            return f"{word} {ref[len(prefix) :]!r}"
     return ref

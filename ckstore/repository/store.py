@@ -31,9 +31,9 @@ from ckstore.codecs.objects import (
     encode_sampled,
     parse_header,
 )
-from ckstore.format.settings import EncodingSettings
 from ckstore.errors import CkstoreError, IntegrityError, ObjectMissingError
 from ckstore.format.ids import ObjectId, chunk_id, commit_id, is_object_id, object_key
+from ckstore.format.settings import EncodingSettings
 from ckstore.repository.reader import (  # noqa: F401  (the limits are part of the store's face)
     MAX_CHAIN_DEPTH,
     MAX_CHUNK_SIZE,
@@ -78,6 +78,8 @@ def bases_in(oid: str, prefix: bytes) -> tuple[ObjectId, ...] | IntegrityError:
         return tuple(ObjectId(b) for b in delta_bases(prefix))
     except IntegrityError as exc:
         return IntegrityError(f"object {oid} is corrupt: {exc}")
+
+
 # Object headers read at once by the batch readers (``bases_of_many``).
 HEADER_READERS = 4
 HEADER_BATCH = 128  # objects per task: a task per object cost more than its read
@@ -124,7 +126,11 @@ class ObjectStore:
         return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
 
     def put_chunk(
-        self, raw: bytes | memoryview, width: int = 1, base_id: str | None = None, fast: bool = False,
+        self,
+        raw: bytes | memoryview,
+        width: int = 1,
+        base_id: str | None = None,
+        fast: bool = False,
         oid: str | None = None,
     ) -> PutResult:
         """Store a chunk of elements ``width`` bytes wide; ``base_id`` is a delta base candidate
@@ -153,7 +159,11 @@ class ObjectStore:
         if base_id is not None and self.settings.max_delta_depth > 0 and Encoding.DELTA in self.settings.allowed:
             base = self._delta_base(base_id, len(raw))
         return encode_chunk(
-            raw, self.settings.zstd_level, width, base_id if base is not None else None, base,
+            raw,
+            self.settings.zstd_level,
+            width,
+            base_id if base is not None else None,
+            base,
             allowed=self.settings.allowed,
         )
 
@@ -243,7 +253,7 @@ class ObjectStore:
 
         if len(oids) < 2 * HEADER_BATCH:
             return [read(oid) for oid in oids]
-        batches = [oids[i:i + HEADER_BATCH] for i in range(0, len(oids), HEADER_BATCH)]
+        batches = [oids[i : i + HEADER_BATCH] for i in range(0, len(oids), HEADER_BATCH)]
         from concurrent.futures import ThreadPoolExecutor  # only batched header reads: log/status start without
 
         with ThreadPoolExecutor(HEADER_READERS, thread_name_prefix="headers") as pool:

@@ -330,9 +330,16 @@ def _reason(text: str) -> str:
 
 
 def import_checkpoints(
-    commit_state: Callable[..., str], load_state: Callable[[str], Any], path: str | os.PathLike[str], *,
-    exclude: Path | None = None, recursive: bool = False, message: str | None = None,
-    branch: str | None = None, delete_source: bool = False, metadata: Mapping[str, Any] | None = None,
+    commit_state: Callable[..., str],
+    load_state: Callable[[str], Any],
+    path: str | os.PathLike[str],
+    *,
+    exclude: Path | None = None,
+    recursive: bool = False,
+    message: str | None = None,
+    branch: str | None = None,
+    delete_source: bool = False,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Iterator[ImportResult]:
     """Commit each checkpoint at ``path`` (one commit per file, in path order) and yield results.
 

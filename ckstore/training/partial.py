@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckstore.errors import InvalidInputError, TensorNotFoundError
-from ckstore.repository.filedata import state_document
-from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry
-from ckstore.write.pipeline import ordered_map
 from ckstore.format.dtypes import DTYPE_BITS, NUMPY_TYPES
+from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry
+from ckstore.repository.filedata import state_document
 from ckstore.repository.store import ObjectStore
+from ckstore.runtime.pipeline import ordered_map
 
 if TYPE_CHECKING:
     from ckstore.repository.graph import CommitGraph
@@ -127,7 +127,8 @@ class LazyTensors(Mapping[str, Any]):
             for t in f.tensors:
                 if t.name in specs:
                     raise InvalidInputError(
-                        f"tensor {t.name!r} is in both {specs[t.name].file.path} and {f.path}; pass path= to choose")
+                        f"tensor {t.name!r} is in both {specs[t.name].file.path} and {f.path}; pass path= to choose"
+                    )
                 dtype, shape = raw.get(t.name, (None, t.shape))
                 specs[t.name] = _Spec(f, t, dtype, shape)
         return specs
@@ -199,7 +200,9 @@ class LazyTensors(Mapping[str, Any]):
         return bits // 8 if bits % 8 == 0 else None
 
     def _whole(self, spec: _Spec) -> Any:
-        data = self._read(spec.entry.chunks, 0, spec.entry.nbytes, f"file {spec.file.path!r}, tensor {spec.entry.name!r}")
+        data = self._read(
+            spec.entry.chunks, 0, spec.entry.nbytes, f"file {spec.file.path!r}, tensor {spec.entry.name!r}"
+        )
         return self._convert(spec, data, spec.shape)
 
     def _rows(self, spec: _Spec, lo: int, hi: int) -> Any:
@@ -250,5 +253,6 @@ class LazyTensors(Mapping[str, Any]):
             np_dtype = None
         if np_dtype is None or (spec.raw_dtype is None and code is None):
             raise InvalidInputError(
-                f"tensor {spec.entry.name!r}: numpy has no dtype for {spec.raw_dtype or spec.entry.dtype}; install torch")
+                f"tensor {spec.entry.name!r}: numpy has no dtype for {spec.raw_dtype or spec.entry.dtype}; install torch"
+            )
         return np.frombuffer(data, dtype=np_dtype).reshape(shape)

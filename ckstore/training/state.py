@@ -24,17 +24,17 @@ import numpy as np
 import torch
 
 from ckstore.errors import IntegrityError, InvalidInputError, UnencodableValueError
-from ckstore.write.ingest import MemoryFile
-from ckstore.repository.filedata import state_document
 from ckstore.format.manifest import FileEntry, TensorEntry, canonical_json
-from ckstore.write.pipeline import ordered_map
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import ST_CODES, bytes_of, dtype_of_code, from_bytes, torch_dtype
 from ckstore.format.values import JSONValue, KeyPath, decode_value, encode_value, format_path
+from ckstore.repository.filedata import state_document
+from ckstore.runtime.pipeline import ordered_map
+from ckstore.write.ingest import MemoryFile
 
 if TYPE_CHECKING:
-    from ckstore.repository.graph import CommitGraph
     from ckstore.format.manifest import Commit
+    from ckstore.repository.graph import CommitGraph
     from ckstore.repository.store import ObjectStore
 
 # Where load_state puts tensors: "cpu", "cuda:0", a torch.device (type checkers only: Repo names
@@ -43,6 +43,7 @@ Device: TypeAlias = "str | torch.device"
 STATE_VALUES = "state.json"
 STATE_TENSORS = "state.safetensors"
 STATE_VERSION = 1
+
 
 def dotted_name(path: KeyPath) -> str:
     """``("model", "0.weight")`` -> ``"model.0.weight"``: state_dict keys keep their own dots."""
@@ -76,19 +77,29 @@ class _Flattener:
             raise UnencodableValueError(f"tensor at {where} has layout {value.layout}; store value.to_dense()")
         if value.is_quantized:
             raise UnencodableValueError(
-                f"quantized tensor at {where} cannot be stored; store int_repr(), q_scale() and q_zero_point()")
+                f"quantized tensor at {where} cannot be stored; store int_repr(), q_scale() and q_zero_point()"
+            )
         key = None
         if value.numel() > 0 and value.device.type != "meta":
-            key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
-                   tuple(value.stride()), value.dtype, str(value.device))
+            key = (
+                value.untyped_storage().data_ptr(),
+                value.storage_offset(),
+                tuple(value.shape),
+                tuple(value.stride()),
+                value.dtype,
+                str(value.device),
+            )
             if key in self.shared:
                 return self.shared[key]  # tied weights: one stored tensor, one object on load
         if value.device.type == "meta":
             raise UnencodableValueError(f"tensor at {where} is on the meta device and holds no data")
         name = self._name(path)
         # resolve_conj/neg: a lazily conjugated view has no bytes of its own to reinterpret.
-        stored = self._private_copy(value) if self.snapshot else (
-            value.detach().to("cpu").resolve_conj().resolve_neg().contiguous())
+        stored = (
+            self._private_copy(value)
+            if self.snapshot
+            else (value.detach().to("cpu").resolve_conj().resolve_neg().contiguous())
+        )
         payload: dict[str, JSONValue] = {"name": name}
         code = ST_CODES.get(stored.dtype)
         if code is None:  # safetensors has no name for it: raw bytes + the real dtype and shape
@@ -128,14 +139,16 @@ class _Flattener:
             if type(value) not in (np.ndarray, np.memmap) or value.dtype.kind not in "biufc":
                 raise UnencodableValueError(
                     f"numpy {type(value).__name__} of dtype {value.dtype} at {format_path(path)} cannot be stored"
-                    " without pickle")
+                    " without pickle"
+                )
             # np.asarray, not np.ascontiguousarray, which turns a 0-d array into shape (1,).
             native = np.asarray(value, order="C").astype(value.dtype.newbyteorder("="), copy=False)
             try:
                 tensor = torch.from_numpy(native)
             except TypeError:  # a dtype torch lacks, e.g. longdouble or complex256
                 raise UnencodableValueError(
-                    f"numpy array of dtype {value.dtype} at {format_path(path)} has no torch equivalent") from None
+                    f"numpy array of dtype {value.dtype} at {format_path(path)} has no torch equivalent"
+                ) from None
             return "ndarray", self.add(path, tensor)
         if isinstance(value, torch.dtype):
             return "torch_dtype", str(value).removeprefix("torch.")
@@ -182,8 +195,12 @@ def _leaf_decoder(tag: str, payload: JSONValue) -> object:
         if shape is not None and not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise IntegrityError("malformed tensor shape in state")
         dtype = payload.get("dtype")
-        return _TensorRef(payload["name"], tag == "ndarray", dtype if isinstance(dtype, str) else None,
-                          tuple(shape) if shape is not None else None)
+        return _TensorRef(
+            payload["name"],
+            tag == "ndarray",
+            dtype if isinstance(dtype, str) else None,
+            tuple(shape) if shape is not None else None,
+        )
     if tag == "torch_dtype":
         return torch_dtype(payload)
     if tag == "torch_device" and isinstance(payload, str):
@@ -202,9 +219,7 @@ class _TensorReader:
     def __init__(self, store: ObjectStore, files: Sequence[FileEntry], device: str | torch.device) -> None:
         self.store = store
         self.device = device
-        self.entries: dict[str, tuple[FileEntry, TensorEntry]] = {
-            t.name: (f, t) for f in files for t in f.tensors
-        }
+        self.entries: dict[str, tuple[FileEntry, TensorEntry]] = {t.name: (f, t) for f in files for t in f.tensors}
         self.cache: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
 
@@ -369,14 +384,19 @@ def _plain_skeleton(files: Sequence[FileEntry]) -> dict[str, _TensorRef]:
             if t.name in where:
                 raise InvalidInputError(
                     f"tensor {t.name!r} is in both {where[t.name]} and {f.path}: load_state cannot return both "
-                    f"under one name; read one file with open(ref, path={f.path!r}), or check it out")
+                    f"under one name; read one file with open(ref, path={f.path!r}), or check it out"
+                )
             where[t.name] = f.path
     return {name: _TensorRef(name, False, None, None) for name in where}
 
 
 def load_state(
-    graph: CommitGraph, ref: str = "HEAD", *, only: str | Sequence[str] | None = None,
-    device: str | torch.device = "cpu", lazy: bool = False,
+    graph: CommitGraph,
+    ref: str = "HEAD",
+    *,
+    only: str | Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+    lazy: bool = False,
 ) -> Any:
     """The state committed at ``ref``. A commit of plain files loads as {tensor name: tensor}."""
     commit = graph.read_commit(graph.resolve(ref))
@@ -404,7 +424,9 @@ def load_state(
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU, and every CUDA device present) RNG states, encodable."""
     state: dict[str, Any] = {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()

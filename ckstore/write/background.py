@@ -144,8 +144,10 @@ class BackgroundCommits:
             failed = list(self._unobserved)
             self._unobserved.clear()
         for future in failed:
-            print(f"ckstore: a background commit failed and nobody checked its result: {future.exception()}",
-                  file=sys.stderr)
+            print(
+                f"ckstore: a background commit failed and nobody checked its result: {future.exception()}",
+                file=sys.stderr,
+            )
 
 
 class Compactions:
@@ -181,9 +183,13 @@ class Compactions:
             try:
                 job()
             except Exception as exc:  # a background thread: the warning is the only way out
-                warnings.warn(CkstoreWarning(
-                    f"compacting after a commit failed ({exc}); every commit is intact, its chunks are only"
-                    " stored less compactly until the next commit or 'ckstore repack'"), stacklevel=1)
+                warnings.warn(
+                    CkstoreWarning(
+                        f"compacting after a commit failed ({exc}); every commit is intact, its chunks are only"
+                        " stored less compactly until the next commit or 'ckstore repack'"
+                    ),
+                    stacklevel=1,
+                )
 
     def busy(self) -> bool:
         with self._lock:
@@ -251,7 +257,7 @@ class BackgroundWork:
         if not compact or not self.compact_after_commit:
             return
         if self.detach_compaction and ctx.path is not None:
-            from ckstore.write.detached import start
+            from ckstore.compaction.detached import start
 
             start(ctx.path, branch, fork=self.fork_compaction)
             return
@@ -266,14 +272,14 @@ class BackgroundWork:
         busy = self._compactions is not None and self._compactions.busy()
         if not busy:
             busy = ctx.backend.compaction_queued() or not _lock_free(ctx)
-        from ckstore.write.detached import COMPACTION_LOG
+        from ckstore.compaction.detached import COMPACTION_LOG
 
         log = None if ctx.path is None else ctx.path / COMPACTION_LOG
         return BackgroundStatus(pending, busy, tuple(self.recorded), log)
 
 
 def _compact(ctx: RepoContext, branch: str) -> object:
-    from ckstore.write.compact import compact_branch
+    from ckstore.compaction.compact import compact_branch
 
     return compact_branch(ctx, branch)
 

@@ -16,26 +16,25 @@ interrupted commit either did not happen or is known to have happened.
 
 from __future__ import annotations
 
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
 from ckstore.backend.syscalls import interrupts_deferred
-from ckstore.write import provenance
-from ckstore.write.background import work_for
-from ckstore.repository.context import RepoContext
-from ckstore.format.dcp_record import DcpRecord
 from ckstore.errors import InvalidInputError, ObjectMissingError, RefChangedError, RefExistsError
-from ckstore.write.ingest import MemoryFile, SourceFile, ingest
+from ckstore.format.dcp_record import DcpRecord
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import BaseRef, Commit, FileEntry, StateFiles, encode_commit_parts
+from ckstore.format.values import JSONValue, encode_value
+from ckstore.repository.context import RepoContext
 from ckstore.repository.overlay import merge_files
-from ckstore.write.pipeline import ProgressFactory
 from ckstore.repository.refs import HEADS, check_ref_name
 from ckstore.repository.writing import writing
-from ckstore.format.values import JSONValue, encode_value
+from ckstore.runtime.progress import ProgressFactory
+from ckstore.write import provenance
+from ckstore.write.background import work_for
+from ckstore.write.ingest import MemoryFile, SourceFile, ingest
 
 MAX_CAS_ATTEMPTS = 20
 
@@ -68,8 +67,12 @@ def prepare_commit(message: str, branch: str | None, metadata: Mapping[str, Any]
 
 
 def commit_sources(
-    ctx: RepoContext, sources: Sequence[SourceFile | MemoryFile], request: CommitRequest,
-    progress: ProgressFactory | None = None, state: StateFiles | None = None, base: BaseRef | None = None,
+    ctx: RepoContext,
+    sources: Sequence[SourceFile | MemoryFile],
+    request: CommitRequest,
+    progress: ProgressFactory | None = None,
+    state: StateFiles | None = None,
+    base: BaseRef | None = None,
 ) -> ObjectId:
     """Store ``sources`` and record them as one commit; return its id."""
     origin = provenance.start()
@@ -94,8 +97,13 @@ def commit_sources(
             # their names when the block ends, before the manifest is written (format.md §8).
             with ctx.store.batch(sum(s.size for s in sources), len(sources)) as staged:
                 files, added = ingest(
-                    staged, sources, ctx.config.chunk_size, bar.update if bar else None, parent=hints,
-                    fast=base_commit is None, stats=stats,
+                    staged,
+                    sources,
+                    ctx.config.chunk_size,
+                    bar.update if bar else None,
+                    parent=hints,
+                    fast=base_commit is None,
+                    stats=stats,
                 )
         finally:
             if bar:
@@ -107,8 +115,10 @@ def commit_sources(
 
 def without_change(files: Sequence[FileEntry]) -> list[FileEntry]:
     """The files with each tensor's recorded relative change cleared (it named another parent)."""
-    return [replace(f, tensors=tuple(replace(t, stats=replace(t.stats, change=None)) if t.stats else t
-                                     for t in f.tensors)) for f in files]
+    return [
+        replace(f, tensors=tuple(replace(t, stats=replace(t.stats, change=None)) if t.stats else t for t in f.tensors))
+        for f in files
+    ]
 
 
 def _base_commit(ctx: RepoContext, base: BaseRef) -> Commit:
@@ -124,9 +134,15 @@ def _reflog_reason(parent: str | None, message: str) -> str:
 
 
 def record_commit(
-    ctx: RepoContext, files: Sequence[FileEntry], added: int, request: CommitRequest,
-    state: StateFiles | None = None, base: BaseRef | None = None, dcp: DcpRecord | None = None,
-    stats_parent: str | None = None, origin: provenance.Pending | None = None,
+    ctx: RepoContext,
+    files: Sequence[FileEntry],
+    added: int,
+    request: CommitRequest,
+    state: StateFiles | None = None,
+    base: BaseRef | None = None,
+    dcp: DcpRecord | None = None,
+    stats_parent: str | None = None,
+    origin: provenance.Pending | None = None,
 ) -> ObjectId:
     """Write the manifest and move the request's branch to it (objects must be stored already).
 
@@ -143,9 +159,17 @@ def record_commit(
         if parent != stats_parent:
             files = without_change(files)
         commit = Commit(
-            parents=(parent,) if parent else (), time=_now(), message=request.message, branch=branch,
-            files=tuple(files), metadata=request.metadata, provenance=recorded,
-            logical_bytes=sum(f.size for f in files), added_bytes=added, state=state, base=base,
+            parents=(parent,) if parent else (),
+            time=_now(),
+            message=request.message,
+            branch=branch,
+            files=tuple(files),
+            metadata=request.metadata,
+            provenance=recorded,
+            logical_bytes=sum(f.size for f in files),
+            added_bytes=added,
+            state=state,
+            base=base,
             dcp=dcp,
         )
         manifest, pieces = encode_commit_parts(commit)

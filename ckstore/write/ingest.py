@@ -12,25 +12,35 @@ from __future__ import annotations
 import os
 import struct
 import warnings
-from contextlib import closing
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from ckstore.errors import (
-    CkstoreWarning, InvalidInputError, InvalidPathError, PickleCheckpointError, SafetensorsFormatError, StorageError,
+    CkstoreWarning,
+    InvalidInputError,
+    InvalidPathError,
+    PickleCheckpointError,
+    SafetensorsFormatError,
+    StorageError,
 )
 from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import ChunkRef, FileEntry, TensorEntry, check_relative_path
-from ckstore.write.pipeline import grouped, ordered_map
-from ckstore.write.spans import OpenSource, Span, read_span, recycle
 from ckstore.format.positions import HEADER, ChunkIndex, Position, chunk_at, element_width
 from ckstore.format.safetensors import SafetensorsLayout, header_length, parse_header
 from ckstore.format.tensor_stats import (
-    NUMERIC_DTYPES, ChunkStats, StatsAccumulator, TensorStats, chunk_stats, item_size,
+    NUMERIC_DTYPES,
+    ChunkStats,
+    StatsAccumulator,
+    TensorStats,
+    chunk_stats,
+    item_size,
 )
 from ckstore.repository.store import ObjectStore, PutResult
+from ckstore.runtime.pipeline import grouped, ordered_map
+from ckstore.write.spans import OpenSource, Span, read_span, recycle
 
 Progress = Callable[[int], None]
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -42,7 +52,7 @@ _ZIP_LOCAL = struct.Struct("<4s22xHH")  # signature, then file name and extra fi
 
 
 def pickle_format(path: Path) -> str | None:
-    """"zip" for a torch.save archive, "pickle" for a protocol 2+ pickle (also torch's legacy
+    """ "zip" for a torch.save archive, "pickle" for a protocol 2+ pickle (also torch's legacy
     format), None otherwise. Only the first bytes are read; nothing is unpickled."""
     try:
         with open(path, "rb") as f:
@@ -53,7 +63,7 @@ def pickle_format(path: Path) -> str | None:
         return "pickle"
     if len(head) >= _ZIP_LOCAL.size:
         signature, name_len, _ = _ZIP_LOCAL.unpack_from(head)
-        name = head[_ZIP_LOCAL.size:_ZIP_LOCAL.size + name_len]
+        name = head[_ZIP_LOCAL.size : _ZIP_LOCAL.size + name_len]
         # torch.save writes its pickle first, as "<archive>/data.pkl".
         if signature == b"PK\x03\x04" and (name == b"data.pkl" or name.endswith(b"/data.pkl")):
             return "zip"
@@ -65,7 +75,8 @@ def _refuse_pickle(source: Path) -> None:
         raise PickleCheckpointError(
             f"{source} is a PyTorch pickle checkpoint, which commit would store as one opaque blob without per-tensor"
             " dedup: import it (ckstore import, Repo.import_checkpoint) to store its tensors, or commit it raw",
-            str(source))
+            str(source),
+        )
 
 
 @dataclass(frozen=True)
@@ -134,10 +145,13 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw:
                 raise InvalidPathError(f"{parent!r} is both a file and a directory")
             parent = parent.rsplit("/", 1)[0] if "/" in parent else None
     if pickles:
-        warnings.warn(CkstoreWarning(
-            f"storing {len(pickles)} pickle file(s) as opaque blobs, without per-tensor dedup ({', '.join(pickles[:3])}"
-            f"{', …' if len(pickles) > 3 else ''}); import converts a pickle checkpoint to tensors (ckstore import)"),
-            stacklevel=3)
+        warnings.warn(
+            CkstoreWarning(
+                f"storing {len(pickles)} pickle file(s) as opaque blobs, without per-tensor dedup ({', '.join(pickles[:3])}"
+                f"{', …' if len(pickles) > 3 else ''}); import converts a pickle checkpoint to tensors (ckstore import)"
+            ),
+            stacklevel=3,
+        )
     return sorted(found.values(), key=lambda s: s.path)
 
 
@@ -221,8 +235,9 @@ class _ParentFigures:
     parent: TensorStats
 
 
-def _tensor_stats(piece: bytes | memoryview, dtype: str, previous: TensorEntry | None, c_index: int,
-                  chunk_id: str) -> ChunkStats | _ParentFigures | None:
+def _tensor_stats(
+    piece: bytes | memoryview, dtype: str, previous: TensorEntry | None, c_index: int, chunk_id: str
+) -> ChunkStats | _ParentFigures | None:
     """One chunk's statistics, computed where its bytes already are (a pipeline worker)."""
     if len(piece) % item_size(dtype):
         return None  # a chunk size that splits elements: left to the on-demand path
@@ -243,8 +258,12 @@ def _finish(store: ObjectStore, accumulator: StatsAccumulator, dtype: str) -> Te
 
 
 def ingest(
-    store: ObjectStore, sources: Sequence[SourceFile | MemoryFile], chunk_size: int, progress: Progress | None = None,
-    parent: Sequence[FileEntry] | None = None, fast: bool = False,
+    store: ObjectStore,
+    sources: Sequence[SourceFile | MemoryFile],
+    chunk_size: int,
+    progress: Progress | None = None,
+    parent: Sequence[FileEntry] | None = None,
+    fast: bool = False,
     stats: Mapping[tuple[str, str], TensorEntry] | None = None,
 ) -> tuple[list[FileEntry], int]:
     """Store every chunk of ``sources``; return their manifest entries and the bytes added.
@@ -359,7 +378,9 @@ def _entry(store: ObjectStore, plan: _Plan) -> FileEntry:
     if plan.layout is None:
         return FileEntry(plan.source.path, "blob", plan.source.size, chunks=tuple(plan.segments[0]))
     tensors = tuple(
-        TensorEntry(t.name, t.dtype, tuple(t.shape), tuple(chunks), _finish(store, figures, t.dtype) if figures else None)
+        TensorEntry(
+            t.name, t.dtype, tuple(t.shape), tuple(chunks), _finish(store, figures, t.dtype) if figures else None
+        )
         for t, chunks, figures in zip(plan.layout.tensors, plan.segments[1:], plan.stats[1:])
     )
     return FileEntry(plan.source.path, "safetensors", plan.source.size, header=tuple(plan.segments[0]), tensors=tensors)

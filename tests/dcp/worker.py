@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/test_dcp.py: FSDP2 training on CPU (gloo) saved with ckstore's DCP
+"""A torchrun worker for tests/dcp/test_storage.py: FSDP2 training on CPU (gloo) saved with ckstore's DCP
 Writer and loaded with its Reader. ``python -m torch.distributed.run --nproc-per-node N worker.py
 SCENARIO REPO OUT [ARGS…]``; results go to OUT (JSON written by rank 0, safetensors of full
 tensors), checked by the test, which knows nothing of the process group.
@@ -55,7 +55,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.randn(8, 8, generator=g)
     world, rank = dist.get_world_size(), dist.get_rank()
     share = 8 // world
-    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+    return x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
@@ -77,9 +77,15 @@ def state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict
     # A tensor-parallel style weight split on its second dimension (pieces are not whole rows).
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     columns = torch.arange(24 * 16, dtype=torch.float64).reshape(24, 16) * (step + 1)
-    return {"model": msd, "optim": osd, "step": step, "run": {"name": "test", "lr": 1e-3, "betas": (0.9, 0.999)},
-            "replicated": replicated, "replicated_copy": replicated.clone(),
-            "tp": distribute_tensor(columns, mesh, [Shard(1)])}
+    return {
+        "model": msd,
+        "optim": osd,
+        "step": step,
+        "run": {"name": "test", "lr": 1e-3, "betas": (0.9, 0.999)},
+        "replicated": replicated,
+        "replicated_copy": replicated.clone(),
+        "tp": distribute_tensor(columns, mesh, [Shard(1)]),
+    }
 
 
 def apply(model: torch.nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-import ckstore.write.provenance
 import ckstore.write.commit
-from ckstore.repo import Repo
+import ckstore.write.provenance
 from ckstore.format.safetensors import emit_header
+from ckstore.repo import Repo
 from ckstore.repository.store import object_key
 
 # Figures for docs/reliability.md (written out by conftest.py when CKSTORE_RELIABILITY_REPORT is set).
@@ -54,13 +54,23 @@ def limit_address_space() -> None:
 
 
 def run_cli(
-    *args: str | os.PathLike[str], repo: Path | None = None, env: Mapping[str, str] | None = None,
-    cwd: Path | None = None, timeout: float = 120, limit_memory: bool = False,
+    *args: str | os.PathLike[str],
+    repo: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 120,
+    limit_memory: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     argv = [*CLI, *(["--repo", str(repo)] if repo is not None else []), *map(str, args)]
     return subprocess.run(
-        argv, env=dict(env) if env is not None else cli_env(), cwd=cwd, capture_output=True, text=True,
-        timeout=timeout, preexec_fn=limit_address_space if limit_memory else None, check=False,
+        argv,
+        env=dict(env) if env is not None else cli_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit_address_space if limit_memory else None,
+        check=False,
     )
 
 
@@ -93,11 +103,14 @@ def _floats(seed: int, n: int) -> bytes:
 
 def checkpoint_bytes(seed: int, n: int = 1536) -> bytes:
     """A small checkpoint: one tensor shared by every seed (dedup), two that depend on ``seed``."""
-    return st_bytes([
-        ("frozen.w", "F32", [n], _floats(1_000_003, n)),
-        ("model.w", "F32", [n], _floats(seed, n)),
-        ("model.b", "F16", [8, 4], random.Random(seed + 7).randbytes(64)),
-    ], metadata={"seed": str(seed)})
+    return st_bytes(
+        [
+            ("frozen.w", "F32", [n], _floats(1_000_003, n)),
+            ("model.w", "F32", [n], _floats(seed, n)),
+            ("model.b", "F16", [8, 4], random.Random(seed + 7).randbytes(64)),
+        ],
+        metadata={"seed": str(seed)},
+    )
 
 
 def write_checkpoint(folder: Path, seed: int, n: int = 1536) -> dict[str, str]:
@@ -145,7 +158,8 @@ def tree_digest(root: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file below ``root``, temporaries excluded."""
     return {
         p.relative_to(root).as_posix(): sha256(p.read_bytes())
-        for p in sorted(root.rglob("*")) if p.is_file() and not is_temp(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not is_temp(p)
     }
 
 
@@ -178,7 +192,9 @@ def checkout_digest(repo: Repo, oid: str, scratch: Path) -> dict[str, str]:
 
 
 def verify_repo(
-    repo_path: Path, contents: Mapping[str, Mapping[str, str]], allowed: Mapping[str, set[str | None]],
+    repo_path: Path,
+    contents: Mapping[str, Mapping[str, str]],
+    allowed: Mapping[str, set[str | None]],
     scratch: Path,
 ) -> Repo:
     """The promises after any interruption.

@@ -23,8 +23,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 import ckstore.write.commit  # noqa: E402
 import ckstore.write.provenance  # noqa: E402
-from ckstore.repo import Repo  # noqa: E402
 from ckstore.format.safetensors import emit_header  # noqa: E402
+from ckstore.repo import Repo  # noqa: E402
 from ckstore.repository.store import object_key  # noqa: E402
 
 GOLDEN = HERE / "golden"
@@ -100,8 +100,13 @@ CASES = [bitflip_chunk, bitflip_manifest, truncated_object, missing_object, corr
 
 
 def _cli(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckstore.cli", "--repo", str(repo), *args],
-                          capture_output=True, text=True, check=False, cwd=repo.parent)
+    return subprocess.run(
+        [sys.executable, "-m", "ckstore.cli", "--repo", str(repo), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=repo.parent,
+    )
 
 
 def main() -> None:
@@ -123,8 +128,12 @@ def main() -> None:
             good[ref] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((case / "out").iterdir())}
             shutil.rmtree(case / "out")
         expected = {
-            "fsck_exit": fsck.returncode, "fsck_stdout": fsck.stdout.splitlines(), "fsck_stderr": fsck.stderr.strip(),
-            "damaged_ref": damaged_ref, "checkout_exit": bad.returncode, "checkout_stderr": bad.stderr.strip(),
+            "fsck_exit": fsck.returncode,
+            "fsck_stdout": fsck.stdout.splitlines(),
+            "fsck_stderr": fsck.stderr.strip(),
+            "damaged_ref": damaged_ref,
+            "checkout_exit": bad.returncode,
+            "checkout_stderr": bad.stderr.strip(),
             "intact": good,
         }
         (case / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")

@@ -18,7 +18,15 @@ from pathlib import Path
 from ckstore.repo import Repo
 
 from .helpers import (
-    CLI, cli_env, count, refs_of, ref_locks, temp_files, tree_digest, verify_repo, write_checkpoint,
+    CLI,
+    cli_env,
+    count,
+    ref_locks,
+    refs_of,
+    temp_files,
+    tree_digest,
+    verify_repo,
+    write_checkpoint,
 )
 
 
@@ -77,14 +85,27 @@ def _with(**changes: set[str | None]) -> Callable[[Template], dict[str, set[str 
 
 
 SCENARIOS = [
-    Scenario("commit", lambda t, w: ["commit", str(w / "src"), "-m", "new", "--branch", "main"],
-             _with(refs__heads__main={"c3", "NEW"}), new_ref="refs/heads/main"),
+    Scenario(
+        "commit",
+        lambda t, w: ["commit", str(w / "src"), "-m", "new", "--branch", "main"],
+        _with(refs__heads__main={"c3", "NEW"}),
+        new_ref="refs/heads/main",
+    ),
     # The commit's objects go into a pack (however small), which the compaction the CLI waits
     # for spreads into loose objects: kills land in the pack's writing and in its unpacking.
-    Scenario("commit-packed", lambda t, w: ["commit", str(w / "src"), "-m", "new", "--branch", "main"],
-             _with(refs__heads__main={"c3", "NEW"}), new_ref="refs/heads/main", env=("CKSTORE_TEST_PACK_MIN_BYTES=0",)),
-    Scenario("commit-new-branch", lambda t, w: ["commit", str(w / "src"), "--branch", "feat"],
-             _with(refs__heads__feat={None, "NEW"}), new_ref="refs/heads/feat"),
+    Scenario(
+        "commit-packed",
+        lambda t, w: ["commit", str(w / "src"), "-m", "new", "--branch", "main"],
+        _with(refs__heads__main={"c3", "NEW"}),
+        new_ref="refs/heads/main",
+        env=("CKSTORE_TEST_PACK_MIN_BYTES=0",),
+    ),
+    Scenario(
+        "commit-new-branch",
+        lambda t, w: ["commit", str(w / "src"), "--branch", "feat"],
+        _with(refs__heads__feat={None, "NEW"}),
+        new_ref="refs/heads/feat",
+    ),
     Scenario("gc-keep-last", lambda t, w: ["gc", "--keep-last", "1"], _same_refs),
     Scenario("tag", lambda t, w: ["tag", "v2", t.ids["c2"]], _with(refs__tags__v2={None, "c2"})),
     Scenario("branch-delete", lambda t, w: ["branch", "-d", "dev"], _with(refs__heads__dev={"c1", None})),
@@ -111,8 +132,13 @@ def count_steps(scenario: Scenario, template: Template, work: Path) -> tuple[int
     """Steps N of a clean run, and how long its write phase (first step to last step) lasted."""
     copy_template(template, work)
     counter = work / "steps"
-    proc = subprocess.Popen(argv(scenario, template, work), env=cli_env(CKSTORE_FAULT_COUNT=str(counter)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv(scenario, template, work),
+        env=cli_env(CKSTORE_FAULT_COUNT=str(counter)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while not counter.exists() and proc.poll() is None:
         time.sleep(0.0005)
     start = last = time.monotonic()
@@ -148,8 +174,10 @@ def check_after(scenario: Scenario, template: Template, work: Path, stale_locks_
         out = work / "out"
         found = tree_digest(out)
         for name, digest in found.items():  # under its final name, a file is old or new, never partial
-            assert digest in (template.contents[template.ids["c1"]].get(name),
-                              template.contents[template.ids["c3"]].get(name)), name
+            assert digest in (
+                template.contents[template.ids["c1"]].get(name),
+                template.contents[template.ids["c3"]].get(name),
+            ), name
         if temp_files(out):
             count("checkout_temporaries_left_by_kills")
 

@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckstore.remote.testserver import S3Server, seaweedfs
 from ckstore.repo import Repo
+from ckstore.transport.testserver import S3Server, seaweedfs
 
 from .helpers import CLI, checkpoint_bytes, cli_env, tree_digest
 from .system_driver import same_state, state_for
@@ -84,6 +84,7 @@ class Settings:
 @dataclass
 class Attempt:
     """A commit started on ``repo``/``branch`` (acknowledged or not): what retention may have seen."""
+
     repo: str
     branch: str
     started: float
@@ -130,16 +131,23 @@ class Report:
         return sum(self.operations.values())
 
     def summary(self) -> str:
-        lines = [f"seed {self.seed}: {self.total} operations in {self.seconds:.0f} s, "
-                 f"{sum(self.kills.values())} SIGKILLs, {len(self.losses)} losses, {len(self.failures)} failures"]
+        lines = [
+            f"seed {self.seed}: {self.total} operations in {self.seconds:.0f} s, "
+            f"{sum(self.kills.values())} SIGKILLs, {len(self.losses)} losses, {len(self.failures)} failures"
+        ]
         lines.append("operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.operations.items())))
         lines.append("killed:     " + ", ".join(f"{k} {v}" for k, v in sorted(self.kills.items())))
-        lines.append("acknowledged: " + ", ".join(f"{k} {v}" for k, v in sorted(self.acknowledged.items()))
-                     + f"; verified bit-exact {self.verified}, excused by retention {self.excused}, "
-                     f"stale ref locks removed {self.stale_locks}")
+        lines.append(
+            "acknowledged: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.acknowledged.items()))
+            + f"; verified bit-exact {self.verified}, excused by retention {self.excused}, "
+            f"stale ref locks removed {self.stale_locks}"
+        )
         if self.errors:
-            lines.append("clean errors (exit code, first words): "
-                         + "; ".join(f"{k} ×{v}" for k, v in self.errors.most_common(12)))
+            lines.append(
+                "clean errors (exit code, first words): "
+                + "; ".join(f"{k} ×{v}" for k, v in self.errors.most_common(12))
+            )
         lines += [f"LOSS: {x}" for x in self.losses] + [f"FAILURE: {x}" for x in self.failures]
         return "\n".join(lines)
 
@@ -161,11 +169,16 @@ class System:
         self.deadline = time.monotonic() + settings.max_seconds
         self.started = time.monotonic()
         self.repos = {name: work / name for name in ("base", "ovl", "mirror")}
-        self.urls = {"s3": f"s3://{server.bucket}/soak/{settings.seed}-{uuid.uuid4().hex[:8]}",
-                     "dir": str(work / "remote-dir")}
+        self.urls = {
+            "s3": f"s3://{server.bucket}/soak/{settings.seed}-{uuid.uuid4().hex[:8]}",
+            "dir": str(work / "remote-dir"),
+        }
         scrubbed = {k: v for k, v in cli_env().items() if not k.startswith("AWS_")}  # none of the developer's
-        self.env = {**scrubbed, **server.env,
-                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.env = {
+            **scrubbed,
+            **server.env,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         self.attempts: list[Attempt] = []
         self.acked: list[Acked] = []
         self.retention: list[Retention] = []
@@ -186,8 +199,11 @@ class System:
             self.report.operations[kind] += 1
             total = self.report.total
             if self.settings.progress_every and total % self.settings.progress_every == 0:
-                print(f"{self.now():7.0f} s: {total} operations, {sum(self.report.kills.values())} kills, "
-                      f"{sum(self.report.acknowledged.values())} acknowledged", flush=True)
+                print(
+                    f"{self.now():7.0f} s: {total} operations, {sum(self.report.kills.values())} kills, "
+                    f"{sum(self.report.acknowledged.values())} acknowledged",
+                    flush=True,
+                )
             return total
 
     def kill_delay(self, rng: random.Random, kind: str) -> float | None:
@@ -201,8 +217,15 @@ class System:
             old = self.durations.get(kind, seconds)
             self.durations[kind] = 0.8 * old + 0.2 * seconds
 
-    def cli(self, rng: random.Random, kind: str, repo: str | None, *args: str, env: dict[str, str] | None = None,
-            killable: bool = True) -> tuple[int, subprocess.CompletedProcess[str] | None]:
+    def cli(
+        self,
+        rng: random.Random,
+        kind: str,
+        repo: str | None,
+        *args: str,
+        env: dict[str, str] | None = None,
+        killable: bool = True,
+    ) -> tuple[int, subprocess.CompletedProcess[str] | None]:
         """Run one CLI operation, maybe SIGKILLed; (op number, the result or None when killed)."""
         op = self.next_op(kind)
         delay = self.kill_delay(rng, kind) if killable else None
@@ -279,8 +302,17 @@ class System:
             self.attempts.append(Attempt(repo, branch, started, loss))
         return started
 
-    def acknowledge(self, kind: str, oid: str, repo: str, branch: str, started: float, loss: float,
-                    content: dict[str, str] | int, op: int) -> None:
+    def acknowledge(
+        self,
+        kind: str,
+        oid: str,
+        repo: str,
+        branch: str,
+        started: float,
+        loss: float,
+        content: dict[str, str] | int,
+        op: int,
+    ) -> None:
         with self.lock:
             self.acked.append(Acked(oid, repo, branch, kind, started, loss, content, op))
             self.contents[oid] = content
@@ -308,8 +340,14 @@ class System:
         moved: take the newest unacknowledged attempt on the branch before the value was read as
         its maker (the fewest later attempts, so the least excused) and ask retention about it."""
         answered = {(c.repo, c.branch, c.started) for c in self.acked}
-        makers = [a for a in self.attempts if a.repo == "base" and a.branch == branch and a.started < read_at
-                  and (a.repo, a.branch, a.started) not in answered]
+        makers = [
+            a
+            for a in self.attempts
+            if a.repo == "base"
+            and a.branch == branch
+            and a.started < read_at
+            and (a.repo, a.branch, a.started) not in answered
+        ]
         if not makers:
             return False
         maker = makers[-1]
@@ -348,8 +386,20 @@ class System:
         env = {**self.env, "CKSTORE_TEST_PACK_MIN_BYTES": "1"} if packed else None
         kind = "commit (pack)" if packed else "commit"
         started = self.attempt("base", "a", loss)
-        op, result = self.cli(rng, kind, "base", "commit", str(folder), "--branch", "a", "--meta", f"loss={loss}",
-                              "-m", f"s{seed}", env=env)
+        op, result = self.cli(
+            rng,
+            kind,
+            "base",
+            "commit",
+            str(folder),
+            "--branch",
+            "a",
+            "--meta",
+            f"loss={loss}",
+            "-m",
+            f"s{seed}",
+            env=env,
+        )
         if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
             self.acknowledge("commit", m.group(0), "base", "a", started, loss, content, op)
         shutil.rmtree(folder)
@@ -379,16 +429,27 @@ class System:
         try:
             while True:
                 if driver is None or driver.poll() is not None:
-                    driver = subprocess.Popen([sys.executable, str(DRIVER), str(self.repos["base"])], env=self.env,
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                              text=True)
+                    driver = subprocess.Popen(
+                        [sys.executable, str(DRIVER), str(self.repos["base"])],
+                        env=self.env,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.DEVNULL,
+                        text=True,
+                    )
                 roll = rng.random()
                 seed, loss = self.new_seed(rng), self.loss_value(rng)
                 if roll < 0.55:
                     background = rng.random() < 0.5
                     kind = "commit_state (background)" if background else "commit_state"
-                    request = {"op": "state", "seed": seed, "n": self.settings.tensor_size, "branch": "b",
-                               "background": background, "loss": loss}
+                    request = {
+                        "op": "state",
+                        "seed": seed,
+                        "n": self.settings.tensor_size,
+                        "branch": "b",
+                        "background": background,
+                        "loss": loss,
+                    }
                     content: dict[str, str] | int | None = seed
                 elif roll < 0.75:
                     folder = self.source(seed, rng.choice(("both", "model")))
@@ -413,8 +474,9 @@ class System:
                 driver.stdin.close()  # type: ignore[union-attr]
                 driver.wait(timeout=OP_TIMEOUT)
 
-    def ask(self, driver: subprocess.Popen[str], rng: random.Random, op: int, kind: str,
-            request: dict[str, Any]) -> dict[str, Any] | None:
+    def ask(
+        self, driver: subprocess.Popen[str], rng: random.Random, op: int, kind: str, request: dict[str, Any]
+    ) -> dict[str, Any] | None:
         """Send one request; SIGKILL the driver at a random moment; the answer, or None."""
         delay = self.kill_delay(rng, kind)
         fired = threading.Event()
@@ -450,8 +512,13 @@ class System:
             return None
         self.learn(kind, time.monotonic() - start)
         answer: dict[str, Any] = json.loads(line)
-        self.outcome(op, kind, request, 0 if answer["ok"] else answer["code"],
-                     "" if answer["ok"] else f"ckstore: {answer['error']}")
+        self.outcome(
+            op,
+            kind,
+            request,
+            0 if answer["ok"] else answer["code"],
+            "" if answer["ok"] else f"ckstore: {answer['error']}",
+        )
         return answer
 
     def lane_overlay(self, rng: random.Random) -> None:
@@ -465,15 +532,30 @@ class System:
                 folder = self.source(seed, "model")
                 content = {**base.content, **tree_digest(folder)}  # type: ignore[dict-item]
                 started = self.attempt("ovl", "o", loss)
-                op, result = self.cli(rng, "overlay commit", "ovl", "commit", str(folder), "--base", base.oid,
-                                      "--base-repo", str(self.repos["base"]), "--branch", "o", "--meta", f"loss={loss}")
+                op, result = self.cli(
+                    rng,
+                    "overlay commit",
+                    "ovl",
+                    "commit",
+                    str(folder),
+                    "--base",
+                    base.oid,
+                    "--base-repo",
+                    str(self.repos["base"]),
+                    "--branch",
+                    "o",
+                    "--meta",
+                    f"loss={loss}",
+                )
                 if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
                     self.acknowledge("overlay commit", m.group(0), "ovl", "o", started, loss, content, op)
                 shutil.rmtree(folder)
             else:
                 keep = rng.randint(2, 5)
                 started = self.now()
-                op, result = self.cli(rng, "gc overlay --keep-last", "ovl", "gc", "--keep-last", str(keep), "--prune-now")
+                op, result = self.cli(
+                    rng, "gc overlay --keep-last", "ovl", "gc", "--keep-last", str(keep), "--prune-now"
+                )
                 with self.lock:
                     self.retention.append(Retention("ovl", started, self.now(), keep_last=keep))
 
@@ -510,7 +592,9 @@ class System:
                     self.retention.append(Retention("base", started, self.now(), keep_last=keep))
             elif roll < 0.45:
                 keep = rng.randint(4, 12)
-                self.cli(rng, "gc --keep-best", "base", "gc", "--keep-best", str(keep), "--metric", "loss", "--prune-now")
+                self.cli(
+                    rng, "gc --keep-best", "base", "gc", "--keep-best", str(keep), "--metric", "loss", "--prune-now"
+                )
                 with self.lock:
                     self.retention.append(Retention("base", started, self.now(), keep_best=keep))
             elif roll < 0.55:
@@ -519,8 +603,16 @@ class System:
                 self.cli(rng, "repack", "base", "repack")
             else:
                 remote = rng.choice(REMOTES)
-                self.cli(rng, f"gc --remote {remote}", "base", "gc", "--remote", remote,
-                         "--grace", str(self.settings.remote_grace))
+                self.cli(
+                    rng,
+                    f"gc --remote {remote}",
+                    "base",
+                    "gc",
+                    "--remote",
+                    remote,
+                    "--grace",
+                    str(self.settings.remote_grace),
+                )
             time.sleep(rng.uniform(0.0, 1.0))  # gc takes the lock exclusively: let writers through
 
     # ---- set-up, run, check ------------------------------------------------------------------
@@ -530,8 +622,14 @@ class System:
         rng = random.Random(self.settings.seed - 1)
 
         def must(*args: str, repo: str | None = None) -> str:
-            result = subprocess.run([*CLI, *(["--repo", str(self.repos[repo])] if repo else []), *args],
-                                    env=self.env, capture_output=True, text=True, timeout=OP_TIMEOUT, check=False)
+            result = subprocess.run(
+                [*CLI, *(["--repo", str(self.repos[repo])] if repo else []), *args],
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=OP_TIMEOUT,
+                check=False,
+            )
             assert result.returncode == 0, (args, result.stderr)
             return result.stdout
 
@@ -557,8 +655,11 @@ class System:
         self.setup()
         self.deadline = time.monotonic() + self.settings.max_seconds  # the budget is for the lanes
         lanes: dict[str, Callable[[random.Random], None]] = {
-            "cli": self.lane_cli, "py": self.lane_py, "overlay": self.lane_overlay,
-            "mirror": self.lane_mirror, "maint": self.lane_maint,
+            "cli": self.lane_cli,
+            "py": self.lane_py,
+            "overlay": self.lane_overlay,
+            "mirror": self.lane_mirror,
+            "maint": self.lane_maint,
         }
         threads = []
         for name, lane in lanes.items():
@@ -591,8 +692,9 @@ class System:
                 continue
             problem = self.read_back(Repo(self.repos[commit.repo]), commit.oid, commit.content)
             if problem:
-                self.report.losses.append(f"{commit.kind} {commit.oid[:12]} on {commit.repo}/{commit.branch} "
-                                          f"(op {commit.op}): {problem}")
+                self.report.losses.append(
+                    f"{commit.kind} {commit.oid[:12]} on {commit.repo}/{commit.branch} (op {commit.op}): {problem}"
+                )
             else:
                 self.report.verified += 1
         for remote, url in self.urls.items():
@@ -611,8 +713,9 @@ class System:
         except Exception as exc:  # noqa: BLE001  (an fsck that cannot finish is the finding)
             problems = [f"fsck raised {type(exc).__name__}: {exc}"]
         if problems:
-            self.report.failures.append(f"fsck --read-data on {name}: {len(problems)} problems: "
-                                        + " | ".join(problems[:6]))
+            self.report.failures.append(
+                f"fsck --read-data on {name}: {len(problems)} problems: " + " | ".join(problems[:6])
+            )
         refs = {f"refs/heads/{k}": v for k, v in repo.branches().items()}
         refs.update({f"refs/tags/{k}": v for k, v in repo.tags().items()})
         remotes = path / "refs" / "remotes"
@@ -649,7 +752,9 @@ class System:
             self.report.failures.append(f"clone of remote {remote}: exit {result.returncode}: {result.stderr.strip()}")
             for r, ref, oid, op, _ in self.pushed:
                 if r == remote:
-                    self.report.losses.append(f"push of {ref} {oid[:12]} to {remote} (op {op}): remote cannot be cloned")
+                    self.report.losses.append(
+                        f"push of {ref} {oid[:12]} to {remote} (op {op}): remote cannot be cloned"
+                    )
             return
         self.check_repo(f"clone of {remote}", clone)
         repo = Repo(clone)
@@ -658,8 +763,9 @@ class System:
         for r, ref, oid, op, read_at in self.pushed:
             if r != remote:
                 continue
-            if ref.startswith("refs/heads/") and (oid in excused or (
-                    oid not in acked and self.unacknowledged_excused(ref[len("refs/heads/"):], read_at))):
+            if ref.startswith("refs/heads/") and (
+                oid in excused or (oid not in acked and self.unacknowledged_excused(ref[len("refs/heads/") :], read_at))
+            ):
                 continue  # a later push sends the history as retention left it ("pushed as pruned")
             problem = self.read_back(repo, oid, self.contents.get(oid))
             if problem is None and ref.startswith("refs/tags/") and repo.tags().get(ref[10:]) != oid:

@@ -33,8 +33,11 @@ def state_for(seed: int, n: int) -> dict[str, Any]:
     frozen = np.random.default_rng(1_000_003).standard_normal(n).astype(np.float32)
     rng = np.random.default_rng(seed)
     return {
-        "model": {"frozen": frozen, "w": rng.standard_normal(n).astype(np.float32),
-                  "b": rng.standard_normal(32).astype(np.float16)},
+        "model": {
+            "frozen": frozen,
+            "w": rng.standard_normal(n).astype(np.float32),
+            "b": rng.standard_normal(32).astype(np.float16),
+        },
         "optimizer": {"step": seed, "lr": random.Random(seed).random()},
     }
 
@@ -42,8 +45,11 @@ def state_for(seed: int, n: int) -> dict[str, Any]:
 def same_state(loaded: Any, expected: Any) -> bool:
     """Bit-exact equality of a loaded state and the one committed (arrays by dtype, shape, bytes)."""
     if isinstance(expected, dict):
-        return isinstance(loaded, dict) and loaded.keys() == expected.keys() and all(
-            same_state(loaded[k], v) for k, v in expected.items())
+        return (
+            isinstance(loaded, dict)
+            and loaded.keys() == expected.keys()
+            and all(same_state(loaded[k], v) for k, v in expected.items())
+        )
     if isinstance(expected, np.ndarray):
         array = np.asarray(loaded)
         return array.dtype == expected.dtype and array.shape == expected.shape and array.tobytes() == expected.tobytes()
@@ -56,8 +62,9 @@ def serve(repo: Repo, request: dict[str, Any]) -> dict[str, Any]:
     if op == "state":
         state = state_for(request["seed"], request["n"])
         if request.get("background"):
-            handle = repo.commit_state(state, f"s{request['seed']}", branch=request["branch"], metadata=meta,
-                                       background=True)
+            handle = repo.commit_state(
+                state, f"s{request['seed']}", branch=request["branch"], metadata=meta, background=True
+            )
             oid = handle.result()
             repo.wait()  # its compaction too, so a kill can land in either
         else:

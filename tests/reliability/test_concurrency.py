@@ -24,8 +24,8 @@ import pytest
 
 from ckstore.backend.fsio import process_owner
 from ckstore.errors import RefChangedError
-from ckstore.repository.refs import RefStore
 from ckstore.repo import Repo
+from ckstore.repository.refs import RefStore
 
 from .helpers import assert_clean_error, checkout_digest, cli_env, count, run_cli, write_checkpoint
 
@@ -90,14 +90,29 @@ def test_writers_and_gc_lose_nothing(tmp_path: Path) -> None:
     deadline = time.time() + 12
     root = str(Path(__file__).resolve().parents[2])
     writers = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(repo.path), branch, str(seed), str(deadline), root],
-                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(repo.path), branch, str(seed), str(deadline), root],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for branch, seed in (("shared", 1), ("shared", 2), ("solo", 3))
     ]
-    tagger = subprocess.Popen([sys.executable, "-c", TAGGER, str(repo.path), str(deadline)], env=cli_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    gc = subprocess.Popen([sys.executable, "-c", GC_LOOP, str(repo.path), str(deadline)], env=cli_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tagger = subprocess.Popen(
+        [sys.executable, "-c", TAGGER, str(repo.path), str(deadline)],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    gc = subprocess.Popen(
+        [sys.executable, "-c", GC_LOOP, str(repo.path), str(deadline)],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     made: dict[str, dict[str, str]] = {}
     per_worker = []
     for proc in writers:
@@ -129,8 +144,13 @@ def test_writers_and_gc_lose_nothing(tmp_path: Path) -> None:
     count("concurrent_ref_updates", 3 * len(tags))
 
 
-def _cas_worker(path: str, me: int, rounds: int, barrier: multiprocessing.synchronize.Barrier,  # type: ignore[name-defined]
-                results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _cas_worker(
+    path: str,
+    me: int,
+    rounds: int,
+    barrier: multiprocessing.synchronize.Barrier,  # type: ignore[name-defined]
+    results: multiprocessing.Queue,
+) -> None:  # type: ignore[type-arg]
     refs = RefStore(Repo(path).backend)
     for r in range(rounds):
         barrier.wait()
@@ -206,7 +226,9 @@ def test_stale_lock_of_an_older_ckstore_is_reported(tmp_path: Path) -> None:
     count("stale_locks_reported")
 
 
-def test_tag_of_an_old_commit_racing_gc_never_names_a_deleted_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tag_of_an_old_commit_racing_gc_never_names_a_deleted_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``tag best <old commit>`` while ``gc --keep-last 1`` runs: gc must either see the tag and
     keep the commit, or run after it. Found by the soak: the tag resolved the commit, gc deleted
     it, then the tag was written, naming a commit no longer stored (fsck: "missing")."""

@@ -22,8 +22,17 @@ from ckstore.errors import CkstoreError, IntegrityError, NotFoundError
 from ckstore.repo import Repo
 
 from .helpers import (
-    assert_clean_error, checkout_digest, count, flip_bit, object_path, refs_of, reproducible_commits, run_cli, temp_files,
-    tree_digest, write_checkpoint,
+    assert_clean_error,
+    checkout_digest,
+    count,
+    flip_bit,
+    object_path,
+    refs_of,
+    reproducible_commits,
+    run_cli,
+    temp_files,
+    tree_digest,
+    write_checkpoint,
 )
 
 

@@ -26,7 +26,15 @@ import pytest
 
 from .helpers import cli_env, count
 from .scenarios import (
-    RANDOM_SCENARIOS, SCENARIOS, Scenario, Template, argv, build_template, check_after, copy_template, count_steps,
+    RANDOM_SCENARIOS,
+    SCENARIOS,
+    Scenario,
+    Template,
+    argv,
+    build_template,
+    check_after,
+    copy_template,
+    count_steps,
 )
 
 pytestmark = pytest.mark.slow
@@ -47,8 +55,14 @@ def test_kill_at_every_step(scenario: Scenario, small_template: Template, tmp_pa
     kills = 0
     for k in range(1, steps + 1):
         copy_template(small_template, work)
-        proc = subprocess.run(argv(scenario, small_template, work), env=cli_env(CKSTORE_FAULT=f"kill@{k}"),
-                              capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(
+            argv(scenario, small_template, work),
+            env=cli_env(CKSTORE_FAULT=f"kill@{k}"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if proc.returncode == 0:  # threads can order steps differently; a run may finish under k
             continue
         assert proc.returncode == -signal.SIGKILL, (k, proc.returncode, proc.stderr)
@@ -67,8 +81,12 @@ def test_kill_at_random_moments(scenario: Scenario, large: Template, tmp_path: P
     for _ in range(RANDOM_KILLS_PER_SCENARIO):
         copy_template(large, work)
         counter = work / "steps"
-        proc = subprocess.Popen(argv(scenario, large, work), env=cli_env(CKSTORE_FAULT_COUNT=str(counter)),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            argv(scenario, large, work),
+            env=cli_env(CKSTORE_FAULT_COUNT=str(counter)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         while not counter.exists() and proc.poll() is None:
             time.sleep(0.0005)
         time.sleep(rng.uniform(0, duration))

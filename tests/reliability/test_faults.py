@@ -27,8 +27,14 @@ def test_fault_at_every_step(scenario: Scenario, small_template: Template, tmp_p
     for action, message in MESSAGES.items():
         for k in range(1, steps + 1):
             copy_template(small_template, work)
-            proc = subprocess.run(argv(scenario, small_template, work), env=cli_env(CKSTORE_FAULT=f"{action}@{k}"),
-                                  capture_output=True, text=True, timeout=120, check=False)
+            proc = subprocess.run(
+                argv(scenario, small_template, work),
+                env=cli_env(CKSTORE_FAULT=f"{action}@{k}"),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
             if proc.returncode == 0:  # threads may order steps differently; the run ended under k
                 continue
             assert_clean_error(proc, 7, message)

@@ -1,6 +1,6 @@
 """Property and fuzz tests that the unit suites do not already cover.
 
-tests/test_codec.py, tests/test_manifest.py and tests/test_safetensors_format.py check that
+tests/codecs/test_objects.py, tests/format/test_manifest.py and tests/format/test_safetensors.py check that
 random mutations raise only ckstore's errors. Here: what a decoder *accepts* re-encodes to the
 same bytes (manifests, raw objects) or the same meaning (safetensors headers); the decoders
 stacked as a reader meets them (object codec, then manifest) let only ckstore errors escape; and
@@ -24,8 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from ckstore.codecs.objects import HEADER, HEADER_SIZE, Encoding, Kind, decode, encode, parse_header
 from ckstore.errors import CkstoreError, IntegrityError, SafetensorsFormatError
 from ckstore.format.manifest import canonical_json, decode_commit, encode_commit
+from ckstore.format.safetensors import DTYPE_BITS, emit_header
+from ckstore.format.safetensors import parse_header as parse_st
 from ckstore.repo import Repo
-from ckstore.format.safetensors import DTYPE_BITS, emit_header, parse_header as parse_st
 
 from .helpers import count, flip_bit, object_path, reproducible_commits, st_bytes, tree_digest
 
@@ -35,21 +36,43 @@ ID = "ab" * 32
 
 def _manifest() -> dict[str, Any]:
     return {
-        "ckstore": 1, "parents": [ID], "time": "2026-01-01T00:00:00.000000Z", "branch": "main",
-        "message": "m", "metadata": {"epoch": 3, "loss": 0.5}, "provenance": {"python": "3.11"},
-        "logical_bytes": 24, "added_bytes": 10, "state": None,
+        "ckstore": 1,
+        "parents": [ID],
+        "time": "2026-01-01T00:00:00.000000Z",
+        "branch": "main",
+        "message": "m",
+        "metadata": {"epoch": 3, "loss": 0.5},
+        "provenance": {"python": "3.11"},
+        "logical_bytes": 24,
+        "added_bytes": 10,
+        "state": None,
         "files": [
-            {"path": "a/model.safetensors", "kind": "safetensors", "size": 16, "header": [[ID, 8]],
-             "tensors": [{"name": "w", "dtype": "F32", "shape": [2], "chunks": [[ID, 8]]}]},
+            {
+                "path": "a/model.safetensors",
+                "kind": "safetensors",
+                "size": 16,
+                "header": [[ID, 8]],
+                "tensors": [{"name": "w", "dtype": "F32", "shape": [2], "chunks": [[ID, 8]]}],
+            },
             {"path": "b.json", "kind": "blob", "size": 8, "chunks": [[ID, 8]]},
         ],
     }
 
 
-JSON_LEAVES = (st.none() | st.booleans() | st.integers(-3, 2**64) | st.floats(allow_nan=False, allow_infinity=False)
-               | st.text(max_size=6) | st.just(ID) | st.sampled_from(sorted(DTYPE_BITS)))
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+JSON_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 2**64)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6)
+    | st.just(ID)
+    | st.sampled_from(sorted(DTYPE_BITS))
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def _places(value: Any, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
@@ -120,9 +143,15 @@ def test_stacked_readers_let_only_ckstore_errors_escape(noise: bytes, data: st.D
 
 
 TENSORS = st.lists(
-    st.tuples(st.text(st.characters(min_codepoint=0xA0, max_codepoint=0x2FF) | st.sampled_from("abc._"), min_size=1, max_size=4),
-              st.sampled_from(["F32", "U8", "BF16", "BOOL", "I64"]), st.lists(st.integers(0, 3), max_size=3)),
-    max_size=4, unique_by=lambda t: t[0],
+    st.tuples(
+        st.text(
+            st.characters(min_codepoint=0xA0, max_codepoint=0x2FF) | st.sampled_from("abc._"), min_size=1, max_size=4
+        ),
+        st.sampled_from(["F32", "U8", "BF16", "BOOL", "I64"]),
+        st.lists(st.integers(0, 3), max_size=3),
+    ),
+    max_size=4,
+    unique_by=lambda t: t[0],
 ).filter(lambda ts: all(n != "__metadata__" for n, _, _ in ts))
 
 
@@ -145,8 +174,9 @@ def test_accepted_safetensors_headers_re_emit_to_the_same_layout(
         return  # e.g. a mutation repeated a name: committed as plain bytes, never re-emitted
     again, _ = emit_header([(t.name, t.dtype, t.shape) for t in layout.tensors], layout.metadata)
     relaid = parse_st(again, len(again) + (layout.file_size - layout.data_offset))
-    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in relaid.tensors] == \
-        [(t.name, t.dtype, t.shape, t.nbytes) for t in layout.tensors]
+    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in relaid.tensors] == [
+        (t.name, t.dtype, t.shape, t.nbytes) for t in layout.tensors
+    ]
     assert relaid.metadata == layout.metadata
     if bytes(mutated) == header:
         assert again == header  # canonical input re-encodes byte for byte
@@ -197,10 +227,14 @@ class RepositoryMachine(RuleBasedStateMachine):
     def _commit(self, branch: str, seed: int) -> None:
         src = self.tmp / f"src{len(self.order)}"
         src.mkdir()
-        (src / "model.safetensors").write_bytes(st_bytes([
-            ("shared", "U8", [300], bytes(300)),
-            ("w", "F32", [seed % 5 * 300], bytes([seed % 251]) * (seed % 5 * 1200)),
-        ]))
+        (src / "model.safetensors").write_bytes(
+            st_bytes(
+                [
+                    ("shared", "U8", [300], bytes(300)),
+                    ("w", "F32", [seed % 5 * 300], bytes([seed % 251]) * (seed % 5 * 1200)),
+                ]
+            )
+        )
         (src / "notes.txt").write_text(f"seed {seed}\n")
         digest = tree_digest(src)
         ref = f"refs/heads/{branch}"
@@ -227,8 +261,12 @@ class RepositoryMachine(RuleBasedStateMachine):
         heads = sorted(ref for ref in self.refs if ref.startswith("refs/heads/"))
         self._commit(heads[branch % len(heads)].removeprefix("refs/heads/"), seed)
 
-    @rule(kind=st.sampled_from(["heads", "tags"]), name=st.sampled_from(["dev", "exp/a", "rel/x"]),
-          base=st.integers(0, 10**6), pruned=st.booleans())
+    @rule(
+        kind=st.sampled_from(["heads", "tags"]),
+        name=st.sampled_from(["dev", "exp/a", "rel/x"]),
+        base=st.integers(0, 10**6),
+        pruned=st.booleans(),
+    )
     def create_ref(self, kind: str, name: str, base: int, pruned: bool) -> None:
         """On a kept commit, or (``pruned``, once gc pruned some) on a pruned one: refused."""
         gone = [oid for oid in self.order if oid not in self.live]
@@ -261,7 +299,7 @@ class RepositoryMachine(RuleBasedStateMachine):
     def gc(self) -> None:
         """Keeps every commit a ref reaches; those only deleted refs reached go. With prune_now:
         without it a deleted branch's reflog keeps its commits for 30 days (by design, and
-        tests/test_reflog.py covers it), which this model does not replicate."""
+        tests/repository/test_reflog.py covers it), which this model does not replicate."""
         self.repo.gc(prune_now=True)
         self.live &= {oid for tip in self.refs.values() for oid in self._chain(tip)}
         count("stateful_gcs")
@@ -323,8 +361,10 @@ class RepositoryMachine(RuleBasedStateMachine):
 
     @invariant()
     def refs_match_the_model(self) -> None:
-        found = {**{f"refs/heads/{k}": v for k, v in self.repo.branches().items()},
-                 **{f"refs/tags/{k}": v for k, v in self.repo.tags().items()}}
+        found = {
+            **{f"refs/heads/{k}": v for k, v in self.repo.branches().items()},
+            **{f"refs/tags/{k}": v for k, v in self.repo.tags().items()},
+        }
         assert found == self.refs
 
     @invariant()

@@ -39,10 +39,15 @@ def test_golden_damage_is_reported_exactly(case: str, tmp_path: Path) -> None:
     shutil.copytree(GOLDEN / case / "repo", repo)
     fsck = run_cli("fsck", "--read-data", repo=repo)
     assert (fsck.returncode, [_stable(x) for x in fsck.stdout.splitlines()], fsck.stderr.strip()) == (
-        expected["fsck_exit"], [_stable(x) for x in expected["fsck_stdout"]], expected["fsck_stderr"])
+        expected["fsck_exit"],
+        [_stable(x) for x in expected["fsck_stdout"]],
+        expected["fsck_stderr"],
+    )
     bad = run_cli("checkout", expected["damaged_ref"], "-o", tmp_path / "bad", repo=repo)
     assert (bad.returncode, _stable(bad.stderr.strip())) == (
-        expected["checkout_exit"], _stable(expected["checkout_stderr"]))
+        expected["checkout_exit"],
+        _stable(expected["checkout_stderr"]),
+    )
     for ref, digests in expected["intact"].items():
         out = tmp_path / f"good-{ref}"
         proc = run_cli("checkout", ref, "-o", out, repo=repo)

@@ -21,13 +21,19 @@ import zstandard
 
 from ckstore.codecs.objects import HEADER, MAGIC, OBJECT_VERSION, Encoding, Kind, encode
 from ckstore.errors import InvalidRefNameError
-from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import canonical_json
 from ckstore.repo import Repo
 from ckstore.repository.store import object_key
 
 from .helpers import (
-    assert_clean_error, checkpoint_bytes, cli_env, count, limit_address_space, run_cli, st_bytes, tree_digest,
+    assert_clean_error,
+    checkpoint_bytes,
+    cli_env,
+    count,
+    limit_address_space,
+    run_cli,
+    st_bytes,
+    tree_digest,
 )
 
 
@@ -95,8 +101,15 @@ def test_cli_does_not_import_torch_and_runs_under_the_limit(box: Sandbox) -> Non
         f"--repo|{box.repo_path}|fsck|--read-data",
         f"--repo|{box.repo_path}|gc|--keep-last|1",
     ]
-    proc = subprocess.run([sys.executable, "-c", script, *commands], env=cli_env(), capture_output=True, text=True,
-                          preexec_fn=limit_address_space, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *commands],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_address_space,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -123,8 +136,10 @@ SAFETENSORS_CASES: dict[str, tuple[bytes, str]] = {
     "not-an-object": (_st(b"[1, 2, 3]"), "header JSON is not an object"),
     # A repeated tensor name is read by safetensors (last wins) and stored as plain bytes; a
     # repeated field or __metadata__ is refused.
-    "duplicate-keys": (_st(b'{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(8)),
-                       "tensor 'a': duplicate key 'dtype'"),
+    "duplicate-keys": (
+        _st(b'{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(8)),
+        "tensor 'a': duplicate key 'dtype'",
+    ),
     "duplicate-metadata": (_st(b'{"__metadata__":{},"__metadata__":{}}'), "duplicate key '__metadata__'"),
     "offsets-out-of-range": (_st(_js({"a": _t([2], 0, 8)}), bytes(4)), "run past the end"),
     "overlap": (_st(_js({"a": _t([2], 0, 8), "b": _t([2], 4, 12)}), bytes(12)), "overlap"),
@@ -139,8 +154,10 @@ SAFETENSORS_CASES: dict[str, tuple[bytes, str]] = {
     "nul-in-tensor-name": (_st(b'{"a\x00b":' + _js(_t([2], 0, 8)) + b"}", bytes(8)), "Invalid control character"),
     "nan-in-header": (_st(b'{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,0]}}'), "non-standard constant"),
     "deep-nesting": (_st(b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}"), "nested too deeply"),
-    "huge-integer-literal": (_st(b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,0]}}'),
-                             "out of range"),
+    "huge-integer-literal": (
+        _st(b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,0]}}'),
+        "out of range",
+    ),
     "truncated-prefix": (b"\x10\x00\x00", "shorter than the 8-byte header length"),
     "text-file": (b"this is not a safetensors file at all, just text\n" * 20, "exceeds the limit"),
 }
@@ -266,14 +283,24 @@ def _set_path(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
 MANIFEST_CASES: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str]] = {
     "duplicate-file-names": (_edit(lambda d: d["files"].append(dict(d["files"][0]))), "duplicate file paths"),
     "wrong-file-size": (_edit(lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1)), "do not add up"),
-    "wrong-chunk-size": (_edit(lambda d: d["files"][0]["tensors"][0]["chunks"][0].__setitem__(1, 1 << 40)),
-                         "chunk sizes do not match"),
-    "duplicate-tensor-names": (_edit(lambda d: d["files"][0]["tensors"].__setitem__(
-        1, dict(d["files"][0]["tensors"][1], name=d["files"][0]["tensors"][0]["name"]))), "duplicate tensor names"),
+    "wrong-chunk-size": (
+        _edit(lambda d: d["files"][0]["tensors"][0]["chunks"][0].__setitem__(1, 1 << 40)),
+        "chunk sizes do not match",
+    ),
+    "duplicate-tensor-names": (
+        _edit(
+            lambda d: d["files"][0]["tensors"].__setitem__(
+                1, dict(d["files"][0]["tensors"][1], name=d["files"][0]["tensors"][0]["name"])
+            )
+        ),
+        "duplicate tensor names",
+    ),
     "negative-size": (_edit(lambda d: d["files"][0].update(size=-1)), "invalid size"),
     "unknown-dtype": (_edit(lambda d: d["files"][0]["tensors"][0].update(dtype="F128")), "unknown dtype"),
-    "bad-chunk-id": (_edit(lambda d: d["files"][0]["tensors"][0]["chunks"][0].__setitem__(0, "../../x")),
-                     "malformed chunk reference"),
+    "bad-chunk-id": (
+        _edit(lambda d: d["files"][0]["tensors"][0]["chunks"][0].__setitem__(0, "../../x")),
+        "malformed chunk reference",
+    ),
     "path-dotdot": (_set_path("../x"), "'..' component"),
     "path-absolute": (_set_path("/etc/x"), "absolute"),
     "path-drive": (_set_path("C:\\x"), "absolute"),
@@ -281,8 +308,10 @@ MANIFEST_CASES: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str]
     "path-nul": (_set_path("a\x00b"), "forbidden characters"),
     "path-control": (_set_path("a\x1bb"), "forbidden characters"),
     "path-empty-component": (_set_path("a//b"), "empty"),
-    "path-below-file": (_edit(lambda d: d["files"].append(dict(d["files"][0], path=d["files"][0]["path"] + "/x"))),
-                        "lies below another file"),
+    "path-below-file": (
+        _edit(lambda d: d["files"].append(dict(d["files"][0], path=d["files"][0]["path"] + "/x"))),
+        "lies below another file",
+    ),
 }
 
 
@@ -314,7 +343,9 @@ def test_hostile_ref_files_and_head(box: Sandbox) -> None:
     box.refuse(8, "log", expect=("newer than this ckstore supports",))
 
 
-def test_symlinked_output_folder_cannot_carry_writes_outside(box: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_symlinked_output_folder_cannot_carry_writes_outside(
+    box: Sandbox, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     outside = tmp_path_factory.mktemp("outside")
     sub = box.inputs / "nested" / "sub"
     sub.mkdir(parents=True)
@@ -328,9 +359,33 @@ def test_symlinked_output_folder_cannot_carry_writes_outside(box: Sandbox, tmp_p
 
 # ---- names that try to escape ---------------------------------------------------------------
 
-HOSTILE_NAMES = ["../x", "/abs", "C:\\x", "\\\\host\\share", "a\x01b", "a\nb", "x.lock", "a//b", "@{", "a@{1}",
-                 "a/../b", ".hidden", "a/.b", "trailing/", "trailing.", "@", "HEAD", "sp ace", "x" * 251,
-                 "a:b", "a*b", "a?b", "a[b", "a~1", "a^b"]
+HOSTILE_NAMES = [
+    "../x",
+    "/abs",
+    "C:\\x",
+    "\\\\host\\share",
+    "a\x01b",
+    "a\nb",
+    "x.lock",
+    "a//b",
+    "@{",
+    "a@{1}",
+    "a/../b",
+    ".hidden",
+    "a/.b",
+    "trailing/",
+    "trailing.",
+    "@",
+    "HEAD",
+    "sp ace",
+    "x" * 251,
+    "a:b",
+    "a*b",
+    "a?b",
+    "a[b",
+    "a~1",
+    "a^b",
+]
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES, ids=repr)
@@ -338,7 +393,9 @@ def test_hostile_ref_names_refused(box: Sandbox, name: str) -> None:
     box.refuse(5, "tag", name, expect=("invalid tag name",))
     box.refuse(5, "branch", name, expect=("invalid branch name",))
     box.refuse(5, "commit", box.inputs / "good", "--branch", name, expect=("invalid branch name",))
-    assert not any(p.name != "main" for p in (box.repo_path / "refs").rglob("*") if p.is_file() and "tags" not in p.parts)
+    assert not any(
+        p.name != "main" for p in (box.repo_path / "refs").rglob("*") if p.is_file() and "tags" not in p.parts
+    )
 
 
 def test_nul_in_names_refused_through_the_api(box: Sandbox) -> None:

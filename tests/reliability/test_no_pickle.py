@@ -40,8 +40,11 @@ def violations(source: str, filename: str) -> list[str]:
     found = []
     tree = ast.parse(source, filename)
     # ``pickle.UnpicklingError`` and friends only name exceptions: the one harmless use.
-    harmless = {id(n.value) for n in ast.walk(tree)
-                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in HARMLESS}
+    harmless = {
+        id(n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in HARMLESS
+    }
     for node in ast.walk(tree):
         where = f"{filename}:{getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.Import):
@@ -67,7 +70,8 @@ def violations(source: str, filename: str) -> list[str]:
             if name in ("np.load", "numpy.load") and not _is_const(_keyword(node, "allow_pickle"), False):
                 found.append(f"{where}: {name} without allow_pickle=False")
             if _is_const(_keyword(node, "allow_pickle"), True) or (
-                _keyword(node, "allow_pickle") is not None and not isinstance(_keyword(node, "allow_pickle"), ast.Constant)
+                _keyword(node, "allow_pickle") is not None
+                and not isinstance(_keyword(node, "allow_pickle"), ast.Constant)
             ):
                 found.append(f"{where}: allow_pickle not literally False")
     return found
@@ -81,19 +85,40 @@ def test_ckstore_sources_never_unpickle() -> None:
     assert problems == []
 
 
-@pytest.mark.parametrize("snippet", [
-    "import pickle", "import cPickle as p", "from pickle import loads", "import dill", "import cloudpickle",
-    "from _pickle import Unpickler", "x = pickle.Unpickler(f)", "torch.load(f)", "torch.load(f, weights_only=False)",
-    "np.load(f)", "numpy.load(f, allow_pickle=True)", "np.load(f, allow_pickle=flag)", "joblib.load(f)",
-    "import pickle\npickle.loads(b)", "import pickle\nu = pickle", "import pickle as p",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import pickle",
+        "import cPickle as p",
+        "from pickle import loads",
+        "import dill",
+        "import cloudpickle",
+        "from _pickle import Unpickler",
+        "x = pickle.Unpickler(f)",
+        "torch.load(f)",
+        "torch.load(f, weights_only=False)",
+        "np.load(f)",
+        "numpy.load(f, allow_pickle=True)",
+        "np.load(f, allow_pickle=flag)",
+        "joblib.load(f)",
+        "import pickle\npickle.loads(b)",
+        "import pickle\nu = pickle",
+        "import pickle as p",
+    ],
+)
 def test_scanner_catches(snippet: str) -> None:
     assert violations(snippet, "<snippet>")
 
 
-@pytest.mark.parametrize("snippet", [
-    "torch.load(f, weights_only=True)", "np.load(f, allow_pickle=False)", "json.loads(s)", "x.load(f)",
-    "import pickle\ntry:\n    pass\nexcept pickle.UnpicklingError:\n    pass",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "torch.load(f, weights_only=True)",
+        "np.load(f, allow_pickle=False)",
+        "json.loads(s)",
+        "x.load(f)",
+        "import pickle\ntry:\n    pass\nexcept pickle.UnpicklingError:\n    pass",
+    ],
+)
 def test_scanner_allows(snippet: str) -> None:
     assert not violations(snippet, "<snippet>")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ckstore.remote.testserver import S3Server, ServerStartError, seaweedfs
+from ckstore.transport.testserver import S3Server, ServerStartError, seaweedfs
 
 from .helpers import count
 from .system import Report, Settings, run_system

@@ -22,8 +22,11 @@ def epoch_files(folder: Path, epoch: int, n: int = 256 << 10) -> Path:
     step = np.random.default_rng(epoch)
     w[: n // 4] += 0.01 * epoch * step.standard_normal(n // 4, dtype=np.float32)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({"model.embed": emb, "model.w": w, "optim.m": step.standard_normal(n // 2, dtype=np.float32)},
-              str(folder / "model.safetensors"), metadata={"epoch": str(epoch)})
+    save_file(
+        {"model.embed": emb, "model.w": w, "optim.m": step.standard_normal(n // 2, dtype=np.float32)},
+        str(folder / "model.safetensors"),
+        metadata={"epoch": str(epoch)},
+    )
     (folder / "config.json").write_text(f'{{"epoch": {epoch}}}')
     return folder
 

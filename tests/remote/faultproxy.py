@@ -19,8 +19,10 @@ from urllib.parse import urlsplit
 
 # Headers that describe one hop, not the message; never forwarded as they are.
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
-_CODES = {500: ("InternalError", "We encountered an internal error. Please try again."),
-          503: ("SlowDown", "Please reduce your request rate.")}
+_CODES = {
+    500: ("InternalError", "We encountered an internal error. Please try again."),
+    503: ("SlowDown", "Please reduce your request rate."),
+}
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,11 @@ class FaultProxy:
                     proxy._record(self, status)
                     self._answer_error(status)
                     return
-                if proxy.ignore_conditions and self.command == "PUT" and (
-                        self.headers.get("If-None-Match") or self.headers.get("If-Match")):
+                if (
+                    proxy.ignore_conditions
+                    and self.command == "PUT"
+                    and (self.headers.get("If-None-Match") or self.headers.get("If-Match"))
+                ):
                     # Such a server stores the object whatever the precondition says; the
                     # headers are signed, so the proxy cannot strip them and forward: it answers.
                     proxy._record(self, 200)
@@ -105,8 +110,10 @@ class FaultProxy:
 
             def _answer_error(self, status: int) -> None:
                 code, message = _CODES.get(status, ("InjectedFault", "Injected by the test proxy."))
-                body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                        f"<Message>{message}</Message></Error>").encode()
+                body = (
+                    f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                    f"<Message>{message}</Message></Error>"
+                ).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/xml")
                 self.send_header("Content-Length", str(len(body)))

@@ -19,16 +19,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckstore.format import pack
 from ckstore.codecs.objects import Kind, encode
+from ckstore.format import pack
 from ckstore.format.ids import chunk_id
-from ckstore.remote.s3 import S3Transport
+from ckstore.transport.s3 import S3Transport
+from ckstore.transport.testserver import S3Server, seaweedfs
 
-from .conftest import S3Server, seaweedfs
 from .faultproxy import FaultProxy
 
 
-def scenarios(t: S3Transport, objects: list[tuple[str, bytes]], packs: list[pack.BuiltPack]) -> dict[str, Callable[[], object]]:
+def scenarios(
+    t: S3Transport, objects: list[tuple[str, bytes]], packs: list[pack.BuiltPack]
+) -> dict[str, Callable[[], object]]:
     pool = ThreadPoolExecutor(8)
     entries = [(f"packs/{p.name}.pack", e) for p in packs for e in p.index.in_pack_order()]
 
@@ -42,13 +44,15 @@ def scenarios(t: S3Transport, objects: list[tuple[str, bytes]], packs: list[pack
         "get N objects, 1 thread": lambda: [t.get(f"loose/{oid}") for oid, _ in objects],
         "put N objects, 8 threads": lambda: list(pool.map(lambda o: t.put(f"loose8/{o[0]}", o[1]), objects)),
         "get N objects, 8 threads": lambda: list(pool.map(lambda o: t.get(f"loose8/{o[0]}"), objects)),
-        "put packs (+ indexes)": lambda: [(t.put(f"packs/{p.name}.pack", p.data), t.put(f"packs/{p.name}.idx", p.index_data))
-                                         for p in packs],
+        "put packs (+ indexes)": lambda: [
+            (t.put(f"packs/{p.name}.pack", p.data), t.put(f"packs/{p.name}.idx", p.index_data)) for p in packs
+        ],
         "get packs whole": lambda: [t.get(f"packs/{p.name}.pack") for p in packs],
         "get indexes": lambda: [pack.parse_index(t.get(f"packs/{p.name}.idx"), p.name) for p in packs],
         "N ranged gets, 1 thread": lambda: [t.get_range(k, e.offset, e.length) for k, e in entries],
-        "N ranged gets, 8 threads": lambda: list(pool.map(lambda ke: t.get_range(ke[0], ke[1].offset, ke[1].length),
-                                                          entries)),
+        "N ranged gets, 8 threads": lambda: list(
+            pool.map(lambda ke: t.get_range(ke[0], ke[1].offset, ke[1].length), entries)
+        ),
         "get_ranges all, per pack": lambda: ranges(1),
         "get_ranges every other": lambda: ranges(2),
     }
@@ -63,20 +67,27 @@ def run(server: S3Server, n: int, size: int, repeat: int) -> None:
     packs = list(pack.pack_objects(objects))
     total = sum(len(d) for _, d in objects)
     index_bytes = sum(len(p.index_data) for p in packs)
-    print(f"{n} objects x {size / 2**20:.3f} MiB = {total / 2**20:.1f} MiB in {len(packs)} packs "
-          f"of <= {max(len(p.data) for p in packs) / 2**20:.2f} MiB; indexes {index_bytes} bytes "
-          f"({index_bytes / n:.1f} per object)")
+    print(
+        f"{n} objects x {size / 2**20:.3f} MiB = {total / 2**20:.1f} MiB in {len(packs)} packs "
+        f"of <= {max(len(p.data) for p in packs) / 2**20:.2f} MiB; indexes {index_bytes} bytes "
+        f"({index_bytes / n:.1f} per object)"
+    )
     timings: dict[str, float] = {}
     for _ in range(repeat):  # best of: the machine is shared by the server and the client
-        direct = S3Transport(server.bucket, f"bench/{uuid.uuid4().hex}", server.options(request_timeout=300),
-                             env=server.env)
+        direct = S3Transport(
+            server.bucket, f"bench/{uuid.uuid4().hex}", server.options(request_timeout=300), env=server.env
+        )
         for name, fn in scenarios(direct, objects, packs).items():
             started = time.perf_counter()
             fn()
             timings[name] = min(timings.get(name, float("inf")), time.perf_counter() - started)
     with FaultProxy(server.endpoint) as proxy:
-        counted = S3Transport(server.bucket, f"bench/{uuid.uuid4().hex}",
-                              server.options(endpoint_url=proxy.url, request_timeout=300), env=server.env)
+        counted = S3Transport(
+            server.bucket,
+            f"bench/{uuid.uuid4().hex}",
+            server.options(endpoint_url=proxy.url, request_timeout=300),
+            env=server.env,
+        )
         counts = {}
         for name, fn in scenarios(counted, objects, packs).items():
             proxy.reset()

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ckstore.repo import Repo
-from helpers import adam_like_epochs, encodings, tree_digest
+from tests.helpers import adam_like_epochs, encodings, tree_digest
 
 
 def _pushed(tmp_path: Path, url: str, endpoint: str | None) -> tuple[Repo, list[tuple[str, Path]]]:

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from ckstore.format import pack
 from ckstore.codecs.objects import Kind, encode
 from ckstore.errors import StorageError
+from ckstore.format import pack
 from ckstore.format.ids import chunk_id
-from ckstore.remote.s3 import S3Transport
+from ckstore.transport.s3 import S3Transport
+from ckstore.transport.testserver import S3Server
 
-from .conftest import S3Server
 from .faultproxy import FaultProxy
 
 
@@ -30,8 +30,12 @@ def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
 
 @pytest.fixture
 def remote(s3_server: S3Server, proxy: FaultProxy) -> S3Transport:
-    return S3Transport(s3_server.bucket, f"f/{uuid.uuid4().hex}",
-                       s3_server.options(endpoint_url=proxy.url, multipart_part_size=5 << 20), env=s3_server.env)
+    return S3Transport(
+        s3_server.bucket,
+        f"f/{uuid.uuid4().hex}",
+        s3_server.options(endpoint_url=proxy.url, multipart_part_size=5 << 20),
+        env=s3_server.env,
+    )
 
 
 def statuses(proxy: FaultProxy, method: str) -> list[int | None]:
@@ -80,8 +84,12 @@ def test_conditional_writes_are_retried_on_server_errors(remote: S3Transport, pr
 @pytest.mark.parametrize("fault", ["503", "500", "drop"])
 def test_persistent_faults_end_in_a_clean_storage_error(remote: S3Transport, proxy: FaultProxy, fault: str) -> None:
     remote.put("k", b"value")
-    for call in (lambda: remote.get("k"), lambda: remote.put("k", b"x"), lambda: remote.put_if_absent("n", b"x"),
-                 lambda: list(remote.list())):
+    for call in (
+        lambda: remote.get("k"),
+        lambda: remote.put("k", b"x"),
+        lambda: remote.put_if_absent("n", b"x"),
+        lambda: list(remote.list()),
+    ):
         proxy.reset()
         if fault == "drop":
             proxy.drop_next(100)
@@ -107,7 +115,8 @@ def test_persistent_faults_end_in_a_clean_storage_error(remote: S3Transport, pro
 
 
 def test_large_put_is_multipart_and_publishes_nothing_when_completion_fails(
-        remote: S3Transport, proxy: FaultProxy) -> None:
+    remote: S3Transport, proxy: FaultProxy
+) -> None:
     data = os.urandom(12 << 20)
     remote.put("big", data)
     posts = [s.path for s in proxy.seen if s.method == "POST"]
@@ -145,18 +154,18 @@ def test_one_ranged_get_per_object_and_one_for_neighbours(remote: S3Transport, p
     entry = order[5]
     data = remote.get_range(f"packs/{built.name}.pack", entry.offset, entry.length)
     pack.check_read(data, entry, built.name)
-    assert data == built.data[entry.offset:entry.end]
+    assert data == built.data[entry.offset : entry.end]
     gets = [s for s in proxy.seen if s.method == "GET"]
     assert len(gets) == 2 and gets[0].range is None and gets[1].range is not None
     # Three neighbours: one request; two far apart (more than the coalescing gap): two.
     proxy.reset()
     got = remote.get_ranges(f"packs/{built.name}.pack", [(e.offset, e.length) for e in order[2:5]])
-    assert got == [built.data[e.offset:e.end] for e in order[2:5]]
+    assert got == [built.data[e.offset : e.end] for e in order[2:5]]
     assert proxy.count("GET") == 1
     proxy.reset()
     far = [order[0], order[11]]
     got = remote.get_ranges(f"packs/{built.name}.pack", [(e.offset, e.length) for e in far])
-    assert got == [built.data[e.offset:e.end] for e in far]
+    assert got == [built.data[e.offset : e.end] for e in far]
     assert proxy.count("GET") == 2
 
 
@@ -177,17 +186,17 @@ def test_truncated_remote_pack_reads_short_and_is_named(remote: S3Transport) -> 
     raws = [os.urandom(3000 + i) for i in range(4)]
     (built,) = pack.pack_objects([(chunk_id(r), encode(r, Kind.CHUNK, 1)) for r in raws])
     key = f"packs/{built.name}.pack"
-    remote.put(key, built.data[:built.index.in_pack_order()[2].offset + 10])  # damaged upload
+    remote.put(key, built.data[: built.index.in_pack_order()[2].offset + 10])  # damaged upload
     order = built.index.in_pack_order()
     got = remote.get_ranges(key, [(e.offset, e.length) for e in order])
-    assert got[:2] == [built.data[e.offset:e.end] for e in order[:2]]
+    assert got[:2] == [built.data[e.offset : e.end] for e in order[:2]]
     assert len(got[2]) == 10 and got[3] == b""
     with pytest.raises(Exception, match=f"pack {built.name} is truncated"):
         pack.check_read(got[3], order[3], built.name)
 
 
 def test_a_server_that_does_not_start_is_reported_with_its_log(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckstore.remote import testserver
+    from ckstore.transport import testserver
 
     fake = tmp_path / "weed"
     fake.write_text("#!/bin/sh\necho 'listen tcp: address already in use'\nexit 3\n")

@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import pytest
 
-from ckstore.errors import IntegrityError
 from ckstore.codecs.objects import HEADER_SIZE, Encoding, Kind, decode, encode, encode_chunk, encode_delta, parse_header
+from ckstore.errors import IntegrityError
 from ckstore.format.ids import chunk_id, commit_id
 from ckstore.format.manifest import ChunkRef, FileEntry, decode_commit, encode_commit
 from ckstore.format.pack import object_bytes, pack_objects, parse_pack
-from ckstore.remote import open_transport
 from ckstore.remote.layout import PACKS, index_key, pack_key, pack_name
 from ckstore.repo import Repo
-from reliability.helpers import assert_clean_error, cli_env, run_cli
+from ckstore.transport import open_transport
+from tests.reliability.helpers import assert_clean_error, cli_env, run_cli
 
 from .test_verify import rewrite_as_version_1
 
@@ -44,7 +46,9 @@ def _pushed(tmp_path: Path, files: dict[str, bytes]) -> tuple[Repo, Path, str]:
     return a, remote, oid
 
 
-def _rewrite(remote: Path, replace: dict[str, bytes] = {}, add: dict[str, bytes] = {}) -> None:
+def _rewrite(
+    remote: Path, replace: Mapping[str, bytes] = MappingProxyType({}), add: Mapping[str, bytes] = MappingProxyType({})
+) -> None:
     """Repack the remote with some objects' stored bytes replaced and others added, with valid
     version 2 digests of the new bytes: what anyone who can write to a shared bucket can do."""
     t = open_transport(str(remote))
@@ -133,8 +137,9 @@ def test_lazy_checkout_of_an_overlong_chain_is_a_clean_integrity_error(tmp_path:
     """200 deltas, each of the next: the lazy reader's chain depth spans its remote reads."""
     raws = [bytes([i]) * 4096 for i in range(201)]
     _, remote, _ = _pushed(tmp_path, {"top.bin": raws[0]})
-    chain = {chunk_id(raws[i]): encode_delta(raws[i], 3, 1, chunk_id(raws[i + 1]), raws[i + 1], 1 << 30)
-             for i in range(200)}
+    chain = {
+        chunk_id(raws[i]): encode_delta(raws[i], 3, 1, chunk_id(raws[i + 1]), raws[i + 1], 1 << 30) for i in range(200)
+    }
     chain[chunk_id(raws[200])] = encode(raws[200], Kind.CHUNK, 3)
     assert all(chain.values())
     _rewrite(remote, replace=chain)  # type: ignore[arg-type]
@@ -189,8 +194,10 @@ def test_a_writer_never_stores_a_manifest_readers_refuse(tmp_path: Path) -> None
     oid = repo.commit(work, metadata={"note": "a" * (20 * MIB)})
     data = repo.store.read_raw(oid)
     assert parse_header(data).encoding == Encoding.RAW
-    assert decode_commit(repo.store.get_commit(oid)).metadata == decode_commit(encode_commit(
-        decode_commit(repo.store.get_commit(oid)))).metadata
+    assert (
+        decode_commit(repo.store.get_commit(oid)).metadata
+        == decode_commit(encode_commit(decode_commit(repo.store.get_commit(oid)))).metadata
+    )
     assert "a" * (20 * MIB) in repo.store.get_commit(oid).decode()
     assert repo.fsck(read_data=True) == []
 
@@ -234,14 +241,24 @@ def test_fetch_holds_decoded_bases_within_its_bound(tmp_path: Path) -> None:
     # One delta encoding serves every pair (the same residual): only the base's name differs.
     first = encode_chunk(tops[0], 3, 1, chunk_id(bases[0]), bases[0], allowed=frozenset({Encoding.DELTA}))
     assert parse_header(first).encoding == Encoding.DELTA and len(first) < 64 * 1024
-    deltas = {chunk_id(t): first[:HEADER_SIZE] + bytes.fromhex(chunk_id(b)) + first[HEADER_SIZE + 32:]
-              for t, b in zip(tops, bases)}
+    deltas = {
+        chunk_id(t): first[:HEADER_SIZE] + bytes.fromhex(chunk_id(b)) + first[HEADER_SIZE + 32 :]
+        for t, b in zip(tops, bases)
+    }
     assert decode(deltas[chunk_id(tops[-1])], Kind.CHUNK, size, fetch_base=lambda _, n: bases[-1]) == tops[-1]
-    files = tuple(FileEntry(f"t{i}.bin", "blob", size, chunks=(ChunkRef(chunk_id(t), size),)) for i, t in enumerate(tops))
+    files = tuple(
+        FileEntry(f"t{i}.bin", "blob", size, chunks=(ChunkRef(chunk_id(t), size),)) for i, t in enumerate(tops)
+    )
     commit = replace(decode_commit(a.store.get_commit(good)), files=files, parents=())
     manifest = encode_commit(commit)
-    _rewrite(remote, add={**deltas, **{chunk_id(b): encode(b, Kind.CHUNK, 3) for b in bases},  # type: ignore[dict-item]
-                          commit_id(manifest): encode(manifest, Kind.COMMIT, 3)})
+    _rewrite(
+        remote,
+        add={
+            **deltas,
+            **{chunk_id(b): encode(b, Kind.CHUNK, 3) for b in bases},  # type: ignore[dict-item]
+            commit_id(manifest): encode(manifest, Kind.COMMIT, 3),
+        },
+    )
     open_transport(str(remote)).put("refs/heads/main", f"{commit_id(manifest)}\n".encode())
     rewrite_as_version_1(open_transport(str(remote)))  # no digests: every object is decoded to be checked
     proc = _cli("clone", remote, tmp_path / "b")

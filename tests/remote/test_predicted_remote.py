@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 from ckstore.repo import Repo
-from helpers import assert_reads_back, dcp_adamw_run, encodings
+from tests.helpers import assert_reads_back, dcp_adamw_run, encodings
 
 
-def test_push_and_clone_of_predicted_deltas_read_back_bit_exact(remote_url: tuple[str, str | None], tmp_path: Path) -> None:
+def test_push_and_clone_of_predicted_deltas_read_back_bit_exact(
+    remote_url: tuple[str, str | None], tmp_path: Path
+) -> None:
     url, endpoint = remote_url
     a = Repo.init(tmp_path / "a", chunk_size=16384)
     runs = dcp_adamw_run(a, 4)
@@ -29,7 +31,7 @@ def test_push_and_clone_of_predicted_deltas_read_back_bit_exact(remote_url: tupl
 def test_clone_from_version_1_packs_decodes_each_predicted_delta_against_its_bases(tmp_path: Path) -> None:
     """Without digests every object is decoded on arrival: a predicted delta waits until all of
     its bases (which may arrive after it) are verified."""
-    from ckstore.remote import open_transport
+    from ckstore.transport import open_transport
 
     from .test_verify import rewrite_as_version_1
 

@@ -17,12 +17,11 @@ from click.testing import CliRunner
 from ckstore.cli import main
 from ckstore.errors import ConflictError, IntegrityError, NotFoundError, StorageError
 from ckstore.format.pack import ENTRY
-from ckstore.remote.push import FetchFirstError
 from ckstore.remote.layout import PACKS, pack_name
+from ckstore.remote.push import FetchFirstError
 from ckstore.repo import Repo
-
-from .conftest import S3Server
-from .epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
+from ckstore.transport.testserver import S3Server
+from tests.remote.epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
 
 
 def test_push_clone_round_trip_is_byte_identical(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
@@ -96,7 +95,9 @@ def test_concurrent_pushers_exactly_one_wins(tmp_path: Path, remote_url: tuple[s
     base.add_remote("origin", url, endpoint)
     base.push()
     pushers = [Repo.clone(url, tmp_path / f"p{i}", endpoint_url=endpoint)[0] for i in range(4)]
-    tips = [p.commit(epoch_files(tmp_path / "work" / f"x{i}", 10 + i), message=f"pusher {i}") for i, p in enumerate(pushers)]
+    tips = [
+        p.commit(epoch_files(tmp_path / "work" / f"x{i}", 10 + i), message=f"pusher {i}") for i, p in enumerate(pushers)
+    ]
     outcome: dict[int, object] = {}
     start = threading.Barrier(len(pushers))
 
@@ -124,25 +125,26 @@ def test_concurrent_pushers_exactly_one_wins(tmp_path: Path, remote_url: tuple[s
 
 def _damage(url: str, server: S3Server | None, tmp_path: Path, how: Callable[[bytes], bytes]) -> str:
     """Apply ``how`` to the largest pack on the remote; return its id."""
-    from ckstore.remote import open_transport
+    from ckstore.transport import open_transport
 
     t = open_transport(url, server.options() if server else None)
     packs = sorted(t.list(PACKS), key=lambda i: i.size)
     key = packs[-1].key
     t.put(key, how(t.get(key)))
-    return key[len(PACKS):-len(".pack")]
+    return key[len(PACKS) : -len(".pack")]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_damaged_remote_pack_is_detected_and_named(tmp_path: Path, remote_url: tuple[str, str | None],
-                                                   damage: str, request: pytest.FixtureRequest) -> None:
+def test_damaged_remote_pack_is_detected_and_named(
+    tmp_path: Path, remote_url: tuple[str, str | None], damage: str, request: pytest.FixtureRequest
+) -> None:
     url, endpoint = remote_url
     pushed(tmp_path, url, endpoint)
     server = request.getfixturevalue("s3_server") if url.startswith("s3://") else None
 
     def flip(data: bytes) -> bytes:
         middle = len(data) // 2
-        return data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1:]
+        return data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1 :]
 
     pack_id = _damage(url, server, tmp_path, flip if damage == "flip" else lambda d: d[: len(d) // 2])
     b = Repo.init(tmp_path / "b")  # a fetch (a failed clone removes its repository)
@@ -174,7 +176,9 @@ def test_remote_commands(tmp_path: Path, remote_url: tuple[str, str | None], mon
     assert "no remote named 'nope'" in run("push", "nope", code=3)
     assert "no branch or tag 'nothere'" in run("push", "origin", "nothere", code=3)
     assert "fetched 0 commit(s)" in run("fetch")
-    result = runner.invoke(main, ["clone", url, str(tmp_path / "b"), *(["--endpoint-url", endpoint] if endpoint else [])])
+    result = runner.invoke(
+        main, ["clone", url, str(tmp_path / "b"), *(["--endpoint-url", endpoint] if endpoint else [])]
+    )
     assert result.exit_code == 0, result.output
     assert "removed remote origin" in run("remote", "remove", "origin")
     assert run("remote") == ""
@@ -203,14 +207,15 @@ def test_unknown_remote_and_bad_names(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("group", ["one batch", "batch per commit"])
-def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, group: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clone_verifies_deltas_against_bases_fetched_with_them(
+    tmp_path: Path, group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Older epochs are stored as deltas of newer ones, so a clone (oldest commit first) meets
     deltas before their bases: in one batch they wait for the base's in-memory verification, one
     batch per commit fetches the base in a later round. Either way a damaged base is named."""
-    from ckstore.remote import landing
     from ckstore.format.pack import parse_pack
-    from ckstore.remote import open_transport
+    from ckstore.remote import landing
+    from ckstore.transport import open_transport
 
     if group == "batch per commit":
         monkeypatch.setattr(landing, "LAND_BATCH", 1)
@@ -233,7 +238,7 @@ def test_clone_verifies_deltas_against_bases_fetched_with_them(tmp_path: Path, g
         entry = parse_pack(data, pack_name(info.key)).find(base)
         if entry is not None:  # flip a byte in the base's body, past its header
             at = entry.offset + entry.length - 1
-            t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])
+            t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :])
     c = Repo.init(tmp_path / "c")  # a fetch (a failed clone removes its repository)
     c.add_remote("origin", url)
     with pytest.raises(IntegrityError, match=base) as err:

@@ -18,10 +18,8 @@ from ckstore.repo import Repo
 from ckstore.repository.context import open_context
 from ckstore.repository.graph import CommitGraph
 from ckstore.repository.store import ObjectStore
-
-from helpers import commit_many_files, counting_parsed_entries
-
-from .epochs import assert_checks_out, pushed
+from tests.helpers import commit_many_files, counting_parsed_entries
+from tests.remote.epochs import assert_checks_out, pushed
 
 HISTORY = 30
 
@@ -145,7 +143,8 @@ def test_push_and_fetch_of_one_commit_look_up_only_its_objects(tmp_path: Path, m
 
 
 def test_push_and_fetch_of_a_large_commit_with_one_file_changed_look_at_the_changed_piece(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The new commit shares all but one piece of its file list (docs/format.md 5.3) with the
     commit the remote holds: push reads that piece's entries, not all 3,000, and fetch asks
     whether only that piece's chunks are here."""
@@ -195,7 +194,8 @@ def test_a_tracking_ref_of_a_replaced_remote_is_not_trusted(tmp_path: Path) -> N
 
 
 def test_counting_on_another_ref_survives_a_gc_sweep_before_the_refs_move(
-        tmp_path: Path, remote_url: tuple[str, str | None], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, remote_url: tuple[str, str | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A push of a new branch counts on the remote's main for the history below it. The packs of
     that history were condemned long ago (a gc that read the refs before main was pushed), and
     just before the push moves its ref, main is deleted and a gc sweeps: the push must have

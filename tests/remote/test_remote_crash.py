@@ -19,11 +19,11 @@ from ckstore.cli import main
 from ckstore.errors import StorageError
 from ckstore.remote.layout import INDEXES, PACKS
 from ckstore.remote.names import open_remote
-from ckstore.repository.context import open_context
 from ckstore.repo import Repo
+from ckstore.repository.context import open_context
+from ckstore.transport.testserver import S3Server
+from tests.remote.epochs import epoch_files, make_repo
 
-from .conftest import S3Server
-from .epochs import epoch_files, make_repo
 from .faultproxy import FaultProxy
 
 FAULT_CLI = Path(__file__).resolve().parent.parent / "fault_cli.py"
@@ -55,8 +55,9 @@ def assert_consistent(repo: Repo) -> None:
             assert oid in where
 
 
-def test_transient_faults_are_retried_and_the_push_completes(tmp_path: Path, via_proxy: tuple[str, str],
-                                                            proxy: FaultProxy) -> None:
+def test_transient_faults_are_retried_and_the_push_completes(
+    tmp_path: Path, via_proxy: tuple[str, str], proxy: FaultProxy
+) -> None:
     url, endpoint = via_proxy
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))
     a.add_remote("origin", url, endpoint)
@@ -71,7 +72,10 @@ def test_transient_faults_are_retried_and_the_push_completes(tmp_path: Path, via
 
 @pytest.mark.parametrize("fault", ["500", "drop"])
 def test_persistent_faults_end_in_one_clean_error_and_publish_nothing(
-    tmp_path: Path, via_proxy: tuple[str, str], proxy: FaultProxy, fault: str,
+    tmp_path: Path,
+    via_proxy: tuple[str, str],
+    proxy: FaultProxy,
+    fault: str,
 ) -> None:
     url, endpoint = via_proxy
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
@@ -106,17 +110,34 @@ def _push_cli(repo: Path, env: dict[str, str], fault: str | None = None, count: 
         full["CKSTORE_FAULT"] = fault
     if count:
         full["CKSTORE_FAULT_COUNT"] = str(count)
-    proc = subprocess.run([sys.executable, str(FAULT_CLI), "--repo", str(repo), "push"], env=full,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(FAULT_CLI), "--repo", str(repo), "push"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return proc.returncode
 
 
 # Every step is slow (a minute or two per remote kind), so marked so; the quick run kills the
 # push after its first pack went up (no index yet) and after that pack's index (no ref yet).
-@pytest.mark.parametrize("kind, every", [("dir", False), ("s3", False), pytest.param("dir", True, marks=pytest.mark.slow),
-                                         pytest.param("s3", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind, every",
+    [
+        ("dir", False),
+        ("s3", False),
+        pytest.param("dir", True, marks=pytest.mark.slow),
+        pytest.param("s3", True, marks=pytest.mark.slow),
+    ],
+)
 def test_push_killed_at_every_step_then_rerun_leaves_a_consistent_remote(
-    tmp_path: Path, kind: str, every: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    kind: str,
+    every: bool,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Epoch 1 is on the remote; the push of epochs 2 and 3 is SIGKILLed at each of its steps in
     turn (remote writes and local ones: the index cache, the remote-tracking ref); after each,
@@ -162,9 +183,10 @@ def test_push_killed_at_every_step_then_rerun_leaves_a_consistent_remote(
         shutil.rmtree(tmp_path / f"c{k}")
 
 
-def test_unusable_remotes_are_one_line_storage_errors(tmp_path: Path, s3_server: S3Server,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from .conftest import free_ports
+def test_unusable_remotes_are_one_line_storage_errors(
+    tmp_path: Path, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckstore.transport.testserver import free_ports
 
     a, _ = make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
@@ -197,8 +219,8 @@ def test_interrupted_fetch_resumes_with_what_is_missing(tmp_path: Path, monkeypa
     """A fetch stopped at each of its steps in turn (an exception from the step seam: what a
     crash leaves on disk, since a batch's staged files are invisible until it lands) leaves a
     repository where every commit present is whole, and the next fetch brings only the rest."""
-    from ckstore.remote import landing
     from ckstore.backend import fsio
+    from ckstore.remote import landing
 
     a = Repo.init(tmp_path / "a", chunk_size=16 << 10)
     ids = [a.commit(epoch_files(tmp_path / "work" / f"e{e}", e, n=16 << 10), message=f"epoch {e}") for e in (1, 2, 3)]

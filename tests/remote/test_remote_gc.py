@@ -15,13 +15,12 @@ import pytest
 
 from ckstore.backend.fsio import process_owner
 from ckstore.errors import IntegrityError, LockedError
-from ckstore.remote.layout import GC_LOCK_KEY, PACKS
 from ckstore.remote.gc import MTIME_RESOLUTION
+from ckstore.remote.layout import GC_LOCK_KEY, PACKS
 from ckstore.remote.names import open_remote
-from ckstore.repository.context import open_context
 from ckstore.repo import Repo
-
-from .epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
+from ckstore.repository.context import open_context
+from tests.remote.epochs import assert_checks_out, digests, epoch_files, make_repo, pushed
 
 GRACE = 0.5
 
@@ -188,15 +187,16 @@ def test_lazy_checkout_reads_only_the_chunks_it_needs(tmp_path: Path, remote_url
     assert again.fsck() == [] and again.branches() == {}  # nothing lazily read is in the repository
 
 
-def test_lazy_read_of_a_damaged_pack_is_named_and_not_cached(tmp_path: Path, remote_url: tuple[str, str | None],
-                                                           request: pytest.FixtureRequest) -> None:
+def test_lazy_read_of_a_damaged_pack_is_named_and_not_cached(
+    tmp_path: Path, remote_url: tuple[str, str | None], request: pytest.FixtureRequest
+) -> None:
     url, endpoint = remote_url
     a, _ = pushed(tmp_path, url, endpoint)
     remote = open_remote(open_context(a.path))
     (key,) = [i.key for i in remote.transport.list(PACKS)]
     good = remote.transport.get(key)
     middle = len(good) // 2
-    remote.transport.put(key, good[:middle] + bytes([good[middle] ^ 1]) + good[middle + 1:])
+    remote.transport.put(key, good[:middle] + bytes([good[middle] ^ 1]) + good[middle + 1 :])
     c = Repo.init(tmp_path / "c")
     c.add_remote("origin", url, endpoint)
     c.use_remote("origin")
@@ -227,8 +227,11 @@ def test_lazy_load_state_reads_only_the_selected_tensors(tmp_path: Path, remote_
     url, endpoint = remote_url
     a = Repo.init(tmp_path / "a", chunk_size=64 << 10)
     g = torch.Generator().manual_seed(0)
-    state = {"model": {"w": torch.randn(1 << 18, generator=g)}, "optim": {"m": torch.randn(1 << 19, generator=g)},
-             "epoch": 3}
+    state = {
+        "model": {"w": torch.randn(1 << 18, generator=g)},
+        "optim": {"m": torch.randn(1 << 19, generator=g)},
+        "epoch": 3,
+    }
     a.commit_state(state, message="epoch 3")
     a.add_remote("origin", url, endpoint)
     a.push()

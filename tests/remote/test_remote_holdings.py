@@ -13,15 +13,16 @@ from hypothesis import strategies as st
 
 from ckstore.codecs.objects import Kind, encode
 from ckstore.format.pack import PackBuilder
-from ckstore.remote.directory import DirectoryTransport
 from ckstore.remote.layout import Condemned, RemoteRepo
+from ckstore.transport.directory import DirectoryTransport
 
 IDS = [bytes([i]).hex() * 32 for i in range(6)]
 # Stored lengths a copy can have (random bytes stay raw: header + these many bytes).
 LENGTHS = (20, 40)
 
-packs_strategy = st.lists(st.dictionaries(st.sampled_from(range(len(IDS))), st.sampled_from(LENGTHS), min_size=1),
-                          min_size=1, max_size=4)
+packs_strategy = st.lists(
+    st.dictionaries(st.sampled_from(range(len(IDS))), st.sampled_from(LENGTHS), min_size=1), min_size=1, max_size=4
+)
 
 
 def _upload(remote: RemoteRepo, objects: dict[int, int]) -> str:

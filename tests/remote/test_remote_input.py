@@ -10,19 +10,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner, Result
 from hypothesis import given
 from hypothesis import strategies as st
-from click.testing import CliRunner, Result
 
 import ckstore
 from ckstore.cli import main
 from ckstore.errors import IntegrityError, InvalidInputError, StorageError
-from ckstore.remote import RemoteOptions, open_transport, parse_url
-from ckstore.remote.awsconfig import endpoint_problem, redact, resolve
 from ckstore.remote.layout import PACKS
 from ckstore.repo import Repo
+from ckstore.transport import RemoteOptions, open_transport, parse_url
+from ckstore.transport.awsconfig import endpoint_problem, redact, resolve
+from tests.remote.epochs import epoch_files, make_repo, pushed
 
-from .epochs import epoch_files, make_repo, pushed
 from .test_verify import _flip_in_packs, rewrite_as_version_1
 
 BAD_ENDPOINTS = ["http://[bad", "not a url", "http://127.0.0.1:99999", "ftp://127.0.0.1:1", "http://"]
@@ -39,7 +39,9 @@ def _cli(*args: str, code: int) -> Result:
 @pytest.mark.parametrize("endpoint", BAD_ENDPOINTS)
 def test_remote_add_refuses_a_bad_endpoint_url(tmp_path: Path, endpoint: str) -> None:
     Repo.init(tmp_path / "a")
-    result = _cli("--repo", str(tmp_path / "a"), "remote", "add", "r", "s3://bucket/p", "--endpoint-url", endpoint, code=5)
+    result = _cli(
+        "--repo", str(tmp_path / "a"), "remote", "add", "r", "s3://bucket/p", "--endpoint-url", endpoint, code=5
+    )
     assert "endpoint" in result.stderr
     assert Repo(tmp_path / "a").remotes() == {}
 
@@ -48,25 +50,40 @@ def test_remote_add_refuses_a_bad_endpoint_url(tmp_path: Path, endpoint: str) ->
 def test_a_bad_endpoint_from_the_environment_is_a_one_line_error_not_a_panic(tmp_path: Path, endpoint: str) -> None:
     """F15: the endpoint came from AWS_ENDPOINT_URL; a real process, since the panic is Rust's."""
     Repo.init(tmp_path / "a").add_remote("r", "s3://bucket/p")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, "AWS_ENDPOINT_URL": endpoint,
-           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "PYTHONPATH": str(Path(ckstore.__file__).parents[1])}
-    proc = subprocess.run([sys.executable, "-m", "ckstore.cli", "--repo", str(tmp_path / "a"), "fetch", "r"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "PYTHONPATH": str(Path(ckstore.__file__).parents[1]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckstore.cli", "--repo", str(tmp_path / "a"), "fetch", "r"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 7, proc.stderr
     assert proc.stderr.startswith("ckstore: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "endpoint" in proc.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["s3://bucket/p", "--endpoint-url", "http://user:hunter2@127.0.0.1:1"],
-    ["s3://KEY:hunter2@ckstore/p"],
-    ["s3://KEY@ckstore/p"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["s3://bucket/p", "--endpoint-url", "http://user:hunter2@127.0.0.1:1"],
+        ["s3://KEY:hunter2@ckstore/p"],
+        ["s3://KEY@ckstore/p"],
+    ],
+)
 def test_credentials_in_urls_are_refused_and_never_echoed_or_stored(tmp_path: Path, args: list[str]) -> None:
     """F16: the message says how credentials are passed instead, and never shows the secret."""
     Repo.init(tmp_path / "a")
     result = _cli("--repo", str(tmp_path / "a"), "remote", "add", "r", *args, code=5)
-    assert "hunter2" not in result.output + result.stderr and "KEY:" not in result.stderr and "KEY@" not in result.stderr
+    assert (
+        "hunter2" not in result.output + result.stderr and "KEY:" not in result.stderr and "KEY@" not in result.stderr
+    )
     assert "AWS_ACCESS_KEY_ID" in result.stderr
     assert not (tmp_path / "a" / "remotes").exists()
     clone = _cli("clone", *args, str(tmp_path / "b"), code=5)
@@ -75,8 +92,14 @@ def test_credentials_in_urls_are_refused_and_never_echoed_or_stored(tmp_path: Pa
 
 def test_credentials_in_an_endpoint_from_the_environment_are_not_echoed() -> None:
     with pytest.raises(StorageError) as excinfo:
-        resolve(None, env={"AWS_ENDPOINT_URL": "http://u:hunter2@127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k",
-                           "AWS_SECRET_ACCESS_KEY": "s"})
+        resolve(
+            None,
+            env={
+                "AWS_ENDPOINT_URL": "http://u:hunter2@127.0.0.1:9",
+                "AWS_ACCESS_KEY_ID": "k",
+                "AWS_SECRET_ACCESS_KEY": "s",
+            },
+        )
     assert "hunter2" not in str(excinfo.value) and "u:" not in str(excinfo.value)
 
 

@@ -19,10 +19,9 @@ from ckstore.remote.gc import MTIME_RESOLUTION
 from ckstore.remote.layout import PACKS
 from ckstore.remote.names import open_remote
 from ckstore.repo import Repo
-from ckstore.repository.refs import encode_ref
 from ckstore.repository.context import open_context
-
-from .epochs import CHUNK, assert_checks_out, epoch_files, make_repo, pushed
+from ckstore.repository.refs import encode_ref
+from tests.remote.epochs import CHUNK, assert_checks_out, epoch_files, make_repo, pushed
 
 
 def _cli(*args: str, code: int) -> Result:
@@ -54,7 +53,9 @@ def _sweep(a: Repo) -> None:
     a.gc_remote(keep_last=1, grace=0)
 
 
-def test_pushing_a_tag_on_an_epoch_remote_gc_pruned_sends_it(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+def test_pushing_a_tag_on_an_epoch_remote_gc_pruned_sends_it(
+    tmp_path: Path, remote_url: tuple[str, str | None]
+) -> None:
     """F4 variant A: tag the best (old, pruned) epoch and push the tag."""
     url, endpoint = remote_url
     a, ids = _three_epochs_then_remote_gc(tmp_path, url, endpoint)
@@ -117,7 +118,9 @@ def test_a_ref_naming_a_commit_no_pack_holds_is_named_and_the_others_still_move(
     assert c.branches() == {"main": new} and c.fsck(read_data=True) == []
 
 
-def test_push_refuses_a_branch_that_conflicts_with_a_remote_ref(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+def test_push_refuses_a_branch_that_conflicts_with_a_remote_ref(
+    tmp_path: Path, remote_url: tuple[str, str | None]
+) -> None:
     """F12: user 1 pushes ``exp``, user 2 pushes ``exp/lr-1e-4``: the second push is refused."""
     url, endpoint = remote_url
     a, _ = pushed(tmp_path, url, endpoint)
@@ -138,8 +141,9 @@ def test_push_refuses_a_branch_that_conflicts_with_a_remote_ref(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("remote_url", ["s3"], indirect=True)
-def test_conflicting_and_unnamable_remote_refs_are_skipped_and_named(tmp_path: Path,
-                                                                      remote_url: tuple[str, str | None]) -> None:
+def test_conflicting_and_unnamable_remote_refs_are_skipped_and_named(
+    tmp_path: Path, remote_url: tuple[str, str | None]
+) -> None:
     """F12 (S3 holds both ``exp`` and ``exp/x``, as two older clients could leave it) and F17
     (remote branches ``HEAD`` and ``-x``): clone and fetch take the refs they can."""
     url, endpoint = remote_url
@@ -193,7 +197,9 @@ def test_a_remote_pack_removed_under_a_ref_is_reported_by_fetch(tmp_path: Path) 
         Repo.clone(url, tmp_path / "b")
 
 
-def test_push_fast_forwards_over_a_commit_local_retention_pruned(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+def test_push_fast_forwards_over_a_commit_local_retention_pruned(
+    tmp_path: Path, remote_url: tuple[str, str | None]
+) -> None:
     """A push killed after the remote's ref moved but before the tracking ref did leaves the
     remote at a commit the tracking ref does not protect; local retention then prunes it. The
     local branch still descends from it (the pruned record says so): later pushes must go on,

@@ -7,15 +7,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+from safetensors.numpy import save_file
+
 from ckstore.remote.gc import MTIME_RESOLUTION
 from ckstore.remote.names import open_remote
 from ckstore.repo import Repo
 from ckstore.repository.context import open_context
-
-import numpy as np
-from safetensors.numpy import save_file
-
-from .epochs import CHUNK, digests
+from tests.remote.epochs import CHUNK, digests
 
 GRACE = 0.2
 
@@ -48,7 +47,8 @@ def gc_twice(repo: Repo) -> int:
 
 
 def test_remote_stays_within_a_tenth_of_the_local_store_over_many_epochs(
-        tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    tmp_path: Path, remote_url: tuple[str, str | None]
+) -> None:
     url, endpoint = remote_url
     repo = Repo.init(tmp_path / "a", chunk_size=CHUNK)
     repo.add_remote("origin", url, endpoint)
@@ -72,7 +72,8 @@ def test_remote_stays_within_a_tenth_of_the_local_store_over_many_epochs(
 
 
 def test_a_push_between_condemnation_and_sweep_does_not_rescue_a_superseded_pack(
-        tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
+    tmp_path: Path, remote_url: tuple[str, str | None]
+) -> None:
     url, endpoint = remote_url
     repo = Repo.init(tmp_path / "a", chunk_size=CHUNK)
     repo.add_remote("origin", url, endpoint)

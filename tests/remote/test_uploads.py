@@ -14,9 +14,9 @@ from ckstore.codecs.objects import Kind, encode
 from ckstore.errors import StorageError
 from ckstore.format.ids import chunk_id
 from ckstore.format.pack import parse_index, parse_pack
-from ckstore.remote.directory import DirectoryTransport
 from ckstore.remote.layout import INDEXES, PACKS, RemoteRepo, index_key, pack_name
 from ckstore.remote.uploads import PackUploads
+from ckstore.transport.directory import DirectoryTransport
 
 
 def _objects(n: int, size: int = 10_000) -> list[tuple[str, bytes, bytes]]:
@@ -60,7 +60,7 @@ def test_objects_go_out_in_packs_of_the_target_size(tmp_path: Path) -> None:
     for index in uploads.sent:
         data = remote.transport.get(f"{PACKS}{index.pack_id}.pack")
         for e in index.entries:
-            assert data[e.offset:e.end] == next(s for oid, s, _ in objects if oid == e.id)
+            assert data[e.offset : e.end] == next(s for oid, s, _ in objects if oid == e.id)
 
 
 class VerifyFailed(Exception):

@@ -16,14 +16,13 @@ import pytest
 
 from ckstore.errors import IntegrityError
 from ckstore.format.pack import parse_index, parse_pack
-from ckstore.remote import open_transport
 from ckstore.remote.layout import INDEXES, PACKS, index_key, pack_key, pack_name
-from ckstore.remote.transport import Transport
 from ckstore.repo import Repo
 from ckstore.repository.store import object_key
-
-from .conftest import S3Server
-from .epochs import digests, epoch_files, make_repo
+from ckstore.transport import open_transport
+from ckstore.transport.base import Transport
+from ckstore.transport.testserver import S3Server
+from tests.remote.epochs import digests, epoch_files, make_repo
 
 
 def _transport(url: str, request: pytest.FixtureRequest) -> Transport:
@@ -62,11 +61,12 @@ def _flip_in_packs(t: Transport, oid: str) -> None:
         entry = parse_pack(data, pack_name(info.key)).find(oid)
         if entry is not None:
             at = entry.end - 1
-            t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])
+            t.put(info.key, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :])
 
 
-def test_version_1_remote_is_read_with_full_verification(tmp_path: Path, remote_url: tuple[str, str | None],
-                                                         request: pytest.FixtureRequest) -> None:
+def test_version_1_remote_is_read_with_full_verification(
+    tmp_path: Path, remote_url: tuple[str, str | None], request: pytest.FixtureRequest
+) -> None:
     url, endpoint = remote_url
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))
     a.add_remote("origin", url, endpoint)
@@ -92,10 +92,14 @@ def test_version_1_remote_is_read_with_full_verification(tmp_path: Path, remote_
 
     # Damage inside a version 1 pack has no digest to catch it: decoding does, and names it.
     deltas = {o: a.store.bases_of(o) for o in a.store.iter_ids() if a.store.bases_of(o) != ()}
-    victim = next(o for o in a.store.iter_ids()
-                  if a.store.kind(o).name == "CHUNK" and all(o not in b for b in deltas.values()) and o not in deltas
-                  and any(parse_index(t.get(i.key)).version == 1 and parse_index(t.get(i.key)).find(o)
-                          for i in t.list(INDEXES)))
+    victim = next(
+        o
+        for o in a.store.iter_ids()
+        if a.store.kind(o).name == "CHUNK"
+        and all(o not in b for b in deltas.values())
+        and o not in deltas
+        and any(parse_index(t.get(i.key)).version == 1 and parse_index(t.get(i.key)).find(o) for i in t.list(INDEXES))
+    )
     _flip_in_packs(t, victim)
     c = Repo.init(tmp_path / "c")  # a fetch (a failed clone removes its repository)
     c.add_remote("origin", url, endpoint)
@@ -105,8 +109,9 @@ def test_version_1_remote_is_read_with_full_verification(tmp_path: Path, remote_
     assert c.refs.list("refs/remotes/") == {} and c.fsck() == []
 
 
-def test_a_damaged_object_is_caught_by_its_digest_and_named(tmp_path: Path, remote_url: tuple[str, str | None],
-                                                            request: pytest.FixtureRequest) -> None:
+def test_a_damaged_object_is_caught_by_its_digest_and_named(
+    tmp_path: Path, remote_url: tuple[str, str | None], request: pytest.FixtureRequest
+) -> None:
     """One flipped byte in one object of a version 2 pack: the clone names that object and its
     pack, and no commit lands (a checkout would have caught it too, but later)."""
     url, endpoint = remote_url
@@ -117,7 +122,7 @@ def test_a_damaged_object_is_caught_by_its_digest_and_named(tmp_path: Path, remo
     victim = next(o for o in a.store.iter_ids() if a.store.kind(o).name == "CHUNK")
     _flip_in_packs(t, victim)
     holder = next(i.key for i in t.list(INDEXES) if parse_index(t.get(i.key)).find(victim))
-    pack_id = holder[len(INDEXES):-len(".idx")]
+    pack_id = holder[len(INDEXES) : -len(".idx")]
     b = Repo.init(tmp_path / "b")  # a fetch (a failed clone removes its repository)
     b.add_remote("origin", url, endpoint)
     with pytest.raises(IntegrityError, match=f"object {victim} is corrupt: .*pack {pack_id}.*digest") as err:
@@ -127,8 +132,9 @@ def test_a_damaged_object_is_caught_by_its_digest_and_named(tmp_path: Path, remo
 
 
 @pytest.mark.parametrize("which", ["whole", "delta base"])
-def test_push_refuses_a_locally_damaged_object(tmp_path: Path, remote_url: tuple[str, str | None],
-                                               which: str, request: pytest.FixtureRequest) -> None:
+def test_push_refuses_a_locally_damaged_object(
+    tmp_path: Path, remote_url: tuple[str, str | None], which: str, request: pytest.FixtureRequest
+) -> None:
     """The remote's digests vouch for what a push sent, so a push must never send an object
     whose stored bytes do not decode to its name: it names the object and moves no ref."""
     url, endpoint = remote_url
@@ -136,8 +142,9 @@ def test_push_refuses_a_locally_damaged_object(tmp_path: Path, remote_url: tuple
     store = a.store
     bases = {b for o in store.iter_ids() for b in store.bases_of(o)}
     if which == "whole":
-        victim = next(o for o in store.iter_ids() if store.kind(o).name == "CHUNK" and o not in bases
-                      and store.bases_of(o) == ())
+        victim = next(
+            o for o in store.iter_ids() if store.kind(o).name == "CHUNK" and o not in bases and store.bases_of(o) == ()
+        )
     else:
         victim = next(iter(sorted(bases)))
     path = Path(store.backend.describe(object_key(victim)))
@@ -166,8 +173,8 @@ class Interrupted(BaseException):
 def test_an_interrupted_fetch_keeps_the_batches_that_landed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Objects land in rolling batches before any commit names them: a fetch stopped halfway
     leaves no commit, and the next fetch downloads only the objects that had not landed."""
-    from ckstore.remote import landing
     from ckstore.backend import fsio
+    from ckstore.remote import landing
 
     url = str(tmp_path / "remote")
     a, ids = make_repo(tmp_path / "a", tmp_path / "work", range(1, 3))
