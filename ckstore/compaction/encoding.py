@@ -107,7 +107,7 @@ class HeaderCache(ObjectStore):
         # The parents' chunks leave the page cache once read (``forget_parent``): a pair whose
         # predictions read them again as bases keeps them.
         self.forget_parents = forget_parents
-        self.alternates = staged.alternates
+        self.sources = staged.sources
         self._headers: dict[str, bytes | None] = {}
         self._bases: dict[str, tuple[ObjectId, ...]] = {}  # parsed from _headers: chain heights ask ~9 times a position
         self.settled_raw = settled_raw if settled_raw is not None else set()  # settled_raw.py: read when the run starts

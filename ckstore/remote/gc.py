@@ -121,7 +121,7 @@ def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> 
     if pruned:
         backend.replace(PRUNED_KEY, "".join(" ".join([o, *pruned[o]]) + "\n" for o in sorted(pruned)).encode())
     store = ObjectStore(MemoryBackend(), ctx.store.settings)
-    store.alternates = [ctx.store, RemoteObjects(remote, ObjectStore(MemoryBackend()))]
+    store.sources = [ctx.store, RemoteObjects(remote, ObjectStore(MemoryBackend()))]
     return CommitGraph(backend, store, RefStore(backend))
 
 

@@ -1,8 +1,8 @@
 """Lazy reads from a remote: objects this repository lacks are read on demand, one ranged read
 of a pack each, and kept in a local cache (``remote-cache/<name>/objects/``).
 
-``attach`` adds a ``RemoteObjects`` store to the repository's read-through alternates (the same
-seam overlays use for their base repositories), so checkout, ``open`` and ``load_state`` of a
+``attach`` adds a ``RemoteObjects`` source to the sources the repository's store reads through
+(``repository/sources.py``, the seam overlays use for their base repositories), so checkout, ``open`` and ``load_state`` of a
 commit only the remote holds fetch exactly the chunks they decode (a delta's base too) and
 nothing else: ``checkout REF --only 'model.*' --remote origin`` never transfers the optimizer
 state. The cache is separate from ``objects/`` on purpose: a commit whose objects are only
@@ -22,11 +22,12 @@ from ckstore.repository.refs import HEADS, TAGS
 from ckstore.repository.store import ObjectStore, object_key
 
 
-class RemoteObjects(ObjectStore):
-    """An object store that reads what its cache lacks from a remote's packs."""
+class RemoteObjects:
+    """An object source (``sources.ObjectSource``) that reads what its cache lacks from a
+    remote's packs."""
 
     def __init__(self, remote: RemoteRepo, cache: ObjectStore) -> None:
-        super().__init__(cache.backend, cache.settings)
+        self.backend = cache.backend
         self.remote = remote
         self._where: Holdings | None = None
         self.fetched_bytes = 0  # bytes read from the remote (benchmarks and tests)
@@ -38,12 +39,12 @@ class RemoteObjects(ObjectStore):
         return self._where
 
     def has(self, oid: str) -> bool:
-        return self.has_local(oid) or oid in self.where()
+        return self.backend.exists(object_key(oid)) or oid in self.where()
 
     def has_durable(self, oid: str) -> bool:
         return False  # a cached copy is not this repository's: writes never deduplicate against it
 
-    def _read_any(self, oid: str, n: int | None, context: str) -> bytes:
+    def read_stored(self, oid: str, n: int | None, context: str) -> bytes:
         key = object_key(oid)
         try:
             return self.backend.get(key) if n is None else self.backend.get_prefix(key, n)
@@ -79,8 +80,8 @@ class RemoteObjects(ObjectStore):
 
 
 class RemoteNames:
-    """Resolves the remote's branch and tag names (``NAME/BRANCH``, and ``BRANCH`` or ``TAG``
-    when this repository has no such name) as a base graph does, without writing any ref here:
+    """A name source (``sources.NameSource``): the remote's branch and tag names (``NAME/BRANCH``,
+    and ``BRANCH`` or ``TAG`` when this repository has no such name), without writing any ref here:
     a ref naming a commit whose objects are not here would look like damage to fsck."""
 
     def __init__(self, name: str, refs: dict[str, str]) -> None:
@@ -93,7 +94,7 @@ class RemoteNames:
                     if prefix == HEADS:
                         self.names[f"{name}/{short}"] = ObjectId(oid)
 
-    def _resolve_with_bases(self, name: str) -> ObjectId:
+    def resolve_name(self, name: str) -> ObjectId:
         if name in self.names:
             return self.names[name]
         raise RefNotFoundError(f"unknown revision {name!r} (not a branch, tag or commit id, here or on the remote)")
@@ -105,9 +106,9 @@ def attach(ctx: RepoContext, name: str | None = None) -> RemoteObjects:
     remote = open_remote(ctx, name)
     remote.require_format()
     lazy = RemoteObjects(remote, ObjectStore(cache_backend(ctx, name), ctx.store.settings))
-    ctx.store.alternates.append(lazy)
+    ctx.store.sources.append(lazy)
     # A damaged remote ref is left out (fetch names it); the others still resolve.
-    ctx.graph.bases.append(RemoteNames(name, remote.list_refs(problems={})))  # type: ignore[arg-type]
+    ctx.graph.name_sources.append(RemoteNames(name, remote.list_refs(problems={})))
     return lazy
 
 

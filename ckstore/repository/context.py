@@ -2,8 +2,8 @@
 
 Every operation (commit, checkout, gc, fsck, …) takes a ``RepoContext`` rather than the ``Repo``
 façade, so the façade can delegate to them without an import cycle. Opening a repository also
-opens its base repositories (``alternates``): their object stores become read-through
-alternates of this one and their graphs resolve names this one does not know.
+opens its base repositories (``alternates``): their object stores become sources this one reads
+through and their graphs resolve names this one does not know (sources.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class RepoContext:
     def open_bases(self, depth: int = 0) -> None:
         """(Re)open the base repositories ``alternates`` names; record those that do not open."""
         self.bases, self.broken_alternates = [], []
-        self.store.alternates, self.graph.bases = [], []
+        self.store.sources, self.graph.name_sources = [], []
         self.store.missing_hint = ""
         if self.path is None:
             return
@@ -86,8 +86,8 @@ class RepoContext:
 
     def add_base(self, base: RepoContext) -> None:
         self.bases.append(base)
-        self.store.alternates.append(base.store)
-        self.graph.bases.append(base.graph)
+        self.store.sources.append(base.store)
+        self.graph.name_sources.append(base.graph)
 
     def allow_packs(self) -> bool:
         """Whether objects may go into local packs: a repository of format 2 to 4 becomes 5

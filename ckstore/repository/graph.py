@@ -28,6 +28,7 @@ from ckstore.format.ids import ObjectId, is_id_prefix, is_object_id
 from ckstore.format.manifest import ChunkReader, Commit, ManifestFiles, decode_commit
 from ckstore.repository.reflog import HEAD_LOG, Entry, head_view, nth_value
 from ckstore.repository.refs import HEAD, HEADS, REMOTES, TAGS, RefStore, ref_candidates
+from ckstore.repository.sources import NameSource
 from ckstore.repository.store import ObjectStore
 
 PRUNED_KEY = "pruned"
@@ -61,7 +62,9 @@ class CommitGraph:
         self.backend = backend
         self.store = store
         self.refs = refs
-        self.bases: list[CommitGraph] = []  # base repositories' graphs (overlays name their commits)
+        # Asked in order for names this graph does not know (sources.py: base repositories' graphs,
+        # so an overlay names its base's commits; a remote's refs).
+        self.name_sources: list[NameSource] = []
         self.cache: dict[str, Commit] = {}
 
     # ---- commits ---------------------------------------------------------------------------
@@ -113,7 +116,7 @@ class CommitGraph:
             steps += int(m.group(1)) if m.group(1) else 1
             base = base[: m.start()]
         at = _REFLOG_SUFFIX.fullmatch(base)
-        oid = self._resolve_reflog(spec, at.group(1), int(at.group(2))) if at else self._resolve_with_bases(base)
+        oid = self._resolve_reflog(spec, at.group(1), int(at.group(2))) if at else self.resolve_name(base)
         for _ in range(steps):
             parents = self.read_commit(oid, files=False).parents
             if not parents:
@@ -123,16 +126,17 @@ class CommitGraph:
             oid = parents[0]
         return oid
 
-    def _resolve_with_bases(self, name: str) -> ObjectId:
-        """Resolve here first, then in base repositories (an overlay may name its base's commits)."""
+    def resolve_name(self, name: str) -> ObjectId:
+        """Resolve here first, then through the name sources (an overlay may name its base's
+        commits); a ``sources.NameSource`` itself, so a graph is its overlays' source."""
         try:
             return self._resolve_name(name)
         except RefNotFoundError:
             if name == "HEAD":
                 raise
-            for base in self.bases:
+            for source in self.name_sources:
                 try:
-                    return base._resolve_with_bases(name)
+                    return source.resolve_name(name)
                 except RefNotFoundError:
                     continue
             raise

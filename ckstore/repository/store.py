@@ -44,6 +44,7 @@ from ckstore.repository.reader import (  # noqa: F401  (the limits are part of t
     manifest_size_ok,
     verified_commit,
 )
+from ckstore.repository.sources import ObjectSource
 
 if TYPE_CHECKING:
     import numpy as np
@@ -97,20 +98,22 @@ class ObjectStore:
         self.settings = settings or EncodingSettings()
         # Base repositories' stores (overlays): reads fall through to them, and an object one of
         # them holds is referenced, never copied. Writes and deletes stay local.
-        self.alternates: list[ObjectStore] = []
+        # Read through in order when the backend lacks an object (sources.py: base repositories'
+        # stores, a remote's lazy reads).
+        self.sources: list[ObjectSource] = []
         self.missing_hint = ""  # appended to "object … is missing" (a base repository that moved)
 
     def has_local(self, oid: str) -> bool:
         return self.backend.exists(object_key(oid))
 
     def has(self, oid: str) -> bool:
-        return self.has_local(oid) or any(alt.has(oid) for alt in self.alternates)
+        return self.has_local(oid) or any(source.has(oid) for source in self.sources)
 
     def has_durable(self, oid: str) -> bool:
         """Held here or in a base repository, whose gc the writers' locks hold off (writing.py):
         the only objects a write may deduplicate against or delta-encode on. A remote's lazily
         read objects (lazy.py) are not: the remote may delete them, and they are not ours."""
-        return self.has_local(oid) or any(alt.has_durable(oid) for alt in self.alternates)
+        return self.has_local(oid) or any(source.has_durable(oid) for source in self.sources)
 
     def stored_size(self, oid: str) -> int | None:
         return self.backend.size(object_key(oid))
@@ -288,7 +291,7 @@ class ObjectStore:
         (``Backend.batch``): a commit's chunks go through it, its manifest after it."""
         with self.backend.batch(expected_bytes, expected_objects) as staged:
             view = ObjectStore(staged, settings=self.settings)
-            view.alternates = self.alternates
+            view.sources = self.sources
             yield view
 
     def put_commit(self, manifest: bytes) -> PutResult:
@@ -303,21 +306,22 @@ class ObjectStore:
         return self._read(oid, "")
 
     def _read(self, oid: str, context: str) -> bytes:
-        return self._read_any(oid, None, context)
+        return self.read_stored(oid, None, context)
 
     def _read_prefix(self, oid: str, n: int) -> bytes:
         """The first ``n`` stored bytes of an object (its header), here or in a base repository."""
-        return self._read_any(oid, n, "")
+        return self.read_stored(oid, n, "")
 
-    def _read_any(self, oid: str, n: int | None, context: str) -> bytes:
-        """The stored bytes (all, or the first ``n``) of an object, here or in a base repository."""
+    def read_stored(self, oid: str, n: int | None, context: str) -> bytes:
+        """The stored bytes (all, or the first ``n``) of an object, here or in a source
+        (``sources.ObjectSource``: an object store is the source of its overlays)."""
         key = object_key(oid)
         try:
             return self.backend.get(key) if n is None else self.backend.get_prefix(key, n)
         except KeyError:
-            for alt in self.alternates:
+            for source in self.sources:
                 try:
-                    return alt._read_any(oid, n, context)
+                    return source.read_stored(oid, n, context)
                 except ObjectMissingError:
                     continue
             raise ObjectMissingError(f"object {oid} is missing{context}{self.missing_hint}") from None
