@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
 from ckstore.backend.base import Backend
-from ckstore.errors import RefNotFoundError
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.settings import RepoConfig
@@ -600,15 +599,6 @@ class Repo:
         if commit.base is None or commit.base.repo is None:
             return None
         return next((b.location for b in self._ctx.bases if b.store.has(commit.base.commit)), None)
-
-    def read_file(self, oid: str, path: str) -> bytes:
-        """The bytes of one (small) committed file, verified; for sidecars and configs."""
-        from ckstore.repository.filedata import read_file_bytes
-
-        for f in self.read_commit(oid).files:
-            if f.path == path:
-                return read_file_bytes(self.store, f)
-        raise RefNotFoundError(f"commit {oid[:12]} has no file {path!r}")
 
     def state_document(self, ref: str) -> JSONValue:
         """The typed-JSON non-tensor part of a training-state commit (tensors appear as $tensor)."""

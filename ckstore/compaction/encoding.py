@@ -20,7 +20,6 @@ from ckstore.codecs.objects import (
     Encoding,
     Kind,
     ObjectHeader,
-    decode_view,
     delta_bases,
     encode_chunk,
     encode_delta,
@@ -35,6 +34,7 @@ from ckstore.format.positions import Slot
 from ckstore.format.settings import version_for
 from ckstore.format.tensor_stats import difference_sums, item_size
 from ckstore.repository.change_record import Sums
+from ckstore.repository.reader import check_reencoded
 from ckstore.repository.store import ObjectStore
 
 # codecs/predict.py needs numpy: imported where used, so commands that compact nothing start without it.
@@ -402,7 +402,7 @@ def _reverse_delta(
         if predicted is not None and prediction is not None:
             memory.plain_weighed(prediction.predictor, won=data is not None)
         if data is not None and upgrade(version_for(parse_header(data).encoding)):
-            _check(oid, data, raw, {job.slot.id: base_raw})
+            check_reencoded(oid, data, raw, {job.slot.id: base_raw})
             store.stage_replace(oid, data, cached=False)
             return "delta", len(current) - len(data)
     if predicted is not None and upgrade():
@@ -411,7 +411,7 @@ def _reverse_delta(
     # "whole, refused": a delta was tried and did not pay (not a full chain keeping it whole).
     whole = "whole, refused" if height + 1 <= depth else "whole"
     if best is not current:
-        _check(oid, best, raw)
+        check_reencoded(oid, best, raw)
         store.stage_replace(oid, best, cached=False)
         return whole, len(current) - len(best)
     if provisional and len(raw) > EXHAUSTIVE_MAX:
@@ -453,7 +453,7 @@ def _predicted(
 def _check_predicted(
     oid: str, data: bytes, raw: bytes, p: Prediction, coefficients: tuple[float, ...], guess: np.ndarray
 ) -> None:
-    """``_check`` for a predicted delta, with the prediction computed for encoding it: decoding
+    """``check_reencoded`` for a predicted delta, with the prediction computed for encoding it: decoding
     ``data`` is its residual XOR ``predict`` of the predictor, coefficients and bases it names
     (objects.PredictedParts), and ``predict`` is a pure function of those (bit-reproducible by
     the format's rule, docs/format.md section 4). So when the parsed predictor, coefficients
@@ -513,40 +513,8 @@ def _recompress(
     store.searched(oid, best)
     if len(best) >= len(current) and not even_if_larger:
         return 0
-    _check(oid, best, raw)
+    check_reencoded(oid, best, raw)
     if cached:
         store.forget_cached(oid)  # the tip's old copy: its new one is what a checkout reads
     store.stage_replace(oid, best, cached=cached)
     return len(current) - len(best)
-
-
-def _check(oid: str, data: bytes, raw: bytes, bases: dict[str, bytes] | None = None) -> None:
-    """Raise IntegrityError unless the new encoding ``data`` of ``oid`` decodes, its bases taken
-    only from ``bases`` (verified bytes in memory), to ``raw``: the chunk's bytes, re-hashed
-    against ``oid`` when they were read. Comparing with them proves what re-hashing the decoded
-    bytes would, at about a third of blake3's CPU (0.09 against 0.34 ms per MiB)."""
-
-    def fetch_base(wanted: str, length: int) -> bytes:
-        if bases is None or wanted not in bases or length != len(bases[wanted]):
-            raise IntegrityError(f"it names an unexpected base {wanted}")
-        return bases[wanted]
-
-    try:
-        decoded = decode_view(data, Kind.CHUNK, len(raw), expected_len=len(raw), fetch_base=fetch_base)
-    except IntegrityError as exc:
-        raise IntegrityError(f"object {oid} (re-encoded) is corrupt: {exc}") from None
-    if not _same_bytes(decoded, raw):
-        raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")
-
-
-def _same_bytes(decoded: bytes | memoryview, raw: bytes) -> bool:
-    """``decoded == raw`` without copying a decoded view into bytes first (a 1 MiB copy a checked
-    chunk); numpy compares the view, as Python compares a memoryview element by element (about
-    1 ms a MiB)."""
-    if isinstance(decoded, bytes):
-        return decoded == raw
-    import numpy as np
-
-    return len(decoded) == len(raw) and bool(
-        np.array_equal(np.frombuffer(decoded, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
-    )

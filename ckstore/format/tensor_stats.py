@@ -42,12 +42,6 @@ def as_numbers(data: bytes | memoryview, dtype: str) -> np.ndarray:
     return np.frombuffer(data, dtype=np.dtype(_VIEWS[dtype]))
 
 
-def as_float64(data: bytes | memoryview, dtype: str) -> np.ndarray:
-    import numpy as np
-
-    return as_numbers(data, dtype).astype(np.float64)
-
-
 @dataclass(frozen=True)
 class TensorStats:
     """What a manifest records about one tensor.

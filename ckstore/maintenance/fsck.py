@@ -17,7 +17,7 @@ from ckstore.repository.graph import ROOT_PREFIXES, kept_parents
 from ckstore.repository.overlay import link_problems, unreachable_bases
 from ckstore.repository.store import MAX_CHAIN_DEPTH, ObjectStore
 from ckstore.runtime.pipeline import ordered_map
-from ckstore.runtime.progress import ProgressFactory
+from ckstore.runtime.progress import ProgressFactory, watching
 
 
 def _read_headers(store: ObjectStore, oids: list[str]) -> dict[str, tuple[str, ...] | CkstoreError]:
@@ -192,17 +192,12 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
         elsewhere = {oid for oid in needed if oid not in present and store.has(oid)}  # in base repos
         order = sorted(present | elsewhere)
         sizes = [store.stored_size(oid) or 0 for oid in order]  # objects of base repositories count there
-        bar = progress(sum(sizes), "fsck") if progress else None
         failed = {}
-        try:
+        with watching(progress, sum(sizes), "fsck") as advance:
             for oid, size, problem in zip(order, sizes, ordered_map(verify, order)):
                 if problem:
                     failed[oid] = problem
-                if bar:
-                    bar.update(size)
-        finally:
-            if bar:
-                bar.close()
+                advance(size)
         # A damaged object is reported once: its read failure names its file and tensor.
         problems.extend(p for p in chain_problems if p.split(" ", 2)[1] not in failed)
         problems.extend(failed.values())

@@ -35,6 +35,7 @@ from ckstore.format.settings import DEFAULT_MAX_DELTA_DEPTH, version_for
 from ckstore.maintenance import sizes
 from ckstore.repository.context import RepoContext
 from ckstore.repository.graph import CommitGraph
+from ckstore.repository.reader import check_reencoded
 from ckstore.runtime.pipeline import ordered_map
 from ckstore.runtime.progress import ProgressFactory
 
@@ -154,8 +155,8 @@ def repack_locked(
         if keep is not None and len(current) <= len(data):
             return len(current), len(current), False, keep
         depth = 1 + final[p.base] if p.base is not None and delta_bases(data) else 0  # type: ignore[index]
-        # Prove the new encoding before it replaces a good one: decode it and re-hash.
-        store.check_encoded(oid, data, p.size)
+        # Prove the new encoding before it replaces a good one: it decodes to the verified bytes.
+        check_reencoded(oid, data, raw, {p.base: base_raw} if p.base is not None and base_raw is not None else None)
         # Upgraded (durably) before the first object the repository's version lacks is written.
         ctx.upgrade(version_for(parse_header(data).encoding))
         store.replace_chunk(oid, data)

@@ -44,7 +44,7 @@ from ckstore.format.safetensors import emit_header
 from ckstore.repository.filedata import file_context, header_metadata
 from ckstore.repository.store import ObjectStore
 from ckstore.runtime.pipeline import ordered_map
-from ckstore.runtime.progress import ProgressFactory
+from ckstore.runtime.progress import ProgressFactory, watching
 
 if TYPE_CHECKING:
     import numpy as np
@@ -429,12 +429,8 @@ def write_with_progress(
     durable: bool = False,
 ) -> CheckoutResult:
     """``write_outputs`` with a progress bar over the bytes to write (when a factory is given)."""
-    bar = progress(total_size(outputs), desc) if progress else None
-    try:
-        return write_outputs(store, outputs, out_dir, force, bar.update if bar else None, durable)
-    finally:
-        if bar:
-            bar.close()
+    with watching(progress, total_size(outputs), desc) as advance:
+        return write_outputs(store, outputs, out_dir, force, advance, durable)
 
 
 def select_tensors(tensors: Iterable[TensorEntry], patterns: Sequence[str]) -> list[TensorEntry]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckstore.errors import IntegrityError, InvalidInputError
-from ckstore.format.manifest import Commit, FileEntry, TensorEntry, parse_json
+from ckstore.format.manifest import Commit, FileEntry, parse_json
 from ckstore.format.safetensors import parse_header
 from ckstore.repository.store import ObjectStore
 
@@ -19,11 +19,6 @@ def read_file_bytes(store: ObjectStore, f: FileEntry) -> bytes:
     """The whole file, every chunk verified: for small files (configs, state documents)."""
     context = file_context(f.path)
     return b"".join(store.get_chunk(c.id, c.size, context) for c in f.all_chunks())
-
-
-def read_tensor_bytes(store: ObjectStore, f: FileEntry, t: TensorEntry) -> bytes:
-    context = file_context(f.path, t.name)
-    return b"".join(store.get_chunk(c.id, c.size, context) for c in t.chunks)
 
 
 def header_metadata(store: ObjectStore, f: FileEntry) -> dict[str, str] | None:

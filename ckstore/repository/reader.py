@@ -343,21 +343,37 @@ class VerifiedReader:
         return raw
 
 
-def check_encoding(oid: str, data: bytes | memoryview, size: int, bases: dict[str, bytes | memoryview]) -> None:
-    """Raise IntegrityError unless a new encoding ``data`` decodes to chunk ``oid``, its bases
-    taken only from ``bases`` (verified bytes the caller holds): compaction and repack."""
+def check_reencoded(oid: str, data: bytes, raw: bytes, bases: dict[str, bytes] | None = None) -> None:
+    """Raise IntegrityError unless the new encoding ``data`` of ``oid`` decodes, its bases taken
+    only from ``bases`` (verified bytes in memory), to ``raw``: the chunk's bytes, re-hashed
+    against ``oid`` when they were read. The one check every re-encoding (compaction, repack)
+    passes before it replaces a good object. Comparing with them proves what re-hashing the decoded
+    bytes would, at about a third of blake3's CPU (0.09 against 0.34 ms per MiB)."""
 
-    def fetch_base(wanted: str, length: int) -> bytes | memoryview:
-        if wanted not in bases or length != len(bases[wanted]):
+    def fetch_base(wanted: str, length: int) -> bytes:
+        if bases is None or wanted not in bases or length != len(bases[wanted]):
             raise IntegrityError(f"it names an unexpected base {wanted}")
         return bases[wanted]
 
     try:
-        raw = decode_view(data, Kind.CHUNK, MAX_CHUNK_SIZE, expected_len=size, fetch_base=fetch_base)
+        decoded = decode_view(data, Kind.CHUNK, len(raw), expected_len=len(raw), fetch_base=fetch_base)
     except IntegrityError as exc:
         raise IntegrityError(f"object {oid} (re-encoded) is corrupt: {exc}") from None
-    if chunk_id(raw) != oid:
+    if not _same_bytes(decoded, raw):
         raise IntegrityError(f"object {oid} (re-encoded) does not decode to its bytes")
+
+
+def _same_bytes(decoded: bytes | memoryview, raw: bytes) -> bool:
+    """``decoded == raw`` without copying a decoded view into bytes first (a 1 MiB copy a checked
+    chunk); numpy compares the view, as Python compares a memoryview element by element (about
+    1 ms a MiB)."""
+    if isinstance(decoded, bytes):
+        return decoded == raw
+    import numpy as np
+
+    return len(decoded) == len(raw) and bool(
+        np.array_equal(np.frombuffer(decoded, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
+    )
 
 
 # Each object's delta bases, for a batch of objects (read from their headers, empty when whole).

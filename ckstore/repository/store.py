@@ -342,10 +342,6 @@ class ObjectStore:
         That array is ``out`` when given (``size`` bytes, uint8, reused by the caller)."""
         return self.reader().chunk(oid, size, context, self._read(oid, context), out)
 
-    def check_encoded(self, oid: str, data: bytes, size: int) -> None:
-        """Raise IntegrityError unless ``data`` decodes to the bytes named ``oid`` (repack)."""
-        self.reader().chunk(oid, size, " (re-encoded)", data)
-
     def read_local(self, oid: str) -> bytes | None:
         """The stored bytes of an object of this repository (not a base's), None when absent."""
         try:

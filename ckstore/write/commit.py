@@ -31,7 +31,7 @@ from ckstore.repository.context import RepoContext
 from ckstore.repository.overlay import merge_files
 from ckstore.repository.refs import HEADS, check_ref_name
 from ckstore.repository.writing import writing
-from ckstore.runtime.progress import ProgressFactory
+from ckstore.runtime.progress import ProgressFactory, watching
 from ckstore.write import provenance
 from ckstore.write.background import work_for
 from ckstore.write.ingest import MemoryFile, SourceFile, ingest
@@ -86,28 +86,26 @@ def commit_sources(
         tip = ctx.refs.read(HEADS + request.branch) or request.start
         previous = ctx.graph.read_commit(tip).files if tip else ()
         stats = {(f.path, t.name): t for f in previous for t in f.tensors}
-        bar = progress(sum(s.size for s in sources), "commit") if progress else None
         # An overlay's tensors are forward deltas against its base's (the base may live in
         # another repository and must not change); a branch's new chunks are stored fast, and
         # compaction (compact.py) re-encodes them and the parent's once the commit is durable.
         overlay = bool(base_commit and ctx.config.encoding.max_delta_depth)
         hints = base_commit.files if overlay and base_commit else None
-        try:
-            # One durability barrier for all of the commit's chunks; they are durable under
-            # their names when the block ends, before the manifest is written (format.md §8).
-            with ctx.store.batch(sum(s.size for s in sources), len(sources)) as staged:
-                files, added = ingest(
-                    staged,
-                    sources,
-                    ctx.config.chunk_size,
-                    bar.update if bar else None,
-                    parent=hints,
-                    fast=base_commit is None,
-                    stats=stats,
-                )
-        finally:
-            if bar:
-                bar.close()
+        # One durability barrier for all of the commit's chunks; they are durable under their
+        # names when the block ends, before the manifest is written (format.md §8).
+        with (
+            watching(progress, sum(s.size for s in sources), "commit") as advance,
+            ctx.store.batch(sum(s.size for s in sources), len(sources)) as staged,
+        ):
+            files, added = ingest(
+                staged,
+                sources,
+                ctx.config.chunk_size,
+                advance,
+                parent=hints,
+                fast=base_commit is None,
+                stats=stats,
+            )
         if base_commit is not None:
             files = merge_files(base_commit, files)
         return record_commit(ctx, files, added, request, state, base, stats_parent=tip, origin=origin)
