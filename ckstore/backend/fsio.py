@@ -98,6 +98,45 @@ def owner_surely_dead(info: dict[str, object]) -> bool:
     return info.get("pidns") == mine["pidns"] and isinstance(pid, int) and not pid_alive(pid)
 
 
+def dead_owner(data: bytes) -> dict[str, object] | None:
+    """The owner recorded in a lock's bytes (``process_owner`` as JSON) when its process is
+    surely gone (``owner_surely_dead``); None when it may live or the bytes are no owner."""
+    import json
+
+    try:
+        info = json.loads(data)
+    except (ValueError, TypeError):
+        return None
+    return info if isinstance(info, dict) and owner_surely_dead(info) else None
+
+
+def break_stale_lock(
+    stale: bytes,
+    read_lock: Callable[[], bytes],
+    delete_lock: Callable[[], None],
+    take_breaker: Callable[[], bool],
+    drop_breaker: Callable[[], None],
+) -> bool:
+    """Remove a lock whose bytes ``stale`` were judged dead, whatever stores it (a repository's
+    ref lock, a folder remote's key lock); True when this process broke it.
+
+    Breaking is serialised by a second lock (``take_breaker``: an exclusive create), and the lock
+    is deleted only if it still holds the bytes judged stale, so two processes breaking at once
+    never delete a lock a live process has just taken. False when another process is breaking
+    it. ``read_lock`` raises KeyError or FileNotFoundError once the lock is gone."""
+    if not take_breaker():
+        return False
+    try:
+        try:
+            if read_lock() == stale:
+                delete_lock()
+        except (KeyError, FileNotFoundError):
+            pass
+    finally:
+        drop_breaker()
+    return True
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id runs on this host (a zombie counts as running)."""
     try:

@@ -33,11 +33,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ckstore.backend.fsio import owner_surely_dead, process_owner
+from ckstore.backend.fsio import dead_owner, process_owner
 from ckstore.backend.memory import MemoryBackend
 from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
 from ckstore.errors import IntegrityError, LockedError
 from ckstore.format.ids import ObjectId
+from ckstore.format.pruned import encode_pruned
 from ckstore.maintenance.retention import RetentionPolicy, select_kept
 from ckstore.remote.layout import (
     DEFAULT_GRACE,
@@ -103,12 +104,9 @@ def _take_over_dead_gc_lock(remote: RemoteRepo, owner: bytes) -> bool:
     resume from where a killed one stopped (section "Remote gc" of docs/format.md)."""
     try:
         stale, token = remote.transport.get_versioned(GC_LOCK_KEY, MAX_GC_LOCK)
-        info = json.loads(stale)
-    except (KeyError, ValueError, TypeError, IntegrityError):
+    except (KeyError, IntegrityError):
         return False
-    return (
-        isinstance(info, dict) and owner_surely_dead(info) and remote.transport.put_if_match(GC_LOCK_KEY, owner, token)
-    )
+    return dead_owner(stale) is not None and remote.transport.put_if_match(GC_LOCK_KEY, owner, token)
 
 
 def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> CommitGraph:
@@ -119,7 +117,7 @@ def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> 
         backend.replace(encode_ref(ref), f"{oid}\n".encode())
     pruned = remote.read_pruned()
     if pruned:
-        backend.replace(PRUNED_KEY, "".join(" ".join([o, *pruned[o]]) + "\n" for o in sorted(pruned)).encode())
+        backend.replace(PRUNED_KEY, encode_pruned(pruned))
     store = ObjectStore(MemoryBackend(), ctx.store.settings)
     store.sources = [ctx.store, RemoteObjects(remote, ObjectStore(MemoryBackend()))]
     return CommitGraph(backend, store, RefStore(backend))

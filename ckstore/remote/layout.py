@@ -39,6 +39,7 @@ from ckstore.format.pack import (
     check_read,
     parse_index_table,
 )
+from ckstore.format.pruned import Pruned, encode_pruned, parse_pruned
 from ckstore.transport.base import MAX_SWAPPED, NotFound, Transport
 
 FORMAT_KEY = "ckstore-remote.json"
@@ -354,22 +355,12 @@ class RemoteRepo:
         mutating_step()
         return self.transport.put_if_match(CONDEMNED_KEY, condemned.to_bytes(), condemned.token)
 
-    def read_pruned(self) -> dict[str, tuple[str, ...]]:
+    def read_pruned(self) -> Pruned:
         """Commits a remote gc pruned, each with its parents (the local ``pruned`` format)."""
         try:
-            return self._parse_pruned(self.get(PRUNED_KEY, MAX_PRUNED))
+            return parse_pruned(self.get(PRUNED_KEY, MAX_PRUNED), self.describe(PRUNED_KEY))
         except NotFound:
             return {}
-
-    def _parse_pruned(self, data: bytes) -> dict[str, tuple[str, ...]]:
-        text = data.decode("ascii", "replace")
-        out: dict[str, tuple[str, ...]] = {}
-        for line in text.splitlines():
-            ids = line.split(" ")
-            if not all(is_object_id(i) for i in ids):
-                raise IntegrityError(f"{self.describe(PRUNED_KEY)} is corrupt")
-            out[ids[0]] = tuple(ids[1:])
-        return out
 
     def add_pruned(self, entries: Mapping[str, Sequence[str]]) -> None:
         """Merge ``entries`` into the pruned record by compare-and-swap (pushes of histories
@@ -379,13 +370,12 @@ class RemoteRepo:
                 data, token = self.get_versioned(PRUNED_KEY, MAX_PRUNED)
             except NotFound:
                 data, token = b"", None
-            current = self._parse_pruned(data)
+            current = parse_pruned(data, self.describe(PRUNED_KEY))
             if all(o in current for o in entries):
                 return
             merged = {**{o: tuple(p) for o, p in entries.items()}, **current}
-            text = "".join(" ".join([o, *merged[o]]) + "\n" for o in sorted(merged))
             mutating_step()
-            if self.transport.put_if_match(PRUNED_KEY, text.encode(), token):
+            if self.transport.put_if_match(PRUNED_KEY, encode_pruned(merged), token):
                 return
             time.sleep(0.01)
 

@@ -26,6 +26,7 @@ from ckstore.errors import (
 )
 from ckstore.format.ids import ObjectId, is_id_prefix, is_object_id
 from ckstore.format.manifest import ChunkReader, Commit, ManifestFiles, decode_commit
+from ckstore.format.pruned import encode_pruned, parse_pruned
 from ckstore.repository.reflog import HEAD_LOG, Entry, head_view, nth_value
 from ckstore.repository.refs import HEAD, HEADS, REMOTES, TAGS, RefStore, ref_candidates
 from ckstore.repository.sources import NameSource
@@ -207,20 +208,13 @@ class CommitGraph:
         """Commits gc deleted on purpose, each with its parents (so history stays connected
         through it to older kept commits); log shows them as pruned and fsck accepts them."""
         try:
-            text = self.backend.get(PRUNED_KEY).decode("ascii", "replace")
+            data = self.backend.get(PRUNED_KEY)
         except KeyError:
             return {}
-        out: dict[ObjectId, tuple[ObjectId, ...]] = {}
-        for line in text.splitlines():
-            ids = line.split(" ")
-            if not all(is_object_id(i) for i in ids):
-                raise IntegrityError(f"{self.backend.describe(PRUNED_KEY)} is corrupt")
-            out[ObjectId(ids[0])] = tuple(ObjectId(i) for i in ids[1:])
-        return out
+        return parse_pruned(data, self.backend.describe(PRUNED_KEY))
 
     def write_pruned(self, pruned: Mapping[str, Sequence[str]]) -> None:
-        lines = "".join(" ".join([oid, *pruned[oid]]) + "\n" for oid in sorted(pruned))
-        self.backend.replace(PRUNED_KEY, lines.encode())
+        self.backend.replace(PRUNED_KEY, encode_pruned(pruned))
 
     def pruned_after(self, keep: set[ObjectId], reachable: set[ObjectId]) -> dict[ObjectId, tuple[ObjectId, ...]]:
         """The ``pruned`` record once every reachable commit outside ``keep`` is deleted: each

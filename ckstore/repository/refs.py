@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ckstore.backend.base import Backend
-from ckstore.backend.fsio import owner_surely_dead, pid_alive, process_owner
+from ckstore.backend.fsio import break_stale_lock, dead_owner, owner_surely_dead, pid_alive, process_owner
 from ckstore.errors import (
     IntegrityError,
     InvalidRefNameError,
@@ -332,26 +332,24 @@ class RefStore:
                 " if no ckstore command is running, delete that file and retry"
             )
         breaker = lock + LOCK_SUFFIX  # "<ref>.lock.lock": no ref can be named "<ref>.lock"
-        if not self.backend.create_exclusive(breaker, owner):
+        broken = break_stale_lock(
+            stale,
+            read_lock=lambda: self.backend.get(lock),
+            delete_lock=lambda: self.backend.delete(lock),
+            take_breaker=lambda: self.backend.create_exclusive(breaker, owner),
+            drop_breaker=lambda: self._release(breaker, owner),
+        )
+        if not broken:
             self._refuse_stale_breaker(breaker)
-            return False
-        try:
-            try:
-                if self.backend.get(lock) == stale:
-                    self.backend.delete(lock)
-            except KeyError:
-                pass
-        finally:
-            self._release(breaker, owner)
-        return True
+        return broken
 
     def _refuse_stale_breaker(self, breaker: str) -> None:
         """A breaker is held for one read and one delete; one whose process died is left to a user."""
         try:
-            info = json.loads(self.backend.get(breaker))
-        except (KeyError, ValueError, TypeError):
+            info = dead_owner(self.backend.get(breaker))
+        except KeyError:
             return
-        if isinstance(info, dict) and owner_surely_dead(info):
+        if info is not None:
             raise LockedError(
                 f"stale lock {self.backend.describe(breaker)} left by process {info.get('pid')}, which is no longer"
                 " running; if no ckstore command is running, delete that file and retry"

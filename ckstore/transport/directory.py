@@ -39,7 +39,7 @@ from pathlib import Path
 
 import blake3
 
-from ckstore.backend.fsio import fsync_path, owner_surely_dead, process_owner
+from ckstore.backend.fsio import break_stale_lock, dead_owner, fsync_path, process_owner
 from ckstore.errors import LockedError, StorageError
 from ckstore.transport.base import (
     MAX_SWAPPED,
@@ -360,24 +360,22 @@ def _break_if_dead(lock: Path) -> bool:
     """Remove ``lock`` if the writer that holds it is proven gone; True when removed."""
     try:
         stale = lock.read_bytes()
-        info = json.loads(stale)
-    except (OSError, ValueError):
-        return False  # released, being written, or an older ckstore's: not provably stale
-    if not isinstance(info, dict) or not owner_surely_dead(info):
-        return False
-    breaker = lock.with_name(lock.name + ".lock")
-    try:
-        os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError:
-        return False  # another process is breaking it
-    try:
-        if lock.read_bytes() == stale:
-            os.unlink(lock)
-    except FileNotFoundError:
-        pass
-    finally:
-        _unlink_quietly(breaker)
-    return True
+        return False  # released meanwhile
+    if dead_owner(stale) is None:
+        return False  # alive, being written, or an older ckstore's: not provably stale
+    breaker = lock.with_name(lock.name + ".lock")
+
+    def take_breaker() -> bool:
+        try:
+            os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except OSError:
+            return False  # another process is breaking it
+        return True
+
+    return break_stale_lock(
+        stale, lock.read_bytes, lambda: os.unlink(lock), take_breaker, lambda: _unlink_quietly(breaker)
+    )
 
 
 def _info(key: str, st: os.stat_result) -> ObjectInfo:
