@@ -107,7 +107,7 @@ class _WorkSetting(Generic[_V]):
 
     def __get__(self, repo: Repo | None, owner: type | None = None) -> _V:
         if repo is None:  # looked up on the class (help(), documentation tools)
-            return self  # type: ignore[return-value]
+            return self  # type: ignore[return-value]  # a descriptor shows itself on the class
         value: _V = getattr(repo._work, self.name)
         return value
 
@@ -361,6 +361,20 @@ class Repo:
         background: Literal[True],
         start: str | None = None,
     ) -> CommitHandle: ...
+
+    @overload
+    def commit_state(
+        self,
+        state: object,
+        message: str = "",
+        branch: str | None = None,
+        metadata: Mapping[str, object] | None = None,
+        progress: ProgressFactory | None = None,
+        base: str | None = None,
+        base_repo: str | os.PathLike[str] | None = None,
+        background: bool = False,
+        start: str | None = None,
+    ) -> ObjectId | CommitHandle: ...
 
     def commit_state(
         self,

@@ -32,6 +32,7 @@ suite that runs against each one):
 
 from __future__ import annotations
 
+import builtins
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -127,7 +128,7 @@ class Backend(ABC):
     def clean_temporary(self) -> int:
         """Remove temporary files left by interrupted writers; only safe under the exclusive lock."""
 
-    def state_signature(self, settled_before: float) -> list[tuple[str, int, int]] | None:
+    def state_signature(self, settled_before: float) -> builtins.list[tuple[str, int, int]] | None:
         """(name, mtime in ns, size) of every folder and file whose change may change what the
         repository stores or keeps (object folders, packs, reflogs, pruned record, links, config),
         or None when that cannot be told cheaply or one changed at ``settled_before`` or later
@@ -135,7 +136,7 @@ class Backend(ABC):
         is current while it is unchanged."""
         return None
 
-    def temporary_sizes(self) -> list[int]:
+    def temporary_sizes(self) -> builtins.list[int]:
         """The sizes of the temporary files ``clean_temporary`` would remove now (a killed
         commit's half-written pack can be large: stats and gc count it). Under the exclusive
         lock they are all leftovers; otherwise some may belong to a write in progress."""
@@ -158,8 +159,8 @@ class Backend(ABC):
         for key in self.list("objects/"):
             oid = key_object_id(key)
             size = self.size(key) if oid is not None and is_object_id(oid) else None
-            if size is not None:
-                out[oid] = size  # type: ignore[index]
+            if oid is not None and size is not None:
+                out[oid] = size
         return out
 
     def get_prefix(self, key: str, n: int) -> bytes:
@@ -220,7 +221,7 @@ class Backend(ABC):
         A local backend drops its pages from the operating system's page cache; this default
         does nothing."""
 
-    def storage_problems(self) -> list[str]:
+    def storage_problems(self) -> builtins.list[str]:
         """Damage a backend found in its own containers (a local pack whose table is
         unreadable), one line each, for fsck."""
         return []

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 EARLY_FLUSH_BYTES = 16 << 20  # 8 and 16 MiB: bf16 epochs 8-10% faster than 32 (docs/design.md)
 _SYNC_FILE_RANGE_WRITE = 2
@@ -31,8 +32,9 @@ _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)  # Linux; advice only, abse
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
-def libc_function(name: str, argtypes: list[type] | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """A C library function through ctypes (errno kept), None where the platform lacks it."""
+def libc_function(name: str, argtypes: list[type] | None = None) -> Any:
+    """A C library function through ctypes (errno kept), None where the platform lacks it (ctypes
+    types its functions only privately)."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
@@ -113,7 +115,7 @@ def dead_owner(data: bytes) -> dict[str, object] | None:
 def break_stale_lock(
     stale: bytes,
     read_lock: Callable[[], bytes],
-    delete_lock: Callable[[], None],
+    delete_lock: Callable[[], object],
     take_breaker: Callable[[], bool],
     drop_breaker: Callable[[], None],
 ) -> bool:

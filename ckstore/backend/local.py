@@ -24,6 +24,7 @@ Every mutating step (write, fsync, link, rename, unlink, mkdir) goes through
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import os
 import stat
@@ -302,20 +303,20 @@ class LocalBackend(StagingBackend):
         tmp: Path | None = None
         try:
             self._ensure_dir(path.parent)
-            tmp = self._write_temp(data)
+            written = tmp = self._write_temp(data)
             for attempt in range(3):
                 mutating_step()
                 try:
                     if exclusive:
-                        os.link(tmp, path)
+                        os.link(written, path)
                     else:
-                        os.replace(tmp, path)
+                        os.replace(written, path)
                         tmp = None
                     break
                 except FileExistsError:
                     return False
                 except FileNotFoundError:
-                    if attempt == 2 or not tmp.exists():
+                    if attempt == 2 or not written.exists():
                         raise
                     self._ensure_dir(path.parent)  # a ref deletion pruned the empty folder meanwhile
             self._fsync_dir(path.parent)
@@ -404,7 +405,7 @@ class LocalBackend(StagingBackend):
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
             return
-        keys = []
+        keys: list[str] = []
         for dirpath, dirnames, filenames in os.walk(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             if rel in (TMP_DIR, PACK_FOLDER):  # packs are files, not keys: their objects are listed below
@@ -488,7 +489,7 @@ class LocalBackend(StagingBackend):
             staged.discard()  # after a failed flush, what it took it removed: nothing is left here
             raise
 
-    def storage_problems(self) -> list[str]:
+    def storage_problems(self) -> builtins.list[str]:
         self.packs.refresh(force=True)
         return [
             f"pack {self.packs.path_of(pid)} is damaged and was left out: {why}"
@@ -536,7 +537,7 @@ class LocalBackend(StagingBackend):
                 pass
         return removed
 
-    def state_signature(self, settled_before: float) -> list[tuple[str, int, int]] | None:
+    def state_signature(self, settled_before: float) -> builtins.list[tuple[str, int, int]] | None:
         # Adding, replacing (rename) or deleting an object changes its fan-out folder's mtime;
         # packs change in place, so each pack file counts with its own. About 260 stats.
         # Not tmp/: writing the cache itself stages a file there.
@@ -560,7 +561,7 @@ class LocalBackend(StagingBackend):
             out.append((path.relative_to(self.root).as_posix(), st.st_mtime_ns, st.st_size))
         return out
 
-    def temporary_sizes(self) -> list[int]:
+    def temporary_sizes(self) -> builtins.list[int]:
         sizes = []
         for entry in self._temporaries():
             try:

@@ -31,6 +31,7 @@ without fsync, which the commit does not need on disk.
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 from abc import abstractmethod
@@ -280,7 +281,7 @@ class LocalBatch(Backend):
     def clean_temporary(self) -> int:
         return self.inner.clean_temporary()
 
-    def temporary_sizes(self) -> list[int]:
+    def temporary_sizes(self) -> builtins.list[int]:
         return self.inner.temporary_sizes()
 
     def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
@@ -297,7 +298,7 @@ class LocalBatch(Backend):
         except OSError:
             pass  # a stray temporary file is harmless; gc removes it
 
-    def _take(self) -> tuple[list[tuple[str, Path]], list[tuple[str, Path, str | None]]]:
+    def _take(self) -> tuple[builtins.list[tuple[str, Path]], builtins.list[tuple[str, Path, str | None]]]:
         with self._mutex:
             puts = sorted(self._puts.items())
             replaces = sorted((k, tmp, after) for k, (tmp, after) in self._replaces.items())

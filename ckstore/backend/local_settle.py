@@ -150,7 +150,7 @@ def _loose_objects(backend: StagingBackend) -> dict[str, str]:
     """Every loose object, by id, with its path (names only: no stat). Paths as strings: a Path
     per entry was nine tenths of the listing's CPU (~6000 loose objects after a DCP benchmark
     step: 0.1 thread-s under the profiler)."""
-    found = {}
+    found: dict[str, str] = {}
     for folder in sorted((backend.root / "objects").glob("[0-9a-f][0-9a-f]")):
         try:
             with os.scandir(folder) as entries:

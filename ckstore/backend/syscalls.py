@@ -90,8 +90,8 @@ def interrupts_deferred() -> Iterator[None]:
                 before[held] = signal.signal(held, note)
         yield
     finally:
-        for held, handler in before.items():
-            signal.signal(held, handler)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
         for signum in dict.fromkeys(caught):
             handler = before[signum]
             if callable(handler):

@@ -85,7 +85,7 @@ def binary_bar(total: int, desc: str) -> ProgressBar:
     scaling labels binary numbers "M"/"G" and its rate in decimal "MB/s" (newcomer item 17)."""
     from tqdm import tqdm
 
-    class BinaryBar(tqdm):  # type: ignore[misc,type-arg]
+    class BinaryBar(tqdm):
         @property
         def format_dict(self) -> dict[str, Any]:
             d = super().format_dict
@@ -187,7 +187,9 @@ class _Group(click.Group):
             importlib.import_module(f"ckstore.cli.{COMMAND_MODULES[name]}")  # registers its commands
         return super().get_command(ctx, name)
 
-    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
+    # click declares main() as overloads on ``standalone_mode``; this override fixes that mode
+    # (errors always end in one line and an exit), so one plain signature serves every caller.
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:  # type: ignore[override]
         """Usage errors as every other error: one line ``ckstore: …`` (README, "Commands"), exit 2."""
         argv = git_count_args(list(sys.argv[1:] if args is None else args))
         extra.pop("standalone_mode", None)
@@ -307,8 +309,8 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
                 EXIT_INTERRUPTED,
             )
         if own:
-            recorded = bool(repo.commits_recorded())
-            signal.signal(signal.SIGINT, _commit_stands if recorded else signal.default_int_handler)
+            stands = bool(repo.commits_recorded())
+            signal.signal(signal.SIGINT, _commit_stands if stands else signal.default_int_handler)
             if interrupts.held:
                 _commit_stands(signal.SIGINT, None)
         repo.wait()  # background work of this process (none from a command: a safeguard)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ckstore.codecs.context_keys import HIGHER_CAP, KEYS, WIDTHS
@@ -82,11 +83,12 @@ def _kernels() -> Any:
     if not _KERNELS:
         with _KERNELS_LOCK:
             if not _KERNELS:
+                kernels: ModuleType | None
                 try:
-                    from ckstore.codecs import context_kernels
+                    from ckstore.codecs import context_kernels as kernels
                 except ImportError:
-                    context_kernels = None  # type: ignore[assignment]
-                _KERNELS.append(context_kernels)
+                    kernels = None
+                _KERNELS.append(kernels)
     return _KERNELS[0]
 
 

@@ -100,7 +100,7 @@ def undo_residual(residual: np.ndarray, base: bytes | memoryview, width: int, op
 
     if op == DeltaOp.XOR:
         np.bitwise_xor(residual, np.frombuffer(base, np.uint8), out=residual)
-        return memoryview(residual)
+        return residual.data
     dt = INT_DTYPES[width]
     zigzag = residual.view(dt)  # the array decode_grouped filled: updated in place
     odd = scratch(residual.size).view(dt)
@@ -109,7 +109,7 @@ def undo_residual(residual: np.ndarray, base: bytes | memoryview, width: int, op
     np.right_shift(zigzag, 1, out=zigzag)
     np.bitwise_xor(zigzag, odd, out=zigzag)
     np.add(zigzag, np.frombuffer(base, dt), out=zigzag)
-    return memoryview(zigzag.view(np.uint8))
+    return zigzag.view(np.uint8).data
 
 
 def decode_delta(
@@ -152,7 +152,7 @@ def decode_delta(
                 joined[i] = planes[i]
         context.unsort_into(kernels, {i: planes[i] for i in by_context}, words, joined)
         context.join(kernels, joined, words, op, residual)  # DeltaOp values are the kernels' op codes
-        return memoryview(residual)
+        return residual.data
     if not by_context:
         residual = decode_grouped(body[DELTA.size :], raw_len, residual)
         return undo_residual(residual, _delta_base(fetch_base, base_raw, raw_len), width, DeltaOp(op))

@@ -294,7 +294,7 @@ def encode_chunk(
         return _raw_object(Kind.CHUNK, raw)
     if len(found) > 1 and not exhaustive and len(raw) > EXHAUSTIVE_MAX:
         sample = _sample(raw, width)
-        base_sample = _sample(base, width) if usable else None
+        base_sample = _sample(base, width) if usable and base is not None else None
         assert base_sample is None or len(base_sample) == len(sample)
         found = [min(found, key=lambda c: _body(sample, c, width, level, base_sample)[0])]
     best: tuple[int, Parts, Candidate] | None = None
@@ -454,7 +454,7 @@ def decode_view(
     if kind != Kind.CHUNK:
         raise IntegrityError(f"a {kind.name.lower()} cannot use the {header.encoding.name.lower()} encoding")
     if header.encoding == Encoding.GROUPED:
-        return memoryview(decode_grouped(body, header.raw_len, out))
+        return decode_grouped(body, header.raw_len, out).data
     if header.encoding == Encoding.PREDICTED:
         return _decode_predicted(data, header.raw_len, fetch_base, out)
     return decode_delta(body, header.raw_len, fetch_base, out, header.encoding == Encoding.CONTEXT)
@@ -605,4 +605,4 @@ def _decode_predicted(
     guess = predict.predict(predict.Predictor(parts.predictor), parts.coefficients, bases)
     residual = parts.residual
     np.bitwise_xor(residual.view("<u4"), guess, out=residual.view("<u4"))
-    return memoryview(residual)
+    return residual.data

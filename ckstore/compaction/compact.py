@@ -54,6 +54,7 @@ from ckstore.compaction.encoding import HeaderCache, PairMemory, compact_chunk, 
 from ckstore.compaction.finished_pairs import is_finished, record_finished
 from ckstore.compaction.pairing import Job, Roles, Upgrade, plan_pair
 from ckstore.compaction.settled_raw import record_settled_raw, settled_raw
+from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.repository.change_record import Sums, TensorKey, comparable, write_changes
 from ckstore.repository.context import RepoContext
@@ -109,7 +110,7 @@ def compact_branch(
         tip = ctx.refs.read(HEADS + branch)
         window = depth + 3
         commits = ctx.graph.first_parents(tip, window)
-        if not commits:
+        if tip is None or not commits:
             return report
         # The pair below first, each pair in its own batch: the tip's pair then reads the
         # chains as the first one left them. A chunk the tip or the child uses never becomes a
@@ -134,7 +135,7 @@ def compact_branch(
             ]
         # A pair an earlier run finished is not visited again (finished_pairs.py): the pair
         # below keeps only the chunks that it alone settles; the tip pair, compacted twice, none.
-        ids = [tip] + [c.parents[0] for c in commits[:2] if c.parents]
+        ids: list[ObjectId] = [tip] + [c.parents[0] for c in commits[:2] if c.parents]
         for i in range(len(pairs)):
             if i + 1 < len(ids) and is_finished(ctx.backend, ids[i], ids[i + 1]):
                 pairs[i] = [j for j in pairs[i] if j.settle] if i else []

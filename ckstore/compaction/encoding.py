@@ -290,11 +290,13 @@ def _refused_before(store: HeaderCache, job: Job) -> bool:
     moment, mostly) is most likely refused again: decoding it and sample-testing a delta was a
     fifth of every run's CPU (docs/benchmarks.md)."""
     older = (job.grandparent, job.great_grandparent)
-    if None in older or job.parent in older or older[0] == older[1] or _retry_refused(job.parent or ""):
+    if job.grandparent is None or job.great_grandparent is None:
         return False
-    for oid in older:
+    if job.parent in older or older[0] == older[1] or _retry_refused(job.parent or ""):
+        return False
+    for oid in (job.grandparent, job.great_grandparent):
         header = _whole_header(store, oid, job.slot.size)
-        if header is None or not _settled(store, oid or "", header.encoding):
+        if header is None or not _settled(store, oid, header.encoding):
             return False
     return True
 

@@ -176,7 +176,7 @@ def _siblings(
     for roles in float32_members(child.files).values():
         index = 0
         while all(((p, index) in child_slots) for p in roles.values()):
-            group = {role: (p, index) for role, p in roles.items()}
+            group: dict[str, tuple[tuple[str, str | None], int]] = {role: (p, index) for role, p in roles.items()}
             if len({child_slots[w].size for w in group.values()}) == 1:
                 out.update(dict.fromkeys(group.values(), group))
             index += 1

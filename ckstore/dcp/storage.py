@@ -40,7 +40,7 @@ import os
 import threading
 from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -205,10 +205,10 @@ class Writer(StorageWriter):
         keep: list[torch.Tensor] = []  # the buffers' tensors, alive until their bytes are stored
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                data, encoding = _object_bytes(planner, item)
+                data, value_encoding = _object_bytes(planner, item)
                 specs.append((item.index.fqn + OBJECT_SUFFIX, "U8", (len(data),)))
                 buffers.append(memoryview(data))
-                encodings.append(encoding)
+                encodings.append(value_encoding)
                 continue
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor) or item.tensor_data is None:
@@ -230,9 +230,11 @@ class Writer(StorageWriter):
             with writing(ctx), ctx.store.batch(size) as staged:  # durable before we report
                 entry, added = store_pieces(staged, source, ctx.config.chunk_size)
             entries = {t.name: t for t in entry.tensors}
-            for i, (item, (name, _, _), encoding) in enumerate(zip(plan.items, specs, encodings)):
-                stored = StoredItem(info.rank, path, entries[name], encoding, entry.header, added if i == 0 else 0)
-                results.append(WriteResult(index=item.index, size_in_bytes=entries[name].nbytes, storage_data=stored))
+            for i, (item, (piece, _, _), item_encoding) in enumerate(zip(plan.items, specs, encodings)):
+                stored = StoredItem(
+                    info.rank, path, entries[piece], item_encoding, entry.header, added if i == 0 else 0
+                )
+                results.append(WriteResult(index=item.index, size_in_bytes=entries[piece].nbytes, storage_data=stored))
         del keep
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -279,7 +281,8 @@ def _object_bytes(planner: SavePlanner, item: Any) -> tuple[bytes, str]:
     """A non-tensor item's stored bytes and their encoding (see the module docstring)."""
     if getattr(type(planner), "transform_object", None) is DefaultSavePlanner.transform_object:
         try:
-            return canonical_json(encode_value(planner.lookup_object(item.index))), "value"  # type: ignore[attr-defined]
+            default = cast(DefaultSavePlanner, planner)  # its transform_object is the default's (checked above)
+            return canonical_json(encode_value(default.lookup_object(item.index))), "value"
         except UnencodableValueError:
             pass  # not representable without pickle: store what DCP's planner makes of it
     data = planner.resolve_data(item)

@@ -15,7 +15,7 @@ states the rule).
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckstore.format.dtypes import DTYPE_BITS
@@ -143,7 +143,7 @@ class ChunkIndex(Mapping[Position, Sequence[ChunkRef]]):
             self._overlaps[key] = sum(t.name in names for t in self._files[holder].tensors)
         return self._overlaps[key]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Position]:
         return iter(self._by_position)
 
     def __len__(self) -> int:

@@ -27,7 +27,7 @@ def parse_pruned(data: bytes, where: str) -> Pruned:
     return out
 
 
-def encode_pruned(pruned: Mapping[str, Sequence[str]]) -> bytes:
+def encode_pruned(pruned: Mapping[ObjectId, Sequence[str]]) -> bytes:
     """The record's text, one sorted line per commit."""
     return "".join(" ".join([oid, *pruned[oid]]) + "\n" for oid in sorted(pruned)).encode()
 

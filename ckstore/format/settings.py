@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ckstore.codecs.objects import ENCODINGS_BY_REPO_VERSION, OFF_LOOP, Encoding
 from ckstore.errors import IntegrityError, InvalidInputError, UnsupportedFormatError
@@ -115,11 +115,12 @@ class RepoConfig:
             )
         depth = doc.get("max_delta_depth", 0 if version == 1 else DEFAULT_MAX_DELTA_DEPTH)
         # Repositories made before the reflog have no reflog settings: the defaults apply.
+        # The values are as the file has them; validate() checks each type and range.
         config = cls(
-            doc.get("chunk_size"),
-            doc.get("zstd_level"),
+            cast(int, doc.get("chunk_size")),
+            cast(int, doc.get("zstd_level")),
             depth,
-            version,  # type: ignore[arg-type]
+            version,
             doc.get("reflog_expire_days", DEFAULT_REFLOG_EXPIRE_DAYS),
             doc.get("reflog_expire_unreachable_days", DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS),
         )

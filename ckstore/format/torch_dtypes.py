@@ -38,7 +38,7 @@ def dtype_of_code(code: str, tensor: str) -> torch.dtype:
 
 def bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:

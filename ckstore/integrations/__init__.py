@@ -33,7 +33,7 @@ def plain(value: Any) -> Any:
     if type(value) in (dict, OrderedDict):
         out = type(value)((k, plain(v)) for k, v in value.items())
         if hasattr(value, "_metadata"):  # state_dict() versions, used by load hooks
-            out._metadata = value._metadata  # type: ignore[attr-defined]
+            out._metadata = value._metadata
         return out
     if type(value) in (list, tuple):
         return type(value)(plain(v) for v in value)

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
 from ckstore.integrations import plain, scalar_metrics
-from ckstore.repo import Repo
+from ckstore.repo import CommitHandle, Repo
 from ckstore.training.state import rng_state, set_rng_state
 
 try:
@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     raise MissingDependencyError("ckstore.integrations.hf needs transformers: pip install transformers") from None
 
 
-class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
+class CkstoreCallback(TrainerCallback):
     """Commit the training state to ckstore on Trainer saves or at epoch ends."""
 
     def __init__(
@@ -37,8 +37,11 @@ class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if on not in ("save", "epoch"):
             raise InvalidInputError("on must be 'save' or 'epoch'")
-        root = None if isinstance(repo, Repo) else Path(repo)
-        self.repo = repo if isinstance(repo, Repo) else (Repo(root) if root.exists() else Repo.init(root))  # type: ignore[arg-type]
+        if isinstance(repo, Repo):
+            self.repo = repo
+        else:
+            root = Path(repo)
+            self.repo = Repo(root) if root.exists() else Repo.init(root)
         self.branch = branch
         self.on = on
         self.background = background  # the Trainer waits only for a copy of the tensors
@@ -78,7 +81,7 @@ class CkstoreCallback(TrainerCallback):  # type: ignore[misc]
             metadata=metadata,
             background=self.background,
         )
-        if self.background:
+        if isinstance(result, CommitHandle):
             result.add_done_callback(self.commits.append)
         else:
             self.commits.append(result)
@@ -92,6 +95,8 @@ def restore(
 ) -> dict[str, Any]:
     """Load the commit ``ref`` into ``model`` (and optimizer, scheduler, RNG); return the state."""
     state = repo.load_state(ref)
+    if not isinstance(state, dict):
+        raise InvalidInputError(f"commit {ref} holds no training-state dict to restore")
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

@@ -26,13 +26,14 @@ import torch
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
 from ckstore.integrations import plain, scalar_metrics
-from ckstore.repo import Repo
+from ckstore.repo import CommitHandle, Repo
 
 try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+        # The standalone package's class: the same API under its own module name.
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment]
     except ImportError:
         raise MissingDependencyError(
             "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning"
@@ -69,7 +70,7 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return doc
 
 
-class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
+class CkstoreCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` that commits checkpoints to a ckstore repository.
 
     With ``background=True`` (what Lightning's ``AsyncCheckpointIO`` does for files) a save
@@ -103,7 +104,7 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
             metadata={**metadata, "checkpoint": Path(path).name},
             background=self.background,
         )
-        if self.background:
+        if isinstance(result, CommitHandle):
             result.add_done_callback(lambda oid: self._recorded(path, oid))
         else:
             self._recorded(path, result)

@@ -10,6 +10,8 @@ lost ones: every object it does not find here is counted on the one line naming 
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 from ckstore.errors import CkstoreError
 from ckstore.format.ids import ObjectId
 from ckstore.repository.context import RepoContext
@@ -29,7 +31,7 @@ def _read_headers(store: ObjectStore, oids: list[str]) -> dict[str, tuple[str, .
 def _check_bases(
     store: ObjectStore,
     chunks: list[str],
-    present: set[str],
+    present: AbstractSet[str],
     needed: dict[str, tuple[int, str]],
     unchecked: set[str] | None = None,
 ) -> list[str]:
@@ -166,14 +168,14 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
 
     present = set(store.iter_ids())
     problems.extend(ctx.backend.storage_problems())  # a damaged pack: its objects read as missing below
-    for oid, (_, where) in sorted(needed.items()):
-        if oid not in present and not store.has(oid):
+    for obj, (_, where) in sorted(needed.items()):
+        if obj not in present and not store.has(obj):
             if lost_bases:
-                unchecked.add(oid)
+                unchecked.add(obj)
             else:
-                problems.append(f"object {oid} is missing ({where})")
+                problems.append(f"object {obj} is missing ({where})")
     chain_problems = _check_bases(
-        store, [oid for oid in sorted(needed) if oid in present], present, needed, unchecked if lost_bases else None
+        store, [obj for obj in sorted(needed) if obj in present], present, needed, unchecked if lost_bases else None
     )
 
     if read_data:
@@ -189,14 +191,14 @@ def check(ctx: RepoContext, read_data: bool = False, progress: ProgressFactory |
                 return str(exc)
             return None
 
-        elsewhere = {oid for oid in needed if oid not in present and store.has(oid)}  # in base repos
+        elsewhere = {obj for obj in needed if obj not in present and store.has(obj)}  # in base repos
         order = sorted(present | elsewhere)
-        sizes = [store.stored_size(oid) or 0 for oid in order]  # objects of base repositories count there
+        sizes = [store.stored_size(obj) or 0 for obj in order]  # objects of base repositories count there
         failed = {}
         with watching(progress, sum(sizes), "fsck") as advance:
-            for oid, size, problem in zip(order, sizes, ordered_map(verify, order)):
+            for obj, size, problem in zip(order, sizes, ordered_map(verify, order)):
                 if problem:
-                    failed[oid] = problem
+                    failed[obj] = problem
                 advance(size)
         # A damaged object is reported once: its read failure names its file and tensor.
         problems.extend(p for p in chain_problems if p.split(" ", 2)[1] not in failed)

@@ -73,7 +73,7 @@ def commit_chunk_ids(ctx: RepoContext, oid: str, skip: set[str] | None = None) -
     if not commit.file_list:
         return [c.id for c in commit.all_chunks()]  # in the manifest: parsed (and validated) whole
     read = graph.file_list_reader(oid)
-    out = []
+    out: list[str] = []
     for piece in commit.file_list:
         out.append(piece.id)
         if skip is not None and piece.id in skip:

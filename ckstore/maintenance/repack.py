@@ -78,7 +78,8 @@ def plan(graph: CommitGraph, commits: Iterable[ObjectId], max_depth: int) -> dic
         commit = graph.read_commit(oid)
         # Paired as compaction pairs (positions.ChunkIndex): by position, else by tensor name, so
         # per-epoch file names still pair each tensor with itself one commit newer.
-        newer = ChunkIndex(graph.read_commit(child[oid]).files, _tensor_names(commit.files)) if child[oid] else None
+        newer_id = child[oid]
+        newer = ChunkIndex(graph.read_commit(newer_id).files, _tensor_names(commit.files)) if newer_id else None
         for where, slot in slots(commit.files).items():
             if slot.id in result:
                 continue
@@ -125,9 +126,9 @@ def repack_locked(
     # current encoding only when every base it names is final and the chain stays within
     # ``max_delta_depth``; a new delta's base is always final (planned at a lower depth). So
     # final objects only ever lead to final objects: no cycle, whatever was kept.
-    final: dict[ObjectId, int] = {}
+    final: dict[str, int] = {}
 
-    def kept_depth(bases: tuple[ObjectId, ...]) -> int | None:
+    def kept_depth(bases: tuple[str, ...]) -> int | None:
         if not bases:
             return 0
         if any(b not in final for b in bases):
@@ -154,7 +155,7 @@ def repack_locked(
         # another commit's chunk) stays when it is no larger and safe to keep.
         if keep is not None and len(current) <= len(data):
             return len(current), len(current), False, keep
-        depth = 1 + final[p.base] if p.base is not None and delta_bases(data) else 0  # type: ignore[index]
+        depth = 1 + final[p.base] if p.base is not None and delta_bases(data) else 0
         # Prove the new encoding before it replaces a good one: it decodes to the verified bytes.
         check_reencoded(oid, data, raw, {p.base: base_raw} if p.base is not None and base_raw is not None else None)
         # Upgraded (durably) before the first object the repository's version lacks is written.

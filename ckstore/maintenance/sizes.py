@@ -123,7 +123,9 @@ def last_stats(ctx: RepoContext) -> tuple[Stats, float, float, bool] | None:
     last = sizes_cache.read(ctx, Stats.__dataclass_fields__)
     if last is None:
         return None
-    return Stats(**last.figures), last.measured, last.seconds, last.key == sizes_cache.state_key(ctx)  # type: ignore[arg-type]
+    # sizes_cache.read keeps a record only when its fields are exactly Stats' (asked for above).
+    figures = Stats(**last.figures)  # type: ignore[arg-type]
+    return figures, last.measured, last.seconds, last.key == sizes_cache.state_key(ctx)
 
 
 def _measure(ctx: RepoContext) -> Stats:
@@ -193,7 +195,7 @@ def _needs(ctx: RepoContext, kept: Kept) -> dict[str, set[str]]:
     graph = ctx.graph
     roots = {oid: {c.id for c in graph.read_commit(oid).all_chunks()} for oid in kept.commits}
     base = _delta_bases(ctx.store, set(kept.external).union(*roots.values()))
-    out = {oid: _with_bases(chunks, base) | {oid} for oid, chunks in roots.items()}
+    out: dict[str, set[str]] = {oid: _with_bases(chunks, base) | {oid} for oid, chunks in roots.items()}
     out[""] = _with_bases(kept.external, base)
     return out
 

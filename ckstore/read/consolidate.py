@@ -99,11 +99,14 @@ def plan_consolidated(
     tensors = [t for t in commit.dcp.tensors if not only or any(fnmatch.fnmatchcase(t.fqn, p) for p in only)]
     if not tensors:
         raise InvalidInputError("no tensor of the checkpoint matches" if only else "the checkpoint holds no tensors")
+    codes: dict[str, str] = {}
     for t in tensors:
-        if TORCH_DTYPES[t.dtype][1] is None:
+        code = TORCH_DTYPES[t.dtype][1]
+        if code is None:
             raise InvalidInputError(
                 f"tensor {t.fqn!r} has dtype {t.dtype}, which safetensors cannot store; leave it out with --only"
             )
+        codes[t.dtype] = code
     groups = (
         split_into_shards([(t.fqn, t.nbytes) for t in tensors], shard_size)
         if shard_size
@@ -115,7 +118,7 @@ def plan_consolidated(
     weight_map: dict[str, str] = {}
     for name, group in zip(shard_names(len(groups)), groups):
         entries = [by_name[n] for n in group]
-        header, _ = emit_header([(t.fqn, TORCH_DTYPES[t.dtype][1], t.shape) for t in entries], DEFAULT_METADATA)  # type: ignore[misc]
+        header, _ = emit_header([(t.fqn, codes[t.dtype], t.shape) for t in entries], DEFAULT_METADATA)
         pieces: list[tuple[Piece, str]] = [(header, "")]
         for t in entries:
             pieces.extend(_tensor_pieces(store, stored, t))

@@ -31,7 +31,7 @@ class _HashingStore:
         fast: bool = False,
         oid: str | None = None,
     ) -> PutResult:
-        return PutResult(oid or chunk_id(raw), 0)
+        return PutResult(ObjectId(oid) if oid else chunk_id(raw), 0)
 
 
 class _FolderChunks:
@@ -85,7 +85,9 @@ def diff_folder(ctx: RepoContext, ref: str, folder: str | os.PathLike[str]) -> D
     a_id = ctx.graph.resolve(ref)
     old = ctx.graph.read_commit(a_id)
     sources: list[SourceFile] = collect_sources([root], ctx.path or Path("/nonexistent"), raw=True)
+    # Stand-ins with the one method each caller uses: hashing without storing (put), chunks
+    # from the folder or the repository (get_chunk).
     files, _ = ingest(_HashingStore(), sources, ctx.config.chunk_size)  # type: ignore[arg-type]
     new = Commit(parents=(a_id,), time=old.time, message="", branch="", files=tuple(files))
     chunks = _FolderChunks(ctx, _positions(files, {s.path: s.source for s in sources}))
-    return diff_commits(chunks, a_id, old, FOLDER, new)  # type: ignore[arg-type]
+    return diff_commits(chunks, a_id, old, FOLDER, new)  # type: ignore[arg-type]  # the folder stand-in

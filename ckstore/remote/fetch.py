@@ -89,7 +89,7 @@ class FetchReport:
             self.progress.update(n)
 
 
-def verify_commit(oid: str, data: bytes, where: str, read: ChunkReader | None = None) -> Commit:
+def verify_commit(oid: str, data: bytes | memoryview, where: str, read: ChunkReader | None = None) -> Commit:
     """The commit, every field verified; ``read`` reads a version-4 file list (format.md 5.3)."""
     try:
         return decode_commit(verified_commit(oid, data), read=read)
@@ -102,7 +102,7 @@ def file_list_reader(store: ObjectStore, remote: RemoteRepo, where: Mapping[str,
     an earlier commit shares), else from the remote's packs. The pieces are then fetched with
     the commit's other chunks (they are in its ``all_chunks``): read twice, stored once."""
 
-    def stored(oid: str, context: str) -> bytes:
+    def stored(oid: str, context: str) -> bytes | memoryview:
         if store.has_durable(oid):
             return store.read_raw(oid)
         if oid not in where:

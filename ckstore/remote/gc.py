@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -109,7 +110,7 @@ def _take_over_dead_gc_lock(remote: RemoteRepo, owner: bytes) -> bool:
     return dead_owner(stale) is not None and remote.transport.put_if_match(GC_LOCK_KEY, owner, token)
 
 
-def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> CommitGraph:
+def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: Mapping[str, str]) -> CommitGraph:
     """The remote's commit graph: its refs and pruned record in memory, commits read from the
     local store when here (same name, same bytes) and from the remote otherwise."""
     backend = MemoryBackend()
@@ -123,7 +124,7 @@ def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: dict[str, str]) -> 
     return CommitGraph(backend, store, RefStore(backend))
 
 
-def remote_bases(remote: RemoteRepo, where: Mapping[str, Located], chunks: set[str]) -> set[str]:
+def remote_bases(remote: RemoteRepo, where: Mapping[str, Located], chunks: AbstractSet[str]) -> set[str]:
     """``chunks`` plus every delta base they need as stored on the remote (headers read there,
     one ranged read per pack and level)."""
 

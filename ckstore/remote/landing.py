@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -34,7 +35,7 @@ BASE_CACHE = 64 << 20
 
 def read_objects(
     remote: RemoteRepo, where: Mapping[str, Located], oids: Iterable[str]
-) -> Iterator[tuple[str, str, bytes]]:
+) -> Iterator[tuple[str, str, bytes | memoryview]]:
     """(object id, pack id, stored bytes) of each object, by ranged reads grouped per pack; a few
     packs are read at once, so memory stays a few packs' worth of wanted ranges."""
     by_pack: dict[str, list[Located]] = {}
@@ -42,10 +43,10 @@ def read_objects(
         loc = where[oid]
         by_pack.setdefault(loc.pack_id, []).append(loc)
 
-    def read(pack_id: str) -> list[tuple[str, bytes]]:
+    def read(pack_id: str) -> list[tuple[str, bytes | memoryview]]:
         return [(e.id, data) for e, data in remote.read_objects(pack_id, [loc.entry for loc in by_pack[pack_id]])]
 
-    pending: list[tuple[str, Future[list[tuple[str, bytes]]]]] = []
+    pending: list[tuple[str, Future[list[tuple[str, bytes | memoryview]]]]] = []
     with ThreadPoolExecutor(READ_WORKERS) as pool:
         packs = iter(by_pack)
         for pack_id in packs:
@@ -83,7 +84,7 @@ class Batches:
         self.landing: list[Future[None]] = []
         self.failed = False
 
-    def put(self, oid: str, data: bytes) -> None:
+    def put(self, oid: str, data: bytes | memoryview) -> None:
         with self.lock:
             batch = self.current
             batch.writers += 1
@@ -168,8 +169,8 @@ class Lander:
         # Verified raw bytes of bases deltas wait for, at most BASE_CACHE of them; a base dropped
         # is read again through the store (it landed), so memory never grows with the fetch.
         self.reader = VerifiedReader(self._stored, base_cache=BASE_CACHE)
-        self.waiting: dict[str, list[tuple[str, str, bytes]]] = {}  # base -> deltas waiting for it
-        self.late: list[tuple[str, str, bytes]] = []  # deltas on a local base whose chain is incomplete
+        self.waiting: dict[str, list[tuple[str, str, bytes | memoryview]]] = {}  # base -> deltas waiting for it
+        self.late: list[tuple[str, str, bytes | memoryview]] = []  # deltas on a local base whose chain is incomplete
         self.lock = threading.Condition()
         self.futures: list[Future[None]] = []
         self.in_flight = 0  # stored and decoded bytes handed to workers and not yet done (memory bound)
@@ -178,7 +179,7 @@ class Lander:
         self.on_newer_encoding: Callable[[Encoding], None] = lambda encoding: None
 
     def want_commit(
-        self, oid: ObjectId, commit: Commit, pieces: set[str] | None = None, read: ChunkReader | None = None
+        self, oid: ObjectId, commit: Commit, pieces: set[ObjectId] | None = None, read: ChunkReader | None = None
     ) -> None:
         """Queue what ``commit`` needs that is not here. ``pieces``: file-list pieces (format.md
         5.3) of commits here or wanted before, whose chunks are here or queued (extended with
@@ -187,7 +188,7 @@ class Lander:
         chunks = {c.id for c in named} - self.queued.keys()
         if pieces is not None:
             pieces.update(p.id for p in commit.file_list)
-        todo = [c for c in chunks if not self.view.has_durable(c)]
+        todo: list[str] = [c for c in chunks if not self.view.has_durable(c)]
         todo += missing_bases(self.view, chunks - set(todo))
         for o in dict.fromkeys(todo):
             if o not in self.queued:
@@ -236,7 +237,7 @@ class Lander:
             f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})"
         )
 
-    def _arrive(self, o: str, pack_id: str, data: bytes) -> list[str]:
+    def _arrive(self, o: str, pack_id: str, data: bytes | memoryview) -> list[str]:
         """Hand one downloaded object to a worker, or park it until its bases are verified; the
         bases to download next (a delta's bases the remote has and this store lacks)."""
         try:
@@ -260,7 +261,9 @@ class Lander:
             self._submit(o, pack_id, data, wait=True)
         return absent
 
-    def _park_unverified(self, o: str, pack_id: str, data: bytes, bases: Sequence[str], absent: Sequence[str]) -> bool:
+    def _park_unverified(
+        self, o: str, pack_id: str, data: bytes | memoryview, bases: Sequence[str], absent: Sequence[str]
+    ) -> bool:
         """Park the object on one of its bases that came (or comes) in this fetch and is not
         verified yet; False when there is none (it can be verified now)."""
         with self.lock:
@@ -269,10 +272,10 @@ class Lander:
                 self._park(waiting[0], (o, pack_id, data))
             return bool(waiting)
 
-    def _park(self, base: str, item: tuple[str, str, bytes]) -> None:
+    def _park(self, base: str, item: tuple[str, str, bytes | memoryview]) -> None:
         self.waiting.setdefault(base, []).append(item)
 
-    def _submit(self, o: str, pack_id: str, data: bytes, wait: bool) -> None:
+    def _submit(self, o: str, pack_id: str, data: bytes | memoryview, wait: bool) -> None:
         with self.lock:
             # Downloads pause while workers hold this much; a worker releasing waiting deltas
             # never waits (the bytes are in memory already).
@@ -281,7 +284,7 @@ class Lander:
             self.in_flight += _cost(data)
             self.futures.append(self.pool.submit(self._verify, o, pack_id, data))
 
-    def _verify(self, o: str, pack_id: str, data: bytes) -> None:
+    def _verify(self, o: str, pack_id: str, data: bytes | memoryview) -> None:
         try:
             if not self.failed:
                 self._verify_one(o, pack_id, data)
@@ -290,7 +293,7 @@ class Lander:
                 self.in_flight -= _cost(data)
                 self.lock.notify_all()
 
-    def _verify_one(self, o: str, pack_id: str, data: bytes) -> None:
+    def _verify_one(self, o: str, pack_id: str, data: bytes | memoryview) -> None:
         # Every object is decoded and re-hashed against its name before it is staged, whatever
         # its pack's version: a version 2 digest comes from the same party as the bytes, so it
         # proves only that they arrived intact, not that they are the object named (F1).
@@ -337,7 +340,7 @@ class Lander:
                     raise
 
 
-def missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
+def missing_bases(view: ObjectStore, present: AbstractSet[str]) -> list[str]:
     """Delta bases that objects already here lack: a crash while an earlier fetch's batch was
     landing can leave an object in place without its base (and without any commit naming it)."""
     return sorted(
@@ -345,7 +348,7 @@ def missing_bases(view: ObjectStore, present: set[str]) -> list[str]:
     )
 
 
-def _cost(data: bytes) -> int:
+def _cost(data: bytes | memoryview) -> int:
     """Memory a worker holds verifying one object: its stored and its decoded bytes (the header
     declares the latter; a 10 KB frame of 256 MiB counts as 256 MiB, F9)."""
     try:

@@ -362,7 +362,7 @@ class RemoteRepo:
         except NotFound:
             return {}
 
-    def add_pruned(self, entries: Mapping[str, Sequence[str]]) -> None:
+    def add_pruned(self, entries: Mapping[ObjectId, Sequence[str]]) -> None:
         """Merge ``entries`` into the pruned record by compare-and-swap (pushes of histories
         pruned locally and remote gcs both add to it; neither may lose the other's lines)."""
         while True:
@@ -373,7 +373,7 @@ class RemoteRepo:
             current = parse_pruned(data, self.describe(PRUNED_KEY))
             if all(o in current for o in entries):
                 return
-            merged = {**{o: tuple(p) for o, p in entries.items()}, **current}
+            merged: Pruned = {**{ObjectId(o): tuple(map(ObjectId, p)) for o, p in entries.items()}, **current}
             mutating_step()
             if self.transport.put_if_match(PRUNED_KEY, encode_pruned(merged), token):
                 return

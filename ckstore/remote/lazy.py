@@ -12,6 +12,8 @@ re-hashed by the store as any other read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ckstore.errors import ObjectMissingError, RefNotFoundError
 from ckstore.format.ids import ObjectId
 from ckstore.remote.layout import Holdings, RemoteRepo, pack_key
@@ -84,7 +86,7 @@ class RemoteNames:
     and ``BRANCH`` or ``TAG`` when this repository has no such name), without writing any ref here:
     a ref naming a commit whose objects are not here would look like damage to fsck."""
 
-    def __init__(self, name: str, refs: dict[str, str]) -> None:
+    def __init__(self, name: str, refs: Mapping[str, str]) -> None:
         self.names: dict[str, ObjectId] = {}
         for ref, oid in refs.items():
             for prefix in (HEADS, TAGS):

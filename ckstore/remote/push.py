@@ -87,7 +87,7 @@ def full_ref(ctx: RepoContext, name: str) -> str:
 def needed_objects(
     ctx: RepoContext,
     tips: Sequence[ObjectId],
-    remote_pruned: Mapping[str, Sequence[str]] = {},
+    remote_pruned: Mapping[ObjectId, Sequence[str]] = {},
     held: Collection[ObjectId] = frozenset(),
 ) -> tuple[list[str], list[ObjectId]]:
     """Every object the history of ``tips`` needs down to ``held`` (commits the remote holds
@@ -319,6 +319,7 @@ def _send_missing(
     local compaction has superseded: remote gc's repack); return every pack the wanted objects
     are in afterwards (those a push relies on). ``known``: the holdings and condemned list as
     the caller has just read them."""
+    where: Mapping[str, Located]
     if known is None:
         condemned = remote.read_condemned()
         where = remote.holdings(forget, condemned)

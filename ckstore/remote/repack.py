@@ -40,9 +40,9 @@ def superseded(remote: RemoteRepo, local_size: Callable[[str], int | None], skip
     out: dict[str, None] = {}
     for pack_id, index in sorted(catalogue.items()):
         ids, stored = columns[pack_id]
-        sizes = {oid: local_size(oid) for oid in ids}
-        here: Mapping[str, int] = {k: v for k, v in sizes.items() if v is not None}
-        if len(here) < len(sizes):
+        local_sizes = {oid: local_size(oid) for oid in ids}
+        here: Mapping[str, int] = {k: v for k, v in local_sizes.items() if v is not None}
+        if len(here) < len(local_sizes):
             continue  # objects only the remote has keep this pack live whatever is sent
         send = [(oid, n) for oid, n in zip(ids, stored) if elsewhere(oid, pack_id) > here[oid]]
         saving = sum(n - here[oid] for oid, n in send if here[oid] < n)

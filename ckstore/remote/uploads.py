@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import cast
 
 from ckstore.format.pack import DEFAULT_TARGET_SIZE, PackBuilder, PackIndex
 from ckstore.remote.layout import RemoteRepo
@@ -60,7 +61,7 @@ class _Feed:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item  # type: ignore[misc]
+            yield cast(bytes | memoryview, item)  # the queue holds parts, one error, or the end
 
 
 @dataclass

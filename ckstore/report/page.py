@@ -17,7 +17,7 @@ from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
 from ckstore.report import plots
-from ckstore.report.data import ReportData, group_change
+from ckstore.report.data import CommitRow, ReportData, group_change
 from ckstore.runtime.units import human as human_bytes
 from ckstore.version import __version__
 
@@ -119,7 +119,7 @@ def _retention_table(data: ReportData) -> str:
 
 
 def _lineage(data: ReportData) -> str:
-    by_id = {r.id: r for r in data.commits}
+    by_id: dict[str, CommitRow] = {r.id: r for r in data.commits}
 
     def name(oid: str) -> str:
         row = by_id.get(oid)

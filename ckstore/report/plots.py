@@ -91,14 +91,14 @@ def storage(data: ReportData, labels: Sequence[str]) -> str:
 
 def metric(m: Metric, labels: Sequence[str], ids: Sequence[str]) -> str:
     """One metric's curve over the commits that record it, the best marked."""
-    points = [(i, v) for i, v in enumerate(m.values) if v is not None]
+    points: list[tuple[int, float]] = [(i, v) for i, v in enumerate(m.values) if v is not None]
     best = list(ids).index(m.best)
     fig = Figure(figsize=(6, 3))
     ax = fig.add_subplot()
     ax.plot([i + 0.5 for i, _ in points], [v for _, v in points], marker=".", linewidth=1)
     ax.plot(
         [best + 0.5],
-        [m.values[best]],
+        [m.values[best] or 0.0],  # the best is a commit that records the metric
         marker="*",
         markersize=14,
         color="#d62728",

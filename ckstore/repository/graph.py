@@ -213,7 +213,7 @@ class CommitGraph:
             return {}
         return parse_pruned(data, self.backend.describe(PRUNED_KEY))
 
-    def write_pruned(self, pruned: Mapping[str, Sequence[str]]) -> None:
+    def write_pruned(self, pruned: Mapping[ObjectId, Sequence[str]]) -> None:
         self.backend.replace(PRUNED_KEY, encode_pruned(pruned))
 
     def pruned_after(self, keep: set[ObjectId], reachable: set[ObjectId]) -> dict[ObjectId, tuple[ObjectId, ...]]:

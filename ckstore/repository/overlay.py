@@ -96,13 +96,15 @@ def merge_files(base: Commit, new: list[FileEntry]) -> list[FileEntry]:
 
 def from_base(commit: Commit, base: Commit) -> set[tuple[str, str | None]]:
     """(path, tensor) pairs of ``commit`` that are byte-identical to the base's (None: whole file)."""
-    old = {(f.path, None): tuple(c.id for c in f.all_chunks()) for f in base.files}
+    old: dict[tuple[str, str | None], tuple[ObjectId, ...]] = {
+        (f.path, None): tuple(c.id for c in f.all_chunks()) for f in base.files
+    }
     old.update(
         (pos, tuple(c.id for c in chunks))
         for pos, chunks in position_chunks(base.files, header=False).items()
         if pos[1] is not None
     )
-    same = set()
+    same: set[tuple[str, str | None]] = set()
     for f in commit.files:
         if old.get((f.path, None)) == tuple(c.id for c in f.all_chunks()):
             same.add((f.path, None))
@@ -266,10 +268,11 @@ def _check_is_base(here: str, new: RepoContext, needs: tuple[dict[ObjectId, str]
     names one commit; chunks are shared by any repository with the same weights), else, when no
     overlay names one any more, an object this repository misses."""
     named, missing = needs
-    evidence, what = set(named) & missing, "missing base commit(s) its overlays name"
+    evidence = set[str](named) & missing
+    what = "missing base commit(s) its overlays name"
     if not evidence:
         evidence, what = (
-            (missing, "object(s) it misses") if missing else (set(named), "base commit(s) its overlays name")
+            (missing, "object(s) it misses") if missing else (set[str](named), "base commit(s) its overlays name")
         )
     if not evidence:
         raise InvalidInputError(

@@ -178,7 +178,8 @@ class RefLog:
     def check(self) -> tuple[list[tuple[str, ObjectId]], list[str]]:
         """fsck: (ref, commit) for every entry's value (an old value may be pruned, as in git),
         and one problem per corrupt line."""
-        named, problems = [], []
+        named: list[tuple[str, ObjectId]] = []
+        problems: list[str] = []
         for ref in self.refs():
             entries, bad = self._parse(ref)
             problems.extend(bad)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ckstore.backend.base import Backend
 from ckstore.codecs.objects import (
@@ -142,7 +142,7 @@ class ObjectStore:
         ``fast`` stores a multi-byte chunk with plain zstd at its fast level (a commit on the
         training loop's critical path); ``is_provisional`` tells compaction to re-encode it.
         """
-        oid = oid or chunk_id(raw)  # ``oid``: the caller hashed ``raw`` already
+        oid = ObjectId(oid) if oid else chunk_id(raw)  # ``oid``: the caller hashed ``raw`` already
         key = object_key(oid)
         if self.has_durable(oid):
             return PutResult(oid, 0)
@@ -262,12 +262,12 @@ class ObjectStore:
         with ThreadPoolExecutor(HEADER_READERS, thread_name_prefix="headers") as pool:
             return [r for batch in pool.map(lambda batch: [read(oid) for oid in batch], batches) for r in batch]
 
-    def commits_among(self, oids: list[str]) -> set[str]:
+    def commits_among(self, oids: list[ObjectId]) -> set[ObjectId]:
         """Those of ``oids`` that are commits (an object whose header cannot be read is not one:
         nobody can restore it as a commit). Headers read together where the backend can (gc's
         victims: 10^6 of them one read each cost more than the rest of gc)."""
         together = self.backend.object_prefixes(oids, HEADER_SIZE)
-        out = set()
+        out: set[ObjectId] = set()
         for oid in oids:
             try:
                 prefix = together.get(oid) or self._read_prefix(oid, HEADER_SIZE)
@@ -279,7 +279,8 @@ class ObjectStore:
 
     def stored_sizes(self) -> dict[ObjectId, int]:
         """Every object of this repository (not a base's) with its stored size, in one pass."""
-        return self.backend.object_sizes()  # type: ignore[return-value]
+        # A backend knows keys, not ids: ``object_sizes`` keeps only names that are object ids.
+        return cast(dict[ObjectId, int], self.backend.object_sizes())
 
     def with_delta_bases(self, chunks: Iterable[str]) -> set[str]:
         """``chunks`` plus every delta base they need, transitively (reads object headers only)."""

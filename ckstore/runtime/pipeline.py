@@ -10,7 +10,7 @@ import gc
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TypeVar
@@ -90,7 +90,7 @@ def ordered_map(
     workers: int | None = None,
     max_inflight: int | None = None,
     pool: Executor | None = None,
-) -> Iterator[R]:
+) -> Generator[R, None, None]:
     """Yield ``fn(item)`` for each item, in input order, computing up to ``workers`` at once.
 
     ``workers`` None uses the process-wide pool; a call made from inside one of its workers runs

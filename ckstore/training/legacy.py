@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 
@@ -128,6 +128,7 @@ _MARK = object()
 # no honest argument of a checkpoint's pickle comes near these.
 _MAX_ARG = 256 << 20
 _MAX_LINE = 1 << 20
+_OPCODES = {op.code: op for op in pickletools.opcodes}
 _STRINGS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
 
 
@@ -170,7 +171,8 @@ def _scan_one(stream: _Bounded, found: list[GlobalRef], first_op: dict[int, tupl
     strings and global references are tracked (through the memo too), everything else is None."""
     stack: list[Any] = []
     memo: dict[Any, Any] = {}
-    for op, arg, pos in pickletools.genops(stream):
+    # genops reads through read/readline/tell only, which the bounded view provides.
+    for op, arg, pos in pickletools.genops(cast(IO[bytes], stream)):
         name = op.name
         first_op.setdefault(ord(op.code), (name, pos or 0))
         top = stack[-1] if stack else None
@@ -183,9 +185,9 @@ def _scan_one(stream: _Bounded, found: list[GlobalRef], first_op: dict[int, tupl
                 _pop_to_mark(stack)
             stack.append(ref if name == "GLOBAL" else None)
         elif name == "STACK_GLOBAL":
-            qualname, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
-            named = isinstance(module, str) and isinstance(qualname, str)
-            found.append(ref := GlobalRef(f"{module}.{qualname}" if named else "<a computed name>", name, pos or 0))
+            top_name, top_module = (stack.pop() if stack else None), (stack.pop() if stack else None)
+            named = isinstance(top_module, str) and isinstance(top_name, str)
+            found.append(ref := GlobalRef(f"{top_module}.{top_name}" if named else "<a computed name>", name, pos or 0))
             stack.append(ref)
         elif name in ("EXT1", "EXT2", "EXT4"):
             # The global is whatever the unpickling process registered under the code (copyreg's
@@ -283,7 +285,7 @@ def _refusal(torch: Any, path: Path, is_zip: bool, text: str) -> UnsafeCheckpoin
                     f"{path} refused: it names the global {ref.describe()} through the pickle opcode"
                     f" {opcode}, which torch's weights_only loader does not support"
                 )
-        proto = pickletools.code2op[chr(int(operand.group(1)))].proto
+        proto = _OPCODES[chr(int(operand.group(1)))].proto
         return UnsafeCheckpointError(
             f"{path} cannot be loaded safely with weights_only: pickle opcode {opcode} ({operand.group(1)})"
             " is not supported by torch's weights_only loader"

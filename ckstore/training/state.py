@@ -18,7 +18,7 @@ import fnmatch
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -187,19 +187,24 @@ class _TensorRef:
     shape: tuple[int, ...] | None
 
 
+def _is_size(d: JSONValue) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d >= 0
+
+
 def _leaf_decoder(tag: str, payload: JSONValue) -> object:
     if tag in ("tensor", "ndarray"):
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        name = payload.get("name") if isinstance(payload, dict) else None
+        if not isinstance(payload, dict) or not isinstance(name, str):
             raise IntegrityError("malformed tensor reference in state")
         shape = payload.get("shape")
-        if shape is not None and not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if shape is not None and not (isinstance(shape, list) and all(_is_size(d) for d in shape)):
             raise IntegrityError("malformed tensor shape in state")
         dtype = payload.get("dtype")
         return _TensorRef(
-            payload["name"],
+            name,
             tag == "ndarray",
             dtype if isinstance(dtype, str) else None,
-            tuple(shape) if shape is not None else None,
+            tuple(cast(list[int], shape)) if shape is not None else None,
         )
     if tag == "torch_dtype":
         return torch_dtype(payload)
@@ -209,7 +214,7 @@ def _leaf_decoder(tag: str, payload: JSONValue) -> object:
         except RuntimeError:
             raise IntegrityError(f"invalid torch device {payload!r} in state") from None
     if tag == "torch_size" and isinstance(payload, list) and all(isinstance(d, int) for d in payload):
-        return torch.Size(payload)
+        return torch.Size(cast(list[int], payload))
     raise IntegrityError(f"unknown value tag ${tag} in state")
 
 
@@ -329,6 +334,7 @@ def _materialize(node: object, reader: _TensorReader) -> object:
     if isinstance(node, dict):
         out = type(node)((k, _materialize(v, reader)) for k, v in node.items())
         if hasattr(node, "_metadata"):
+            # A torch state_dict is an OrderedDict that carries its modules' versions there.
             out._metadata = node._metadata  # type: ignore[attr-defined]
         return out
     if isinstance(node, (list, tuple)) and not isinstance(node, torch.Size):
@@ -402,10 +408,11 @@ def load_state(
     commit = graph.read_commit(graph.resolve(ref))
     skeleton = _skeleton(graph.store, commit)
     files = [f for f in commit.files if f.kind == "safetensors"]
-    if skeleton is None:
+    if commit.state is None:
         skeleton = _plain_skeleton(files)
     else:
-        files = [f for f in files if f.path == commit.state.tensors]  # type: ignore[union-attr]
+        tensors_file = commit.state.tensors
+        files = [f for f in files if f.path == tensors_file]
     if only is not None:
         patterns = [only] if isinstance(only, str) else list(only)
         _, skeleton = _prune(skeleton, (), patterns)

@@ -25,7 +25,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 from ckstore.errors import CkstoreError, MissingDependencyError, StorageError
 from ckstore.transport import awsconfig
@@ -83,23 +86,23 @@ class S3Transport(Transport):
         self.settings = settings
         self.endpoint = settings.endpoint or f"https://s3.{settings.region or 'us-east-1'}.amazonaws.com"
         o = self.options
-        config: dict[str, Any] = {}
+        config: S3Config = {}
         if settings.endpoint:
             config["endpoint"] = settings.endpoint
         if settings.region:
             config["region"] = settings.region
         if settings.access_key_id:
             config["access_key_id"] = settings.access_key_id
-            config["secret_access_key"] = settings.secret_access_key
+            config["secret_access_key"] = settings.secret_access_key or ""
             if settings.session_token:
                 config["session_token"] = settings.session_token
-        client: dict[str, Any] = {
+        client: ClientConfig = {
             "connect_timeout": _seconds(o.connect_timeout),
             "timeout": _seconds(o.request_timeout),
             # Plain HTTP only when the user wrote http:// themselves (a local test server).
             "allow_http": self.endpoint.startswith("http://"),
         }
-        retry = {
+        retry: RetryConfig = {
             "max_retries": o.max_retries,
             "retry_timeout": _seconds(o.retry_timeout),
             "backoff": {"init_backoff": _seconds(o.backoff_initial), "max_backoff": _seconds(o.backoff_max), "base": 2},

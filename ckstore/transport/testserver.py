@@ -68,6 +68,7 @@ class S3Server:
         }
 
     def options(self, **changes: object) -> RemoteOptions:
+        # ``changes`` name RemoteOptions fields; dataclasses.replace checks each at run time.
         return replace(FAST, **{"endpoint_url": self.endpoint, **changes})  # type: ignore[arg-type]
 
 
