@@ -848,7 +848,7 @@ def _config(
     chunk_size: int | None = None, zstd_level: int | None = None, max_delta_depth: int | None = None
 ) -> RepoConfig:
     defaults = RepoConfig()
-    # None means "the default"; 0 is a value like any other, refused by validation (newcomer item 11).
+    # None means "the default"; 0 is a value like any other, refused by validation.
     return RepoConfig(
         defaults.chunk_size if chunk_size is None else chunk_size,
         defaults.zstd_level if zstd_level is None else zstd_level,

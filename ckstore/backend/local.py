@@ -76,7 +76,7 @@ def prepare_new_repository(path: str | os.PathLike[str], marker: str) -> Path:
     if (root / marker).exists():
         raise RefExistsError(f"a repository already exists at {root}")
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        # Exit 6, "output exists", as for init over a repository (newcomer item 18), not 5.
+        # Exit 6, "output exists", as for init over a repository, not 5.
         raise OutputExistsError(f"{root} exists and is not an empty directory")
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -327,7 +327,7 @@ class LocalBatch(Backend):
         try:
             # What is taken from the batch is in ``leftovers`` (removed by ``finally`` unless
             # installed) before a Ctrl-C can land: in between it was in neither place, and an
-            # interrupted commit left its pack's temporary file behind (CI, session 6).
+            # interrupted commit left its pack's temporary file behind.
             with interrupts_deferred():
                 puts, replaces = self._take()
                 with self._mutex:

@@ -18,7 +18,7 @@ loose too), or, for a pack of 1 GiB or more, at most half of whose bytes were, l
 included: those are the newest commit's chunks,
 which the next compaction replaces (deltas) or settles (whole) loose. Copying them out first
 cost a DCP step 2 CPU s of its ~10, and at 10 GB wrote the whole tip again and left it out of
-the page cache for the checkout that follows (docs/benchmarks.md, "10 GB, session 9"). A
+the page cache for the checkout that follows (docs/benchmarks.md, the 10 GB runs). A
 compaction replaces none of the tip's own chunks (only a tip chunk that came back as a delta),
 so the tip's pack is mostly clean; a pack with replaced copies stays until the next compaction,
 which replaces most of the rest and rewrites it, unless it is small: then it is rewritten at

@@ -82,7 +82,7 @@ def progress_factory() -> Callable[[int, str], ProgressBar] | None:
 
 def binary_bar(total: int, desc: str) -> ProgressBar:
     """A tqdm bar in the units the rest of the CLI prints (KiB, MiB, GiB and MiB/s): tqdm's own
-    scaling labels binary numbers "M"/"G" and its rate in decimal "MB/s" (newcomer item 17)."""
+    scaling labels binary numbers "M"/"G" and its rate in decimal "MB/s"."""
     from tqdm import tqdm
 
     class BinaryBar(tqdm):

@@ -192,7 +192,7 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
             }
             for f in c.files
         ]
-        # "repo": where the base is now (newcomer item 7), else as recorded at commit time.
+        # "repo": where the base is now, else as recorded at commit time.
         base_repo = (repo.base_location(oid) or c.base.repo) if c.base else None
         doc = {
             **_entry_json(oid, c, refs=refs),

@@ -139,7 +139,7 @@ def gc(
             f"kept {len(report.reflog_commits)} commit(s) that only the reflog names ('ckstore reflog');"
             " 'ckstore gc --prune-now' deletes them"
         )
-    if report.overlay_commits:  # newcomer item 12: kept without a word before
+    if report.overlay_commits:  # kept without a word before
         click.echo(
             f"kept {len(report.overlay_commits)} commit(s) outside the policy that overlay repositories use "
             "as their base ('ckstore fsck' lists the dependents)"

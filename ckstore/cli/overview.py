@@ -1,4 +1,4 @@
-"""Commands that look at the whole repository for a person: status and report (issue 23).
+"""Commands that look at the whole repository for a person: status and report.
 
 Imports of what they compute stay inside the functions: ``ckstore --help`` must stay fast.
 """

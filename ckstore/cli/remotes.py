@@ -161,7 +161,7 @@ def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
             f"sent {r.resent_objects} object(s) again ({human(r.resent_bytes)}) that local compaction stores "
             f"smaller; the packs of their old copies go the same way"
         )
-    if r.condemned and not r.deleted and not r.dry_run:  # newcomer item 19: say why nothing went
+    if r.condemned and not r.deleted and not r.dry_run:  # say why nothing went
         click.echo(
             "packs found unneeded are deleted only once they have stayed unneeded for the grace period "
             "(default 1 h, --grace SECONDS), by a later 'ckstore gc --remote'"

@@ -15,7 +15,7 @@ pays (deltas.py, ``SORT_GAIN``); this module only permutes.
 The sort and the scatter are counting sorts (a histogram of the 1,024 keys, its running sum, one
 pass placing each byte), compiled with numba (context_kernels.py): numpy has no counting sort, and
 its stable argsort made checkout 3 epochs back fall to 37-53 MB/s per core, below the 100 target
-(docs/benchmarks.md, issue 24). Without numba, and in a process that has decoded little of this
+(docs/benchmarks.md). Without numba, and in a process that has decoded little of this
 encoding, the same permutation comes from numpy: one SIMD sort of key * 2^b + element index
 (identical bytes, about 5x the kernels' CPU a plane). Why not numba always: its first use in a
 process costs about 1.2 s of CPU (its import, its compiler's set-up, loading the cached
@@ -111,7 +111,7 @@ def loaded_kernels() -> Any:
 # `ckstore checkout` of an fp32 commit three deltas back (271 MB, 104 M elements un-sorted) took
 # 7.9-10.5 s of CPU against 5.8 for numba from the start (load 13: numpy's sorts on parallel
 # threads of a loaded machine cost far more). 16 M bounds what a large read loses to ~0.3 s and
-# keeps reads of a few tens of MB of an old commit free of numba. docs/benchmarks.md, issue 24.
+# keeps reads of a few tens of MB of an old commit free of numba. docs/benchmarks.md.
 NUMPY_DECODE_ELEMENTS = 16_000_000
 _NUMPY_DECODED = [0]  # elements un-sorted with numpy so far (a lost update between threads only delays the switch)
 

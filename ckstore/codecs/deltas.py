@@ -48,7 +48,7 @@ _SIGNED_DTYPES = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 # whatever it saves, and a small plane (fp32's top byte) saves little. Measured on the fp32 and
 # bf16 fine-tunes (60 steps, epoch 2 given 3, 60 chunks): 0.02 sorts 10% and 16% of the planes for
 # 1.58% and 2.41% fewer bytes than a plain delta; a size ratio of 0.96 instead sorted 19% and 42%
-# for 1.62% and 2.93%; sorting every plane gives 2.04% and 3.47% (docs/benchmarks.md, issue 24).
+# for 1.62% and 2.93%; sorting every plane gives 2.04% and 3.47% (docs/benchmarks.md).
 # 2-byte elements (bf16) need 0.04: their gain is in the low plane, and a checkout three deltas back
 # decoded at 95-106 MB/s per core with 0.02 against 107-127 with 0.04 (same repository, load 6-7),
 # for 0.5% more stored bytes (196.6 -> 197.6 MB): every plane costs the same sort per element, and

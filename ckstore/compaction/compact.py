@@ -182,8 +182,8 @@ def _warm_tip(ctx: RepoContext, tip: Commit) -> None:
     fit: its checkout (a resume, an evaluation) is what reads the repository next. Compaction
     keeps what it reads and writes of the parent out of the cache, but by the time it ends, at
     10 GB, part of the tip had been evicted (the save and the commit had passed 20 GB through
-    the cache), and the checkout read it from disk: 4.5-5.9 GB (docs/benchmarks.md, "10 GB,
-    session 9"). Reading it here is off the training loop's path, at compaction's priority."""
+    the cache), and the checkout read it from disk: 4.5-5.9 GB (docs/benchmarks.md, the
+    10 GB runs). Reading it here is off the training loop's path, at compaction's priority."""
     from ckstore.backend.fsio import available_memory
     from ckstore.format.ids import object_key
 

@@ -135,7 +135,7 @@ class HeaderCache(ObjectStore):
     def forget_parent(self, oid: str) -> None:
         """The parent's chunk ``oid`` is read, and nothing reads it again: at 10 GB, the
         superseded pack read into the page cache evicted the tip's, which the next checkout
-        then read back from disk (docs/benchmarks.md, "10 GB, session 9")."""
+        then read back from disk (docs/benchmarks.md, the 10 GB runs)."""
         if self.forget_parents:
             self.forget_cached(oid)
 

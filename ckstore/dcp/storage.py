@@ -15,7 +15,7 @@ plan goes out only after it is taken) until the ref has moved, so gc cannot dele
 objects between their write and the manifest that names them. Each rank also holds them while it
 writes. DCP has no abort callback, so a failed save never reaches ``finish``: the coordinator
 releases the lock when its own ``write_data`` fails, and in any case ``lock_hold`` seconds after
-planning (another rank's failure or death), so maintenance waits a bounded time (F13). ``finish``
+planning (another rank's failure or death), so maintenance waits a bounded time. ``finish``
 takes the locks again and checks, under them, that every object the ranks reported is here:
 a save that outlived the bound and lost objects to gc is refused, never recorded incomplete.
 
@@ -190,7 +190,7 @@ class Writer(StorageWriter):
         try:
             return self._write_data(plan, planner)
         except BaseException:
-            self._release()  # on the coordinator: DCP will not call finish (F13)
+            self._release()  # on the coordinator: DCP will not call finish
             raise
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

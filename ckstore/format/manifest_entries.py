@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckstore.errors import IntegrityError, InvalidPathError
+from ckstore.errors import IntegrityError, InvalidInputError, InvalidPathError
 from ckstore.format.dtypes import DTYPE_BITS
 from ckstore.format.ids import ObjectId, is_object_id
 
@@ -64,6 +64,25 @@ class FileEntry:
         for tensor in self.tensors:
             yield from tensor.chunks
         yield from self.chunks
+
+
+def tensors_by_name(
+    files: Iterable[FileEntry], advice: str, name_of: Callable[[TensorEntry], str | None] = lambda t: t.name
+) -> dict[str, tuple[FileEntry, TensorEntry]]:
+    """The tensors of ``files`` under the names ``name_of`` gives them (None: left out), each with
+    its file. Two tensors under one name (model and EMA weights side by side) are refused with
+    ``advice``: one flat mapping cannot hold both, and keeping either would hand back the wrong
+    weights without a word."""
+    out: dict[str, tuple[FileEntry, TensorEntry]] = {}
+    for f in files:
+        for t in f.tensors:
+            name = name_of(t)
+            if name is None:
+                continue
+            if name in out:
+                raise InvalidInputError(f"tensor {name!r} is in both {out[name][0].path} and {f.path}; {advice}")
+            out[name] = (f, t)
+    return out
 
 
 def check_relative_path(path: str) -> str:

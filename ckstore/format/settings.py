@@ -62,7 +62,7 @@ class EncodingSettings:
         """What compaction may write: as repack, but no context-sorted delta. Trying one costs a
         second sort and compression of every delta's planes (a 271 MB fp32 epoch's compaction:
         4.4 -> 6.7 CPU s) for 1.2% fewer bytes; compaction runs beside training every epoch,
-        repack when a user asks for the last bytes (docs/benchmarks.md, issue 24)."""
+        repack when a user asks for the last bytes (docs/benchmarks.md)."""
         return self.allowed_off_loop - {Encoding.CONTEXT}
 
 

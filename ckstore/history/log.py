@@ -128,7 +128,7 @@ def log(
         out.append(LogEntry(oid, commit, tuple(gone)))
     names = decorations(graph)
     top = ranked(out, *best)[:1] if best else []
-    if best and out and not top:  # a typo'd metric must not pass silently (newcomer item 10)
+    if best and out and not top:  # a typo'd metric must not pass silently
         raise NotFoundError(f"no listed commit records a numeric metric {best[0]!r}")
     marked = {top[0].id: (best[0],)} if best and top else {}
     return [replace(e, refs=replace(names.get(e.id, Decorations()), best=marked.get(e.id, ()))) for e in out]

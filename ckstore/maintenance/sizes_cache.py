@@ -31,6 +31,7 @@ from typing import Any
 from ckstore.errors import CkstoreError
 from ckstore.repository.context import RepoContext
 from ckstore.repository.links import DEPENDENTS_KEY
+from ckstore.repository.refs import REFS
 
 KEY = "cache/sizes.json"
 VERSION = 1
@@ -86,7 +87,7 @@ def _signature(ctx: RepoContext, settled_before: float) -> list[tuple[str, int, 
 
 
 def _key(ctx: RepoContext, signature: list[tuple[str, int, int]]) -> str:
-    refs = sorted(ctx.refs.list("refs/").items())
+    refs = sorted(ctx.refs.list(REFS).items())
     text = json.dumps([refs, signature], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -207,7 +207,7 @@ class _Buffers:
 # A checkout whose files exceed this share of the memory the kernel can cache writes them through
 # to the disk and out of the page cache as it goes (not durable: no device flush). Left cached,
 # its unsynced pages evicted the repository's pages it had not read yet, which were older: a
-# 10 GB checkout read 3.7-5.9 GB of its pack from disk (docs/benchmarks.md, "10 GB, session 9").
+# 10 GB checkout read 3.7-5.9 GB of its pack from disk (docs/benchmarks.md, the 10 GB runs).
 # It drops what it read of the repository too: read twice (compaction, checkout), those pages
 # held the cache, and the next epoch's checkpoint was evicted before its commit read it.
 WRITE_THROUGH_SHARE = 0.25

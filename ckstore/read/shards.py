@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ckstore.errors import InvalidInputError
 from ckstore.format.manifest import Commit, FileEntry, TensorEntry
+from ckstore.format.manifest_entries import tensors_by_name
 from ckstore.format.safetensors import emit_header
 from ckstore.read.checkout import Output, Piece, check_patterns, full_output, select_tensors
 from ckstore.repository.filedata import file_context, header_metadata
@@ -118,18 +119,7 @@ def gather_tensors(
 ) -> dict[str, tuple[FileEntry, TensorEntry]]:
     """The tensors of ``files`` that ``name_of`` names (None: left out), under those names, each
     with its file; two tensors under one name cannot go into one model and are refused."""
-    tensors: dict[str, tuple[FileEntry, TensorEntry]] = {}
-    for f in files:
-        for t in f.tensors:
-            name = name_of(t)
-            if name is None:
-                continue
-            if name in tensors:
-                raise InvalidInputError(
-                    f"tensor {name!r} is in both {tensors[name][0].path} and {f.path}; one model cannot hold both"
-                )
-            tensors[name] = (f, t)
-    return tensors
+    return tensors_by_name(files, "one model cannot hold both", name_of)
 
 
 def plan_model_files(

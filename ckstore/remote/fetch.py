@@ -229,7 +229,7 @@ def fetch(ctx: RepoContext, remote_name: str | None = None, progress: ProgressFa
     """Fetch every ref of the remote that can be fetched; the report names those skipped (a
     damaged one: ``FetchReport.check`` raises for it once the caller has shown the report)."""
     # The writers' locks from the first landed object to the last tracking ref (writing.py):
-    # a gc in between would delete what landed before any ref names it (F2).
+    # a gc in between would delete what landed before any ref names it.
     with writing(ctx):
         return _fetch_locked(ctx, remote_name, progress)
 

@@ -224,7 +224,7 @@ class Lander:
                 self.failed = True
             self._drain(quiet=True)
             raise
-        if self.waiting:  # a real check, not an assert: it must hold under python -O (F11)
+        if self.waiting:  # a real check, not an assert: it must hold under python -O
             stuck = sorted(o for items in self.waiting.values() for o, _, _ in items)
             raise IntegrityError(
                 f"remote {self.remote.name}: object {stuck[0]}"
@@ -296,7 +296,7 @@ class Lander:
     def _verify_one(self, o: str, pack_id: str, data: bytes | memoryview) -> None:
         # Every object is decoded and re-hashed against its name before it is staged, whatever
         # its pack's version: a version 2 digest comes from the same party as the bytes, so it
-        # proves only that they arrived intact, not that they are the object named (F1).
+        # proves only that they arrived intact, not that they are the object named.
         try:
             raw, depth = self.reader.chunk_depth(o, None, "", data)
         except CkstoreError as exc:
@@ -305,7 +305,7 @@ class Lander:
         with self.lock:
             self.verified.add(o)
             released = self.waiting.pop(o, [])
-        if released:  # kept for the deltas waiting on it, within BASE_CACHE (F9: never unbounded)
+        if released:  # kept for the deltas waiting on it, within BASE_CACHE (never unbounded)
             self.reader.remember(o, raw, depth)
         del raw
         for item in released:
@@ -350,7 +350,7 @@ def missing_bases(view: ObjectStore, present: AbstractSet[str]) -> list[str]:
 
 def _cost(data: bytes | memoryview) -> int:
     """Memory a worker holds verifying one object: its stored and its decoded bytes (the header
-    declares the latter; a 10 KB frame of 256 MiB counts as 256 MiB, F9)."""
+    declares the latter; a 10 KB frame of 256 MiB counts as 256 MiB)."""
     try:
         return len(data) + parse_header(data).raw_len
     except IntegrityError:

@@ -12,9 +12,9 @@ docs/format.md section 15 is the normative description; in short, under the remo
     gc/pruned                    commits a remote gc's retention dropped, with their parents
 
 Writers order their puts "packs, then indexes, then refs": an index names only a durable pack,
-and a ref only commits whose every object is in an indexed pack. This module knows nothing of
-the object store or the commit graph (it sits in the remote layer, below them): push.py and
-fetch.py build on it. Every write to the remote is a ``fsio.mutating_step`` (the crash tests kill
+and a ref only commits whose every object is in an indexed pack. This module reads and writes
+keys through a ``Transport`` (``ckstore.transport``: S3 or a folder) and knows nothing of the
+local object store or commit graph: push.py, fetch.py and gc.py, beside it, join the two. Every write to the remote is a ``fsio.mutating_step`` (the crash tests kill
 a push at each one).
 """
 
@@ -40,6 +40,7 @@ from ckstore.format.pack import (
     parse_index_table,
 )
 from ckstore.format.pruned import Pruned, encode_pruned, parse_pruned
+from ckstore.repository.refs import REFS
 from ckstore.transport.base import MAX_SWAPPED, NotFound, Transport
 
 FORMAT_KEY = "ckstore-remote.json"
@@ -47,7 +48,6 @@ FORMAT_NAME = "ckstore remote"
 FORMAT_VERSION = 1
 PACKS = "packs/"
 INDEXES = "indexes/"
-REFS = "refs/"
 CONDEMNED_KEY = "gc/condemned.json"
 PRUNED_KEY = "gc/pruned"
 GC_LOCK_KEY = "gc/lock.json"

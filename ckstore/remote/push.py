@@ -43,14 +43,14 @@ from ckstore.errors import (
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import chunks_beyond
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
-from ckstore.remote.layout import DEFAULT_GRACE, REFS, Condemned, Located, RemoteRepo
+from ckstore.remote.layout import DEFAULT_GRACE, Condemned, Located, RemoteRepo
 from ckstore.remote.names import open_remote, tracking_ref
 from ckstore.remote.repack import superseded
 from ckstore.remote.uploads import PackUploads
 from ckstore.repository.context import RepoContext
 from ckstore.repository.graph import kept_parents
 from ckstore.repository.reader import VerifiedReader
-from ckstore.repository.refs import HEADS, REMOTES, TAGS
+from ckstore.repository.refs import HEADS, REFS, REMOTES, TAGS
 from ckstore.repository.store import ObjectStore
 from ckstore.runtime.progress import ProgressFactory
 
@@ -78,7 +78,7 @@ class FetchFirstError(RefChangedError):
 
 def full_ref(ctx: RepoContext, name: str) -> str:
     """The local ref a push argument names: a branch, else a tag, else a full ref name."""
-    for ref in [name] if name.startswith("refs/") else [HEADS + name, TAGS + name]:
+    for ref in [name] if name.startswith(REFS) else [HEADS + name, TAGS + name]:
         if ctx.refs.read(ref) is not None:
             return ref
     raise RefNotFoundError(f"no branch or tag {name!r} to push")

@@ -1,4 +1,4 @@
-"""Remote repack: a remote keeps pace with local compaction (issue 22).
+"""Remote repack: a remote keeps pace with local compaction.
 
 Local compaction re-encodes the previous epoch's chunks as deltas of the new epoch's after they
 were pushed, so a remote that kept the first copy of every object would hold each epoch whole.
@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Mapping
 from ckstore.remote.layout import RemoteRepo
 
 # A pack is re-sent when local compaction stores its objects in at least this much less: below
-# it the upload would cost more than it saves (the 1.1x bound of issue 22 tolerates the rest).
+# it the upload would cost more than it saves (a 1.1x bound tolerates the rest).
 MIN_SAVING = 0.10
 
 

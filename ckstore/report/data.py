@@ -21,7 +21,7 @@ from ckstore.maintenance.gc import collect_garbage
 from ckstore.maintenance.retention import RetentionPolicy
 from ckstore.maintenance.sizes import CommitSizes, commit_sizes
 from ckstore.repository.context import RepoContext
-from ckstore.repository.refs import REMOTES
+from ckstore.repository.refs import HEADS, REMOTES, TAGS
 
 TensorKey = tuple[str, str]  # (file path, tensor name)
 # Metrics whose name says higher is better; every other metric is taken as lower-is-better (a loss).
@@ -211,8 +211,8 @@ def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
         metrics,
         _flags(rows),
         _retention(ctx, len(rows), metrics),
-        branches=ctx.refs.list("refs/heads/"),
-        tags=ctx.refs.list("refs/tags/"),
+        branches=ctx.refs.list(HEADS),
+        tags=ctx.refs.list(TAGS),
         tracking=ctx.refs.list(REMOTES),
         head=ctx.refs.head_branch(),
     )

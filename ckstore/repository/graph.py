@@ -28,7 +28,7 @@ from ckstore.format.ids import ObjectId, is_id_prefix, is_object_id
 from ckstore.format.manifest import ChunkReader, Commit, ManifestFiles, decode_commit
 from ckstore.format.pruned import encode_pruned, parse_pruned
 from ckstore.repository.reflog import HEAD_LOG, Entry, head_view, nth_value
-from ckstore.repository.refs import HEAD, HEADS, REMOTES, TAGS, RefStore, ref_candidates
+from ckstore.repository.refs import HEAD, HEADS, REFS, REMOTES, TAGS, RefStore, ref_candidates
 from ckstore.repository.sources import NameSource
 from ckstore.repository.store import ObjectStore
 
@@ -155,7 +155,7 @@ class CommitGraph:
             oid = self.refs.read(ref)
             if oid is not None:
                 return oid
-        if "/" in name and not name.startswith("refs/"):  # NAME/BRANCH: a remote-tracking ref
+        if "/" in name and not name.startswith(REFS):  # NAME/BRANCH: a remote-tracking ref
             oid = self.refs.read(REMOTES + name)
             if oid is not None:
                 return oid

@@ -32,6 +32,7 @@ from ckstore.repository.reflog import RefLog, switch_what
 
 HEADS = "refs/heads/"
 TAGS = "refs/tags/"
+REFS = "refs/"  # every ref name begins with it
 REMOTES = "refs/remotes/"  # remote-tracking refs, NAME/BRANCH (remote/fetch.py)
 HEAD = "HEAD"
 DEFAULT_BRANCH = "main"

@@ -26,6 +26,7 @@ import numpy as np
 from ckstore.errors import InvalidInputError, TensorNotFoundError
 from ckstore.format.dtypes import DTYPE_BITS, NUMPY_TYPES
 from ckstore.format.manifest import ChunkRef, Commit, FileEntry, TensorEntry
+from ckstore.format.manifest_entries import tensors_by_name
 from ckstore.repository.filedata import state_document
 from ckstore.repository.store import ObjectStore
 from ckstore.runtime.pipeline import ordered_map
@@ -123,14 +124,9 @@ class LazyTensors(Mapping[str, Any]):
             if not files:
                 raise TensorNotFoundError(f"commit {self.commit_id[:12]} has no safetensors file {path!r}")
         specs: dict[str, _Spec] = {}
-        for f in files:
-            for t in f.tensors:
-                if t.name in specs:
-                    raise InvalidInputError(
-                        f"tensor {t.name!r} is in both {specs[t.name].file.path} and {f.path}; pass path= to choose"
-                    )
-                dtype, shape = raw.get(t.name, (None, t.shape))
-                specs[t.name] = _Spec(f, t, dtype, shape)
+        for name, (f, t) in tensors_by_name(files, "pass path= to choose").items():
+            dtype, shape = raw.get(name, (None, t.shape))
+            specs[name] = _Spec(f, t, dtype, shape)
         return specs
 
     # ---- mapping -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch
 
 from ckstore.errors import IntegrityError, InvalidInputError, UnencodableValueError
 from ckstore.format.manifest import FileEntry, TensorEntry, canonical_json
+from ckstore.format.manifest_entries import tensors_by_name
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import ST_CODES, bytes_of, dtype_of_code, from_bytes, torch_dtype
 from ckstore.format.values import JSONValue, KeyPath, decode_value, encode_value, format_path
@@ -384,15 +385,9 @@ def _plain_skeleton(files: Sequence[FileEntry]) -> dict[str, _TensorRef]:
     """{tensor name: tensor} of a commit of plain files. A name in two files (model and EMA
     weights side by side) is refused, as ``open`` does: one flat mapping cannot hold both, and
     silently keeping one would hand back the wrong weights."""
-    where: dict[str, str] = {}
-    for f in files:
-        for t in f.tensors:
-            if t.name in where:
-                raise InvalidInputError(
-                    f"tensor {t.name!r} is in both {where[t.name]} and {f.path}: load_state cannot return both "
-                    f"under one name; read one file with open(ref, path={f.path!r}), or check it out"
-                )
-            where[t.name] = f.path
+    where = tensors_by_name(
+        files, "load_state cannot return both under one name; read one file with open(ref, path=...), or check it out"
+    )
     return {name: _TensorRef(name, False, None, None) for name in where}
 
 

@@ -162,7 +162,7 @@ def resolve(
         or prof.get("endpoint_url")
         or None
     )
-    # The S3 client panics on some malformed endpoints (F15): refuse them in one line first.
+    # The S3 client panics on some malformed endpoints: refuse them in one line first.
     problem = endpoint_problem(endpoint) if endpoint is not None else None
     if problem:
         raise StorageError(problem)

@@ -76,7 +76,7 @@ class DirectoryTransport(Transport):
         return path
 
     def _refuse_links(self, path: Path) -> None:
-        """Refuse a path below the root that is, or lies in, a symbolic link (F18): a link to
+        """Refuse a path below the root that is, or lies in, a symbolic link: a link to
         another user's folder would make a push write, and a gc delete, files outside the
         remote. The root itself may be a link (the user named it). Opens add O_NOFOLLOW."""
         current = self.root

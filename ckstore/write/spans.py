@@ -12,7 +12,7 @@ The bytes are on disk and in the repository, and nothing in a training loop read
 again; left cached, they were read twice (the save wrote them, the commit read them), which
 puts them on the kernel's active list, where they outlive the next epoch's checkpoint: at 10 GB
 on 24 GiB, that checkpoint was evicted before its commit read it, and the commit read all
-10 GB back from disk (docs/benchmarks.md, "10 GB, session 8").
+10 GB back from disk (docs/benchmarks.md, the 10 GB runs).
 """
 
 from __future__ import annotations
