@@ -257,6 +257,46 @@ def _finish(store: ObjectStore, accumulator: StatsAccumulator, dtype: str) -> Te
     return accumulator.result()
 
 
+def _plan_source(source: SourceFile | MemoryFile, with_stats: bool) -> _Plan:
+    """How one source is cut: its safetensors layout (None: plain bytes) and empty segments."""
+    layout = None
+    if isinstance(source, MemoryFile):
+        layout = source.layout
+        segments: list[list[ChunkRef]] = [[] for _ in source.segments]
+    elif source.path.endswith(SAFETENSORS_SUFFIX):
+        try:
+            with open(source.source, "rb") as f:
+                layout = read_layout(f, str(source.source), source.size)
+        except OSError as exc:
+            raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
+        if layout.plain_reason is not None:
+            layout = None  # safetensors reads it, the manifest cannot model it: plain bytes (format.md 13)
+        segments = [[] for _ in range(1 + len(layout.tensors))] if layout else [[]]
+    else:
+        segments = [[]]
+    plan = _Plan(source, layout, segments, [None] * len(segments))
+    if with_stats and layout is not None:
+        plan.stats[1:] = [StatsAccumulator() if t.dtype in NUMERIC_DTYPES else None for t in layout.tensors]
+    return plan
+
+
+def _record(
+    plan: _Plan, s_index: int, length: int, result: PutResult, figures: ChunkStats | _ParentFigures | None
+) -> None:
+    """One stored chunk, in input order: its reference, and its figures into the tensor's."""
+    plan.segments[s_index].append(ChunkRef(result.id, length))
+    accumulator = plan.stats[s_index]
+    if accumulator is not None:
+        if figures is None:
+            plan.stats[s_index] = None
+        elif isinstance(figures, _ParentFigures):
+            accumulator.skip(result.id, length, figures.parent)
+        else:
+            accumulator.add(figures)
+    if plan.opened is not None:
+        plan.opened.finished()
+
+
 def ingest(
     store: ObjectStore,
     sources: Sequence[SourceFile | MemoryFile],
@@ -277,27 +317,7 @@ def ingest(
     else by tensor name) as the base of a forward delta. ``fast`` stores new multi-byte chunks
     provisionally (``ObjectStore.put_chunk``), for compaction (compact.py) to re-encode later.
     """
-    plans = []
-    for source in sources:
-        layout = None
-        if isinstance(source, MemoryFile):
-            layout = source.layout
-            segments: list[list[ChunkRef]] = [[] for _ in source.segments]
-        elif source.path.endswith(SAFETENSORS_SUFFIX):
-            try:
-                with open(source.source, "rb") as f:
-                    layout = read_layout(f, str(source.source), source.size)
-            except OSError as exc:
-                raise StorageError(f"cannot read {source.source}: {exc.strerror}") from None
-            if layout.plain_reason is not None:
-                layout = None  # safetensors reads it, the manifest cannot model it: plain bytes (format.md 13)
-            segments = [[] for _ in range(1 + len(layout.tensors))] if layout else [[]]
-        else:
-            segments = [[]]
-        plan = _Plan(source, layout, segments, [None] * len(segments))
-        if stats is not None and layout is not None:
-            plan.stats[1:] = [StatsAccumulator() if t.dtype in NUMERIC_DTYPES else None for t in layout.tensors]
-        plans.append(plan)
+    plans = [_plan_source(source, stats is not None) for source in sources]
     # numpy (for the statistics) is imported by the first worker that needs it. It used to start
     # on a thread of its own, to overlap the first chunks: that thread held the GIL the workers
     # needed, and both waited for the import anyway (alternated CLI commits of a 271 MB epoch,
@@ -352,19 +372,8 @@ def ingest(
         with closing(ordered_map(lambda group: [put(job) for job in group], groups)) as mapped:
             for results in mapped:
                 for p_index, s_index, length, result, figures in results:
-                    plan = plans[p_index]
-                    plan.segments[s_index].append(ChunkRef(result.id, length))
-                    accumulator = plan.stats[s_index]
-                    if accumulator is not None:
-                        if figures is None:
-                            plan.stats[s_index] = None
-                        elif isinstance(figures, _ParentFigures):
-                            accumulator.skip(result.id, length, figures.parent)
-                        else:
-                            accumulator.add(figures)
+                    _record(plans[p_index], s_index, length, result, figures)
                     added += result.stored
-                    if plan.opened is not None:
-                        plan.opened.finished()
                     if progress:
                         progress(length)
     finally:
