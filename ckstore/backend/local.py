@@ -509,6 +509,20 @@ class LocalBackend(StagingBackend):
         except OSError as exc:
             raise storage_error(exc, f"settling the packs of {self.root}") from None
 
+    def drop_packed(self, oids: Collection[str]) -> int:
+        from ckstore.backend.local_settle import settle  # writers only
+
+        try:
+            return settle(self, oids, only_dropping=True)
+        except OSError as exc:
+            raise storage_error(exc, f"rewriting the packs of {self.root}") from None
+
+    def packed_prefixes(self, oids: Collection[str], n: int) -> dict[str, list[bytes]]:
+        try:
+            return self.packs.every_prefix(oids, n)
+        except OSError as exc:
+            raise storage_error(exc, f"reading the packs of {self.root}") from None
+
     def sync_barrier(self, paths: Iterable[Path], targeted: bool = False) -> None:
         """Make ``paths`` (files or folders written under the repository) durable: one syncfs(2)
         of the repository's filesystem, or, when ``targeted`` (a few files: local_batch.py) or
