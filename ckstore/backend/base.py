@@ -235,6 +235,17 @@ class Backend(ABC):
         Backends without packs have none."""
         return 0
 
+    def release_reserve(self) -> int:
+        """Free the space set aside for gc on a full disk (``keep_reserve``); return its bytes.
+        gc calls it first, under the exclusive lock, so that what it must write before it can
+        delete anything fits. Backends without a notion of free space have none."""
+        return 0
+
+    def keep_reserve(self) -> bool:
+        """Set the reserve aside again when space allows (repository creation, the end of
+        every gc); False when the disk is too full, which leaves it for a later gc."""
+        return True
+
     def drop_packed(self, oids: Collection[str]) -> int:
         """Remove the packed copies of ``oids`` (gc), rewriting only the packs that hold one: their
         other objects are durable in a new pack (or loose) before an old pack goes, so the copies

@@ -182,8 +182,12 @@ def _execute(
     """Carry out ``plan`` under the exclusive lock (module docstring: the order)."""
     report, kept = plan.report, plan.kept
     report.dry_run = False
-    ctx.backend.clean_temporary()  # first: on a full disk this is the space the writes below need
-    ctx.graph.write_pruned(plan.pruned)
+    # First, the space the writes below need on a full disk: temporary leftovers and the
+    # reserve set aside for this moment (set aside again at the end, space allowing).
+    ctx.backend.clean_temporary()
+    ctx.backend.release_reserve()
+    if plan.pruned != ctx.graph.pruned():
+        ctx.graph.write_pruned(plan.pruned)
     for ref, entries in kept.alive.items():
         if len(entries) != len(kept.logs[ref]):
             ctx.refs.logs.rewrite(ref, entries)
@@ -199,6 +203,7 @@ def _execute(
     report.freed_bytes = report.temp_bytes + freed - report.left_bytes
     prune_records(ctx.backend, kept.commits)  # the change records of deleted commits (format.md 5.2)
     _settle_after(ctx, repack)
+    ctx.backend.keep_reserve()
     # status right after shows exact figures at once (sizes.record_after_gc), still under the
     # lock: nothing else can change the store before they are keyed to its state.
     gone = plan.victims.keys() - deleted.left.keys()
