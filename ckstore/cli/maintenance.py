@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 @click.option(
     "--prune-now", is_flag=True, help="Expire now every reflog entry the refs no longer reach, so its commits go too."
 )
-@click.option("--force", is_flag=True, help="Run even if it would delete every commit.")
+@click.option(
+    "--force", is_flag=True, help="Run even if it would delete every commit, or commits --keep-best cannot rank."
+)
 @click.option(
     "--remote",
     "remote_name",
