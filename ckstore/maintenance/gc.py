@@ -124,13 +124,16 @@ def collect_garbage(
     _refusals(ctx, plan, policy, prune_now, force)
     with _lock(ctx, exclusive=True, notify=notify):
         started = time.time()
+        # Re-validated: a change since the plan (a commit landed, a ref moved, a compaction
+        # re-encoded) means it is made again, here, under the lock gc deletes under.
+        if plan.signature is None or plan.signature != _signature(ctx, plan.taken):
+            plan = _plan(ctx, policy, prune_now, force, dry_run=False)
         if repack:
             from ckstore.maintenance.repack import repack_locked  # gc --repack only: status and stats use gc's kept set
 
             ctx.backend.unpack()  # repack rewrites large objects, which rest loose (backend/local_settle.py)
             repack_locked(ctx, plan.kept.commits, progress)
-        if repack or plan.signature is None or plan.signature != _signature(ctx, plan.taken):
-            plan = _plan(ctx, policy, prune_now, force, dry_run=False)
+            plan = _plan(ctx, policy, prune_now, force, dry_run=False)  # bases only pruned commits needed go too
         return _execute(ctx, plan, repack, progress, started)
 
 
@@ -157,7 +160,7 @@ def _plan(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool, force: boo
     report.unreachable_commits = sorted(c for c in victim_commits if c not in by_policy)
     report.deletes_every_commit = not kept.commits and bool(report.pruned_commits or report.unreachable_commits)
     report.deleted_objects = len(victims)
-    temporaries = ctx.backend.temporary_sizes()  # under the exclusive lock all are leftovers
+    temporaries = ctx.backend.temporary_sizes()  # under the shared lock some may be a running write's
     report.temp_files, report.temp_bytes = len(temporaries), sum(temporaries)
     report.freed_bytes = sum(victims.values()) + report.temp_bytes
     pruned = graph.pruned_after(kept.commits, kept.reachable | kept.logged)
@@ -184,6 +187,8 @@ def _execute(
     report.dry_run = False
     # First, the space the writes below need on a full disk: temporary leftovers and the
     # reserve set aside for this moment (set aside again at the end, space allowing).
+    temporaries = ctx.backend.temporary_sizes()  # all leftovers now: no writer holds the lock
+    report.temp_files, report.temp_bytes = len(temporaries), sum(temporaries)
     ctx.backend.clean_temporary()
     ctx.backend.release_reserve()
     if plan.pruned != ctx.graph.pruned():

@@ -265,3 +265,29 @@ def test_a_dry_run_never_waits_behind_a_compaction_and_gc_says_what_it_waits_for
     thread.join()
     assert said == ["waiting for running commits or a compaction to finish (they hold the repository lock)"]
     assert report.pruned_commits == dry.pruned_commits and report.freed_bytes == dry.freed_bytes
+
+
+def test_a_commit_landing_between_the_plan_and_its_execution_is_kept(
+    repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc plans under the shared lock and executes under the exclusive one: a commit that lands
+    in between, deduplicating against chunks the plan meant to delete, keeps them (the plan is
+    re-validated under the exclusive lock and made again)."""
+    import ckstore.maintenance.gc as gc_module
+
+    (c0, p0), _, _ = rolling(repo, tmp_path, 3)
+    planned = gc_module.plan_gc
+    landed: list[str] = []
+
+    def plan_then_commit(*args: object, **kwargs: object) -> gc_module.GcPlan:
+        plan = planned(*args, **kwargs)  # type: ignore[arg-type]
+        assert c0 in plan.victims
+        landed.append(repo.commit(p0, message="epoch 0 again", branch="again"))
+        return plan
+
+    monkeypatch.setattr(gc_module, "plan_gc", plan_then_commit)
+    report = repo.gc(keep_last=1)
+    assert landed and c0 in report.pruned_commits
+    assert repo.fsck(read_data=True) == []
+    repo.checkout("again", tmp_path / "out")
+    assert sha256(tmp_path / "out" / "ckpt.safetensors") == sha256(p0)
