@@ -144,6 +144,7 @@ class StorageError(CkstoreError):
     """The storage backend failed: no space left, an I/O error, permissions."""
 
     exit_code = 7
+    no_space = False  # the device (or a quota) is full: freeing space elsewhere may let it succeed
 
 
 class UnsupportedFormatError(CkstoreError):

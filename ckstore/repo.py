@@ -8,7 +8,7 @@ operations never import this module, so data flows one way (docs/design.md, "Lay
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
@@ -668,6 +668,7 @@ class Repo:
         prune_now: bool = False,
         force: bool = False,
         progress: ProgressFactory | None = None,
+        notify: Callable[[str], object] | None = None,
     ) -> GcReport:
         """Delete commits outside the retention policy (if any) and every object no kept commit needs.
 
@@ -680,9 +681,7 @@ class Repo:
 
         policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
         self.wait()
-        return collect_garbage(
-            self._ctx, policy, dry_run=dry_run, repack=repack, prune_now=prune_now, force=force, progress=progress
-        )
+        return collect_garbage(self._ctx, policy, dry_run, repack, prune_now, force, progress, notify)
 
     def repack(self, progress: ProgressFactory | None = None) -> RepackReport:
         from ckstore.maintenance.repack import repack

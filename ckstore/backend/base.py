@@ -33,6 +33,7 @@ suite that runs against each one):
 from __future__ import annotations
 
 import builtins
+import errno
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -235,6 +236,30 @@ class Backend(ABC):
         Backends without packs have none."""
         return 0
 
+    def release_reserve(self) -> int:
+        """Free the space set aside for gc on a full disk (``keep_reserve``); return its bytes.
+        gc calls it first, under the exclusive lock, so that what it must write before it can
+        delete anything fits. Backends without a notion of free space have none."""
+        return 0
+
+    def keep_reserve(self) -> bool:
+        """Set the reserve aside again when space allows (repository creation, the end of
+        every gc); False when the disk is too full, which leaves it for a later gc."""
+        return True
+
+    def drop_packed(self, oids: Collection[str]) -> int:
+        """Remove the packed copies of ``oids`` (gc), rewriting only the packs that hold one: their
+        other objects are durable in a new pack (or loose) before an old pack goes, so the copies
+        of ``oids`` vanish together with each old pack. Return how many packs were removed.
+        Backends without packs have none."""
+        return 0
+
+    def packed_prefixes(self, oids: Collection[str], n: int) -> dict[str, builtins.list[bytes]]:
+        """The first ``n`` bytes of every packed copy of each of ``oids`` (a loose copy, which
+        readers see first, does not hide them: gc must know what each copy needs before it
+        deletes). Backends without packs have none."""
+        return {}
+
     def replace_object(self, key: str, data: bytes, after: str | None = None, cached: bool = True) -> None:
         """Swap an existing value for an equivalent one (another encoding of the same object).
 
@@ -273,4 +298,6 @@ _THREAD_LOCKS = _ThreadLocks()
 def storage_error(exc: OSError, doing: str) -> StorageError:
     """The one-line error for an OSError met while ``doing`` something to stored data."""
     reason = exc.strerror or str(exc)
-    return StorageError(f"{reason} while {doing}")
+    error = StorageError(f"{reason} while {doing}")
+    error.no_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return error

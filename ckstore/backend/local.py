@@ -50,6 +50,10 @@ TMP_DIR = "tmp"
 LOCK_FILE = "lock"
 COMPACTION_LOCK_FILE = "compact.lock"
 COMPACTION_QUEUE_FOLDER = "compact-queue"  # one file per branch: flock while its compaction waits
+# Space set aside for gc on a full disk (docs/format.md section 3): what gc writes before it
+# deletes (the pruned record, reflogs) must fit; a reflog line is ~150 bytes.
+RESERVE_FILE = "reserve"
+RESERVE_BYTES = 256 << 10
 
 
 def locate_repository(path: str | os.PathLike[str], marker: str, default_dir: str) -> Path | None:
@@ -509,6 +513,51 @@ class LocalBackend(StagingBackend):
             return settle(self, drop, gather, keep_clean)
         except OSError as exc:
             raise storage_error(exc, f"settling the packs of {self.root}") from None
+
+    def release_reserve(self) -> int:
+        path = self.root / RESERVE_FILE
+        try:
+            size = path.stat().st_size
+            mutating_step()
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise storage_error(exc, f"deleting {path}") from None
+        return size
+
+    def keep_reserve(self) -> bool:
+        path = self.root / RESERVE_FILE
+        try:
+            if path.stat().st_size >= RESERVE_BYTES:
+                return True
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        try:
+            # Real pages, not a sparse file (which would free nothing when deleted); not synced:
+            # a crash that loses it only loses the reserve, which the next gc sets aside again.
+            tmp = self._write_temp(bytes(RESERVE_BYTES), sync=False)
+            mutating_step()
+            os.rename(tmp, path)
+        except OSError:
+            return False  # the disk is full: the next gc sets it aside
+        return True
+
+    def drop_packed(self, oids: Collection[str]) -> int:
+        from ckstore.backend.local_settle import settle  # writers only
+
+        try:
+            return settle(self, oids, only_dropping=True)
+        except OSError as exc:
+            raise storage_error(exc, f"rewriting the packs of {self.root}") from None
+
+    def packed_prefixes(self, oids: Collection[str], n: int) -> dict[str, builtins.list[bytes]]:
+        try:
+            return self.packs.every_prefix(oids, n)
+        except OSError as exc:
+            raise storage_error(exc, f"reading the packs of {self.root}") from None
 
     def sync_barrier(self, paths: Iterable[Path], targeted: bool = False) -> None:
         """Make ``paths`` (files or folders written under the repository) durable: one syncfs(2)

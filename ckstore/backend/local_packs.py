@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,8 +261,24 @@ class LocalPacks:
         (``_read_places``): at 10^5 packed objects one open, lookup and read per object through
         ``read`` cost 6-15 s of gc's and fsck's header reads. An object left out (in no pack, or
         its pack settled meanwhile) is read one by one by the caller."""
-        todo = list(dict.fromkeys(oids))
         out: dict[str, bytes] = {}
+        for found in self._prefixes_pack_by_pack(oids, n, first_only=True):
+            out.update(found)
+        return out
+
+    def every_prefix(self, oids: Collection[str], n: int) -> dict[str, list[bytes]]:
+        """The first ``n`` stored bytes of every packed copy of each of ``oids`` (an object may
+        lie in several packs: a copy a crash left, a merge interrupted)."""
+        out: dict[str, list[bytes]] = {}
+        for found in self._prefixes_pack_by_pack(oids, n, first_only=False):
+            for oid, prefix in found.items():
+                out.setdefault(oid, []).append(prefix)
+        return out
+
+    def _prefixes_pack_by_pack(self, oids: Collection[str], n: int, first_only: bool) -> Iterator[dict[str, bytes]]:
+        """For each pack in turn, the first ``n`` bytes of its copies of ``oids`` (with
+        ``first_only``, of those no earlier pack held)."""
+        todo = list(dict.fromkeys(oids))
         for index in self.indexes():
             if not todo:
                 break
@@ -274,11 +290,11 @@ class LocalPacks:
                     self.path_of(index.pack_id), [todo[i] for i in positions.tolist()], offsets, lengths.clip(max=n)
                 )
             except FileNotFoundError:
-                self.refresh(force=True)
+                self.refresh(force=True)  # settled meanwhile: its copies are elsewhere now
                 continue
-            out.update(found)
-            todo = [oid for oid in todo if oid not in out]
-        return out
+            yield found
+            if first_only:
+                todo = [oid for oid in todo if oid not in found]
 
     def sizes(self) -> dict[str, int]:
         """Every packed object's stored length (the first pack listing an object wins, as in

@@ -57,12 +57,22 @@ RESTING_MIN_BYTES = 1 << 30
 GATHER_AT = 64
 
 
-def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = False, keep_clean: bool = False) -> int:
-    """Rewrite the packs that need it (module docstring); return how many were removed."""
+def settle(
+    backend: StagingBackend,
+    drop: Collection[str] = (),
+    gather: bool = False,
+    keep_clean: bool = False,
+    only_dropping: bool = False,
+) -> int:
+    """Rewrite the packs that need it (module docstring); return how many were removed.
+    ``only_dropping``: rewrite only the packs that hold an object of ``drop`` (gc deletes in
+    dependency order, a few objects at a time, and on a full disk: nothing else is copied)."""
     indexes = sorted(backend.packs.indexes(), key=lambda ix: ix.pack_id)
     if not indexes and not gather:
         return 0
     loose = _loose_objects(backend)  # one listing, not a stat per packed object
+    if only_dropping:
+        return _rewrite(backend, [ix for ix in indexes if any(oid in ix for oid in drop)], [], drop, loose)
     loose_small = [(oid, path) for oid, path in _small(loose) if oid not in drop] if gather else []
     if len(loose_small) < GATHER_AT:
         loose_small = []
@@ -79,6 +89,18 @@ def settle(backend: StagingBackend, drop: Collection[str] = (), gather: bool = F
         targets = [ix for ix in indexes if ix.pack_id not in resting]
     else:
         targets = [ix for ix in indexes if ix.pack_id not in resting and _needs_rewrite(ix, drop, loose)]
+    return _rewrite(backend, targets, loose_small, drop, loose)
+
+
+def _rewrite(
+    backend: StagingBackend,
+    targets: list[PackIndex | PackTable],
+    loose_small: list[tuple[str, str]],
+    drop: Collection[str],
+    loose: dict[str, str],
+) -> int:
+    """Copy what ``targets`` keep (and ``loose_small``) into at most one new pack, make it
+    durable, then remove the gathered loose files and the old packs."""
     if not targets and not loose_small:
         return 0
     staged = LocalBatch(backend, pack_below=SMALL_OBJECT)

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 @click.option(
     "--prune-now", is_flag=True, help="Expire now every reflog entry the refs no longer reach, so its commits go too."
 )
-@click.option("--force", is_flag=True, help="Run even if it would delete every commit.")
+@click.option(
+    "--force", is_flag=True, help="Run even if it would delete every commit, or commits --keep-best cannot rank."
+)
 @click.option(
     "--remote",
     "remote_name",
@@ -96,6 +98,7 @@ def gc(
         prune_now=prune_now,
         force=force,
         progress=progress_factory(),
+        notify=lambda message: click.echo(f"ckstore: {message}", err=True),
     )
     deleted = [*report.pruned_commits, *report.unreachable_commits]
     # A commit made while gc waited for the lock, or one only an expired reflog entry named, is
@@ -123,12 +126,23 @@ def gc(
                 "temporary_files": report.temp_files,
                 "temporary_bytes": report.temp_bytes,
                 "freed_bytes": report.freed_bytes,
+                "unranked_commits": report.unranked_commits,
+                "left_objects": report.left_objects,
+                "left_bytes": report.left_bytes,
             }
         )
         return
     verb = "would delete" if dry_run else "deleted"
+    unranked = set(report.unranked_commits)
     for oid, c in known:
-        click.echo(f"{verb} commit {commit_line(oid, c) if c else oid}")
+        mark = f"  (no {metric} to rank it by)" if oid in unranked else ""
+        click.echo(f"{verb} commit {commit_line(oid, c) if c else oid}{mark}")
+    if unranked:
+        click.echo(
+            f"{len(unranked)} commit(s) record no numeric {metric!r}: --keep-best "
+            f"{'would delete' if dry_run else 'deleted'} them without ranking them"
+            + (" (gc needs --force for that)" if dry_run else "")
+        )
     if report.expired_entries:
         click.echo(
             f"{'would expire' if dry_run else 'expired'} {report.expired_entries} reflog entr"
@@ -156,6 +170,11 @@ def gc(
         f"{verb} {len(deleted)} commit(s){objects}{temporary}, "
         f"{'would free' if dry_run else 'freed'} {human(report.freed_bytes)}"
     )
+    if report.left_objects:
+        click.echo(
+            f"left {report.left_objects} object(s), {human(report.left_bytes)}, for want of space"
+            f" ({report.no_space}); run 'ckstore gc' again to delete them"
+        )
 
 
 @main.command()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import piece_chunk_ids
-from ckstore.maintenance.retention import RetentionPolicy, select_kept
+from ckstore.maintenance.retention import RetentionPolicy, Selection, select
 from ckstore.repository.context import RepoContext
 from ckstore.repository.overlay import external_needs
 from ckstore.repository.reflog import HEAD_LOG, Entry, Expiry, surviving
@@ -31,6 +31,7 @@ class Kept:
     external: set[str]  # local objects that dependent repositories need
     logs: dict[str, list[Entry]] = field(default_factory=dict)  # every reflog, as read
     alive: dict[str, list[Entry]] = field(default_factory=dict)  # the entries that survive expiry
+    selection: Selection | None = None  # what the policy decided (None without a policy)
 
 
 def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = False) -> Kept:
@@ -41,7 +42,8 @@ def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = Fa
     # An entry keeps both its values while they exist; its old one may be gone (pruned earlier).
     named, pruned = {i for entries in alive.values() for e in entries for i in e.ids}, graph.pruned()
     logged = graph.reachable_from({i for i in named if i not in pruned and store.has(i)})
-    chosen = select_kept(graph, policy) if policy.active else set(reachable)
+    selection = select(graph, policy) if policy.active else None
+    chosen = selection.kept if selection is not None else set(reachable)
     needed_commits, needed_objects = external_needs(ctx)
     pinned = {c for c in needed_commits if store.has_local(c)}
     # A retention policy thins branches, not what only the reflog holds.
@@ -49,9 +51,8 @@ def kept_commits(ctx: RepoContext, policy: RetentionPolicy, prune_now: bool = Fa
     # An entry whose value this run deletes (a policy pruned it) goes with it; one whose old
     # value alone goes stays, as in git (the surviving tip keeps its reflog).
     alive = {ref: [e for e in entries if e.value in commits] for ref, entries in alive.items()}
-    return Kept(
-        reachable, chosen, pinned, logged, commits, {c for c in needed_objects if store.has_local(c)}, logs, alive
-    )
+    external = {c for c in needed_objects if store.has_local(c)}
+    return Kept(reachable, chosen, pinned, logged, commits, external, logs, alive, selection)
 
 
 def live_objects(ctx: RepoContext, kept: Kept) -> set[str]:

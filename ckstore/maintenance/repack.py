@@ -37,7 +37,7 @@ from ckstore.repository.context import RepoContext
 from ckstore.repository.graph import CommitGraph
 from ckstore.repository.reader import check_reencoded
 from ckstore.runtime.pipeline import ordered_map
-from ckstore.runtime.progress import ProgressFactory
+from ckstore.runtime.progress import ProgressFactory, watching
 
 
 @dataclass
@@ -126,14 +126,25 @@ def repack_locked(
     # current encoding only when every base it names is final and the chain stays within
     # ``max_delta_depth``; a new delta's base is always final (planned at a lower depth). So
     # final objects only ever lead to final objects: no cycle, whatever was kept.
+    # An overlay's objects that its base repository holds are final as they are: repack never
+    # writes them here (that would copy the base in) and never changes them there.
     final: dict[str, int] = {}
+
+    def final_depth(oid: str) -> int | None:
+        if oid not in final and not store.has_local(oid) and store.has_durable(oid):
+            try:
+                final[oid] = store.chain_depth(oid)
+            except CkstoreError:
+                return None
+        return final.get(oid)
 
     def kept_depth(bases: tuple[str, ...]) -> int | None:
         if not bases:
             return 0
-        if any(b not in final for b in bases):
+        depths = [final_depth(b) for b in bases]
+        if any(d is None for d in depths):
             return None
-        depth = 1 + max(final[b] for b in bases)
+        depth = 1 + max(d for d in depths if d is not None)
         return depth if depth <= settings.max_delta_depth else None
 
     def rewrite(item: tuple[ObjectId, _Plan]) -> tuple[int, int, bool, int]:
@@ -143,7 +154,8 @@ def repack_locked(
         keep = kept_depth(delta_bases(current))
         raw = store.get_chunk(oid, p.size)
         base_raw = None
-        if p.base is not None and final.get(p.base, settings.max_delta_depth) < settings.max_delta_depth:
+        base_depth = final_depth(p.base) if p.base is not None else None
+        if p.base is not None and base_depth is not None and base_depth < settings.max_delta_depth:
             try:
                 base_raw = store.get_chunk(p.base, p.size)
             except CkstoreError:
@@ -155,7 +167,7 @@ def repack_locked(
         # another commit's chunk) stays when it is no larger and safe to keep.
         if keep is not None and len(current) <= len(data):
             return len(current), len(current), False, keep
-        depth = 1 + final[p.base] if p.base is not None and delta_bases(data) else 0
+        depth = 1 + base_depth if base_depth is not None and delta_bases(data) else 0
         # Prove the new encoding before it replaces a good one: it decodes to the verified bytes.
         check_reencoded(oid, data, raw, {p.base: base_raw} if p.base is not None and base_raw is not None else None)
         # Upgraded (durably) before the first object the repository's version lacks is written.
@@ -164,11 +176,10 @@ def repack_locked(
         return len(current), len(data), True, depth
 
     levels = [
-        sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has(oid))
+        sorted((oid, p) for oid, p in planned.items() if p.depth == depth and store.has_local(oid))
         for depth in range(settings.max_delta_depth + 1)
     ]
-    bar = progress(sum(p.size for level in levels for _, p in level), "repack") if progress else None
-    try:
+    with watching(progress, sum(p.size for level in levels for _, p in level), "repack") as advance:
         for level in levels:
             # Objects whose current bases are all final are decided first; then the rest, whose
             # bases may have become final in the first pass (a predicted delta naming the
@@ -185,10 +196,6 @@ def repack_locked(
                         report.bytes_after += after
                         report.rewritten += changed
                         report.deltas += depth > 0
-                        if bar:
-                            bar.update(p.size)
-    finally:
-        if bar:
-            bar.close()
+                        advance(p.size)
     report.stored_bytes_after = sum(store.stored_sizes().values())
     return report

@@ -15,11 +15,11 @@ rolling run repeatedly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ckstore.errors import InvalidInputError, NotFoundError
+from ckstore.errors import ForceRequiredError, InvalidInputError, NotFoundError
 from ckstore.format.ids import ObjectId
-from ckstore.history.log import LogEntry, log, ranked
+from ckstore.history.log import LogEntry, log, metric_value, ranked
 from ckstore.repository.graph import REMOTES, CommitGraph
 from ckstore.repository.refs import HEADS, TAGS
 
@@ -69,19 +69,66 @@ def _every(history: list[LogEntry], k: int) -> list[LogEntry]:
     return out
 
 
+@dataclass(frozen=True)
+class Selection:
+    """What a policy keeps, and what it could not judge."""
+
+    kept: set[ObjectId]
+    # --keep-best: the commits that record no numeric value of the metric, which the policy
+    # would delete without ranking them (whatever their quality), by branch
+    unranked: dict[str, list[ObjectId]] = field(default_factory=dict)
+    metrics: frozenset[str] = frozenset()  # every numeric metric the branches' commits record
+    ranked_any: bool = True  # some commit records the metric (always, without --keep-best)
+
+    def check(self, policy: RetentionPolicy, force: bool) -> None:
+        """Refuse a --keep-best that ranks nothing (a misspelt metric), and one that would
+        delete commits it cannot rank unless ``force``: both would delete good commits unseen."""
+        if policy.keep_best is None:
+            return
+        known = ", ".join(sorted(self.metrics)) or "none"
+        if not self.ranked_any:
+            raise NotFoundError(
+                f"no commit records a numeric metric {policy.metric!r}, so --keep-best cannot rank any"
+                f" (recorded: {known})"
+            )
+        if self.unranked and not force:
+            count = len({c for ids in self.unranked.values() for c in ids})
+            raise ForceRequiredError(
+                f"--keep-best would delete {count} commit(s) that record no numeric {policy.metric!r}"
+                f" without ranking them (branch {', '.join(sorted(self.unranked))}; 'gc --dry-run' lists"
+                f" them); pass --force to delete them, or rank by another metric (recorded: {known})"
+            )
+
+
 def select_kept(graph: CommitGraph, policy: RetentionPolicy) -> set[ObjectId]:
+    return select(graph, policy).kept
+
+
+def select(graph: CommitGraph, policy: RetentionPolicy) -> Selection:
     # Tags and remote-tracking refs are kept as they are, with none of their history.
     keep = {*graph.refs.list(TAGS).values(), *graph.refs.list(REMOTES).values()}
+    histories = {}
+    metrics: set[str] = set()
+    ranked_any = policy.keep_best is None
     for name, tip in graph.refs.list(HEADS).items():
         keep.add(tip)
-        history = log(graph, HEADS + name)
+        history = histories[name] = log(graph, HEADS + name)
         if policy.keep_last is not None:
             keep.update(e.id for e in history[: policy.keep_last])
         if policy.keep_best is not None and policy.metric:
-            keep.update(e.id for e in ranked(history, policy.metric, policy.maximize)[: policy.keep_best])
+            best = ranked(history, policy.metric, policy.maximize)
+            ranked_any = ranked_any or bool(best)
+            keep.update(e.id for e in best[: policy.keep_best])
+            metrics.update(k for e in history for k in e.commit.decoded_metadata() if metric_value(e, k) is not None)
         if policy.keep_every is not None:
             keep.update(e.id for e in _every(history, policy.keep_every))
-    return keep
+    unranked: dict[str, list[ObjectId]] = {}
+    if policy.keep_best is not None and policy.metric:
+        for name, history in histories.items():
+            lost = [e.id for e in history if e.id not in keep and metric_value(e, policy.metric) is None]
+            if lost:
+                unranked[name] = lost
+    return Selection(keep, unranked, frozenset(metrics), ranked_any)
 
 
 def best(graph: CommitGraph, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:

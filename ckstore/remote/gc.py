@@ -40,7 +40,7 @@ from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
 from ckstore.errors import IntegrityError, LockedError
 from ckstore.format.ids import ObjectId
 from ckstore.format.pruned import encode_pruned
-from ckstore.maintenance.retention import RetentionPolicy, select_kept
+from ckstore.maintenance.retention import RetentionPolicy, select
 from ckstore.remote.layout import (
     DEFAULT_GRACE,
     GC_LOCK_KEY,
@@ -181,7 +181,12 @@ def collect_remote(
         where = remote.locate(avoid=condemned.packs)
         graph = remote_graph(ctx, remote, refs)
         reachable = graph.reachable_from(graph.tips())
-        kept = select_kept(graph, policy) if policy.active else reachable
+        if policy.active:
+            selection = select(graph, policy)
+            selection.check(policy, force=True)  # a metric no commit records ranks nothing: refused
+            kept = selection.kept
+        else:
+            kept = reachable
         report.pruned_commits = sorted(reachable - kept)
         chunks = {c.id for oid in kept for c in graph.read_commit(oid).all_chunks()}
         live = remote_bases(remote, where, chunks) | kept

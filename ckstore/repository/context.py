@@ -164,6 +164,7 @@ def init_context(
     if not backend.put_if_absent(CONFIG_KEY, config.to_json()):
         raise RefExistsError(f"a repository already exists at {path}")
     RefStore(backend).set_head_branch(DEFAULT_BRANCH)
+    backend.keep_reserve()  # gc's room to start on a full disk
     return open_context(path, backend=backend)
 
 

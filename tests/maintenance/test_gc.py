@@ -223,3 +223,71 @@ def test_a_killed_commits_temporary_pack_is_counted_by_stats_and_gc(tmp_path: Pa
     done = run("gc")
     assert (done["temporary_files"], done["temporary_bytes"], done["freed_bytes"]) == (n, size, size)
     assert not any(p.exists() for p in leftovers) and run("stats")["temporary_bytes"] == 0
+
+
+def test_a_dry_run_never_waits_behind_a_compaction_and_gc_says_what_it_waits_for(
+    repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run is a plan under the shared lock: a running commit or compaction (which hold it
+    shared) does not delay it. When gc must wait for the lock, it says for what."""
+    import threading
+
+    import ckstore.backend.base
+
+    monkeypatch.setattr(ckstore.backend.base, "REPO_LOCK_TIMEOUT", 10.0)
+    rolling(repo, tmp_path, 3)
+    said: list[str] = []
+    with repo.backend.shared_lock():  # what a compaction holds while it runs
+        started = time.monotonic()
+        dry = repo.gc(keep_last=1, dry_run=True, notify=said.append)
+        assert time.monotonic() - started < 5 and said == [] and len(dry.pruned_commits) == 2
+
+    def hold(exclusive: bool) -> threading.Thread:
+        held = threading.Event()
+
+        def run() -> None:
+            with repo.backend.repo_lock(exclusive=exclusive, timeout=10):
+                held.set()
+                time.sleep(0.5)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        held.wait()
+        return thread
+
+    thread = hold(exclusive=True)  # a gc or repack running
+    assert repo.gc(keep_last=1, dry_run=True, notify=said.append).pruned_commits == dry.pruned_commits
+    thread.join()
+    assert said == ["waiting for a running gc or repack to finish"]
+    said.clear()
+    thread = hold(exclusive=False)  # a compaction running: the dry run's plan does not wait, gc does
+    report = repo.gc(keep_last=1, notify=said.append)
+    thread.join()
+    assert said == ["waiting for running commits or a compaction to finish (they hold the repository lock)"]
+    assert report.pruned_commits == dry.pruned_commits and report.freed_bytes == dry.freed_bytes
+
+
+def test_a_commit_landing_between_the_plan_and_its_execution_is_kept(
+    repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc plans under the shared lock and executes under the exclusive one: a commit that lands
+    in between, deduplicating against chunks the plan meant to delete, keeps them (the plan is
+    re-validated under the exclusive lock and made again)."""
+    import ckstore.maintenance.gc as gc_module
+
+    (c0, p0), _, _ = rolling(repo, tmp_path, 3)
+    planned = gc_module.plan_gc
+    landed: list[str] = []
+
+    def plan_then_commit(*args: object, **kwargs: object) -> gc_module.GcPlan:
+        plan = planned(*args, **kwargs)  # type: ignore[arg-type]
+        assert c0 in plan.victims
+        landed.append(repo.commit(p0, message="epoch 0 again", branch="again"))
+        return plan
+
+    monkeypatch.setattr(gc_module, "plan_gc", plan_then_commit)
+    report = repo.gc(keep_last=1)
+    assert landed and c0 in report.pruned_commits
+    assert repo.fsck(read_data=True) == []
+    repo.checkout("again", tmp_path / "out")
+    assert sha256(tmp_path / "out" / "ckpt.safetensors") == sha256(p0)

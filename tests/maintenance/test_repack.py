@@ -71,3 +71,27 @@ def test_repack_keeps_predicted_deltas_when_they_are_smaller(tmp_path: Path) -> 
     assert report.stored_bytes_after <= before
     assert_reads_back(repo, runs, tmp_path / "out")
     assert repo.fsck(read_data=True) == []
+
+
+def test_repack_and_gc_repack_in_an_overlay_never_copy_the_base_repositorys_objects_in(tmp_path: Path) -> None:
+    """An overlay's chunks are forward deltas of its base repository's: repack and gc --repack
+    keep them so, and write nothing the base repository holds into the overlay."""
+    base = Repo.init(tmp_path / "base", chunk_size=CHUNK)
+    base.commit(save_st(tmp_path / "pre" / "model.safetensors", _epoch(0)), message="pretrained", branch="pretrained")
+    base.wait()
+    overlay = Repo.init(tmp_path / "overlay", chunk_size=CHUNK)
+    tuned = save_st(tmp_path / "ft" / "model.safetensors", _epoch(3))
+    cid = overlay.commit(tuned, base="pretrained", base_repo=tmp_path / "base")
+    overlay.wait()
+    base_objects = set(base.store.iter_ids())
+    before = overlay.stats().stored_bytes
+    assert not set(overlay.store.iter_ids()) & base_objects
+    for run in (lambda: overlay.repack(), lambda: overlay.gc(repack=True)):
+        run()
+        assert not set(overlay.store.iter_ids()) & base_objects  # nothing of the base copied in
+        assert overlay.stats().stored_bytes <= before
+        assert overlay.fsck(read_data=True) == []
+        out = tmp_path / "out"
+        overlay.checkout(cid, out, force=True)
+        got = load_file(str(out / "model.safetensors"))
+        assert all(torch.equal(got[k], v) for k, v in load_file(str(tuned)).items())

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from ckstore.cli import main
-from ckstore.errors import InvalidInputError, NotFoundError
+from ckstore.errors import ForceRequiredError, InvalidInputError, NotFoundError
 from ckstore.repo import Repo
 from tests.helpers import object_file
 
@@ -68,15 +68,15 @@ CASES = [
     (
         "keep-best-min",
         None,
-        {"keep_best": 2, "metric": "loss"},
-        ["--keep-best", "2", "--metric", "loss"],
+        {"keep_best": 2, "metric": "loss", "force": True},  # m4's NaN loss cannot be ranked
+        ["--keep-best", "2", "--metric", "loss", "--force"],
         {"m9", "m11", "e10", "e11"} | TIPS_AND_TAG,
     ),
     (
         "keep-best-max",
         None,
-        {"keep_best": 2, "metric": "loss", "maximize": True},
-        ["--keep-best", "2", "--metric", "loss", "--max"],
+        {"keep_best": 2, "metric": "loss", "maximize": True, "force": True},
+        ["--keep-best", "2", "--metric", "loss", "--max", "--force"],
         {"m1", "m2"} | TIPS_AND_TAG,
     ),
     ("keep-every-position", None, {"keep_every": 4}, ["--keep-every", "4"], {"m4", "m8"} | TIPS_AND_TAG),
@@ -85,8 +85,8 @@ CASES = [
     (
         "combined",
         "epoch",
-        {"keep_last": 2, "keep_best": 1, "metric": "loss", "keep_every": 6},
-        ["--keep-last", "2", "--keep-best", "1", "--metric", "loss", "--keep-every", "6"],
+        {"keep_last": 2, "keep_best": 1, "metric": "loss", "keep_every": 6, "force": True},
+        ["--keep-last", "2", "--keep-best", "1", "--metric", "loss", "--keep-every", "6", "--force"],
         {"m11", "e11", "m9", "e10", "m6"} | TIPS_AND_TAG,
     ),
 ]
@@ -194,7 +194,7 @@ def test_keep_every_by_position_is_stable_across_gc_runs(tmp_path: Path) -> None
 
 def test_branch_tips_survive_a_policy_that_does_not_select_them(tmp_path: Path) -> None:
     repo, ids = scripted_run(tmp_path / "repo", counters=None)
-    report = repo.gc(keep_best=1, metric="loss")
+    report = repo.gc(keep_best=1, metric="loss", force=True)
     assert ids["m12"] not in report.pruned_commits and ids["e12"] not in report.pruned_commits
     assert repo.resolve("main") == ids["m12"] and repo.resolve("exp") == ids["e12"]
     assert repo.load_state("main")["own"].shape == (2048,)
@@ -238,3 +238,41 @@ def test_best_api_and_cli(tmp_path: Path) -> None:
     assert missing.exit_code != 0 and "accuracy" in missing.output and "Traceback" not in missing.output
     # The best commit is a resumable state.
     assert repo.load_state(repo.best("loss"))["epoch"] == 9
+
+
+def test_keep_best_by_a_metric_no_commit_records_is_an_error_that_deletes_nothing(tmp_path: Path) -> None:
+    """A misspelt metric (``loss-val``) ranks nothing: gc, its dry run and the CLI refuse with one
+    line naming the metrics commits record, and every commit and reflog entry stays."""
+    repo, ids = scripted_run(tmp_path / "repo", counters="step")
+    before = (set(repo.store.iter_ids()), repo.reflog())
+    for kwargs in ({}, {"dry_run": True}, {"force": True}):
+        with pytest.raises(NotFoundError, match="'loss-val'.*recorded: epoch, loss, step"):
+            repo.gc(keep_best=2, metric="loss-val", **kwargs)  # type: ignore[arg-type]
+    result = CliRunner().invoke(main, ["--repo", str(repo.path), "gc", "--keep-best", "2", "--metric", "loss-val"])
+    assert result.exit_code == 3 and "Traceback" not in result.output
+    assert result.output.count("\n") == 1 and "loss, step" in result.output
+    assert (set(repo.store.iter_ids()), repo.reflog()) == before
+
+
+def test_keep_best_refuses_to_delete_commits_it_cannot_rank_without_force(tmp_path: Path) -> None:
+    """Commits that record no value of the metric (m4's NaN, commits made before the metric was
+    logged) are not ranked: gc names how many it would delete that way and deletes nothing; the
+    dry run lists them; --force deletes exactly what the dry run listed."""
+    repo, ids = scripted_run(tmp_path / "repo", counters=None)
+    unlogged = repo.commit_state({"frozen": FROZEN, "own": torch.zeros(2048)}, message="no loss")
+    repo.commit_state({"frozen": FROZEN, "own": torch.ones(2048)}, metadata={"loss": 9.0}, message="tip")
+    before = set(repo.store.iter_ids())
+    with pytest.raises(ForceRequiredError, match="2 commit\\(s\\) that record no numeric 'loss'"):
+        repo.gc(keep_best=2, metric="loss")
+    result = CliRunner().invoke(main, ["--repo", str(repo.path), "gc", "--keep-best", "2", "--metric", "loss"])
+    assert result.exit_code == 6 and result.output.count("\n") == 1 and "--force" in result.output
+    assert set(repo.store.iter_ids()) == before
+    dry = repo.gc(keep_best=2, metric="loss", dry_run=True)
+    assert set(dry.unranked_commits) == {ids["m4"], unlogged}
+    shown = CliRunner().invoke(
+        main, ["--repo", str(repo.path), "gc", "--keep-best", "2", "--metric", "loss", "--dry-run"]
+    )
+    assert shown.exit_code == 0 and "2 commit(s) record no numeric 'loss'" in shown.output
+    real = repo.gc(keep_best=2, metric="loss", force=True)
+    assert real.pruned_commits == dry.pruned_commits and real.freed_bytes == dry.freed_bytes
+    assert not repo.store.has(unlogged) and not repo.store.has(ids["m4"])

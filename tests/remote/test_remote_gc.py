@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckstore.backend.fsio import process_owner
-from ckstore.errors import IntegrityError, LockedError
+from ckstore.errors import IntegrityError, LockedError, NotFoundError
 from ckstore.remote.gc import MTIME_RESOLUTION
 from ckstore.remote.layout import GC_LOCK_KEY, PACKS
 from ckstore.remote.names import open_remote
@@ -91,6 +91,23 @@ def test_retention_on_the_remote(tmp_path: Path, remote_url: tuple[str, str | No
     b, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
     assert b.fsck(read_data=True) == [] and [e.id for e in b.log()] == [ids[2]]
     assert_checks_out(b, "main", tmp_path / "out", tmp_path / "work" / "e3")
+
+
+def test_remote_keep_best_by_a_metric_no_commit_records_is_refused(
+    tmp_path: Path, remote_url: tuple[str, str | None]
+) -> None:
+    """A misspelt metric ranks nothing: remote gc refuses, naming the recorded metrics, and
+    neither condemns nor records anything."""
+    url, endpoint = remote_url
+    a = Repo.init(tmp_path / "a", chunk_size=64 << 10)
+    a.add_remote("origin", url, endpoint)
+    for e in range(1, 3):
+        a.commit(epoch_files(tmp_path / "work" / f"e{e}", e), message=f"epoch {e}", metadata={"val_loss": 1.0 / e})
+        a.push()
+    with pytest.raises(NotFoundError, match="'val-loss'.*recorded: val_loss"):
+        a.gc_remote(keep_best=1, metric="val-loss", grace=0)
+    remote = open_remote(open_context(a.path), "origin")
+    assert remote.read_pruned() == {} and not remote.read_condemned().packs
 
 
 def test_one_remote_gc_at_a_time(tmp_path: Path, remote_url: tuple[str, str | None]) -> None:
