@@ -48,6 +48,7 @@ from ckstore.format.pack import MAX_PACK_SIZE
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
 COMPACTION_LOCK_FILE = "compact.lock"
+CONFIG_LOCK_FILE = "config.lock"  # flock while config.json is read, changed and replaced
 COMPACTION_QUEUE_FOLDER = "compact-queue"  # one file per branch: flock while its compaction waits
 
 
@@ -423,6 +424,9 @@ class LocalBackend(StagingBackend):
 
     def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
         return self._flock(COMPACTION_LOCK_FILE, True, timeout, "another process is compacting this repository")
+
+    def config_lock(self, timeout: float) -> AbstractContextManager[None]:
+        return self._flock(CONFIG_LOCK_FILE, True, timeout, "another process is changing the repository settings")
 
     def compaction_place(self, key: str) -> int | None:
         """A descriptor holding ``key``'s place in line for a compaction (flock, exclusive, on
