@@ -348,7 +348,7 @@ class LocalBackend(StagingBackend):
         try:
             self._ensure_dir(path.parent)
             mutating_step()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 end = new_file_end = os.fstat(fd).st_size
                 if end and os.pread(fd, 1, end - 1) != b"\n":
@@ -436,7 +436,7 @@ class LocalBackend(StagingBackend):
         folder = self.root / COMPACTION_QUEUE_FOLDER
         try:
             folder.mkdir(exist_ok=True)
-            fd = os.open(folder / key, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(folder / key, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise storage_error(exc, f"opening {folder / key}") from None
         try:
@@ -463,7 +463,7 @@ class LocalBackend(StagingBackend):
     def _flock(self, name: str, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
         path = self.root / name
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise storage_error(exc, f"opening {path}") from None
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
