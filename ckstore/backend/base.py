@@ -110,7 +110,12 @@ class Backend(ABC):
         """Held by the one process that re-encodes chunks as reverse deltas (compact.py), so two
         compactions never pair the same two objects in opposite directions. Raises LockedError
         after ``timeout`` seconds."""
-        return _THREAD_LOCKS.hold(id(self), timeout)
+        return _THREAD_LOCKS.hold((id(self), "compaction"), timeout, "another compaction is running; try again later")
+
+    def config_lock(self, timeout: float) -> AbstractContextManager[None]:
+        """Held while the repository settings are read, changed and written back, across processes:
+        each change is made to the settings as they are now, never to a copy read earlier."""
+        return _THREAD_LOCKS.hold((id(self), "config"), timeout, "another process is changing the settings")
 
     def compaction_queued(self) -> bool:
         """Whether a compaction waits its turn in another process (only a local repository's do:
@@ -278,14 +283,14 @@ class _ThreadLocks:
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
-        self._locks: dict[int, threading.Lock] = {}
+        self._locks: dict[tuple[int, str], threading.Lock] = {}
 
     @contextmanager
-    def hold(self, key: int, timeout: float) -> Iterator[None]:
+    def hold(self, key: tuple[int, str], timeout: float, busy: str) -> Iterator[None]:
         with self._mutex:
             lock = self._locks.setdefault(key, threading.Lock())
         if not lock.acquire(timeout=timeout):
-            raise LockedError("another compaction is running; try again later")
+            raise LockedError(busy)
         try:
             yield
         finally:

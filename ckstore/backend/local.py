@@ -49,6 +49,7 @@ from ckstore.format.pack import MAX_PACK_SIZE
 TMP_DIR = "tmp"
 LOCK_FILE = "lock"
 COMPACTION_LOCK_FILE = "compact.lock"
+CONFIG_LOCK_FILE = "config.lock"  # flock while config.json is read, changed and replaced
 COMPACTION_QUEUE_FOLDER = "compact-queue"  # one file per branch: flock while its compaction waits
 # Space set aside for gc on a full disk (docs/format.md section 3): what gc writes before it
 # deletes (the pruned record, reflogs) must fit; a reflog line is ~150 bytes.
@@ -352,7 +353,7 @@ class LocalBackend(StagingBackend):
         try:
             self._ensure_dir(path.parent)
             mutating_step()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 end = new_file_end = os.fstat(fd).st_size
                 if end and os.pread(fd, 1, end - 1) != b"\n":
@@ -429,6 +430,9 @@ class LocalBackend(StagingBackend):
     def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
         return self._flock(COMPACTION_LOCK_FILE, True, timeout, "another process is compacting this repository")
 
+    def config_lock(self, timeout: float) -> AbstractContextManager[None]:
+        return self._flock(CONFIG_LOCK_FILE, True, timeout, "another process is changing the repository settings")
+
     def compaction_place(self, key: str) -> int | None:
         """A descriptor holding ``key``'s place in line for a compaction (flock, exclusive, on
         ``compact-queue/<key>``), or None when another holder has it: one waiting compaction per
@@ -437,7 +441,7 @@ class LocalBackend(StagingBackend):
         folder = self.root / COMPACTION_QUEUE_FOLDER
         try:
             folder.mkdir(exist_ok=True)
-            fd = os.open(folder / key, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(folder / key, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise storage_error(exc, f"opening {folder / key}") from None
         try:
@@ -464,7 +468,7 @@ class LocalBackend(StagingBackend):
     def _flock(self, name: str, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
         path = self.root / name
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise storage_error(exc, f"opening {path}") from None
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB

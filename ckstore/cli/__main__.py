@@ -1,3 +1,3 @@
-from ckstore.cli.base import run
+from ckstore.cli import run
 
 run()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 import click.shell_completion
 
+from ckstore.cli import EXIT_INTERRUPTED
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
 from ckstore.runtime.units import human  # noqa: F401  (the commands' one way to print sizes)
 
@@ -38,7 +39,6 @@ from ckstore.runtime.units import human  # noqa: F401  (the commands' one way to
 if TYPE_CHECKING:
     from ckstore.repo import ProgressBar, Repo
 
-EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141  # 128 + SIGPIPE
 
 
@@ -75,7 +75,8 @@ PROGRESS_DELAY = 0.5
 
 
 def progress_factory() -> Callable[[int, str], ProgressBar] | None:
-    if not sys.stderr.isatty():
+    # stderr is None when the command was started with that descriptor closed (cron, ``2>&-``).
+    if sys.stderr is None or not sys.stderr.isatty():
         return None
     return binary_bar
 

@@ -21,7 +21,9 @@ redoes what was left.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 import time
 import warnings
@@ -34,7 +36,8 @@ NICENESS = 10  # added to the child's priority: training's data loading comes fi
 # How long a detached compaction waits for the one before it (a big state compacts for minutes);
 # after that it leaves its work to the next commit's, losing nothing.
 LOCK_WAIT = 3600.0
-LOG_LIMIT = 1 << 20  # compact.log is started afresh beyond this size
+LOG_LIMIT = 1 << 20  # compact.log is rotated beyond this size
+ROTATED_LOG = COMPACTION_LOG + ".1"  # the log before the last rotation
 # glibc hands a freed block above its mmap threshold (128 KiB at start, rising to 32 MiB) back to
 # the kernel, and trims a thread's heap beyond 128 KiB free: compaction allocates and frees
 # chunk-sized buffers (1 MiB encodings, planes, decoded bytes) hundreds of times a run, and each
@@ -124,10 +127,26 @@ def _spawn(path: Path, branch: str, place: int) -> None:
 
 
 def _open_log(path: Path) -> int:
-    """A descriptor appending to the repository's compact.log (started afresh past LOG_LIMIT)."""
+    """A descriptor appending to the repository's compact.log. The name is opened without
+    following a symlink and must be a regular file: anyone who can write into a shared repository
+    could otherwise point it at a file of the committer's elsewhere. Past LOG_LIMIT the log is
+    rotated, renamed to compact.log.1 (replacing the one before), so its latest lines are kept."""
     log = path / COMPACTION_LOG
-    start_afresh = log.exists() and log.stat().st_size >= LOG_LIMIT
-    return os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if start_afresh else 0), 0o644)
+    fd = _open_regular(log)
+    if os.fstat(fd).st_size >= LOG_LIMIT:
+        os.close(fd)
+        os.replace(log, path / ROTATED_LOG)  # renames the name itself, never a symlink's target
+        fd = _open_regular(log)
+    return fd
+
+
+def _open_regular(log: Path) -> int:
+    # O_NONBLOCK: a FIFO planted under the name fails (ENXIO) instead of blocking the command.
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(log))
+    return fd
 
 
 def _fork(path: Path, branch: str, place: int) -> bool:

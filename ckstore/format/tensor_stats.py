@@ -286,5 +286,8 @@ def difference_sums(old: bytes | memoryview, new: bytes | memoryview, dtype: str
     # np.sum of squares. einsum, not np.dot, which may hand the sum to a threaded BLAS.
     a = as_numbers(old, dtype).astype(np.float64)
     d = as_numbers(new, dtype).astype(np.float64)
-    np.subtract(d, a, out=d)
-    return float(np.einsum("i,i->", d, d)), float(np.einsum("i,i->", a, a))
+    # A tensor holding inf or NaN has no finite change: the sums come out NaN or inf, which the
+    # figures report as such, without numpy's warning on stderr (inf - inf, squares past fp64).
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(d, a, out=d)
+        return float(np.einsum("i,i->", d, d)), float(np.einsum("i,i->", a, a))

@@ -43,7 +43,7 @@ from ckstore.remote.landing import Batches, Lander, read_objects
 from ckstore.remote.layout import Located, RemoteRepo, pack_key
 from ckstore.remote.names import add, open_remote, tracking_ref
 from ckstore.repository.context import RepoContext, init_context
-from ckstore.repository.reader import VerifiedReader, verified_commit
+from ckstore.repository.reader import VerifiedReader, bounded_file_list_reader, verified_commit
 from ckstore.repository.refs import DEFAULT_BRANCH, HEADS, REMOTES, TAGS, check_ref_name
 from ckstore.repository.store import ObjectStore, object_key
 from ckstore.repository.writing import writing
@@ -109,8 +109,8 @@ def file_list_reader(store: ObjectStore, remote: RemoteRepo, where: Mapping[str,
             raise ObjectMissingError(f"object {oid}{context} is in no pack on remote {remote.name}")
         return next(iter(read_objects(remote, where, [oid])))[2]
 
-    reader = VerifiedReader(stored)
-    return lambda ref: reader.chunk(ref.id, ref.size, " (a file list piece)")
+    context = " (a file list piece)"
+    return bounded_file_list_reader(lambda piece: stored(piece, context), VerifiedReader(stored), context)
 
 
 def fetch_history(ctx: RepoContext, remote: RemoteRepo, tips: Sequence[ObjectId], report: FetchReport) -> set[ObjectId]:

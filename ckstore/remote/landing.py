@@ -233,9 +233,9 @@ class Lander:
             )
 
     def _fail(self, o: str, pack_id: str, reason: str) -> IntegrityError:
-        return IntegrityError(
-            f"object {o} is corrupt: {reason} (fetched from {self.remote.describe(pack_key(pack_id))})"
-        )
+        said = f"object {o} is corrupt: "
+        reason = reason.removeprefix(said)  # the reader's own error names the object already
+        return IntegrityError(f"{said}{reason} (fetched from {self.remote.describe(pack_key(pack_id))})")
 
     def _arrive(self, o: str, pack_id: str, data: bytes | memoryview) -> list[str]:
         """Hand one downloaded object to a worker, or park it until its bases are verified; the

@@ -17,7 +17,7 @@ from matplotlib import colormaps
 from matplotlib.colors import to_hex
 
 from ckstore.report import plots
-from ckstore.report.data import CommitRow, ReportData, group_change
+from ckstore.report.data import CommitRow, Metric, ReportData, group_change
 from ckstore.runtime.units import human as human_bytes
 from ckstore.version import __version__
 
@@ -155,6 +155,28 @@ def _flags(data: ReportData) -> str:
     )
 
 
+# Each metric plot costs about 0.1 s and 20 KB of page: per-layer metrics (hundreds of keys) or a
+# hostile manifest (10^6) would make the page take hours; the most recorded ones are plotted.
+MAX_METRIC_PLOTS = 24
+
+
+def plotted_metrics(metrics: Sequence[Metric]) -> list[Metric]:
+    """The metrics that get a plot: the MAX_METRIC_PLOTS recorded in the most commits (ties: in
+    the order the history first records them)."""
+    ranked = sorted(metrics, key=lambda m: -sum(v is not None for v in m.values))
+    keep = {id(m) for m in ranked[:MAX_METRIC_PLOTS]}
+    return [m for m in metrics if id(m) in keep]
+
+
+def metrics_left_out(metrics: Sequence[Metric]) -> str:
+    if len(metrics) <= MAX_METRIC_PLOTS:
+        return ""
+    plotted = {id(m) for m in plotted_metrics(metrics)}
+    rest = [m.name for m in metrics if id(m) not in plotted]
+    shown = ", ".join(escape(n) for n in rest[:20]) + (", …" if len(rest) > 20 else "")
+    return f"<p class=muted>{len(rest)} more metric(s) not plotted (recorded in fewer commits): {shown}</p>"
+
+
 def render(data: ReportData, refs: Sequence[str], location: str) -> str:
     labels = [f"{i} {r.id[:7]}" for i, r in enumerate(data.commits, 1)]
     ids = [r.id for r in data.commits]
@@ -162,8 +184,9 @@ def render(data: ReportData, refs: Sequence[str], location: str) -> str:
         "".join(
             f'<div class="plot" data-plot="metric" data-metric="{escape(m.name)}" data-best="{m.best}">'
             f"{plots.metric(m, labels, ids)}</div>"
-            for m in data.metrics
+            for m in plotted_metrics(data.metrics)
         )
+        + metrics_left_out(data.metrics)
         or "<p class=muted>No numeric metric is recorded in at least two commits' metadata.</p>"
     )
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -32,7 +32,7 @@ def _svg(fig: Figure, salt: str) -> str:
 def _commit_ticks(ax: matplotlib.axes.Axes, count: int, labels: Sequence[str]) -> None:
     step = max(1, math.ceil(count / 25))
     ticks = list(range(0, count, step))
-    ax.set_xticks([t + 0.5 for t in ticks], [labels[t] for t in ticks], rotation=90, fontsize=7)
+    ax.set_xticks([t + 0.5 for t in ticks], [labels[t] for t in ticks], rotation=90, fontsize=7, parse_math=False)
 
 
 def heatmap(data: ReportData, labels: Sequence[str]) -> str:
@@ -58,7 +58,7 @@ def heatmap(data: ReportData, labels: Sequence[str]) -> str:
     mesh = ax.pcolormesh(logged, cmap="magma_r", vmin=low, vmax=max(high, low + 1e-9), edgecolors="none")
     frozen = np.ma.masked_where(values != 0, np.zeros_like(values))
     ax.pcolormesh(frozen, cmap=ListedColormap(["#9ecae1"]), edgecolors="none")
-    ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7)
+    ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7, parse_math=False)  # names are not TeX
     ax.invert_yaxis()
     _commit_ticks(ax, n, labels)
     ax.set_xlabel("commit (oldest left); light blue: no change; blank: no parent to compare")
@@ -105,7 +105,7 @@ def metric(m: Metric, labels: Sequence[str], ids: Sequence[str]) -> str:
         linestyle="none",
         label=f"best ({'max' if m.maximize else 'min'}): {m.values[best]:.4g}",
     )
-    ax.set_title(m.name, fontsize=10)
+    ax.set_title(m.name, fontsize=10, parse_math=False)  # a metric name is not TeX
     ax.legend(fontsize=8)
     _commit_ticks(ax, len(labels), labels)
     return _svg(fig, f"metric-{m.name}")

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 import shlex
-import threading
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ckstore.backend.base import Backend
@@ -26,7 +25,9 @@ from ckstore.repository.refs import DEFAULT_BRANCH, RefStore
 from ckstore.repository.store import ObjectStore
 
 DEFAULT_DIR = ".ckstore"
-_UPGRADE_LOCK = threading.Lock()  # one format upgrade at a time in this process
+# How long a change of the settings waits for another one (each holds the lock for one small
+# read and one replace).
+CONFIG_LOCK_TIMEOUT = 60.0
 REPO_ENV = "CKSTORE_REPO"
 
 
@@ -98,20 +99,51 @@ class RepoContext:
     def upgrade(self, version: int) -> bool:
         """Raise a repository of format 2 or newer to at least ``version`` (config.json, durable)
         before something only that version defines is written; whether it is at ``version`` now.
-        One lock for every upgrade: a check and a write under separate locks let an upgrade to 4
-        (predicted deltas) that checked first land after one to 5 (packs), lowering the version
-        under objects that need 5."""
-        with _UPGRADE_LOCK:
-            if 2 <= self.config.version < version:
-                self.set_config(replace(self.config, version=version))
-            return self.config.version >= version
+        The version on disk decides, under the settings lock (``update_config``): an upgrade that
+        checked a copy read earlier could otherwise land after a higher one and lower the version
+        under objects that need it."""
+        if self.config.version >= version or self.config.version < 2:
+            return self.config.version >= version  # the version never goes down: no need to look
+        config = self.update_config(lambda now: replace(now, version=version) if 2 <= now.version < version else now)
+        return config.version >= version
 
     def set_config(self, config: RepoConfig) -> None:
-        """Replace the repository settings (they apply to objects written from now on)."""
+        """Change the repository settings to ``config`` (they apply to objects written from now
+        on). Only the settings in which ``config`` differs from this context's copy change: they
+        are applied to the settings on disk now, so a setting another process changed since this
+        one opened the repository is kept, and the version never goes down."""
         config.validate()
-        self.backend.replace(CONFIG_KEY, config.to_json())
-        self.config = config
-        self.store.settings = config.encoding
+        changed = {
+            f.name: getattr(config, f.name)
+            for f in fields(config)
+            if getattr(config, f.name) != getattr(self.config, f.name)
+        }
+        self.update_config(lambda now: replace(now, **changed))
+
+    def update_config(self, change: Callable[[RepoConfig], RepoConfig]) -> RepoConfig:
+        """Compare-and-swap of config.json: under the settings lock, read the settings on disk,
+        apply ``change`` and write the result back unless it is the same; the version is never
+        lowered. This context then uses the settings written (or found)."""
+        with self.backend.config_lock(CONFIG_LOCK_TIMEOUT):
+            now = self.read_config()
+            wanted = change(now)
+            wanted = replace(wanted, version=max(wanted.version, now.version))
+            wanted.validate()
+            if wanted != now:
+                self.backend.replace(CONFIG_KEY, wanted.to_json())
+        self.config = wanted
+        self.store.settings = wanted.encoding
+        return wanted
+
+    def read_config(self) -> RepoConfig:
+        """The settings as config.json holds them now."""
+        try:
+            data = self.backend.get(CONFIG_KEY)
+        except KeyError:
+            raise RepoNotFoundError(
+                f"{self.backend.describe(CONFIG_KEY)} is gone: the repository was removed"
+            ) from None
+        return RepoConfig.from_json(data, self.backend.describe(CONFIG_KEY))
 
 
 def open_context(

@@ -27,6 +27,7 @@ from ckstore.errors import (
 from ckstore.format.ids import ObjectId, is_id_prefix, is_object_id
 from ckstore.format.manifest import ChunkReader, Commit, ManifestFiles, decode_commit
 from ckstore.format.pruned import encode_pruned, parse_pruned
+from ckstore.repository.reader import bounded_file_list_reader
 from ckstore.repository.reflog import HEAD_LOG, Entry, head_view, nth_value
 from ckstore.repository.refs import HEAD, HEADS, REFS, REMOTES, TAGS, RefStore, ref_candidates
 from ckstore.repository.sources import NameSource
@@ -90,7 +91,10 @@ class CommitGraph:
     def file_list_reader(self, oid: str) -> ChunkReader:
         """How commit ``oid``'s file list is read when stored apart (format.md 5.3): verified
         chunks of this store (or a base repository's)."""
-        return lambda ref: self.store.get_chunk(ref.id, ref.size, f" (file list of commit {oid})")
+        context = f" (file list of commit {oid})"
+        return bounded_file_list_reader(
+            lambda piece: self.store.read_stored(piece, None, context), self.store.reader(), context
+        )
 
     def remember(self, oid: str, commit: Commit) -> None:
         self.cache[oid] = commit

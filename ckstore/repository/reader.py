@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from ckstore.codecs.objects import Kind, decode_view, parse_header
 from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
 from ckstore.format.ids import chunk_id, commit_id
+from ckstore.format.manifest import ChunkReader, ChunkRef
 
 if TYPE_CHECKING:
     import numpy as np
@@ -144,6 +145,42 @@ def check_manifest_size(stored_len: int, raw_len: int) -> None:
             f"manifest declares {raw_len} bytes from {stored_len} stored ones, "
             f"more than a real manifest can compress ({MANIFEST_RATIO}:1)"
         )
+
+
+class FileListBound:
+    """The manifest bound (``check_manifest_size``) over a version-4 file list, whose text is
+    stored apart in chunk "pieces" (docs/format.md 5.3): the pieces' declared lengths so far may
+    exceed MANIFEST_FREE only by MANIFEST_RATIO times their stored bytes. Checked from each
+    piece's stored bytes before it is decompressed, so a remote of a few KiB can no longer make a
+    reader decompress and parse a GiB of file list; writers store pieces to obey it (store.py)."""
+
+    def __init__(self) -> None:
+        self.declared = 0
+        self.stored = 0
+
+    def admit(self, stored_len: int, raw_len: int) -> None:
+        self.declared += raw_len
+        self.stored += stored_len
+        if not manifest_size_ok(self.stored, self.declared):
+            raise IntegrityError(
+                f"its file list declares {self.declared} bytes from {self.stored} stored ones, "
+                f"more than a real file list can compress ({MANIFEST_RATIO}:1)"
+            )
+
+
+def bounded_file_list_reader(
+    stored: Callable[[str], bytes | memoryview], reader: VerifiedReader, context: str
+) -> ChunkReader:
+    """Reads one commit's file-list pieces: each one's stored bytes (``stored``), admitted by the
+    commit's ``FileListBound``, then decoded and verified by ``reader``."""
+    bound = FileListBound()
+
+    def read(ref: ChunkRef) -> bytes | memoryview:
+        data = stored(ref.id)
+        bound.admit(len(data), ref.size)
+        return reader.chunk(ref.id, ref.size, context, data)
+
+    return read
 
 
 def verified_commit(oid: str, data: bytes | memoryview) -> bytes:

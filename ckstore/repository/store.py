@@ -35,6 +35,7 @@ from ckstore.errors import CkstoreError, IntegrityError, ObjectMissingError
 from ckstore.format.ids import ObjectId, chunk_id, commit_id, is_object_id, object_key
 from ckstore.format.settings import EncodingSettings
 from ckstore.repository.reader import (  # noqa: F401  (the limits are part of the store's face)
+    MANIFEST_RATIO,
     MAX_CHAIN_DEPTH,
     MAX_CHUNK_SIZE,
     MAX_COMMIT_SIZE,
@@ -125,7 +126,27 @@ class ObjectStore:
         data = encode(raw, kind, self.settings.zstd_level)
         if kind == Kind.COMMIT and not manifest_size_ok(len(data), len(raw)):
             # Compresses better than readers believe a manifest can: stored raw, readable by all.
-            data = HEADER.pack(MAGIC, OBJECT_VERSION, Kind.COMMIT, Encoding.RAW, 0, len(raw)) + bytes(raw)
+            data = _raw_object(Kind.COMMIT, raw)
+        return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
+
+    def put_file_list_piece(self, raw: bytes) -> PutResult:
+        """Store a piece of a version-4 file list as a plain chunk that keeps the file list within
+        the bound readers apply to it (reader.FileListBound): raw when it compresses better than
+        MANIFEST_RATIO:1 (a list of many files sharing the same chunks can). A copy of ours
+        stored smaller than that already (by a writer that did not check) is replaced by the raw
+        form; a base repository's copy is not ours to rewrite."""
+        oid = chunk_id(raw)
+        key = object_key(oid)
+        if self.has_durable(oid):
+            stored = self.stored_size(oid)
+            if stored is None or len(raw) <= MANIFEST_RATIO * stored:
+                return PutResult(oid, 0)
+            data = _raw_object(Kind.CHUNK, raw)
+            self.backend.replace(key, data)
+            return PutResult(oid, len(data) - stored)
+        data = encode(raw, Kind.CHUNK, self.settings.zstd_level)
+        if len(raw) > MANIFEST_RATIO * len(data):
+            data = _raw_object(Kind.CHUNK, raw)
         return PutResult(oid, len(data) if self.backend.put_new(key, data) else 0)
 
     def put_chunk(
@@ -399,3 +420,8 @@ class ObjectStore:
 
     def delete(self, oid: str) -> bool:
         return self.backend.delete(object_key(oid))
+
+
+def _raw_object(kind: Kind, raw: bytes | memoryview) -> bytes:
+    """An object of ``kind`` stored uncompressed (encoding raw): readable by every reader."""
+    return HEADER.pack(MAGIC, OBJECT_VERSION, kind, Encoding.RAW, 0, len(raw)) + bytes(raw)

@@ -41,6 +41,7 @@ from ckstore.errors import (
 
 SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 MIN_TORCH = (2, 6)
+_PICKLE_PROTO = b"\x80"  # pickle's PROTO opcode, first in every protocol 2+ pickle
 _ZIP_MAGIC = b"PK\x03\x04"  # torch's own _is_zipfile test: zip files start with a local header
 # torch's messages: "Unsupported global: GLOBAL foo.Bar was not an allowed global by default" and
 # "Trying to load unsupported GLOBAL posix.system whose module posix is blocked".
@@ -299,9 +300,14 @@ def load_checkpoint(path: Path) -> Any:
     torch = _torch()
     try:
         with open(path, "rb") as f:
-            is_zip = f.read(4) == _ZIP_MAGIC
+            magic = f.read(4)
     except OSError as exc:
         raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    is_zip = magic == _ZIP_MAGIC
+    if not is_zip and not magic.startswith(_PICKLE_PROTO):
+        # torch.save writes a zip, or (the legacy format) a pickle of protocol 2 or later, which
+        # starts with the PROTO opcode: anything else is not a checkpoint, whatever torch says.
+        raise InvalidInputError(f"{path} is not a PyTorch checkpoint (neither a zip nor a pickle file)")
     import pickle
     import warnings
 

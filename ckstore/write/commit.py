@@ -174,7 +174,7 @@ def record_commit(
         if pieces:  # a large file list (format.md 5.3): its chunks are durable before the manifest
             with ctx.store.batch(sum(len(p) for _, p in pieces), len(pieces)) as view:
                 for _, piece in pieces:
-                    view.put_chunk(piece)
+                    view.put_file_list_piece(piece)
             commit = replace(commit, file_list=tuple(ref for ref, _ in pieces))
         oid = ctx.store.put_commit(manifest).id
         with interrupts_deferred():

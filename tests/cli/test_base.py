@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import struct
@@ -339,3 +340,50 @@ def test_ctrl_c_after_the_commit_is_printed_keeps_it_and_compaction_goes_on(tmp_
     assert done.returncode == 0
     assert "compacted 'main'" in (path / "compact.log").read_text()
     assert Repo(path).fsck() == []
+
+
+# ---- start-up and closed descriptors ----------------------------------------------------------
+
+# The console script's own first line, with a Ctrl-C that arrives while a given module is being
+# imported (deterministically: the import itself sends it).
+_INTERRUPTED_IMPORT = """
+import os, signal, sys
+module = sys.argv[1]
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == module:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["ckstore", *sys.argv[2:]]
+from ckstore.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize("module", ["click", "ckstore.cli.base"])
+def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(tmp_path: Path, module: str) -> None:
+    Repo.init(tmp_path / "repo")
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_IMPORT, module, "--repo", str(tmp_path / "repo"), "log"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stderr) == (130, "ckstore: interrupted\n"), proc.stderr
+
+
+def test_commands_work_with_stderr_closed(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    Repo.init(path, chunk_size=4096)
+    source = checkpoint(tmp_path / "a" / "model.safetensors", 0)
+    ck = f"{shlex.quote(sys.executable)} -m ckstore.cli --repo {shlex.quote(str(path))}"
+    commit = subprocess.run(
+        f"{ck} commit {shlex.quote(str(source))} -m e1 2>&-", shell=True, capture_output=True, text=True, timeout=300
+    )
+    assert commit.returncode == 0 and HEX64.fullmatch(commit.stdout.strip())
+    out = tmp_path / "out"
+    checkout = subprocess.run(f"{ck} checkout HEAD -o {shlex.quote(str(out))} 2>&-", shell=True, timeout=300)
+    assert checkout.returncode == 0 and sha256(out / "model.safetensors") == sha256(source)
+    assert Repo.find(path).resolve("HEAD") == commit.stdout.strip()

@@ -257,3 +257,16 @@ def test_difference_sums_are_the_float64_sums_of_the_exact_values(pairs: list[tu
     d = new32.astype(np.float64) - old32.astype(np.float64)
     assert change == pytest.approx(math.fsum(d * d), rel=1e-12)
     assert norm == pytest.approx(math.fsum(old32.astype(np.float64) ** 2), rel=1e-12)
+
+
+def test_difference_sums_of_tensors_holding_inf_and_nan_warn_nothing() -> None:
+    import warnings
+
+    from ckstore.format.tensor_stats import difference_sums
+
+    old = np.array([1.0, np.inf, np.nan, 3e300, 2.0], np.float64)
+    new = np.array([1.5, np.inf, 0.0, -3e300, 2.0], np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a raw numpy RuntimeWarning would reach the user's terminal
+        diff_sq, base_sq = difference_sums(old.tobytes(), new.tobytes(), "F64")
+    assert np.isnan(diff_sq) and np.isnan(base_sq)

@@ -264,3 +264,13 @@ def test_fetch_holds_decoded_bases_within_its_bound(tmp_path: Path) -> None:
     proc = _cli("clone", remote, tmp_path / "b")
     assert proc.returncode == 0, proc.stderr
     assert Repo(tmp_path / "b").fsck() == []
+
+
+def test_a_refused_fetched_object_is_named_once_in_the_message(tmp_path: Path) -> None:
+    zeros = bytes(MIB)
+    _, remote, _ = _pushed(tmp_path, {"zeros.bin": zeros})
+    planted = chunk_id(zeros)
+    _rewrite(remote, replace={planted: encode(b"\xff" * MIB, Kind.CHUNK, 3)})
+    proc = _cli("clone", remote, tmp_path / "clone")
+    line = assert_clean_error(proc, IntegrityError.exit_code, "do not hash to its name", "fetched from")
+    assert line.count(f"object {planted}") == 1 and line.count("is corrupt") == 1, line

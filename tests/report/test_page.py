@@ -200,3 +200,33 @@ def test_report_errors_are_one_line_and_leave_no_file(tmp_path: Path) -> None:
     result = runner.invoke(main, ["--repo", str(tmp_path / "r"), "report", "-o", str(tmp_path / "no" / "x.html")])
     assert result.exit_code != 0 and result.stderr.startswith("ckstore: ")
     assert not list(tmp_path.glob("*.html")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def _two_commits_with_metadata(root: Path, meta: list[str]) -> Path:
+    repo = root / "r"
+    Repo.init(repo, chunk_size=4096)
+    for epoch in (1, 2):
+        folder = root / f"e{epoch}"
+        folder.mkdir()
+        save_file({"m$x^2$.w": np.full(64, epoch, np.float32)}, str(folder / "model.safetensors"))
+        args = [a for kv in meta for a in ("--meta", kv.replace("VALUE", str(epoch)))]
+        _cli(repo, "commit", str(folder), "-m", f"e{epoch}", *args)
+    return repo
+
+
+def test_report_draws_names_holding_dollar_signs_as_text(tmp_path: Path) -> None:
+    repo = _two_commits_with_metadata(tmp_path, [r"x$\foo$=VALUE", "a$x^2$=VALUE"])
+    _cli(repo, "report", "-o", str(tmp_path / "r.html"))
+    page = (tmp_path / "r.html").read_text()
+    assert r'data-metric="x$\foo$"' in page and 'data-metric="a$x^2$"' in page
+
+
+def test_report_plots_a_bounded_number_of_metrics_and_names_the_rest(tmp_path: Path) -> None:
+    from ckstore.report.page import MAX_METRIC_PLOTS
+
+    keys = [f"layer{i:03d}_norm=VALUE" for i in range(MAX_METRIC_PLOTS + 40)]
+    repo = _two_commits_with_metadata(tmp_path, keys)
+    _cli(repo, "report", "-o", str(tmp_path / "r.html"))
+    page = (tmp_path / "r.html").read_text()
+    assert page.count('data-plot="metric"') == MAX_METRIC_PLOTS
+    assert "40 more metric(s) not plotted" in page

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckstore.codecs.objects import Encoding, Kind, encode, encode_chunk, parse_header
+from ckstore.codecs.objects import HEADER, MAGIC, OBJECT_VERSION, Encoding, Kind, encode, encode_chunk, parse_header
 from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
-from ckstore.format.ids import chunk_id, commit_id
+from ckstore.format.ids import chunk_id, commit_id, object_key
+from ckstore.format.manifest import canonical_json
+from ckstore.format.pack import PackBuilder
+from ckstore.remote.names import RemoteSpec, open_spec
+from ckstore.repo import Repo
 from ckstore.repository.reader import (
     MANIFEST_FREE,
     MAX_CHAIN_DEPTH,
@@ -20,6 +25,7 @@ from ckstore.repository.reader import (
     delta_closure,
     verified_commit,
 )
+from tests.reliability.helpers import assert_clean_error, run_cli
 
 SIZE = 4096
 
@@ -197,3 +203,86 @@ def test_a_corrupt_base_deep_in_a_chain_is_named_and_every_object_reported_is_ve
         ) as err:
             reader.chunk(top, SIZE)
         assert err.value.oid == middle
+
+
+# ---- file lists stored apart (version-4 manifests) -------------------------------------------
+
+
+def _zstd_chunk(raw: bytes) -> bytes:
+    """A chunk object (plain zstd) as any writer may store one, however well ``raw`` compresses."""
+    import zstandard
+
+    body = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
+    return HEADER.pack(MAGIC, OBJECT_VERSION, Kind.CHUNK, Encoding.ZSTD, 0, len(raw)) + body
+
+
+def _v4_manifest(pieces: list[tuple[str, int]]) -> bytes:
+    doc = {
+        "ckstore": 4,
+        "parents": [],
+        "time": "2026-01-01T00:00:00.000000+00:00",
+        "branch": "main",
+        "message": "file list bomb",
+        "metadata": {},
+        "provenance": {},
+        "logical_bytes": 0,
+        "added_bytes": 0,
+        "state": None,
+        "base": None,
+        "file_list": [[oid, size] for oid, size in pieces],
+    }
+    return canonical_json(doc)
+
+
+def _file_list_bomb(size: int) -> bytes:
+    """The text of a file list of ``size`` bytes that compresses about 10,000:1 and parses into
+    13 bytes of Python objects per byte: ``["ab","ab",…]``."""
+    n = (size - 2) // 5
+    return b"[" + b'"ab",' * (n - 1) + b'"ab"]'
+
+
+def test_a_file_list_that_compresses_like_a_bomb_is_refused_before_it_is_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = Repo.init(tmp_path / "repo")
+    text = _file_list_bomb(MANIFEST_FREE + (8 << 20))
+    piece = chunk_id(text)
+    repo.backend.put_new(object_key(piece), _zstd_chunk(text))
+    manifest = _v4_manifest([(piece, len(text))])
+    oid = repo.store.put_commit(manifest).id
+    repo.backend.replace("refs/heads/main", f"{oid}\n".encode())
+    decoded: list[int] = []
+    real = VerifiedReader.chunk
+    monkeypatch.setattr(
+        VerifiedReader, "chunk", lambda self, oid, size, *a, **k: decoded.append(size) or real(self, oid, size, *a, **k)
+    )
+    with pytest.raises(IntegrityError, match=r"file list declares .* more than a real file list can compress"):
+        Repo(tmp_path / "repo").read_commit(oid)
+    assert decoded == []  # refused from the piece's stored length alone
+
+
+def test_clone_of_a_remote_holding_a_file_list_bomb_is_refused_within_the_memory_limit(tmp_path: Path) -> None:
+    seed = Repo.init(tmp_path / "seed")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("seed\n")
+    seed.commit(tmp_path / "d", message="seed", branch="seed")
+    remote_dir = tmp_path / "remote"
+    assert run_cli("remote", "add", "origin", remote_dir, repo=tmp_path / "seed").returncode == 0
+    assert run_cli("push", "origin", "seed", repo=tmp_path / "seed").returncode == 0
+    text = _file_list_bomb(1 << 27)  # 128 MiB of text in about 13 KB: 1.7 GB once parsed
+    piece, piece_stored, size = chunk_id(text), _zstd_chunk(text), len(text)
+    del text
+    manifest = _v4_manifest([(piece, size)])
+    commit, commit_stored = commit_id(manifest), encode(manifest, Kind.COMMIT, 3)
+    remote = open_spec(RemoteSpec("origin", str(remote_dir)))
+    builder = PackBuilder()
+    parts: list[bytes | memoryview] = [builder.header]
+    for oid, stored in ((piece, piece_stored), (commit, commit_stored)):
+        builder.add(oid, stored)
+        parts.append(stored)
+    tail, index = builder.close()
+    remote.upload_pack(builder.pack_id, [*parts, tail], index.to_bytes)
+    _, token = remote.read_ref("refs/heads/main")
+    assert remote.swap_ref("refs/heads/main", commit, token)
+    proc = run_cli("clone", remote_dir, tmp_path / "clone", limit_memory=True, timeout=300)
+    assert_clean_error(proc, IntegrityError.exit_code, "more than a real file list can compress")

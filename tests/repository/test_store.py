@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
-from ckstore.codecs.objects import Kind
+from ckstore.codecs.objects import Encoding, Kind, parse_header
 from ckstore.errors import IntegrityError, ObjectMissingError
 from ckstore.format.ids import chunk_id
 from ckstore.format.manifest import Commit, encode_commit
+from ckstore.repo import Repo
 from ckstore.repository.store import ObjectStore, object_key
 from tests.helpers import flip_bit
 
@@ -267,3 +268,19 @@ def test_commits_among_many_objects_read_together_or_one_by_one(
     together = repo.store.commits_among(asked)
     monkeypatch.setattr(LocalBackend, "BULK_MIN", 10**9)
     assert together == repo.store.commits_among(asked) == {commit, loose_commit}
+
+
+def test_a_file_list_piece_that_compresses_too_well_is_stored_raw_and_reads_back(repo: Repo) -> None:
+    from ckstore.format.manifest import ChunkRef
+    from ckstore.repository.reader import MANIFEST_RATIO, bounded_file_list_reader
+
+    dense = b"[" + b'{"path":"same","kind":"blob","size":1,"chunks":[]},' * 400_000  # about 20 MiB, 1000:1 in zstd
+    plain = os.urandom(1 << 18).hex().encode()  # as random as chunk ids: about 2:1
+    for piece in (dense, plain):
+        put = repo.store.put_file_list_piece(piece)
+        stored = repo.store.stored_size(put.id)
+        assert stored is not None and len(piece) <= MANIFEST_RATIO * stored
+        read = bounded_file_list_reader(lambda oid: repo.store.read_raw(oid), repo.store.reader(), "")
+        assert bytes(read(ChunkRef(put.id, len(piece)))) == piece
+    assert parse_header(repo.store.read_raw(chunk_id(dense))).encoding == Encoding.RAW
+    assert parse_header(repo.store.read_raw(chunk_id(plain))).encoding != Encoding.RAW

@@ -408,3 +408,12 @@ def test_api_import_and_commit_state_take_a_start(repo: Repo, tmp_path: Path) ->
     torch.save(model_state(1), tmp_path / "a.pt")
     [imported] = repo.import_checkpoint(tmp_path / "a.pt", branch="imp", start="side")
     assert repo.read_commit(side).parents == (first,) and repo.read_commit(imported.commit).parents == (side,)
+
+
+@pytest.mark.parametrize("content", [b"hello\n", b"", b"\x00\x01garbage"])
+def test_import_of_a_file_that_is_no_checkpoint_says_so(cli: Cli, tmp_path: Path, content: bytes) -> None:
+    cli("init", str(tmp_path / "repo"), repo=False)
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(content)
+    result = cli("import", str(notes), code=5)
+    assert "is not a PyTorch checkpoint (neither a zip nor a pickle file)" in result.stderr
