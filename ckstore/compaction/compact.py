@@ -16,13 +16,11 @@ later. For each chunk position of the branch tip (paired with its parent's chunk
 2. a chunk stored provisionally by a fast commit is replaced by its best whole encoding (byte
    grouping): the parent's when no delta replaced it (where the last two runs found none, an
    AdamW first moment mostly, without trying again); the tip's only when the parent has it
-   too. The tip's new chunks stay as the commit stored them, in the commit's pack, which is
-   then left as it is: the next commit's compaction turns most of them into deltas and settles
-   the rest. Encoding them whole first was half of every run's CPU for nothing, and settling
-   the refused ones at the tip made the whole pack be rewritten into loose files every epoch
-   (~200 files and 150 MB at 0.27 GB, a third of a run's system time). Only the newest commit
-   holds fast-encoded chunks (1.5% more stored bytes at 0.27 GB fp32 until the next commit, or
-   ``repack``), and each chunk is re-encoded once.
+   too. The tip's other chunks wait, in the commit's pack, until the parent's deltas are
+   made: then, unless a newer commit has arrived meanwhile, they are settled too (tip.py), so a
+   run that stops is stored at its best without a ``repack``. A newer commit preempts that step
+   (the settled ones stay settled), and since its parent is settled already, its compaction
+   searches no whole encoding for the chunks that take no delta.
 
 Every replacement is decoded and re-hashed before it is staged, and all of a run's replacements
 are applied together after one durability barrier (``ObjectStore.batch``); an interrupted run
@@ -50,10 +48,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from ckstore.compaction.at_rest import record_at_rest
 from ckstore.compaction.encoding import HeaderCache, PairMemory, compact_chunk, small_position
 from ckstore.compaction.finished_pairs import is_finished, record_finished
 from ckstore.compaction.pairing import Job, Roles, Upgrade, plan_pair
 from ckstore.compaction.settled_raw import record_settled_raw, settled_raw
+from ckstore.compaction.tip import TipWatch, settle_tip
 from ckstore.format.manifest import Commit
 from ckstore.repository.change_record import Sums, TensorKey, comparable, write_changes
 from ckstore.repository.context import RepoContext
@@ -88,6 +88,7 @@ class CompactReport:
     predicted: int = 0  # of those, predicted deltas (codec encoding 4)
     recompressed: int = 0  # provisional chunks now in their best whole encoding
     saved: int = 0  # stored bytes freed
+    at_rest: bool = False  # the tip was settled too (no newer commit arrived meanwhile): at_rest.py
 
 
 def compact_branch(
@@ -151,6 +152,11 @@ def compact_branch(
                 with ctx.store.batch() as staged:
                     view = HeaderCache(staged, known_raw, found_raw, forget_parents=forget)
                     _run_pair(view, pairs[i], depth, Roles(newer), report, upgrade, pool, sums)
+            # Last, and only while no newer commit has arrived: the tip's own chunks (tip.py).
+            settled, freed, reached_all = settle_tip(
+                ctx, commits[0], TipWatch(ctx, branch, tip), pool, COMPACTION_WORKERS, known_raw, found_raw
+            )
+            report.recompressed, report.saved = report.recompressed + settled, report.saved + freed
         record_settled_raw(ctx.backend, ctx.store.settings, found_raw)  # as record_finished: after the batches
         if len(commits) > 1:
             record_finished(ctx.backend, tip, commits[0].parents[0])  # its replacements are durable
@@ -163,9 +169,12 @@ def compact_branch(
                 commits[1],
                 _tensor_sums(commits[0], commits[1], sums),
             )
+        if reached_all:
+            record_at_rest(ctx.backend, [tip])
+            report.at_rest = True
         # Packs that hold replaced objects are settled here, off the training loop's path: their
         # other large objects spread into loose files, small ones kept packed; a pack none of
-        # whose objects was replaced (the tip's, until the next run) stays (backend/local_settle.py).
+        # whose objects was replaced stays (backend/local_settle.py).
         ctx.backend.unpack(keep_clean=True)
         _warm_tip(ctx, commits[0])
     return report
