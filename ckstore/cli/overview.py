@@ -79,7 +79,7 @@ def status(repo: Repo, as_json: bool) -> None:
     if not s.at_rest:
         click.echo(
             "not yet at rest: the newest commits are not all in their best encoding yet"
-            + (" ('ckstore wait' waits for it)" if s.compaction_running else " ('ckstore repack' settles them now)")
+            + " ('ckstore wait' settles them now)"
         )
     free = (
         "unknown (a dependent repository cannot be opened)"

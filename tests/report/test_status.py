@@ -137,6 +137,6 @@ def test_a_store_whose_newest_commit_is_as_committed_is_not_at_rest_until_repack
         repo.commit([checkpoint(tmp_path / f"e{epoch}.safetensors", epoch, n=1 << 16)])
     assert _tip_encodings(repo) & {Encoding.ZSTD, Encoding.RAW}
     assert _json(tmp_path / "r")["at_rest"] is False
-    assert "not yet at rest" in _status(tmp_path / "r") and "'ckstore repack'" in _status(tmp_path / "r")
+    assert "not yet at rest" in _status(tmp_path / "r") and "'ckstore wait'" in _status(tmp_path / "r")
     repo.repack()
     assert _json(tmp_path / "r")["at_rest"] is True
