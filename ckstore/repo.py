@@ -210,12 +210,15 @@ class Repo:
 
     def wait_background(self, poll: float = 0.1) -> None:
         """``wait``, then wait until no compaction of this repository runs or waits, detached
-        ones included (``ckstore wait``)."""
+        ones included, then bring the current branch to rest (``ckstore wait``)."""
         import time
+
+        from ckstore.compaction.compact import settle_branch
 
         self.wait()
         while self.background_work().compaction_pending:
             time.sleep(poll)
+        settle_branch(self._ctx, self.head_branch)
 
     def set_config(self, config: RepoConfig) -> None:
         """Replace the repository settings (they apply to objects written from now on)."""
@@ -423,11 +426,12 @@ class Repo:
         self._work.wait()
 
     def compact(self, branch: str | None = None) -> CompactReport:
-        """Re-encode the tip of ``branch`` and its parent now (what runs after every commit)."""
+        """Re-encode the tip of ``branch`` and its parent now (what runs after every commit), and
+        settle the tip's own chunks: the branch is at rest after it."""
         from ckstore.compaction.compact import compact_branch
 
         branch = check_ref_name(self.head_branch if branch is None else branch, "branch name")
-        return compact_branch(self._ctx, branch)
+        return compact_branch(self._ctx, branch, settle=True)
 
     def load_state(
         self,

@@ -46,6 +46,9 @@ settings.register_profile("dev", deadline=None, print_blob=True)
 _CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _CI else "dev")
 settings.load_profile(PROFILE)
+# A detached compaction waits this long for a newer commit before settling the tip (minutes in
+# use): none of the suite's waits so, and none outlives its test (tests that time it set their own).
+os.environ["CKSTORE_QUIET_SECONDS"] = "0"
 
 
 def pytest_report_header() -> str:

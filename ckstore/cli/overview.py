@@ -27,6 +27,7 @@ def _status_json(s: Any) -> dict[str, Any]:
         "branch": s.branch,
         "head": s.head,
         "compaction_running": s.compaction_running,
+        "at_rest": s.at_rest,
         "logical_bytes": s.stats.logical_bytes,
         "stored_bytes": s.stats.stored_bytes,
         "commits": s.stats.commits,
@@ -75,6 +76,11 @@ def status(repo: Repo, as_json: bool) -> None:
         if s.compaction_running
         else "compaction: none running"
     )
+    if not s.at_rest:
+        click.echo(
+            "not yet at rest: the newest commits are not all in their best encoding yet"
+            + " ('ckstore wait' settles them now)"
+        )
     free = (
         "unknown (a dependent repository cannot be opened)"
         if s.stats.unreferenced_bytes is None

@@ -16,13 +16,12 @@ later. For each chunk position of the branch tip (paired with its parent's chunk
 2. a chunk stored provisionally by a fast commit is replaced by its best whole encoding (byte
    grouping): the parent's when no delta replaced it (where the last two runs found none, an
    AdamW first moment mostly, without trying again); the tip's only when the parent has it
-   too. The tip's new chunks stay as the commit stored them, in the commit's pack, which is
-   then left as it is: the next commit's compaction turns most of them into deltas and settles
-   the rest. Encoding them whole first was half of every run's CPU for nothing, and settling
-   the refused ones at the tip made the whole pack be rewritten into loose files every epoch
-   (~200 files and 150 MB at 0.27 GB, a third of a run's system time). Only the newest commit
-   holds fast-encoded chunks (1.5% more stored bytes at 0.27 GB fp32 until the next commit, or
-   ``repack``), and each chunk is re-encoded once.
+   too. The tip's other chunks stay as the commit stored them, in the commit's pack: the
+   next commit's compaction turns most of them into deltas and settles the rest, and encoding
+   them whole each epoch only to replace them one epoch later doubled a run's CPU (fp32_frozen
+   MiniLM epochs: 4.4x the save's CPU to 9.9x). They are settled once the branch is quiet
+   (tip.py): when ``ckstore wait`` asks for it (``settle_branch``), or when no newer commit has
+   arrived for ``detached.QUIET_SECONDS`` after a detached compaction; a newer commit preempts it.
 
 Every replacement is decoded and re-hashed before it is staged, and all of a run's replacements
 are applied together after one durability barrier (``ObjectStore.batch``); an interrupted run
@@ -50,10 +49,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from ckstore.compaction.at_rest import is_at_rest, record_at_rest
 from ckstore.compaction.encoding import HeaderCache, PairMemory, compact_chunk, small_position
 from ckstore.compaction.finished_pairs import is_finished, record_finished
 from ckstore.compaction.pairing import Job, Roles, Upgrade, plan_pair
 from ckstore.compaction.settled_raw import record_settled_raw, settled_raw
+from ckstore.compaction.tip import TipWatch, settle_tip
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.repository.change_record import Sums, TensorKey, comparable, write_changes
@@ -89,6 +90,7 @@ class CompactReport:
     predicted: int = 0  # of those, predicted deltas (codec encoding 4)
     recompressed: int = 0  # provisional chunks now in their best whole encoding
     saved: int = 0  # stored bytes freed
+    at_rest: bool = False  # the tip was settled too (no newer commit arrived meanwhile): at_rest.py
 
 
 def compact_branch(
@@ -96,10 +98,13 @@ def compact_branch(
     branch: str,
     lock_timeout: float = COMPACTION_LOCK_TIMEOUT,
     on_locked: Callable[[], object] | None = None,
+    settle: bool = False,
 ) -> CompactReport:
     """Compact the tip of ``branch`` against its parent, and the parent against its parent.
     ``on_locked`` is called once the compaction lock is held (a detached run leaves its place in
-    line then: detached.py)."""
+    line then: detached.py). ``settle``: then settle the tip's own chunks too, unless a newer
+    commit arrives meanwhile (tip.py; a pair an earlier run finished is not redone, so a run
+    after one without it only settles)."""
     report = CompactReport()
     depth = ctx.config.encoding.max_delta_depth
     # No automatic garbage collection while it runs (as a commit): its objects hold no cycles,
@@ -152,6 +157,13 @@ def compact_branch(
                 with ctx.store.batch() as staged:
                     view = HeaderCache(staged, known_raw, found_raw, forget_parents=forget)
                     _run_pair(view, pairs[i], depth, Roles(newer), report, upgrade, pool, sums)
+            # Last, and only while no newer commit has arrived: the tip's own chunks (tip.py).
+            reached_all = False
+            if settle:
+                settled, freed, reached_all = settle_tip(
+                    ctx, commits[0], TipWatch(ctx, branch, tip), pool, COMPACTION_WORKERS, known_raw, found_raw
+                )
+                report.recompressed, report.saved = report.recompressed + settled, report.saved + freed
         record_settled_raw(ctx.backend, ctx.store.settings, found_raw)  # as record_finished: after the batches
         if len(commits) > 1:
             record_finished(ctx.backend, tip, commits[0].parents[0])  # its replacements are durable
@@ -164,12 +176,24 @@ def compact_branch(
                 commits[1],
                 _tensor_sums(commits[0], commits[1], sums),
             )
+        if reached_all:
+            record_at_rest(ctx.backend, [tip])
+            report.at_rest = True
         # Packs that hold replaced objects are settled here, off the training loop's path: their
         # other large objects spread into loose files, small ones kept packed; a pack none of
-        # whose objects was replaced (the tip's, until the next run) stays (backend/local_settle.py).
+        # whose objects was replaced stays (backend/local_settle.py).
         ctx.backend.unpack(keep_clean=True)
         _warm_tip(ctx, commits[0])
     return report
+
+
+def settle_branch(ctx: RepoContext, branch: str) -> CompactReport | None:
+    """Bring ``branch`` to rest now: compact it (its pairs, when no earlier run finished them) and
+    settle its tip, unless its tip is recorded at rest already (None then)."""
+    tip = ctx.refs.read(HEADS + branch)
+    if tip is None or is_at_rest(ctx.backend, tip):
+        return None
+    return compact_branch(ctx, branch, settle=True)
 
 
 # The newest commit is read back into the page cache after its compaction when its stored bytes

@@ -28,8 +28,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckstore.errors import CkstoreError, CkstoreWarning
+
+if TYPE_CHECKING:
+    from ckstore.compaction.compact import CompactReport
+    from ckstore.repository.context import RepoContext
 
 COMPACTION_LOG = "compact.log"  # in the repository: what detached compactions did
 NICENESS = 10  # added to the child's priority: training's data loading comes first
@@ -38,6 +43,13 @@ NICENESS = 10  # added to the child's priority: training's data loading comes fi
 LOCK_WAIT = 3600.0
 LOG_LIMIT = 1 << 20  # compact.log is rotated beyond this size
 ROTATED_LOG = COMPACTION_LOG + ".1"  # the log before the last rotation
+# After its compaction, the process waits this long for a newer commit before it settles the tip's
+# own chunks (compact.py, tip.py): an epoch shorter than this leaves them to the next commit's
+# compaction, which makes most of them deltas, and the run's end settles them once. Settling
+# every epoch doubled the background CPU of an epoch (docs/benchmarks.md, "At rest").
+# CKSTORE_QUIET_SECONDS overrides it (the test suite sets 0: no process outlives a test by minutes).
+QUIET_SECONDS = 300.0
+QUIET_POLL = 1.0  # seconds between two reads of the branch's ref meanwhile
 # glibc hands a freed block above its mmap threshold (128 KiB at start, rising to 32 MiB) back to
 # the kernel, and trims a thread's heap beyond 128 KiB free: compaction allocates and frees
 # chunk-sized buffers (1 MiB encodings, planes, decoded bytes) hundreds of times a run, and each
@@ -262,6 +274,7 @@ def run(path: str, branch: str, place: int) -> int:
     keep_freed_memory()
     from ckstore.compaction.compact import compact_branch
     from ckstore.repository.context import open_context
+    from ckstore.repository.refs import HEADS
     from ckstore.runtime.pipeline import limit_workers
 
     limit_workers(workers())
@@ -275,17 +288,50 @@ def run(path: str, branch: str, place: int) -> int:
             _say(f"compacting {branch!r}")
 
         report = compact_branch(ctx, branch, lock_timeout=LOCK_WAIT, on_locked=locked)
+        _say(_report_text(branch, started, report))
+        tip = ctx.refs.read(HEADS + branch)
+        if tip is not None and _quiet(ctx, branch, tip):
+            _say(f"no commit on {branch!r} for {quiet_seconds():.0f} s: settling its newest commit")
+            started = time.monotonic()
+            report = compact_branch(ctx, branch, lock_timeout=LOCK_WAIT, settle=True)
+            _say(_report_text(branch, started, report))
     except CkstoreError as exc:
         _say(
             f"compacting {branch!r} failed ({exc}); every commit is intact, its chunks are only stored less"
             " compactly until the next commit's compaction or 'ckstore repack'"
         )
         return 1
-    _say(
+    return 0
+
+
+def _report_text(branch: str, started: float, report: CompactReport) -> str:
+    return (
         f"compacted {branch!r} in {time.monotonic() - started:.1f} s ({cpu_seconds():.2f} CPU s): {report.deltas}"
         f" delta(s) ({report.predicted} predicted), {report.recompressed} recompressed, {report.saved} bytes saved"
+        + (", at rest" if report.at_rest else "")
     )
-    return 0
+
+
+def _quiet(ctx: RepoContext, branch: str, tip: str) -> bool:
+    """Sleep until ``branch`` has kept ``tip`` for ``QUIET_SECONDS`` (True), or until a newer commit
+    arrives or something else brought ``tip`` to rest (False). Holds no lock meanwhile: gc, repack
+    and the newer commit's own compaction go on, and the sleep costs no CPU."""
+    from ckstore.compaction.at_rest import is_at_rest
+    from ckstore.repository.refs import HEADS
+
+    deadline = time.monotonic() + quiet_seconds()
+    while time.monotonic() < deadline:
+        time.sleep(min(QUIET_POLL, max(0.0, deadline - time.monotonic())))
+        if ctx.refs.read(HEADS + branch) != tip or is_at_rest(ctx.backend, tip):
+            return False
+    return ctx.refs.read(HEADS + branch) == tip and not is_at_rest(ctx.backend, tip)
+
+
+def quiet_seconds() -> float:
+    try:
+        return max(0.0, float(os.environ.get("CKSTORE_QUIET_SECONDS", QUIET_SECONDS)))
+    except ValueError:
+        return QUIET_SECONDS
 
 
 if __name__ == "__main__":

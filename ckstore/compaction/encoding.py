@@ -206,7 +206,7 @@ def compact_chunk(
             if not job.tip or not roles.recompress(slot.id):
                 return 0, 0, 0, 0
             raw = store.get_chunk(slot.id, slot.size)
-            return 0, 0, 1, _recompress(store, slot.id, raw, slot.width, even_if_larger=True)
+            return 0, 0, 1, recompress_whole(store, slot.id, raw, slot.width, even_if_larger=True)
         parent_header = _whole_header(store, job.parent, slot.size) if job.parent is not None else None
         if parent_header is None:
             # Already a delta (an earlier run, another branch, the same state saved again) or
@@ -243,7 +243,7 @@ def compact_chunk(
             recompressed += made.startswith("whole") and freed > 0
             predicted += made == "predicted"
         if provisional:
-            freed = _recompress(store, slot.id, raw, slot.width)
+            freed = recompress_whole(store, slot.id, raw, slot.width)
             recompressed, saved = recompressed + (freed > 0), saved + freed
         return deltas, predicted, recompressed, saved
     except CkstoreError:
@@ -311,7 +311,7 @@ def _settle_parent(store: HeaderCache, oid: ObjectId, header: ObjectHeader, slot
         return 0
     current, _ = read
     raw = bytes(store.reader().chunk(oid, slot.size, "", current))  # whole: no base read
-    return _recompress(store, oid, raw, slot.width, current=current, cached=False)
+    return recompress_whole(store, oid, raw, slot.width, current=current, cached=False)
 
 
 def _read_parent(store: HeaderCache, oid: ObjectId) -> tuple[bytes, ObjectHeader] | None:
@@ -417,7 +417,7 @@ def _reverse_delta(
         store.stage_replace(oid, best, cached=False)
         return whole, len(current) - len(best)
     if provisional and len(raw) > EXHAUSTIVE_MAX:
-        freed = _recompress(store, oid, raw, job.slot.width, current=current, cached=False)
+        freed = recompress_whole(store, oid, raw, job.slot.width, current=current, cached=False)
         return whole, freed
     return (whole if height + 1 <= depth else ""), 0
 
@@ -495,7 +495,7 @@ def _height(store: ObjectStore, oid: ObjectId, job: Job, depth: int) -> int:
     return max(above.values())
 
 
-def _recompress(
+def recompress_whole(
     store: HeaderCache,
     oid: ObjectId,
     raw: bytes,

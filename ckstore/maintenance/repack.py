@@ -27,6 +27,7 @@ from contextlib import closing
 from dataclasses import dataclass, replace
 
 from ckstore.codecs.objects import delta_bases, encode_chunk, parse_header
+from ckstore.compaction.at_rest import record_at_rest
 from ckstore.errors import CkstoreError
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import FileEntry
@@ -36,6 +37,7 @@ from ckstore.maintenance import sizes
 from ckstore.repository.context import RepoContext
 from ckstore.repository.graph import CommitGraph
 from ckstore.repository.reader import check_reencoded
+from ckstore.repository.refs import HEADS
 from ckstore.runtime.pipeline import ordered_map
 from ckstore.runtime.progress import ProgressFactory, watching
 
@@ -105,7 +107,11 @@ def repack(ctx: RepoContext, progress: ProgressFactory | None = None) -> RepackR
     with ctx.backend.exclusive_lock():
         started = time.time()
         ctx.backend.unpack()  # repack re-encodes loose objects in place (backend/local_packs.py)
-        report = repack_locked(ctx, ctx.graph.reachable_commits(), progress)
+        kept = ctx.graph.reachable_commits()
+        kept_set = set(kept)
+        report = repack_locked(ctx, kept, progress)
+        # Every kept commit is in its planned encoding now: the branch tips are at rest.
+        record_at_rest(ctx.backend, [oid for oid in ctx.refs.list(HEADS).values() if oid in kept_set])
         sizes.record_measured(ctx, started)  # status right after shows the new figures at once
         return report
 

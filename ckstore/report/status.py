@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ckstore.compaction.at_rest import is_at_rest
 from ckstore.errors import LockedError
 from ckstore.format.ids import ObjectId
 from ckstore.maintenance import sizes
@@ -46,6 +47,9 @@ class Status:
     tracking: list[TrackingStatus] = field(default_factory=list)
     stats_measured: float = 0.0  # when ``stats`` were measured (seconds since the epoch)
     stats_current: bool = True  # False: the repository changed since (``ckstore stats`` measures again)
+    # Every chunk of HEAD's commit and its parent in its best encoding (compaction/at_rest.py):
+    # False while a compaction runs, waits, or was cut short by a newer commit.
+    at_rest: bool = True
 
 
 # status measures storage itself when the last measurement took less than this (wall seconds).
@@ -112,14 +116,17 @@ def status(ctx: RepoContext, remotes: dict[str, str]) -> Status:
             ahead, behind = _counts(ctx, local, oid)
             tracking.append(TrackingStatus(name, remote_branch, oid, local, ahead, behind))
     figures, measured, current = _storage(ctx)
+    head = ctx.refs.read(HEADS + branch)
+    running = compaction_running(ctx)
     return Status(
         branch,
-        ctx.refs.read(HEADS + branch),
-        compaction_running(ctx),
+        head,
+        running,
         figures,
         bases,
         dict(remotes),
         tracking,
         measured,
         current,
+        at_rest=head is None or (not running and is_at_rest(ctx.backend, head)),
     )

@@ -52,14 +52,12 @@ def test_commit_stores_fast_and_compaction_makes_the_parent_deltas(tmp_path: Pat
     report = repo.compact()
     assert report.deltas > 0 and report.recompressed > 0 and report.saved > 0
     assert repo.stats().stored_bytes == stored_before - report.saved
-    # The parent's changed chunks are deltas of the tip's; the tip reads whole. The chunks it
-    # shares with its parent ("frozen") are byte-grouped now; its new ones stay as the commit
-    # stored them until the next commit's compaction (or repack) re-encodes them.
+    # The parent's changed chunks are deltas of the tip's; the tip reads whole, and once no
+    # newer commit has arrived its own chunks are in their best whole encoding too: at rest.
     assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, first))
     assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, second))
-    shared = set(_tensor_chunks(repo, first)) & set(_tensor_chunks(repo, second))
-    assert shared and {_encoding(repo, o) for o in shared} == {Encoding.GROUPED}
-    assert {_encoding(repo, o) for o in set(_tensor_chunks(repo, second)) - shared} <= {Encoding.ZSTD, Encoding.RAW}
+    assert {_encoding(repo, o) for o in _tensor_chunks(repo, second)} == {Encoding.GROUPED}
+    assert report.at_rest and repo.status().at_rest
     for oid, step in ((first, 0), (second, 1)):
         loaded = repo.load_state(oid)
         assert all(torch.equal(loaded[k], v) for k, v in _state(step).items())
@@ -67,12 +65,12 @@ def test_commit_stores_fast_and_compaction_makes_the_parent_deltas(tmp_path: Pat
     assert repo.compact().saved == 0  # nothing left to do: a second run only reads headers
 
 
-def test_each_chunk_is_re_encoded_at_most_once_and_settles_a_commit_later(
+def test_every_commit_the_newest_included_ends_in_its_best_encoding_each_chunk_re_encoded_at_most_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tip's new chunks are not encoded whole only to become deltas one commit later: over a
-    run of epochs every object is replaced at most once, and every commit but the newest ends in
-    its final encoding (deltas or byte-grouped, nothing left as the fast commit stored it)."""
+    """Over a run of epochs, each commit's chunks end as deltas or byte-grouped, the newest's too
+    (nothing left as the fast commit stored it), and an object is replaced at most twice: settled
+    whole while it is the tip, then made a delta by the next commit's compaction."""
     staged: list[str] = []
     original = ObjectStore.stage_replace
     monkeypatch.setattr(
@@ -82,22 +80,57 @@ def test_each_chunk_is_re_encoded_at_most_once_and_settles_a_commit_later(
     )
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     ids = [repo.commit_state(_state(s)) for s in range(4)]
-    repo.wait()
-    assert staged and len(staged) == len(set(staged))
-    for older in ids[:-1]:
-        for oid in _tensor_chunks(repo, older):
+    repo.wait_background()  # `ckstore wait`: the compactions, then the tip settled
+    assert staged and max(staged.count(o) for o in staged) <= 2
+    for commit in ids:
+        for oid in _tensor_chunks(repo, commit):
             assert repo.store.bases_of(oid) != () or _encoding(repo, oid) == Encoding.GROUPED
+    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, ids[-1]))
+    assert repo.status().at_rest
+    assert repo.fsck(read_data=True) == []
+
+
+def test_a_newer_commit_preempts_settling_the_tip_and_its_compaction_settles_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settling the tip stops at the first chunk after a newer commit has moved the branch: what it
+    re-encoded stays, the store is not at rest, and the newer commit's compaction finishes it."""
+    import ckstore.compaction.tip as tip
+
+    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    repo.compact_after_commit = False
+    repo.commit_state(_state(0))
+    second = repo.commit_state(_state(1))
+    original = tip.recompress_whole
+    calls: list[str] = []
+
+    def newer_commit_arrives(store: object, oid: str, *args: object, **kwargs: object) -> int:
+        calls.append(oid)
+        if len(calls) == 1:
+            repo.commit_state(_state(2))  # moves the branch while the tip is being settled
+        return original(store, oid, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tip, "recompress_whole", newer_commit_arrives)
+    report = repo.compact()
+    assert not report.at_rest and len(calls) <= 2  # the chunks already under way, no more
+    fast = {o for o in _tensor_chunks(repo, second) if _encoding(repo, o) in (Encoding.ZSTD, Encoding.RAW)}
+    assert fast and not repo.status().at_rest
+    monkeypatch.undo()
+    assert repo.compact().at_rest and repo.status().at_rest
+    assert all(repo.store.bases_of(o) != () or _encoding(repo, o) == Encoding.GROUPED for o in fast)
     assert repo.fsck(read_data=True) == []
 
 
 def test_repack_gives_the_newest_commit_its_best_whole_encoding_without_growing_the_store(tmp_path: Path) -> None:
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    repo.compact_after_commit = False  # nothing settles the commits but the repack
     ids = [repo.commit_state(_state(s)) for s in range(3)]
-    repo.wait()
-    assert {Encoding.ZSTD, Encoding.RAW} & {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])}  # left fast
+    assert {Encoding.ZSTD, Encoding.RAW} & {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])}
+    assert not repo.status().at_rest
     report = repo.repack()
     assert report.stored_bytes_after < report.stored_bytes_before
     assert {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])} == {Encoding.GROUPED}
+    assert repo.status().at_rest
     for oid, step in zip(ids, range(3)):
         assert all(torch.equal(repo.load_state(oid)[k], v) for k, v in _state(step).items())
 
@@ -161,7 +194,7 @@ def test_an_already_compacted_pair_is_a_no_op_that_reads_only_headers(
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     first = repo.commit_state(_state(0))
     repo.commit_state(_state(1))
-    repo.wait()
+    repo.wait_background()  # compacted and at rest
     repo.create_branch("again", first)
     repo.compact_after_commit = False
     repo.commit_state(_state(1), branch="again")
@@ -270,8 +303,9 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(
     """Once the last two runs found no delta paying at a position (the chunks there in the two
     commits below the parent settled whole), the next compaction does not try a delta of the
     parent's chunk again (neither as the tip's parent nor in the pair below), except the one chunk
-    in REFUSED_RETRY_ONE_IN that is retried in case deltas begin to pay there: it settles the
-    parent's chunk into its best whole encoding at once, and leaves the tip's as committed."""
+    in REFUSED_RETRY_ONE_IN that is retried in case deltas begin to pay there: the parent's chunk
+    is settled into its best whole encoding at once, and so is the tip's (an explicit compaction
+    brings the branch to rest)."""
     import ckstore.compaction.encoding as encoding
 
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
@@ -302,8 +336,8 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(
     assert [o for o in tried if o in refused] == retried
     below = chunks(grandparent, "exp_avg")
     assert [o for o in tried if o in below] == []  # the pair below: its own run finished it (finished_pairs.py)
-    assert {_encoding(repo, o) for o in refused} == {Encoding.GROUPED}  # settled without a delta tried
-    assert {_encoding(repo, o) for o in chunks(commit, "exp_avg")} <= {Encoding.RAW, Encoding.ZSTD}
+    assert {_encoding(repo, o) for o in refused} == {Encoding.GROUPED}  # still whole, no delta tried
+    assert {_encoding(repo, o) for o in chunks(commit, "exp_avg")} == {Encoding.GROUPED}
     assert all(torch.equal(repo.load_state(tip)[k], v) for k, v in _moment_state(3).items())
     assert repo.fsck(read_data=True) == []
 
@@ -474,12 +508,41 @@ def test_compaction_leaves_the_tip_in_the_page_cache_and_keeps_the_parent_out(tm
     parent_files = [repo.path / object_key(o) for o in _tensor_chunks(repo, first)]
     assert all(p.exists() for p in parent_files)  # the deltas are loose files now
     assert sum(cached_bytes(p) for p in parent_files) == 0
-    # Evicted after its compaction read it (the next run finds the pair done and reads nothing
-    # of it), the tip is read back in the background (an advice the kernel acts on later).
-    evict(tip_pack)
+    # Settled into loose files of their best whole encoding and evicted (the next run finds the
+    # pair done and reads nothing of it), the tip is read back in the background (an advice the
+    # kernel acts on later).
+    tip_files = [repo.path / object_key(o) for o in _tensor_chunks(repo, "HEAD")]
+    assert all(p.exists() for p in tip_files)
+    size = sum(p.stat().st_size for p in tip_files)
+    for p in tip_files:
+        evict(p)
     repo.compact()
     deadline = time.monotonic() + 10
-    while cached_bytes(tip_pack) < tip_pack.stat().st_size * 9 // 10 and time.monotonic() < deadline:
+    while sum(cached_bytes(p) for p in tip_files) < size * 9 // 10 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert cached_bytes(tip_pack) >= tip_pack.stat().st_size * 9 // 10
+    assert sum(cached_bytes(p) for p in tip_files) >= size * 9 // 10
     assert repo.fsck(read_data=True) == []
+
+
+def test_a_detached_compaction_settles_the_tip_once_the_branch_stays_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `ckstore commit` and nothing else (no `wait`), the detached compaction makes the
+    parent's deltas, waits for a newer commit, and settles the tip once none came."""
+    from ckstore.compaction.at_rest import is_at_rest
+
+    monkeypatch.setenv("CKSTORE_QUIET_SECONDS", "1")
+    Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    for step in range(2):
+        folder = tmp_path / f"epoch_{step}"
+        folder.mkdir()
+        save_file(_state(step), str(folder / f"model_epoch_{step}.safetensors"))
+        result = CliRunner().invoke(main, ["--repo", str(tmp_path / "repo"), "commit", str(folder)])
+        assert result.exit_code == 0, result.output
+    repo = Repo(tmp_path / "repo")
+    deadline = time.monotonic() + 60
+    while not is_at_rest(repo.backend, repo.resolve("HEAD")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert repo.status().at_rest
+    assert {_encoding(repo, o) for o in _tensor_chunks(repo, "HEAD")} == {Encoding.GROUPED}
+    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, "HEAD~1"))

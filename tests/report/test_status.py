@@ -96,3 +96,47 @@ def test_overlay_base_reachable_then_moved(tmp_path: Path) -> None:
 def test_outside_a_repository_is_a_one_line_error(tmp_path: Path, args: list[str]) -> None:
     result = CliRunner().invoke(main, ["--repo", str(tmp_path / "none"), *args], prog_name="ckstore")
     assert result.exit_code == 3 and len(result.stderr.strip().splitlines()) == 1
+
+
+def _tip_encodings(repo: Repo) -> set[int]:
+    """The encodings of the newest commit's chunks large enough to be re-encoded (64 KiB)."""
+    from ckstore.codecs.objects import parse_header
+
+    commit = repo.read_commit(repo.resolve("HEAD"))
+    chunks = [c for f in commit.files for t in f.tensors for c in t.chunks if c.size >= 1 << 16]
+    assert chunks
+    return {parse_header(repo.store.read_raw(c.id)).encoding for c in chunks}
+
+
+def test_after_the_readme_loop_and_wait_the_store_is_at_rest_newest_commit_included(tmp_path: Path) -> None:
+    """A `ckstore commit` per epoch (a file name per epoch), then `ckstore wait`: the newest
+    commit's chunks are in their best whole encoding (byte-grouped), not as the commit stored
+    them, with no repack, and status says the store is at rest."""
+    from ckstore.codecs.objects import Encoding
+
+    Repo.init(tmp_path / "r")
+    for epoch in range(2):
+        folder = tmp_path / f"epoch_{epoch}"
+        folder.mkdir()
+        checkpoint(folder / f"model_epoch_{epoch}.safetensors", epoch, n=1 << 16)
+        result = CliRunner().invoke(main, ["--repo", str(tmp_path / "r"), "commit", str(folder)])
+        assert result.exit_code == 0, result.output
+    assert CliRunner().invoke(main, ["--repo", str(tmp_path / "r"), "wait"]).exit_code == 0
+    repo = Repo(tmp_path / "r")
+    assert _tip_encodings(repo) <= {Encoding.GROUPED}
+    assert _json(tmp_path / "r")["at_rest"] is True
+    assert "not yet at rest" not in _status(tmp_path / "r")
+
+
+def test_a_store_whose_newest_commit_is_as_committed_is_not_at_rest_until_repack(tmp_path: Path) -> None:
+    from ckstore.codecs.objects import Encoding
+
+    repo = Repo.init(tmp_path / "r")
+    repo.compact_after_commit = False
+    for epoch in range(2):
+        repo.commit([checkpoint(tmp_path / f"e{epoch}.safetensors", epoch, n=1 << 16)])
+    assert _tip_encodings(repo) & {Encoding.ZSTD, Encoding.RAW}
+    assert _json(tmp_path / "r")["at_rest"] is False
+    assert "not yet at rest" in _status(tmp_path / "r") and "'ckstore wait'" in _status(tmp_path / "r")
+    repo.repack()
+    assert _json(tmp_path / "r")["at_rest"] is True
