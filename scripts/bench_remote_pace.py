@@ -1,0 +1,92 @@
+"""A remote fed by ``ckstore push`` alone: its bytes against the local repository's, per epoch.
+
+    python scripts/bench_remote_pace.py EPOCH_DIR... [--grace 2] [--kinds dir s3]
+
+Commits each epoch folder (model and optimizer safetensors, e.g. the all-MiniLM-L6-v2 fp32
+fine-tune epochs scripts/bench.py caches in WORK/checkpoints/s60/fp32_full/epochN) the way the
+CLI does (the compaction after each commit detached, so a push may run before it finished), and
+pushes after every commit; then ``ckstore wait`` and a push, and (the grace period later) one
+more push, which deletes what the last one found superseded. Prints the remote's bytes (every
+key: packs, indexes, refs, lists) over the local store's stored bytes after each push, for a
+folder remote and an S3 one (the bundled SeaweedFS server), with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ckstore.remote.names import open_remote  # noqa: E402
+from ckstore.repo import Repo  # noqa: E402
+from ckstore.repository.context import open_context  # noqa: E402
+from ckstore.transport.testserver import seaweedfs  # noqa: E402
+
+
+def remote_bytes(repo: Repo) -> int:
+    return sum(info.size for info in open_remote(open_context(repo.path)).transport.list(""))
+
+
+def load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run(kind: str, url: str, endpoint: str | None, epochs: list[Path], work: Path, grace: float) -> None:
+    repo = Repo.init(work / f"repo-{kind}")
+    repo.detach_compaction = True
+    repo.add_remote("origin", url, endpoint)
+
+    def show(label: str, seconds: float) -> None:
+        remote, local = remote_bytes(repo), repo.stats().stored_bytes
+        print(
+            f"{kind} {label}: remote {remote / 2**20:.1f} MiB / local {local / 2**20:.1f} MiB = {remote / local:.3f}x"
+            f" (push {seconds:.1f} s; load {load()})",
+            flush=True,
+        )
+
+    for n, folder in enumerate(epochs, 1):
+        repo.commit(folder, message=f"epoch {n}")
+        started = time.perf_counter()
+        repo.push(grace=grace)
+        show(f"epoch {n} pushed", time.perf_counter() - started)
+    repo.wait_background()
+    started = time.perf_counter()
+    repo.push(grace=grace)
+    show("after wait + push", time.perf_counter() - started)
+    time.sleep(grace + 0.5)
+    started = time.perf_counter()
+    repo.push(grace=grace)
+    show("a grace later, push", time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("epochs", nargs="+", type=Path)
+    parser.add_argument("--grace", type=float, default=2.0)
+    parser.add_argument("--kinds", nargs="+", default=["dir", "s3"], choices=["dir", "s3"])
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pace-"))
+    try:
+        print(f"{len(args.epochs)} epochs, grace {args.grace} s, load {load()}", flush=True)
+        if "dir" in args.kinds:
+            run("dir", str(work / "remote"), None, args.epochs, work, args.grace)
+        if "s3" in args.kinds:
+            (work / "server").mkdir()
+            with seaweedfs(work / "server") as server:
+                os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = (
+                    server.access_key,
+                    server.secret_key,
+                )
+                run("s3", f"s3://{server.bucket}/pace", server.endpoint, args.epochs, work, args.grace)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
