@@ -70,7 +70,12 @@ def main() -> None:
     parser.add_argument("epochs", nargs="+", type=Path)
     parser.add_argument("--grace", type=float, default=2.0)
     parser.add_argument("--kinds", nargs="+", default=["dir", "s3"], choices=["dir", "s3"])
+    parser.add_argument("--before", action="store_true", help="the baseline: push without supersession")
     args = parser.parse_args()
+    if args.before:
+        import ckstore.remote.supersede as supersession
+
+        supersession.supersede = lambda *_, **__: None
     work = Path(tempfile.mkdtemp(prefix="pace-"))
     try:
         print(f"{len(args.epochs)} epochs, grace {args.grace} s, load {load()}", flush=True)
