@@ -1,6 +1,6 @@
 """A remote fed by ``ckstore push`` alone: its bytes against the local repository's, per epoch.
 
-    python scripts/bench_remote_pace.py EPOCH_DIR... [--grace 2] [--kinds dir s3]
+    python scripts/bench_remote_pace.py EPOCH_DIR... | --stand-in N  [--grace 2] [--kinds dir s3] [--before]
 
 Commits each epoch folder (model and optimizer safetensors, e.g. the all-MiniLM-L6-v2 fp32
 fine-tune epochs scripts/bench.py caches in WORK/checkpoints/s60/fp32_full/epochN) the way the
@@ -65,9 +65,43 @@ def run(kind: str, url: str, endpoint: str | None, epochs: list[Path], work: Pat
     show("a grace later, push", time.perf_counter() - started)
 
 
+def stand_in_epochs(out: Path, epochs: int, steps: int = 60) -> list[Path]:
+    """A real but small AdamW fine-tune (an fp32 MLP 1024 -> 2048 -> 1024, ``steps`` steps an
+    epoch, 49 MB an epoch with both moments): epochs where training MiniLM for each is too slow."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 1024))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
+    x, y = torch.randn(32, 1024), torch.randn(32, 1024)
+    folders = []
+    for epoch in range(1, epochs + 1):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        folder = out / f"epoch{epoch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+            str(folder / "model.safetensors"),
+        )
+        moments = {}
+        for i, p in enumerate(model.parameters()):
+            moments[f"{i}.exp_avg"], moments[f"{i}.exp_avg_sq"] = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+        save_file({k: v.clone() for k, v in moments.items()}, str(folder / "optimizer.safetensors"))
+        folders.append(folder)
+    return folders
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("epochs", nargs="+", type=Path)
+    parser.add_argument("epochs", nargs="*", type=Path)
+    parser.add_argument(
+        "--stand-in", type=int, metavar="N", help="make N epochs of a small real AdamW fine-tune instead"
+    )
     parser.add_argument("--grace", type=float, default=2.0)
     parser.add_argument("--kinds", nargs="+", default=["dir", "s3"], choices=["dir", "s3"])
     parser.add_argument("--before", action="store_true", help="the baseline: push without supersession")
@@ -77,6 +111,10 @@ def main() -> None:
 
         supersession.supersede = lambda *_, **__: None
     work = Path(tempfile.mkdtemp(prefix="pace-"))
+    if args.stand_in:
+        args.epochs = stand_in_epochs(work / "epochs", args.stand_in)
+    if not args.epochs:
+        parser.error("give epoch folders or --stand-in N")
     try:
         print(f"{len(args.epochs)} epochs, grace {args.grace} s, load {load()}", flush=True)
         if "dir" in args.kinds:
