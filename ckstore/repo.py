@@ -734,14 +734,15 @@ class Repo:
         grace: float | None = None,
         progress: ProgressFactory | None = None,
     ) -> PushReport:
-        """Send ``refs`` (default: the current branch) and what they need to ``remote``; see push.py
-        (``target_size``: bytes per pack; ``grace``: seconds a condemned pack stays reachable)."""
+        """Send ``refs`` (default: the current branch) and what they need to ``remote``, then what
+        local compaction re-encoded since; see push.py and supersede.py (``target_size``: bytes
+        per pack; ``grace``: seconds a condemned pack stays reachable)."""
         from ckstore.format.pack import DEFAULT_TARGET_SIZE
         from ckstore.remote.layout import DEFAULT_GRACE
-        from ckstore.remote.push import push
+        from ckstore.remote.supersede import push_and_supersede
 
         self.wait()
-        return push(
+        return push_and_supersede(
             self._ctx,
             remote,
             refs,

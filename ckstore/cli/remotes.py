@@ -58,11 +58,20 @@ def remote_remove(repo: Repo, name: str) -> None:
 @click.argument("remote_name", metavar="[REMOTE]", required=False)
 @click.argument("refs", nargs=-1)
 @click.option("--force", is_flag=True, help="Overwrite remote branches that are not ancestors (and move tags).")
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="How long a pack this push finds superseded stays before a later push deletes it (default 3600).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_repo
-def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool, as_json: bool) -> None:
-    """Send REFs (default: the current branch) to REMOTE (default: origin), only what it lacks."""
-    r = repo.push(remote_name, list(refs), force=force, progress=progress_factory())
+def push(
+    repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool, grace: float | None, as_json: bool
+) -> None:
+    """Send REFs (default: the current branch) to REMOTE (default: origin), only what it lacks,
+    and what local compaction re-encoded smaller since (the copies it replaces go after --grace)."""
+    r = repo.push(remote_name, list(refs), force=force, grace=grace, progress=progress_factory())
     if as_json:
         print_json(
             {
@@ -72,6 +81,11 @@ def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool
                 "objects": r.objects,
                 "packs": r.packs,
                 "bytes": r.bytes,
+                "resent_objects": r.resent_objects,
+                "resent_bytes": r.resent_bytes,
+                "condemned": r.condemned,
+                "deleted": r.deleted,
+                "freed_bytes": r.freed_bytes,
             }
         )
         return
@@ -80,6 +94,11 @@ def push(repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool
     for ref in r.up_to_date:
         click.echo(f"{ref}: up to date")
     click.echo(f"sent {r.objects} object(s) in {r.packs} pack(s), {human(r.bytes)} to {r.remote}")
+    if r.resent_objects or r.condemned or r.deleted:
+        click.echo(
+            f"of which {r.resent_objects} object(s), {human(r.resent_bytes)}, smaller copies of what it held; "
+            f"{len(r.condemned)} superseded pack(s) condemned, {len(r.deleted)} deleted ({human(r.freed_bytes)} freed)"
+        )
 
 
 def _fetched(r: FetchReport) -> None:

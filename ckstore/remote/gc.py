@@ -251,3 +251,21 @@ def _settle(condemned: Condemned, deleted: set[str], fresh: list[str], now: floa
     for p in fresh:
         condemned.packs.setdefault(p, (now, False))
     return set()
+
+
+def condemn(remote: RemoteRepo, packs: set[str], now: float) -> None:
+    """Add ``packs`` to the condemned list, unclaimed, as of ``now`` (an entry already listed
+    keeps its older time): the first phase, the one a remote gc's mark takes."""
+    _update(remote, lambda c: _settle(c, set(), sorted(packs), now))
+
+
+def sweep(remote: RemoteRepo, pick: Callable[[Condemned], set[str]]) -> set[str]:
+    """The second phase: claim, by one compare-and-swap, the entries ``pick`` chooses from the
+    list as read at that moment, delete each one's index, then its pack, then drop the entries;
+    the packs deleted."""
+    claimed = _update(remote, pick)
+    for p in sorted(claimed):
+        remote.transport.delete(index_key(p))  # first: nothing names a pack that is going
+        remote.transport.delete(pack_key(p))
+    _update(remote, lambda c: _settle(c, claimed, [], time.time()))
+    return claimed

@@ -308,7 +308,7 @@ class RemoteRepo:
         remote gc's liveness all choose by this one rule, so a superseded pack is relied on by
         none of them and remote gc may drop it."""
         skip = set(exclude)
-        return _choose(((p, t) for p, t in self.catalogue(refresh=False).items() if p not in skip), set(avoid))
+        return choose_copies(((p, t) for p, t in self.catalogue(refresh=False).items() if p not in skip), set(avoid))
 
     def holdings(self, forget: Iterable[str] = (), condemned: Condemned | None = None) -> Holdings:
         """What the remote holds (the one definition): object id -> the copy to count on
@@ -395,7 +395,7 @@ class RemoteRepo:
             time.sleep(0.01)  # gc changed the list meanwhile: read it again
 
 
-def _choose(tables: Iterable[tuple[str, PackTable]], avoided: set[str]) -> dict[str, Located]:
+def choose_copies(tables: Iterable[tuple[str, PackTable]], avoided: set[str]) -> dict[str, Located]:
     """``RemoteRepo.locate`` over ``tables`` (pack id, table)."""
     copies: dict[str, list[Located]] = {}
     for pack_id, index in tables:
@@ -434,7 +434,7 @@ class Holdings(Mapping[str, Located]):
     def complete(self) -> dict[str, Located]:
         """Every object and its copy (what ``RemoteRepo.locate`` returns for these tables)."""
         if self._whole is None:
-            self._whole = _choose(self._tables, self._avoid)
+            self._whole = choose_copies(self._tables, self._avoid)
         return self._whole
 
     def _lookup(self, oid: str) -> Located | None:

@@ -52,7 +52,7 @@ from ckstore.repository.graph import kept_parents
 from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.refs import HEADS, REFS, REMOTES, TAGS
 from ckstore.repository.store import ObjectStore
-from ckstore.runtime.progress import ProgressFactory
+from ckstore.runtime.progress import ProgressFactory, watching
 
 UPLOAD_WORKERS = 4
 # Objects read and verified ahead of the pack being built (memory: this many stored objects).
@@ -70,6 +70,13 @@ class PushReport:
     packs: int = 0  # packs sent
     bytes: int = 0  # pack and index bytes sent
     pack_sizes: list[int] = field(default_factory=list)
+    sent_packs: list[str] = field(default_factory=list)  # ids of the packs sent
+    # Supersession by push (supersede.py): copies sent again smaller, packs condemned and deleted.
+    resent_objects: int = 0
+    resent_bytes: int = 0
+    condemned: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
 
 
 class FetchFirstError(RefChangedError):
@@ -134,6 +141,26 @@ def send_superseded(ctx: RepoContext, remote: RemoteRepo, target_size: int = DEF
     made markedly smaller (remote/repack.py); what was sent."""
     report = PushReport(remote.name)
     _send_missing(ctx, remote, [], target_size, report, resend=True)
+    return report
+
+
+def resend_superseded(
+    ctx: RepoContext,
+    remote: RemoteRepo,
+    target_size: int = DEFAULT_TARGET_SIZE,
+    report: PushReport | None = None,
+    progress: ProgressFactory | None = None,
+) -> PushReport:
+    """``send_superseded`` for a push, which a remote gc may run beside: every pack the new
+    copies' delta bases are in is taken off the condemned list afterwards, and when a sweep has
+    already claimed one, what that pack held is sent again (the bases must stay held)."""
+    report = PushReport(remote.name) if report is None else report
+    relied = _send_missing(ctx, remote, [], target_size, report, resend=True, progress=progress)
+    tables = dict(remote.catalogue(refresh=False))
+    while lost := remote.rescue(relied):
+        again = [e.id for p in sorted(lost) if p in tables for e in tables[p].entries if ctx.store.has(e.id)]
+        relied = _send_missing(ctx, remote, again, target_size, report, forget=lost)
+        tables = dict(remote.catalogue(refresh=False))
     return report
 
 
@@ -363,32 +390,27 @@ def _send_missing(
                 pool.shutdown(cancel_futures=True)
 
     # The bar's total is what the missing objects take here; delta bases found on the way add to it.
-    bar = (
-        progress(sum(store.stored_size(oid) or 0 for oid in missing), f"push {remote.name}")
-        if progress and missing
-        else None
-    )
-    try:
-        with PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads:
-            first_again = again[0] if again else None
-            for oid, data, digest in objects():
-                if oid == first_again:
-                    # Sent again as re-encoded, these are final; whatever else goes in this upload
-                    # may be superseded later: separate packs, so that a pack re-sent once is never
-                    # re-sent again.
-                    uploads.cut()
-                uploads.add(oid, data, digest)
-                if bar:
-                    bar.update(len(data))
-    finally:
-        if bar:
-            bar.close()
+    total = sum(store.stored_size(oid) or 0 for oid in missing) if progress and missing else 0
+    with (
+        watching(progress if missing else None, total, f"push {remote.name}") as advance,
+        PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads,
+    ):
+        first_again = again[0] if again else None
+        for oid, data, digest in objects():
+            if oid == first_again:
+                # Sent again as re-encoded, these are final; whatever else goes in this upload
+                # may be superseded later: separate packs, so that a pack re-sent once is never
+                # re-sent again.
+                uploads.cut()
+            uploads.add(oid, data, digest)
+            advance(len(data))
     for index in uploads.sent:
         relied.add(index.pack_id)
         report.packs += 1
         report.objects += len(index)
         report.bytes += index.pack_size + len(index.to_bytes())
         report.pack_sizes.append(index.pack_size)
+        report.sent_packs.append(index.pack_id)
     remote.catalogue()
     return relied
 

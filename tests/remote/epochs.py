@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.numpy import save_file
+from safetensors.torch import save_file as save_torch
 
 from ckstore.repo import Repo
 
@@ -54,3 +56,28 @@ def assert_checks_out(repo: Repo, ref: str, out: Path, epoch_folder: Path) -> No
     """``ref`` checks out byte-identical to the files committed from ``epoch_folder``."""
     repo.checkout(ref, out)
     assert digests(out) == digests(epoch_folder)
+
+
+def adamw_fine_tune(root: Path, epochs: int, steps: int = 4) -> list[Path]:
+    """Folders of a small real fine-tune, one an epoch: a two-layer MLP trained by torch's AdamW
+    ``steps`` steps an epoch on a fixed regression task, each folder holding what a training
+    script saves (the weights, AdamW's two moments per parameter), named per epoch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    x, y = torch.randn(64, 128), torch.randn(64, 128)
+    out = []
+    for epoch in range(1, epochs + 1):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+        for i, p in enumerate(model.parameters()):
+            tensors[f"optim.{i}.exp_avg"] = opt.state[p]["exp_avg"].clone()
+            tensors[f"optim.{i}.exp_avg_sq"] = opt.state[p]["exp_avg_sq"].clone()
+        folder = root / f"epoch{epoch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_torch(tensors, str(folder / f"epoch-{epoch}.safetensors"))
+        out.append(folder)
+    return out
