@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckstore.dcp.compaction import store_pieces
+from ckstore.dcp.location import CheckpointPath, checkpoint_path, repository_location
 from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
 from ckstore.format.dcp_record import piece_name, stored_dtype
@@ -65,7 +66,9 @@ from ckstore.format.manifest import FileEntry, canonical_json
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
+from ckstore.repository.branches import create
 from ckstore.repository.context import RepoContext, open_context
+from ckstore.repository.refs import HEADS, check_ref_name
 from ckstore.repository.writing import writing
 from ckstore.training.partial import LazyTensors
 from ckstore.write.commit import prepare_commit, record_commit
@@ -83,12 +86,14 @@ def rank_file(rank: int) -> str:
     return f"dcp/rank-{rank:05d}.safetensors"
 
 
-def _location(repo: Any) -> str | os.PathLike[str]:
-    """A repository path, or an object with a ``path`` (``ckstore.Repo``)."""
-    path = getattr(repo, "path", repo)
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidInputError("the repository must be given as a path on a shared file system")
-    return path
+def _target(checkpoint_id: str | os.PathLike[str], what: str) -> CheckpointPath:
+    found = checkpoint_path(checkpoint_id)
+    if found is None:
+        raise InvalidInputError(
+            f"checkpoint path {os.fspath(checkpoint_id)!r} is not in a ckstore repository (run 'ckstore init' "
+            f"there, or pass the repository to {what})"
+        )
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +108,15 @@ class _PlanInfo:
 class Writer(StorageWriter):
     """Save a DCP checkpoint as one commit on ``branch`` (default: the repository's HEAD branch).
 
+    ``repo`` may be left out when the call site passes ``checkpoint_id`` (``<repo>`` or
+    ``<repo>/<name>``, location.py), which also chooses the branch or tag the save names.
     After ``dcp.save`` returns, ``commit_id`` holds the new commit's id on the coordinator rank;
     every rank finds it in the returned metadata (``saved_commit(dcp.save(...))``).
     """
 
     def __init__(
         self,
-        repo: Any,
+        repo: Any = None,
         branch: str | None = None,
         message: str = "",
         metadata: Mapping[str, Any] | None = None,
@@ -117,7 +124,9 @@ class Writer(StorageWriter):
     ) -> None:
         super().__init__()
         self.lock_hold = lock_hold
-        self.location = _location(repo)
+        self.location = None if repo is None else repository_location(repo)
+        self._name: str | None = None  # the ref a checkpoint path named (location.py)
+        self._tag: str | None = None  # the tag the coordinator points at the commit, decided in planning
         self._request = prepare_commit(message, branch, metadata)  # refuses bad input before any save
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
@@ -139,6 +148,8 @@ class Writer(StorageWriter):
 
     def _context(self) -> RepoContext:
         if self._ctx is None:
+            if self.location is None:
+                raise InvalidInputError("ckstore.dcp.Writer: no repository (pass one, or a checkpoint_id to dcp.save)")
             self._ctx = open_context(self.location)
         return self._ctx
 
@@ -167,10 +178,18 @@ class Writer(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._release()  # a previous save that failed after planning
         self.commit_id = None
+        if checkpoint_id is None:
+            return  # the same place as before (DCP's older save_state_dict resets without one)
+        target = _target(checkpoint_id, "ckstore.dcp.Writer")
+        if target.name is not None:
+            check_ref_name(target.name, "checkpoint name")
+        if target.repo != self.location:
+            self._ctx = None
+        self.location, self._name = target.repo, target.name
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False  # a plain path is FileSystemWriter's; ckstore is chosen by passing a Writer
+        return checkpoint_path(checkpoint_id) is not None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._context()
@@ -180,7 +199,11 @@ class Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ctx = self._context()
-        branch = self._request.on_branch(ctx).branch
+        branch, self._tag = self._request.on_branch(ctx).branch, None
+        if self._name is not None and (self._name == self._request.branch or ctx.refs.read(HEADS + self._name)):
+            branch = self._name
+        elif self._name is not None:
+            self._tag = self._name
         assert branch is not None  # on_branch decided it
         self._hold(ctx)  # before any rank writes: see the module doc
         self._world, self._plan_branch = len(plans), branch
@@ -257,6 +280,8 @@ class Writer(StorageWriter):
                 # Recording the commit starts the compaction after it, on this process's background
                 # thread (dcp/compaction.py).
                 self.commit_id = record_commit(ctx, files, added, request, dcp=record)
+                if self._tag is not None:
+                    create(ctx, "tag", self._tag, self.commit_id, force=True)
             # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
             # so this is how the other ranks learn the commit.
             metadata.storage_data = {COMMIT_KEY: self.commit_id}
@@ -303,11 +328,16 @@ def _rank_files(items: list[Any]) -> list[FileEntry]:
 
 
 class Reader(StorageReader):
-    """Load a DCP checkpoint from the commit ``ref`` names (resolved once, on first use)."""
+    """Load a DCP checkpoint from the commit ``ref`` names (resolved once, on first use).
 
-    def __init__(self, repo: Any, ref: str = "HEAD") -> None:
+    ``repo`` may be left out when the call site passes ``checkpoint_id``: ``<repo>`` (HEAD) or
+    ``<repo>/<name>`` (a branch, tag or commit id; location.py); a checkpoint id that lies in
+    no repository is taken as a ref of ``repo``.
+    """
+
+    def __init__(self, repo: Any = None, ref: str = "HEAD") -> None:
         super().__init__()
-        self.location = _location(repo)
+        self.location = None if repo is None else repository_location(repo)
         self.ref = ref
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
@@ -322,16 +352,26 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.ref = str(checkpoint_id)  # dcp.load(checkpoint_id=REF, storage_reader=Reader(repo))
+            target = checkpoint_path(checkpoint_id)
+            if target is None and self.location is None:
+                target = _target(checkpoint_id, "ckstore.dcp.Reader")
+            if target is None:  # dcp.load(checkpoint_id=REF, storage_reader=Reader(repo))
+                self.ref = os.fspath(checkpoint_id)
+            else:
+                if target.repo != self.location:
+                    self._ctx = None
+                self.location, self.ref = target.repo, target.name or "HEAD"
         self.commit_id = None
         self._readers = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False
+        return checkpoint_path(checkpoint_id) is not None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._ctx is None:
+            if self.location is None:
+                raise InvalidInputError("ckstore.dcp.Reader: no repository (pass one, or a checkpoint_id to dcp.load)")
             self._ctx = open_context(self.location)
         if self.commit_id is None:
             self.commit_id = self._ctx.graph.resolve(self.ref)
