@@ -14,10 +14,11 @@ The coordinator holds the writers' locks (writing.py) from before any rank write
 plan goes out only after it is taken) until the ref has moved, so gc cannot delete a rank's
 objects between their write and the manifest that names them. Each rank also holds them while it
 writes. DCP has no abort callback, so a failed save never reaches ``finish``: the coordinator
-releases the lock when its own ``write_data`` fails, and in any case ``lock_hold`` seconds after
-planning (another rank's failure or death), so maintenance waits a bounded time (F13). ``finish``
-takes the locks again and checks, under them, that every object the ranks reported is here:
-a save that outlived the bound and lost objects to gc is refused, never recorded incomplete.
+releases the lock as soon as the save has failed on any rank, and in any case ``lock_hold``
+seconds after planning (a rank that died), so maintenance waits only while a save can still
+land (hold.py). ``finish`` takes the locks again and checks, under them, that every object the
+ranks reported is here: a save that outlived the bound and lost objects to gc is refused, never
+recorded incomplete.
 
 Pieces are named by fully qualified name and global offsets (``format.dcp_record.piece_name``), not
 by rank, so the next save finds each piece's predecessor wherever it was written: unchanged
@@ -37,9 +38,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import threading
 from collections.abc import Mapping
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -57,6 +56,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckstore.dcp.compaction import store_pieces
+from ckstore.dcp.hold import SaveHold
 from ckstore.dcp.location import CheckpointPath, checkpoint_path, repository_location
 from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
@@ -130,21 +130,19 @@ class Writer(StorageWriter):
         self._request = prepare_commit(message, branch, metadata)  # refuses bad input before any save
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
-        self._lock: ExitStack | None = None
-        self._lock_guard = threading.Lock()  # _release runs on the timer's thread too
-        self._lock_timer: threading.Timer | None = None
+        self._hold = SaveHold()
         self._world = 1
         self._plan_branch: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # async_save in a separate process pickles the writer
         state = dict(self.__dict__)
-        state["_ctx"], state["_lock"], state["_lock_timer"] = None, None, None
-        del state["_lock_guard"]
+        state["_ctx"] = None
+        del state["_hold"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock_guard = threading.Lock()
+        self._hold = SaveHold()
 
     def _context(self) -> RepoContext:
         if self._ctx is None:
@@ -153,30 +151,10 @@ class Writer(StorageWriter):
             self._ctx = open_context(self.location)
         return self._ctx
 
-    def _hold(self, ctx: RepoContext) -> None:
-        """Take the writers' locks until ``finish``, a failed write here, or ``lock_hold`` seconds."""
-        self._release()
-        held = ExitStack()
-        held.enter_context(writing(ctx))
-        timer = threading.Timer(self.lock_hold, self._release)
-        timer.daemon = True
-        with self._lock_guard:
-            self._lock, self._lock_timer = held, timer
-        timer.start()
-
-    def _release(self) -> None:
-        with self._lock_guard:
-            held, timer = self._lock, self._lock_timer
-            self._lock, self._lock_timer = None, None
-        if timer is not None:
-            timer.cancel()
-        if held is not None:
-            held.close()
-
     # ---- the StorageWriter protocol ------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._release()  # a previous save that failed after planning
+        self._hold.release()  # a previous save that failed after planning
         self.commit_id = None
         if checkpoint_id is None:
             return  # the same place as before (DCP's older save_state_dict resets without one)
@@ -205,7 +183,7 @@ class Writer(StorageWriter):
         elif self._name is not None:
             self._tag = self._name
         assert branch is not None  # on_branch decided it
-        self._hold(ctx)  # before any rank writes: see the module doc
+        self._hold.take(ctx, self.lock_hold)  # before any rank writes: see hold.py
         self._world, self._plan_branch = len(plans), branch
         return [dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch)) for i, p in enumerate(plans)]
 
@@ -213,7 +191,7 @@ class Writer(StorageWriter):
         try:
             return self._write_data(plan, planner)
         except BaseException:
-            self._release()  # on the coordinator: DCP will not call finish (F13)
+            self._hold.release()  # on the coordinator: DCP will not call finish
             raise
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -286,7 +264,7 @@ class Writer(StorageWriter):
             # so this is how the other ranks learn the commit.
             metadata.storage_data = {COMMIT_KEY: self.commit_id}
         finally:
-            self._release()
+            self._hold.release()
 
     def storage_meta(self) -> Any:
         return None
