@@ -43,6 +43,11 @@ def repository_location(repo: Any) -> str | os.PathLike[str]:
     path = getattr(repo, "path", repo)
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidInputError("the repository must be given as a path on a shared file system")
+    if "://" in os.fspath(path):
+        raise InvalidInputError(
+            f"{os.fspath(path)!r}: DCP saves go to a repository on a file system all ranks share, not to a "
+            "remote URL; save there and 'ckstore push' it to the remote"
+        )
     return path
 
 

@@ -98,3 +98,11 @@ def test_a_reader_given_a_repository_still_takes_a_ref_as_checkpoint_id(tmp_path
     _save(repo.path, 2.0)
     assert _load(oid, Reader(repo))["step"] == 1  # not a path: a revision of the Reader's repository
     assert _load("main~1", Reader(repo))["step"] == 1
+
+
+def test_a_remote_url_is_refused_before_any_save(tmp_path: Path) -> None:
+    for url in ("s3://bucket/runs/x", f"file://{tmp_path}"):
+        with pytest.raises(InvalidInputError, match="remote URL"):
+            Writer(url)
+        with pytest.raises(InvalidInputError, match="remote URL"):
+            Reader(url)
