@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -229,3 +231,23 @@ Cli = Callable[..., Result]
 def assert_one_line_error(stderr: str) -> None:
     assert stderr.startswith("ckstore: ") and stderr.count("\n") == 1, stderr
     assert "Traceback" not in stderr
+
+
+def torchrun_script(script: Path, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under ``torchrun --standalone`` with ``nproc`` ranks on this machine."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=env, check=False
+    )  # generous: CI shares 2 cores
+    if check and result.returncode != 0:
+        raise AssertionError(f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-12000:]}")
+    return result

@@ -1,17 +1,34 @@
 """Distributed checkpoints: ckstore as a torch.distributed.checkpoint storage backend.
 
 ``Writer`` and ``Reader`` (storage.py) import torch; they are loaded on first access so that
-importing this package for its torch-free parts (consolidate.py, used by checkout) stays light.
+importing this package for its torch-free parts stays light.
+
+Where a save or load goes (location.py): ``Writer(repo)`` / ``Reader(repo, ref=...)``, or a
+checkpoint path as DCP call sites pass it, ``dcp.save(state, checkpoint_id=PATH,
+storage_writer=Writer())`` and ``dcp.load(state, checkpoint_id=PATH, storage_reader=Reader())``:
+
+- ``PATH = <repo>``: the save commits on the current branch (or the Writer's ``branch``); the
+  load reads HEAD.
+- ``PATH = <repo>/<name>``: the save commits on branch ``<name>`` if it exists, else on the
+  current branch (or ``branch``) and points tag ``<name>`` at the commit, moving it if it
+  existed; the load reads ``<name>`` (branch, tag or commit id).
+
+``checkpoint_path(PATH)`` returns that reading (``CheckpointPath(repo, name)``, or None when no
+prefix of PATH is a repository) for managers that build on it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Reader", "Writer", "saved_commit", "wait_compaction"]
+__all__ = ["CheckpointPath", "Reader", "Writer", "checkpoint_path", "saved_commit", "wait_compaction"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("CheckpointPath", "checkpoint_path"):
+        from ckstore.dcp import location
+
+        return getattr(location, name)
     if name == "wait_compaction":
         from ckstore.dcp.compaction import wait_compaction
 

@@ -14,10 +14,11 @@ The coordinator holds the writers' locks (writing.py) from before any rank write
 plan goes out only after it is taken) until the ref has moved, so gc cannot delete a rank's
 objects between their write and the manifest that names them. Each rank also holds them while it
 writes. DCP has no abort callback, so a failed save never reaches ``finish``: the coordinator
-releases the lock when its own ``write_data`` fails, and in any case ``lock_hold`` seconds after
-planning (another rank's failure or death), so maintenance waits a bounded time. ``finish``
-takes the locks again and checks, under them, that every object the ranks reported is here:
-a save that outlived the bound and lost objects to gc is refused, never recorded incomplete.
+releases the lock as soon as the save has failed on any rank, and in any case ``lock_hold``
+seconds after planning (a rank that died), so maintenance waits only while a save can still
+land (hold.py). ``finish`` takes the locks again and checks, under them, that every object the
+ranks reported is here: a save that outlived the bound and lost objects to gc is refused, never
+recorded incomplete.
 
 Pieces are named by fully qualified name and global offsets (``format.dcp_record.piece_name``), not
 by rank, so the next save finds each piece's predecessor wherever it was written: unchanged
@@ -37,9 +38,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import threading
 from collections.abc import Mapping
-from contextlib import ExitStack
 from typing import Any, cast
 
 import torch
@@ -57,6 +56,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckstore.dcp.compaction import store_pieces
+from ckstore.dcp.hold import SaveHold
+from ckstore.dcp.location import CheckpointPath, checkpoint_path, repository_location
 from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
 from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
 from ckstore.format.dcp_record import piece_name, stored_dtype
@@ -65,7 +66,9 @@ from ckstore.format.manifest import FileEntry, canonical_json
 from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
+from ckstore.repository.branches import create
 from ckstore.repository.context import RepoContext, open_context
+from ckstore.repository.refs import HEADS, check_ref_name
 from ckstore.repository.writing import writing
 from ckstore.training.partial import LazyTensors
 from ckstore.write.commit import prepare_commit, record_commit
@@ -83,12 +86,14 @@ def rank_file(rank: int) -> str:
     return f"dcp/rank-{rank:05d}.safetensors"
 
 
-def _location(repo: Any) -> str | os.PathLike[str]:
-    """A repository path, or an object with a ``path`` (``ckstore.Repo``)."""
-    path = getattr(repo, "path", repo)
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidInputError("the repository must be given as a path on a shared file system")
-    return path
+def _target(checkpoint_id: str | os.PathLike[str], what: str) -> CheckpointPath:
+    found = checkpoint_path(checkpoint_id)
+    if found is None:
+        raise InvalidInputError(
+            f"checkpoint path {os.fspath(checkpoint_id)!r} is not in a ckstore repository (run 'ckstore init' "
+            f"there, or pass the repository to {what})"
+        )
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +108,15 @@ class _PlanInfo:
 class Writer(StorageWriter):
     """Save a DCP checkpoint as one commit on ``branch`` (default: the repository's HEAD branch).
 
+    ``repo`` may be left out when the call site passes ``checkpoint_id`` (``<repo>`` or
+    ``<repo>/<name>``, location.py), which also chooses the branch or tag the save names.
     After ``dcp.save`` returns, ``commit_id`` holds the new commit's id on the coordinator rank;
     every rank finds it in the returned metadata (``saved_commit(dcp.save(...))``).
     """
 
     def __init__(
         self,
-        repo: Any,
+        repo: Any = None,
         branch: str | None = None,
         message: str = "",
         metadata: Mapping[str, Any] | None = None,
@@ -117,60 +124,50 @@ class Writer(StorageWriter):
     ) -> None:
         super().__init__()
         self.lock_hold = lock_hold
-        self.location = _location(repo)
+        self.location = None if repo is None else repository_location(repo)
+        self._name: str | None = None  # the ref a checkpoint path named (location.py)
+        self._tag: str | None = None  # the tag the coordinator points at the commit, decided in planning
         self._request = prepare_commit(message, branch, metadata)  # refuses bad input before any save
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
-        self._lock: ExitStack | None = None
-        self._lock_guard = threading.Lock()  # _release runs on the timer's thread too
-        self._lock_timer: threading.Timer | None = None
+        self._hold = SaveHold()
         self._world = 1
         self._plan_branch: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # async_save in a separate process pickles the writer
         state = dict(self.__dict__)
-        state["_ctx"], state["_lock"], state["_lock_timer"] = None, None, None
-        del state["_lock_guard"]
+        state["_ctx"] = None
+        del state["_hold"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock_guard = threading.Lock()
+        self._hold = SaveHold()
 
     def _context(self) -> RepoContext:
         if self._ctx is None:
+            if self.location is None:
+                raise InvalidInputError("ckstore.dcp.Writer: no repository (pass one, or a checkpoint_id to dcp.save)")
             self._ctx = open_context(self.location)
         return self._ctx
-
-    def _hold(self, ctx: RepoContext) -> None:
-        """Take the writers' locks until ``finish``, a failed write here, or ``lock_hold`` seconds."""
-        self._release()
-        held = ExitStack()
-        held.enter_context(writing(ctx))
-        timer = threading.Timer(self.lock_hold, self._release)
-        timer.daemon = True
-        with self._lock_guard:
-            self._lock, self._lock_timer = held, timer
-        timer.start()
-
-    def _release(self) -> None:
-        with self._lock_guard:
-            held, timer = self._lock, self._lock_timer
-            self._lock, self._lock_timer = None, None
-        if timer is not None:
-            timer.cancel()
-        if held is not None:
-            held.close()
 
     # ---- the StorageWriter protocol ------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._release()  # a previous save that failed after planning
+        self._hold.release()  # a previous save that failed after planning
         self.commit_id = None
+        if checkpoint_id is None:
+            return  # the same place as before (DCP's older save_state_dict resets without one)
+        target = _target(checkpoint_id, "ckstore.dcp.Writer")
+        if target.name is not None:
+            check_ref_name(target.name, "checkpoint name")
+        if target.repo != self.location:
+            self._ctx = None
+        self.location, self._name = target.repo, target.name
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False  # a plain path is FileSystemWriter's; ckstore is chosen by passing a Writer
+        return checkpoint_path(checkpoint_id) is not None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._context()
@@ -180,9 +177,13 @@ class Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         ctx = self._context()
-        branch = self._request.on_branch(ctx).branch
+        branch, self._tag = self._request.on_branch(ctx).branch, None
+        if self._name is not None and (self._name == self._request.branch or ctx.refs.read(HEADS + self._name)):
+            branch = self._name
+        elif self._name is not None:
+            self._tag = self._name
         assert branch is not None  # on_branch decided it
-        self._hold(ctx)  # before any rank writes: see the module doc
+        self._hold.take(ctx, self.lock_hold)  # before any rank writes: see hold.py
         self._world, self._plan_branch = len(plans), branch
         return [dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch)) for i, p in enumerate(plans)]
 
@@ -190,7 +191,7 @@ class Writer(StorageWriter):
         try:
             return self._write_data(plan, planner)
         except BaseException:
-            self._release()  # on the coordinator: DCP will not call finish
+            self._hold.release()  # on the coordinator: DCP will not call finish
             raise
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -259,11 +260,13 @@ class Writer(StorageWriter):
                 # Recording the commit starts the compaction after it, on this process's background
                 # thread (dcp/compaction.py).
                 self.commit_id = record_commit(ctx, files, added, request, dcp=record)
+                if self._tag is not None:
+                    create(ctx, "tag", self._tag, self.commit_id, force=True)
             # DCP hands the coordinator's metadata back to every rank as dcp.save's return value,
             # so this is how the other ranks learn the commit.
             metadata.storage_data = {COMMIT_KEY: self.commit_id}
         finally:
-            self._release()
+            self._hold.release()
 
     def storage_meta(self) -> Any:
         return None
@@ -306,11 +309,16 @@ def _rank_files(items: list[Any]) -> list[FileEntry]:
 
 
 class Reader(StorageReader):
-    """Load a DCP checkpoint from the commit ``ref`` names (resolved once, on first use)."""
+    """Load a DCP checkpoint from the commit ``ref`` names (resolved once, on first use).
 
-    def __init__(self, repo: Any, ref: str = "HEAD") -> None:
+    ``repo`` may be left out when the call site passes ``checkpoint_id``: ``<repo>`` (HEAD) or
+    ``<repo>/<name>`` (a branch, tag or commit id; location.py); a checkpoint id that lies in
+    no repository is taken as a ref of ``repo``.
+    """
+
+    def __init__(self, repo: Any = None, ref: str = "HEAD") -> None:
         super().__init__()
-        self.location = _location(repo)
+        self.location = None if repo is None else repository_location(repo)
         self.ref = ref
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
@@ -325,16 +333,26 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.ref = str(checkpoint_id)  # dcp.load(checkpoint_id=REF, storage_reader=Reader(repo))
+            target = checkpoint_path(checkpoint_id)
+            if target is None and self.location is None:
+                target = _target(checkpoint_id, "ckstore.dcp.Reader")
+            if target is None:  # dcp.load(checkpoint_id=REF, storage_reader=Reader(repo))
+                self.ref = os.fspath(checkpoint_id)
+            else:
+                if target.repo != self.location:
+                    self._ctx = None
+                self.location, self.ref = target.repo, target.name or "HEAD"
         self.commit_id = None
         self._readers = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False
+        return checkpoint_path(checkpoint_id) is not None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._ctx is None:
+            if self.location is None:
+                raise InvalidInputError("ckstore.dcp.Reader: no repository (pass one, or a checkpoint_id to dcp.load)")
             self._ctx = open_context(self.location)
         if self.commit_id is None:
             self.commit_id = self._ctx.graph.resolve(self.ref)

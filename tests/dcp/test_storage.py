@@ -20,27 +20,13 @@ from safetensors.torch import load_file
 import ckstore
 from ckstore.errors import IntegrityError, UnsupportedFormatError
 from ckstore.format.manifest import MANIFEST_VERSION, decode_commit, encode_commit
+from tests.helpers import torchrun_script
 
 WORKER = Path(__file__).parent / "worker.py"
 
 
 def torchrun(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(WORKER),
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env=env, check=False
-    )  # generous: CI shares 2 cores
-    if check and result.returncode != 0:
-        raise AssertionError(f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-12000:]}")
-    return result
+    return torchrun_script(WORKER, nproc, *args, check=check)
 
 
 def report(out: Path) -> dict[str, Any]:
@@ -457,6 +443,39 @@ def test_any_grid_of_pieces_is_an_exact_cover(grid: Any) -> None:
     pieces = [([b[0] for b in block], [b[1] - b[0] for b in block]) for block in itertools.product(*bounds)]
     doc, stored = _record_doc(list(shape), pieces)
     assert len(parse_record(doc, stored).tensors[0].pieces) == len(pieces)
+
+
+def test_a_large_valid_cover_is_checked_in_bounded_time() -> None:
+    """Column pieces split at a different row in every column (a disjoint, exact cover that kept
+    every piece in the sweep's active set): 40,000 pieces are checked in well under a second of
+    CPU, where comparing every pair took minutes."""
+    import time
+
+    from ckstore.format.dcp_record import parse_record
+
+    n = 20_000
+    pieces = [([i, i], [n - i, 1]) for i in range(n)] + [([0, i], [i, 1]) for i in range(1, n)]
+    doc, stored = _record_doc([n, n], pieces)
+    started = time.process_time()
+    assert len(parse_record(doc, stored).tensors[0].pieces) == len(pieces)
+    assert time.process_time() - started < 10  # about 0.5 s here; the pairwise check took > 5 min
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        # a pinwheel: disjoint and exact, but no cut along an axis separates it
+        [([0, 0], [1, 2]), ([0, 2], [2, 1]), ([1, 0], [2, 1]), ([2, 1], [1, 2]), ([1, 1], [1, 1])],
+        # two pieces overlapping in the middle, the volumes made up by a hole elsewhere
+        [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1])],
+    ],
+)
+def test_pieces_that_cuts_cannot_separate_are_refused(pieces: Any) -> None:
+    from ckstore.format.dcp_record import parse_record
+
+    doc, stored = _record_doc([3, 3], pieces)
+    with pytest.raises(IntegrityError, match="cuts along its axes"):
+        parse_record(doc, stored)
 
 
 def test_compaction_copies_no_step_s_weights_out_of_its_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -170,16 +170,23 @@ def main() -> None:
 
             ObjectStore.put_chunk = dying  # type: ignore[method-assign]
         dcp.save(state(model, opt, 0), storage_writer=ckstore.dcp.Writer(repo, branch=sys.argv[4]))
+    finish(report, out)
+
+
+def finish(report: object, out: str) -> None:
+    """Rank 0 writes ``report`` to OUT/report.json; then every rank leaves.
+
+    Every rank leaves together, and then leaves at once: twice in CI (never in 60 local runs, idle
+    or loaded) a rank aborted in native code as the process wound down ("terminate called
+    without an active exception", std::terminate from torch/gloo's teardown). Everything the
+    tests check is on disk by now; what the interpreter's finalization does to torch's native
+    threads is not ckstore's behaviour, and exiting without it keeps a teardown race in torch
+    from failing the suite. faulthandler names every thread's stack if it happens before.
+    """
     ckstore.dcp.wait_compaction()  # the coordinator's background compaction, before anything is torn down
-    if rank == 0:
+    if dist.get_rank() == 0:
         with open(os.path.join(out, "report.json"), "w") as f:
             json.dump(report, f)
-    # Every rank leaves together, and then leaves at once: twice in CI (never in 60 local runs, idle
-    # or loaded) a rank aborted in native code as the process wound down ("terminate called
-    # without an active exception", std::terminate from torch/gloo's teardown). Everything the
-    # tests check is on disk by now; what the interpreter's finalization does to torch's native
-    # threads is not ckstore's behaviour, and exiting without it keeps a teardown race in torch
-    # from failing the suite. faulthandler (above) names every thread's stack if it happens before.
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
