@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import time
 from collections import ChainMap
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, MutableMapping, Sequence
+from typing import cast
 
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.remote.gc import condemn, remote_bases, sweep
-from ckstore.remote.layout import DEFAULT_GRACE, Condemned, RemoteRepo, choose_copies
+from ckstore.remote.layout import DEFAULT_GRACE, Condemned, Located, RemoteRepo, choose_copies
 from ckstore.remote.names import open_remote
 from ckstore.remote.push import PushReport, push, resend_superseded
 from ckstore.repository.context import RepoContext
@@ -70,10 +71,10 @@ def supersede(
     report.resent_bytes += report.bytes - sent
     condemned = remote.read_condemned()
     tables = remote.catalogue(refresh=False)
-    sent = {oid for p in report.sent_packs if p in tables for oid in tables[p].ids()}
+    sent_ids = {oid for p in report.sent_packs if p in tables for oid in tables[p].ids()}
     # The packs holding an object sent here (the copies those sent again replace)
     others = [p for p, t in tables.items() if p not in condemned.packs and p not in report.sent_packs]
-    touched = [p for p in others if sent and len(tables[p].locate_many(sorted(sent))[0])]
+    touched = [p for p in others if sent_ids and len(tables[p].locate_many(sorted(sent_ids))[0])]
     fresh = set(_superseded(remote, condemned, touched))
     if fresh:
         condemn(remote, fresh, time.time())
@@ -100,7 +101,8 @@ def _superseded(remote: RemoteRepo, condemned: Condemned, candidates: Collection
         if pack_id in counted:
             continue
         # Delta bases may be anywhere: looked up one by one beyond the packs involved.
-        held = ChainMap(where, remote.holdings(claimed, condemned))
+        # Only looked up: a read-only mapping serves as ChainMap's second map.
+        held = ChainMap(where, cast(MutableMapping[str, Located], remote.holdings(claimed, condemned)))
         needs = remote_bases(remote, held, set(tables[pack_id].ids()))
         if any(oid not in held for oid in needs):
             continue  # a base no pack holds (damage): keep every copy there is
