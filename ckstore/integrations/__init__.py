@@ -2,6 +2,9 @@
 
 - ``ckstore.integrations.lightning``: ``CkstoreCheckpointIO``, a PyTorch Lightning CheckpointIO.
 - ``ckstore.integrations.hf``: ``CkstoreCallback``, a Hugging Face ``TrainerCallback``.
+- ``ckstore.integrations.accelerate``: ``CkstoreState``, ``save_state``/``load_state`` of an Accelerator.
+- ``ckstore.integrations.ray``: ``report``/``restore`` for Ray Train workers.
+- ``ckstore.integrations.torchtitan``: ``CkstoreCheckpointManager``, torchtitan's manager on ckstore.
 
 Without either framework, the whole integration is two lines in the loop::
 
@@ -14,10 +17,15 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Mapping
-from pathlib import PurePath
-from typing import Any
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckstore.maintenance.gc import GcReport
+    from ckstore.repo import Repo
 
 
 def plain(value: Any) -> Any:
@@ -42,6 +50,27 @@ def plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return plain(value.value)
     return value
+
+
+def open_repo(repo: Repo | str | os.PathLike[str]) -> Repo:
+    """``repo`` itself, or the repository at that path, created when nothing is there yet."""
+    from ckstore.repo import Repo
+
+    if isinstance(repo, Repo):
+        return repo
+    return Repo(repo) if Path(repo).exists() else Repo.init(repo)
+
+
+def keep_latest(repo: Repo, branch: str, count: int | None) -> GcReport | None:
+    """A training manager's "keep the newest ``count`` checkpoints" as ckstore retention: gc with
+    ``keep_last=count`` on ``branch`` alone (other branches, tags and what the reflog holds are
+    untouched). Runs only when the branch holds more than ``count`` commits, so a save under the
+    limit costs one short log walk; ``None`` or 0 (the managers' "keep everything") does nothing."""
+    if not count:
+        return None
+    if len(repo.log(branch, limit=count + 1)) <= count:
+        return None
+    return repo.gc(keep_last=count, branches=[branch])
 
 
 def scalar_metrics(values: Mapping[str, Any]) -> dict[str, float | int]:

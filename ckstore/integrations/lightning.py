@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
-from ckstore.integrations import plain, scalar_metrics
+from ckstore.integrations import open_repo, plain, scalar_metrics
 from ckstore.repo import Repo
 
 try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
@@ -81,7 +81,7 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self, repo: Repo | str | os.PathLike[str], branch: str | None = None, background: bool = False
     ) -> None:
         super().__init__()
-        self.repo = repo if isinstance(repo, Repo) else _open_or_init(repo)
+        self.repo = open_repo(repo)
         self.branch = branch
         self.background = background
         self.last_commit: str | None = None
@@ -135,8 +135,3 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
         self.repo.wait()
         if read_pointer(path) is not None:
             os.remove(path)
-
-
-def _open_or_init(path: str | os.PathLike[str]) -> Repo:
-    root = Path(path)
-    return Repo(root) if root.exists() else Repo.init(root)
