@@ -667,6 +667,7 @@ class Repo:
         metric: str | None = None,
         maximize: bool = False,
         keep_every: int | None = None,
+        branches: Sequence[str] | None = None,
         dry_run: bool = False,
         repack: bool = False,
         prune_now: bool = False,
@@ -679,11 +680,14 @@ class Repo:
         Commits that unexpired reflog entries name are kept (``prune_now``: expire every entry
         the refs no longer reach first). With ``repack``, kept objects are re-encoded first
         (newest commits whole, older ones deltas). A gc that would delete every commit needs ``force``.
+        ``branches`` applies the retention rules to those branches only; the others keep everything.
         """
         from ckstore.maintenance.gc import collect_garbage
         from ckstore.maintenance.retention import RetentionPolicy
 
-        policy = RetentionPolicy(keep_last, keep_best, metric, maximize, keep_every)
+        policy = RetentionPolicy(
+            keep_last, keep_best, metric, maximize, keep_every, None if branches is None else tuple(branches)
+        )
         self.wait()
         return collect_garbage(self._ctx, policy, dry_run, repack, prune_now, force, progress, notify)
 

@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 @click.option(
     "--keep-every", type=int, metavar="K", help="Keep every K-th commit (by step/epoch metadata, else position)."
 )
+@click.option(
+    "--branch",
+    "branches",
+    multiple=True,
+    metavar="NAME",
+    help="Apply the --keep-* options to branch NAME only (repeatable); other branches keep every commit.",
+)
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @click.option("--repack", is_flag=True, help="Re-encode the kept objects first (newest commits whole).")
 @click.option(
@@ -51,6 +58,7 @@ def gc(
     metric: str | None,
     maximize: bool,
     keep_every: int | None,
+    branches: tuple[str, ...],
     dry_run: bool,
     repack: bool,
     prune_now: bool,
@@ -68,7 +76,11 @@ def gc(
             raise InvalidInputError(f"{flag} must be at least 1")
     if keep_best is not None and not metric:
         raise InvalidInputError("--keep-best needs --metric NAME")
+    if branches and keep_last is None and keep_best is None and keep_every is None:
+        raise InvalidInputError("--branch limits a --keep-last, --keep-best or --keep-every option; give one")
     if remote_name is not None:
+        if branches:
+            raise InvalidInputError("--branch applies to local gc only, not with --remote")
         from ckstore.cli.remotes import report_remote_gc
 
         report_remote_gc(
@@ -93,6 +105,7 @@ def gc(
         metric=metric,
         maximize=maximize,
         keep_every=keep_every,
+        branches=branches or None,
         dry_run=dry_run,
         repack=repack,
         prune_now=prune_now,

@@ -52,11 +52,18 @@ def _counts(items: Iterable[str]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(Counter(items).items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def _group(name: str, tensors: list[TensorEntry]) -> TensorGroup:
-    leaves = [t.name.rsplit(".", 1)[-1] for t in tensors]
-    optimizer = name in _OPTIMIZER_NAMES or (
+def is_optimizer_state(name: str, leaves: Collection[str]) -> bool:
+    """Whether a group of tensors named ``name`` (its first name part) whose names end in
+    ``leaves`` is optimizer state: its name says so, or every leaf is what an optimizer keeps per
+    parameter and one of them is unmistakable (not just ``step``)."""
+    return name in _OPTIMIZER_NAMES or (
         all(leaf in _STATE_LEAVES for leaf in leaves) and any(leaf in _DISTINCT_LEAVES for leaf in leaves)
     )
+
+
+def _group(name: str, tensors: list[TensorEntry]) -> TensorGroup:
+    leaves = [t.name.rsplit(".", 1)[-1] for t in tensors]
+    optimizer = is_optimizer_state(name, leaves)
     return TensorGroup(
         name,
         len(tensors),

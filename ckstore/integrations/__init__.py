@@ -2,6 +2,9 @@
 
 - ``ckstore.integrations.lightning``: ``CkstoreCheckpointIO``, a PyTorch Lightning CheckpointIO.
 - ``ckstore.integrations.hf``: ``CkstoreCallback``, a Hugging Face ``TrainerCallback``.
+- ``ckstore.integrations.accelerate``: ``CkstoreState``, ``save_state``/``load_state`` of an Accelerator.
+- ``ckstore.integrations.ray``: ``report``/``restore`` for Ray Train workers.
+- ``ckstore.integrations.torchtitan``: ``CkstoreCheckpointManager``, torchtitan's manager on ckstore.
 
 Without either framework, the whole integration is two lines in the loop::
 
@@ -13,11 +16,20 @@ Without either framework, the whole integration is two lines in the loop::
 from __future__ import annotations
 
 import enum
+import json
 import math
+import os
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from pathlib import PurePath
-from typing import Any
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+from ckstore.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from ckstore.maintenance.gc import GcReport
+    from ckstore.repo import Repo
 
 
 def plain(value: Any) -> Any:
@@ -42,6 +54,63 @@ def plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return plain(value.value)
     return value
+
+
+POINTER_FORMAT = "ckstore-checkpoint"
+
+
+def write_pointer(path: str | os.PathLike[str], repo: Repo, commit: str) -> None:
+    """A small JSON file standing for ``commit``, written atomically where a manager expects a checkpoint file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": POINTER_FORMAT, "commit": commit, "repo": str(Path(repo.path).resolve()) if repo.path else None}
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.ckstore-tmp")
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, target)
+
+
+def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The pointer written by ``write_pointer``, or None when ``path`` is not one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4097)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    try:
+        doc = json.loads(head) if len(head) <= 4096 else None
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT or not isinstance(doc.get("commit"), str):
+        raise InvalidInputError(
+            f"{path} is not a ckstore checkpoint pointer (a torch.save file? ckstore never unpickles)"
+        )
+    return doc
+
+
+def open_repo(repo: Repo | str | os.PathLike[str]) -> Repo:
+    """``repo`` itself, or the repository at that path, created when nothing is there yet."""
+    from ckstore.repo import Repo
+
+    if isinstance(repo, Repo):
+        return repo
+    return Repo(repo) if Path(repo).exists() else Repo.init(repo)
+
+
+def keep_latest(
+    repo: Repo, branch: str, count: int | None, metric: str | None = None, maximize: bool = False
+) -> GcReport | None:
+    """A training manager's "keep ``count`` checkpoints" as ckstore retention: gc with
+    ``keep_last=count`` (or, given a ``metric``, ``keep_best=count`` by it) on ``branch`` alone;
+    other branches, tags, the branch's newest commit and what the reflog holds are untouched.
+    Runs only when the branch holds more than ``count`` commits, so a save under the limit costs
+    one short log walk; ``None`` or 0 (the managers' "keep everything") does nothing."""
+    if not count:
+        return None
+    if len(repo.log(branch, limit=count + 1)) <= count:
+        return None
+    if metric is not None:
+        return repo.gc(keep_best=count, metric=metric, maximize=maximize, branches=[branch])
+    return repo.gc(keep_last=count, branches=[branch])
 
 
 def scalar_metrics(values: Mapping[str, Any]) -> dict[str, float | int]:

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
-from ckstore.integrations import plain, scalar_metrics
+from ckstore.integrations import open_repo, plain, scalar_metrics
 from ckstore.repo import CommitHandle, Repo
 from ckstore.training.state import rng_state, set_rng_state
 
@@ -37,11 +36,7 @@ class CkstoreCallback(TrainerCallback):
     ) -> None:
         if on not in ("save", "epoch"):
             raise InvalidInputError("on must be 'save' or 'epoch'")
-        if isinstance(repo, Repo):
-            self.repo = repo
-        else:
-            root = Path(repo)
-            self.repo = Repo(root) if root.exists() else Repo.init(root)
+        self.repo = open_repo(repo)
         self.branch = branch
         self.on = on
         self.background = background  # the Trainer waits only for a copy of the tensors

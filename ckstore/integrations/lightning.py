@@ -16,16 +16,14 @@ it; free disk with ``ckstore gc --keep-last N`` / ``--keep-best N --metric NAME`
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
-from ckstore.integrations import plain, scalar_metrics
+from ckstore.integrations import open_repo, plain, read_pointer, scalar_metrics, write_pointer
 from ckstore.repo import CommitHandle, Repo
 
 try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
@@ -38,36 +36,6 @@ except ImportError:  # pragma: no cover - depends on what is installed
         raise MissingDependencyError(
             "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning"
         ) from None
-
-POINTER_FORMAT = "ckstore-checkpoint"
-
-
-def write_pointer(path: str | os.PathLike[str], repo: Repo, commit: str) -> None:
-    """A small JSON file standing for ``commit``, written atomically where Lightning expects a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"format": POINTER_FORMAT, "commit": commit, "repo": str(repo.path) if repo.path else None}
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.ckstore-tmp")
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, target)
-
-
-def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The pointer written by ``write_pointer``, or None when ``path`` is not one."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4097)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    try:
-        doc = json.loads(head) if len(head) <= 4096 else None
-    except (ValueError, UnicodeDecodeError):
-        doc = None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT or not isinstance(doc.get("commit"), str):
-        raise InvalidInputError(
-            f"{path} is not a ckstore checkpoint pointer (a torch.save file? ckstore never unpickles)"
-        )
-    return doc
 
 
 class CkstoreCheckpointIO(CheckpointIO):
@@ -82,7 +50,7 @@ class CkstoreCheckpointIO(CheckpointIO):
         self, repo: Repo | str | os.PathLike[str], branch: str | None = None, background: bool = False
     ) -> None:
         super().__init__()
-        self.repo = repo if isinstance(repo, Repo) else _open_or_init(repo)
+        self.repo = open_repo(repo)
         self.branch = branch
         self.background = background
         self.last_commit: str | None = None
@@ -136,8 +104,3 @@ class CkstoreCheckpointIO(CheckpointIO):
         self.repo.wait()
         if read_pointer(path) is not None:
             os.remove(path)
-
-
-def _open_or_init(path: str | os.PathLike[str]) -> Repo:
-    root = Path(path)
-    return Repo(root) if root.exists() else Repo.init(root)

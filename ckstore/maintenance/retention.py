@@ -4,7 +4,9 @@ A policy keeps the union of what each of its rules selects, per branch, plus eve
 every commit a remote-tracking ref names, and the newest commit of every branch (a branch name must keep resolving: resuming uses it):
 ``keep_last`` (the N newest), ``keep_best`` (the N with the best ``metric``), ``keep_every`` (each
 commit whose ``step`` — else ``epoch`` — metadata is a multiple of K, or, without those, every K-th
-commit counted from the oldest). A policy with no rule keeps everything reachable.
+commit counted from the oldest). A policy with no rule keeps everything reachable. With
+``branches`` the rules thin only those branches; every other branch keeps its whole history (a
+training manager's ``total_limit``/``keep_latest_k``/``num_to_keep`` is about its own run).
 
 Counting by position needs the whole history: once an earlier gc pruned a branch's old commits,
 the positions of the survivors are unknown, so there ``keep_every`` keeps every commit that has
@@ -31,6 +33,7 @@ class RetentionPolicy:
     metric: str | None = None
     maximize: bool = False
     keep_every: int | None = None
+    branches: tuple[str, ...] | None = None  # None: every branch
 
     def validate(self) -> None:
         for name in ("keep_last", "keep_best", "keep_every"):
@@ -39,6 +42,8 @@ class RetentionPolicy:
                 raise InvalidInputError(f"{name} must be at least 1")
         if self.keep_best is not None and not self.metric:
             raise InvalidInputError("keep_best needs a metric to rank commits by")
+        if self.branches is not None and not self.active:
+            raise InvalidInputError("branches limits a retention rule: give keep_last, keep_best or keep_every")
 
     @property
     def active(self) -> bool:
@@ -110,9 +115,17 @@ def select(graph: CommitGraph, policy: RetentionPolicy) -> Selection:
     histories = {}
     metrics: set[str] = set()
     ranked_any = policy.keep_best is None
-    for name, tip in graph.refs.list(HEADS).items():
+    heads = graph.refs.list(HEADS)
+    missing = sorted(set(policy.branches or ()) - set(heads))
+    if missing:
+        raise NotFoundError(f"no such branch: {missing[0]}")
+    for name, tip in heads.items():
         keep.add(tip)
-        history = histories[name] = log(graph, HEADS + name)
+        history = log(graph, HEADS + name)
+        if policy.branches is not None and name not in policy.branches:
+            keep.update(e.id for e in history)
+            continue
+        histories[name] = history
         if policy.keep_last is not None:
             keep.update(e.id for e in history[: policy.keep_last])
         if policy.keep_best is not None and policy.metric:

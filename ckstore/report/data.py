@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import Commit
 from ckstore.format.tensor_stats import TensorStats
-from ckstore.history.log import LogEntry, log, metric_value, stored_bytes
+from ckstore.history.log import LogEntry, metric_value, stored_bytes
 from ckstore.history.magnitude import commit_stats
 from ckstore.maintenance.gc import collect_garbage
 from ckstore.maintenance.retention import RetentionPolicy
 from ckstore.maintenance.sizes import CommitSizes, commit_sizes
+from ckstore.report.groups import Groups, TensorKey, group
+from ckstore.report.lanes import COUNTERS, Lane, counter_of, lanes
 from ckstore.repository.context import RepoContext
 from ckstore.repository.refs import HEADS, REMOTES, TAGS
 
-TensorKey = tuple[str, str]  # (file path, tensor name)
 # Metrics whose name says higher is better; every other metric is taken as lower-is-better (a loss).
 _HIGHER_IS_BETTER = re.compile(r"acc|f1|bleu|rouge|auc|score|precision|recall|reward|iou|map\b", re.I)
 EXPLODING = 10.0  # a norm this many times the tensor's first recorded norm
@@ -40,6 +41,8 @@ class CommitRow:
     stored_bytes: int  # on-disk size of every object this commit's files name
     torch_save_bytes: int  # estimate: what torch.save of its tensors would write
     stats: dict[TensorKey, TensorStats]
+    lane: str = ""  # the branch (lane) whose columns it is drawn in
+    label: str = ""  # its column label: lane, run counter or position, short id
 
 
 @dataclass(frozen=True)
@@ -51,17 +54,28 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class Series:
+    lane: str
+    ids: list[ObjectId]  # the lane's commits that record the metric, oldest first
+    x: list[float]  # their run counter (``Metric.x_label``) or position in the lane
+    values: list[float]
+    fork: int | None  # index of the lane's fork commit in this series, when it records the metric
+
+
+@dataclass(frozen=True)
 class Metric:
     name: str
     maximize: bool
-    values: list[float | None]  # per commit, in report order
+    series: list[Series]  # one curve per lane
     best: ObjectId
+    best_value: float
+    x_label: str  # "step", "epoch"… when every point records it, else "commit"
 
 
 @dataclass
 class ReportData:
-    commits: list[CommitRow]  # oldest first
-    groups: dict[str, list[TensorKey]]  # module prefix -> its tensors, in first-seen order
+    commits: list[CommitRow]  # lane by lane, each lane's own commits oldest first
+    groups: Groups  # heatmap and table rows: modules, optimizer state per parameter, counters
     metrics: list[Metric]
     flags: list[Flag]
     retention: list[tuple[str, int, int, int]]  # (policy, commits it deletes, bytes freed now, with --prune-now)
@@ -69,12 +83,7 @@ class ReportData:
     tags: dict[str, ObjectId] = field(default_factory=dict)
     tracking: dict[str, ObjectId] = field(default_factory=dict)  # REMOTE/BRANCH -> commit
     head: str = ""
-
-
-def module_of(name: str) -> str:
-    """A tensor's module: its name without the last component (``layers.0.attn.q.weight`` ->
-    ``layers.0.attn.q``); a name without dots is its own module."""
-    return name.rsplit(".", 1)[0] if "." in name else name
+    lanes: list[Lane] = field(default_factory=list)
 
 
 def torch_save_estimate(commit: Commit) -> int:
@@ -93,12 +102,10 @@ def torch_save_estimate(commit: Commit) -> int:
     return total + 512  # data.pkl framing, version, byteorder, end of central directory
 
 
-def _history(ctx: RepoContext, refs: Sequence[str]) -> list[LogEntry]:
-    seen: dict[ObjectId, LogEntry] = {}
-    for ref in refs:
-        for entry in log(ctx.graph, ref):
-            seen.setdefault(entry.id, entry)
-    return sorted(seen.values(), key=lambda e: (e.commit.timestamp, e.id))
+def _label(lane: Lane, entry: LogEntry) -> str:
+    counter = counter_of(entry)
+    where = f"{counter[0]} {counter[1]}" if counter else f"#{lane.position(entry.id)}"
+    return f"{lane.name} {where} {entry.id[:7]}"
 
 
 def _flags(rows: list[CommitRow]) -> list[Flag]:
@@ -138,22 +145,36 @@ def _flags(rows: list[CommitRow]) -> list[Flag]:
     return flags
 
 
-def _metrics(entries: list[LogEntry]) -> list[Metric]:
-    names: dict[str, int] = {}
-    for e in entries:
+def _x(lane: Lane, entry: LogEntry, x_label: str) -> float:
+    counter = counter_of(entry)
+    return float(counter[1]) if counter and x_label != "commit" else float(lane.position(entry.id))
+
+
+def _metrics(ways: list[Lane]) -> list[Metric]:
+    entries = {e.id: e for lane in ways for e in lane.history}
+    values: dict[str, dict[ObjectId, float]] = {}  # metric -> commit -> value
+    for e in entries.values():
         for key in e.commit.decoded_metadata():
-            if metric_value(e, key) is not None:
-                names[key] = names.get(key, 0) + 1
+            value = metric_value(e, key) if key not in COUNTERS else None
+            if value is not None:
+                values.setdefault(key, {})[e.id] = value
     out = []
-    for name, count in names.items():
-        if count < 2 or name in ("epoch", "step", "global_step"):
-            continue  # a counter, or a single point: no curve
+    for name, by_id in values.items():
+        if len(by_id) < 2:
+            continue  # a single point: no curve
         maximize = bool(_HIGHER_IS_BETTER.search(name))
-        values = [metric_value(e, name) for e in entries]
-        scored = [(v, i) for i, v in enumerate(values) if v is not None]
+        keys = {c[0] if (c := counter_of(entries[oid])) else None for oid in by_id}
+        named = {k for k in keys if k is not None}
+        x_label = next(iter(named)) if len(keys) == 1 and named else "commit"
+        series = []
+        for lane in ways:
+            mine = [e for e in lane.history if e.id in by_id]
+            fork = next((i for i, e in enumerate(mine) if e.id == lane.fork), None)
+            xs = [_x(lane, e, x_label) for e in mine]
+            series.append(Series(lane.name, [e.id for e in mine], xs, [by_id[e.id] for e in mine], fork))
         # Ties go to the newer commit, as ``ckstore best`` decides them.
-        best_index = max(scored, key=lambda p: (p[0] if maximize else -p[0], p[1]))[1]
-        out.append(Metric(name, maximize, values, entries[best_index].id))
+        top = max(by_id, key=lambda oid: (by_id[oid] if maximize else -by_id[oid], entries[oid].commit.timestamp))
+        out.append(Metric(name, maximize, series, top, by_id[top], str(x_label)))
     return out
 
 
@@ -181,10 +202,12 @@ def _retention(ctx: RepoContext, count: int, metrics: list[Metric]) -> list[tupl
 
 def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
     """Everything the report shows about the commits reachable from ``refs`` (default HEAD)."""
-    entries = _history(ctx, refs or ["HEAD"])
-    sizes = commit_sizes(ctx, [e.id for e in entries])
+    ways = lanes(ctx.graph, refs or ["HEAD"])
+    entries = {e.id: e for lane in ways for e in lane.history}
+    order = [(lane, entries[oid]) for lane in ways for oid in lane.own]
+    sizes = commit_sizes(ctx, [e.id for _, e in order])
     rows: list[CommitRow] = []
-    for e in entries:
+    for lane, e in order:
         parent = e.commit.parents[0] if e.commit.parents and ctx.store.has(e.commit.parents[0]) else None
         parent_commit = ctx.graph.read_commit(parent) if parent else None
         rows.append(
@@ -196,31 +219,29 @@ def gather(ctx: RepoContext, refs: Sequence[str]) -> ReportData:
                 stored_bytes(ctx.store, {c.id for c in e.commit.all_chunks()}),
                 torch_save_estimate(e.commit),
                 commit_stats(ctx.store, e.commit, parent_commit, (e.id, parent) if parent else None),
+                lane.name,
+                _label(lane, e),
             )
         )
-    groups: dict[str, list[TensorKey]] = {}
-    for row in rows:
-        for key in row.stats:
-            members = groups.setdefault(module_of(key[1]), [])
-            if key not in members:
-                members.append(key)
-    metrics = _metrics(entries)
+    metrics = _metrics(ways)
     return ReportData(
         rows,
-        groups,
+        group(r.commit for r in rows),
         metrics,
-        _flags(rows),
+        _flags(sorted(rows, key=lambda r: (r.commit.timestamp, r.id))),
         _retention(ctx, len(rows), metrics),
         branches=ctx.refs.list(HEADS),
         tags=ctx.refs.list(TAGS),
         tracking=ctx.refs.list(REMOTES),
         head=ctx.refs.head_branch(),
+        lanes=ways,
     )
 
 
 def group_change(rows: list[CommitRow], index: int, members: Sequence[TensorKey]) -> float | None:
     """A module's relative change at commit ``index``: ||Δ|| / ||parent|| over all its tensors
-    together (each tensor's ||Δ||² is its change² × its parent's norm²); None if any is unknown."""
+    together (each tensor's ||Δ||² is its change² × its parent's norm²); None if any is unknown.
+    Give it ``Groups.changing(members)``: a counter's change is no change of the module."""
     row = rows[index]
     parent = next((r for r in rows if r.id == row.parent), None)
     if parent is None:

@@ -9,7 +9,7 @@ per-tensor cells (the relative change ``diff --json`` reports as ``rel_l2``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from html import escape
 
@@ -18,6 +18,9 @@ from matplotlib.colors import to_hex
 
 from ckstore.report import plots
 from ckstore.report.data import CommitRow, Metric, ReportData, group_change
+from ckstore.report.groups import TensorKey
+from ckstore.report.lanes import Lane
+from ckstore.report.plots import OPTIMIZER_ROW
 from ckstore.runtime.units import human as human_bytes
 from ckstore.version import __version__
 
@@ -45,40 +48,61 @@ def _color(change: float | None, low: float, high: float) -> str:
 
 
 def _range(data: ReportData) -> tuple[float, float]:
-    logs = [math.log10(s.change) for r in data.commits for s in r.stats.values() if s.change]
+    counters = data.groups.counters
+    logs = [math.log10(s.change) for r in data.commits for k, s in r.stats.items() if s.change and k not in counters]
     return (min(logs), max(logs)) if logs else (-6.0, 0.0)
+
+
+def _module_table(data: ReportData, label: str, members: list[TensorKey], low: float, high: float) -> str:
+    """One module's row of the tensor tables: its note and, opened, a cell per tensor and commit."""
+    changing = data.groups.changing(members)
+    changes = [group_change(data.commits, j, changing) for j in range(len(data.commits))] if changing else []
+    known = [c for c in changes if c is not None]
+    if not changing:
+        note = "counters only (not a change)"
+    else:
+        note = "frozen" if known and max(known) == 0 else f"last change {known[-1]:.3g}" if known else "no change known"
+    rows = []
+    for path, name in members:
+        counter = (path, name) in data.groups.counters
+        cells = []
+        for r in data.commits:
+            s = r.stats.get((path, name))
+            change = s.change if s is not None and not counter else None
+            if counter:
+                value = ' data-counter="1" title="a counter or scalar: its change is not shown"'
+            else:
+                value = "" if change is None else f' data-change="{change!r}" title="{change:.4g}"'
+            cells.append(f'<td data-id="{r.id[:12]}"{value} style="background:{_color(change, low, high)}"></td>')
+        shown = escape(name) + (" <span class=muted>(counter)</span>" if counter else "")
+        rows.append(
+            f'<tr data-path="{escape(path)}" data-name="{escape(name)}"><td class="n">{shown}</td>'
+            + "".join(cells)
+            + "</tr>"
+        )
+    return (
+        f"<details><summary><code>{escape(label)}</code> · {len(members)} tensor(s) · {note}</summary>"
+        f'<table class="t">{"".join(rows)}</table></details>'
+    )
 
 
 def _tensor_tables(data: ReportData) -> str:
     low, high = _range(data)
-    out = []
-    for module, members in data.groups.items():
-        changes = [group_change(data.commits, j, members) for j in range(len(data.commits))]
-        known = [c for c in changes if c is not None]
-        note = "frozen" if known and max(known) == 0 else f"last change {known[-1]:.3g}" if known else "no change known"
-        rows = []
-        for path, name in members:
-            cells = []
-            for r in data.commits:
-                s = r.stats.get((path, name))
-                change = s.change if s is not None else None
-                value = "" if change is None else f' data-change="{change!r}" title="{change:.4g}"'
-                cells.append(f'<td data-id="{r.id[:12]}"{value} style="background:{_color(change, low, high)}"></td>')
-            rows.append(
-                f'<tr data-path="{escape(path)}" data-name="{escape(name)}"><td class="n">{escape(name)}</td>'
-                + "".join(cells)
-                + "</tr>"
-            )
+    out = [_module_table(data, module, members, low, high) for module, members in data.groups.modules.items()]
+    if data.groups.optimizer:
+        inner = "\n".join(
+            _module_table(data, label, members, low, high) for label, members in data.groups.optimizer.items()
+        )
         out.append(
-            f"<details><summary><code>{escape(module)}</code> · {len(members)} tensor(s) · {note}</summary>"
-            f'<table class="t">{"".join(rows)}</table></details>'
+            f"<details id=optimizer-state><summary>{OPTIMIZER_ROW} · {len(data.groups.optimizer)} parameter(s), "
+            f"grouped per parameter</summary>{inner}</details>"
         )
     return "\n".join(out)
 
 
 def _storage_table(data: ReportData) -> str:
     head = (
-        "<tr><th>#</th><th class=l>commit</th><th class=l>message</th><th>logical</th><th>stored</th>"
+        "<tr><th>#</th><th class=l>branch</th><th class=l>commit</th><th class=l>message</th><th>logical</th><th>stored</th>"
         "<th>added</th><th>new</th><th>held alone</th><th>torch.save ≈</th></tr>"
     )
     rows = []
@@ -93,7 +117,8 @@ def _storage_table(data: ReportData) -> str:
         }
         cells = "".join(f'<td data-{k}="{"" if v is None else v}">{human(v)}</td>' for k, v in figures.items())
         rows.append(
-            f'<tr data-id="{r.id}"><td>{i}</td><td class=l><code>{r.id[:12]}</code></td>'
+            f'<tr data-id="{r.id}" data-lane="{escape(r.lane)}"><td>{i}</td><td class=l>{escape(r.lane)}</td>'
+            f"<td class=l><code>{r.id[:12]}</code></td>"
             f"<td class=l>{escape(r.commit.message.splitlines()[0] if r.commit.message else '')}</td>{cells}</tr>"
         )
     return (
@@ -126,7 +151,8 @@ def _lineage(data: ReportData) -> str:
         text = escape(row.commit.message.splitlines()[0]) if row and row.commit.message else ""
         return f"<code>{oid[:12]}</code> {text}"
 
-    items = [
+    items = [_lane_item(data, lane, name) for lane in data.lanes]
+    items += [
         f"<li>branch <b>{escape(b)}</b>{' (HEAD)' if b == data.head else ''} → {name(o)}</li>"
         for b, o in sorted(data.branches.items())
     ]
@@ -137,6 +163,19 @@ def _lineage(data: ReportData) -> str:
             where = escape(r.commit.base.repo) if r.commit.base.repo else "this repository"
             items.append(f"<li>overlay {name(r.id)} on base <code>{r.commit.base.commit[:12]}</code> in {where}</li>")
     return f"<ul id=lineage>{''.join(items)}</ul>"
+
+
+def _lane_item(data: ReportData, lane: Lane, name: Callable[[str], str]) -> str:
+    """How a shown branch relates to the ones before it: its own commits and its fork point."""
+    own = f"{len(lane.own)} commit(s) of its own" if lane.own else "no commit of its own"
+    if lane.fork is None:
+        where = "" if lane is data.lanes[0] else ", an unrelated history"
+    elif lane.fork_lane is not None:
+        at = next(e for e in data.lanes if e.name == lane.fork_lane)
+        where = f", forks from <b>{escape(lane.fork_lane)}</b> at #{at.position(lane.fork)} {name(lane.fork)}"
+    else:
+        where = f", forks at <code>{lane.fork[:12]}</code>, a commit gc deleted"
+    return f'<li class=lane data-lane="{escape(lane.name)}" data-fork="{lane.fork or ""}">shown: <b>{escape(lane.name)}</b>, {own}{where}</li>'
 
 
 def _flags(data: ReportData) -> str:
@@ -163,7 +202,7 @@ MAX_METRIC_PLOTS = 24
 def plotted_metrics(metrics: Sequence[Metric]) -> list[Metric]:
     """The metrics that get a plot: the MAX_METRIC_PLOTS recorded in the most commits (ties: in
     the order the history first records them)."""
-    ranked = sorted(metrics, key=lambda m: -sum(v is not None for v in m.values))
+    ranked = sorted(metrics, key=lambda m: -sum(len(s.values) for s in m.series))
     keep = {id(m) for m in ranked[:MAX_METRIC_PLOTS]}
     return [m for m in metrics if id(m) in keep]
 
@@ -178,12 +217,11 @@ def metrics_left_out(metrics: Sequence[Metric]) -> str:
 
 
 def render(data: ReportData, refs: Sequence[str], location: str) -> str:
-    labels = [f"{i} {r.id[:7]}" for i, r in enumerate(data.commits, 1)]
-    ids = [r.id for r in data.commits]
+    labels = [r.label for r in data.commits]
     metrics = (
         "".join(
             f'<div class="plot" data-plot="metric" data-metric="{escape(m.name)}" data-best="{m.best}">'
-            f"{plots.metric(m, labels, ids)}</div>"
+            f"{plots.metric(m, data.lanes)}</div>"
             for m in plotted_metrics(data.metrics)
         )
         + metrics_left_out(data.metrics)
@@ -192,7 +230,7 @@ def render(data: ReportData, refs: Sequence[str], location: str) -> str:
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     heat = (
         f'<div class="plot" data-plot="heatmap">{plots.heatmap(data, labels)}</div>'
-        if data.groups
+        if data.groups.modules or data.groups.optimizer
         else "<p class=muted>No numeric tensors.</p>"
     )
     return f"""<!DOCTYPE html>
@@ -204,7 +242,10 @@ def render(data: ReportData, refs: Sequence[str], location: str) -> str:
 <h2>Health</h2>{_flags(data)}
 <h2>How much each module changed</h2>
 <p>Relative change ‖Δ‖/‖parent‖ of each module (tensors grouped by name up to the last dot) from its
-commit's first parent, as <code>ckstore diff</code> computes it. Open a module for its tensors.</p>
+commit's first parent, as <code>ckstore diff</code> computes it. Open a module for its tensors.
+Optimizer state is one row below the weights (opened below, per parameter); counters and other
+one-element tensors are never counted as change. Columns run branch by branch, each branch's
+own commits oldest first.</p>
 {heat}
 {_tensor_tables(data)}
 <h2>Storage</h2><div class="plot" data-plot="storage">{plots.storage(data, labels)}</div>

@@ -15,8 +15,10 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from ckstore.report.data import Metric, ReportData
+from ckstore.report.lanes import Lane
 
 MIB = float(1 << 20)
+OPTIMIZER_ROW = "optimizer state"
 
 
 def _svg(fig: Figure, salt: str) -> str:
@@ -35,17 +37,41 @@ def _commit_ticks(ax: matplotlib.axes.Axes, count: int, labels: Sequence[str]) -
     ax.set_xticks([t + 0.5 for t in ticks], [labels[t] for t in ticks], rotation=90, fontsize=7, parse_math=False)
 
 
+def _lane_marks(ax: matplotlib.axes.Axes, data: ReportData) -> None:
+    """A line where each branch's columns start after the first, named with its fork point."""
+    start = 0
+    for lane in data.lanes:
+        if start and lane.own:
+            ax.axvline(start, color="#1f77b4", linewidth=1.2)
+            fork = f" (from {lane.fork_lane} {lane.fork[:7]})" if lane.fork and lane.fork_lane else ""
+            ax.annotate(
+                f"{lane.name}{fork}",
+                (start, 1.0),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                color="#1f77b4",
+                xytext=(2, 2),
+                textcoords="offset points",
+                va="bottom",
+            )
+        start += len(lane.own)
+
+
 def heatmap(data: ReportData, labels: Sequence[str]) -> str:
     """Modules x commits, colour = log10 of the relative change; frozen (0) cells in a colour of
     their own, unknown ones (first commit, new module) left blank."""
     from ckstore.report.data import group_change
 
-    names = list(data.groups)
+    groups = data.groups
+    rows = {name: groups.changing(members) for name, members in groups.modules.items()}
+    if groups.optimizer:  # folded into one row, below the weights
+        rows[f"{OPTIMIZER_ROW} ({len(groups.optimizer)} parameters)"] = groups.folded_optimizer()
+    names = list(rows)
     n = len(data.commits)
     values = np.full((len(names), n), np.nan)
     for i, name in enumerate(names):
         for j in range(n):
-            change = group_change(data.commits, j, data.groups[name])
+            change = group_change(data.commits, j, rows[name])
             if change is not None:
                 values[i, j] = change
     height = 1.5 + 0.22 * len(names)
@@ -61,6 +87,7 @@ def heatmap(data: ReportData, labels: Sequence[str]) -> str:
     ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7, parse_math=False)  # names are not TeX
     ax.invert_yaxis()
     _commit_ticks(ax, n, labels)
+    _lane_marks(ax, data)
     ax.set_xlabel("commit (oldest left); light blue: no change; blank: no parent to compare")
     fig.colorbar(mesh, ax=ax, label="log10 relative change ||Δ|| / ||parent||", pad=0.01)
     return _svg(fig, "heatmap")
@@ -86,26 +113,43 @@ def storage(data: ReportData, labels: Sequence[str]) -> str:
     bottom.set_ylabel("MiB per commit, now")
     bottom.legend(fontsize=8)
     _commit_ticks(bottom, len(rows), labels)
+    _lane_marks(top, data)
     return _svg(fig, "storage")
 
 
-def metric(m: Metric, labels: Sequence[str], ids: Sequence[str]) -> str:
-    """One metric's curve over the commits that record it, the best marked."""
-    points: list[tuple[int, float]] = [(i, v) for i, v in enumerate(m.values) if v is not None]
-    best = list(ids).index(m.best)
+def metric(m: Metric, lanes: Sequence[Lane]) -> str:
+    """One metric's curve per branch over its whole history (x: the run counter when every point
+    records it), each branch's fork point ringed, the best marked."""
     fig = Figure(figsize=(6, 3))
     ax = fig.add_subplot()
-    ax.plot([i + 0.5 for i, _ in points], [v for _, v in points], marker=".", linewidth=1)
-    ax.plot(
-        [best + 0.5],
-        [m.values[best] or 0.0],  # the best is a commit that records the metric
-        marker="*",
-        markersize=14,
-        color="#d62728",
-        linestyle="none",
-        label=f"best ({'max' if m.maximize else 'min'}): {m.values[best]:.4g}",
-    )
+    best_x: float | None = None
+    for series in m.series:
+        if not series.values:
+            continue
+        (line,) = ax.plot(series.x, series.values, marker=".", linewidth=1, label=series.lane)
+        if series.fork is not None:
+            ax.plot(
+                [series.x[series.fork]],
+                [series.values[series.fork]],
+                marker="o",
+                markersize=9,
+                markerfacecolor="none",
+                color=line.get_color(),
+                linestyle="none",
+            )
+        if m.best in series.ids and best_x is None:
+            best_x = series.x[series.ids.index(m.best)]
+    if best_x is not None:  # the best commit is in some series by construction
+        ax.plot(
+            [best_x],
+            [m.best_value],
+            marker="*",
+            markersize=14,
+            color="#d62728",
+            linestyle="none",
+            label=f"best ({'max' if m.maximize else 'min'}): {m.best_value:.4g}",
+        )
     ax.set_title(m.name, fontsize=10, parse_math=False)  # a metric name is not TeX
+    ax.set_xlabel(m.x_label + ("" if len(lanes) < 2 else "; ring: where a branch forks"), fontsize=8)
     ax.legend(fontsize=8)
-    _commit_ticks(ax, len(labels), labels)
     return _svg(fig, f"metric-{m.name}")

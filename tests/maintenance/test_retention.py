@@ -89,6 +89,14 @@ CASES = [
         ["--keep-last", "2", "--keep-best", "1", "--metric", "loss", "--keep-every", "6", "--force"],
         {"m11", "e11", "m9", "e10", "m6"} | TIPS_AND_TAG,
     ),
+    # One branch thinned; main keeps its whole history, including what exp shares with it.
+    (
+        "keep-last-one-branch",
+        None,
+        {"keep_last": 2, "branches": ["exp"]},
+        ["--keep-last", "2", "--branch", "exp"],
+        ALL - {"e9", "e10"},
+    ),
 ]
 
 
@@ -217,6 +225,17 @@ def test_policy_validation(tmp_path: Path) -> None:
             repo.gc(**bad)  # type: ignore[arg-type]
     result = CliRunner().invoke(main, ["--repo", str(repo.path), "gc", "--keep-best", "2"])
     assert result.exit_code != 0 and "--metric" in result.output and "Traceback" not in result.output
+    with pytest.raises(InvalidInputError, match="branches limits"):
+        repo.gc(branches=["exp"])
+    with pytest.raises(NotFoundError, match="no such branch: nope"):
+        repo.gc(keep_last=1, branches=["nope"])
+    for args, code, text in (
+        (["--branch", "exp"], 5, "--branch limits"),
+        (["--keep-last", "1", "--branch", "nope"], 3, "no such branch: nope"),
+    ):
+        result = CliRunner().invoke(main, ["--repo", str(repo.path), "gc", *args])
+        assert result.exit_code == code and text in result.stderr and result.stderr.count("\n") == 1, result.output
+    assert len(repo.reachable_commits()) == 16  # nothing was deleted by the refused runs
 
 
 def test_best_api_and_cli(tmp_path: Path) -> None:
