@@ -11,43 +11,34 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 from ckstore.backend.base import Backend
 from ckstore.format.ids import ObjectId
-from ckstore.format.manifest import Commit
 from ckstore.format.settings import RepoConfig
-from ckstore.format.values import JSONValue
-from ckstore.repository import branches
+from ckstore.repo.inspection import Inspection
+from ckstore.repo.remotes import Remotes
 from ckstore.repository.context import (
     DEFAULT_DIR,
-    RepoContext,
     find_context,
     init_context,
     memory_context,
-    open_context,
     open_or_init_context,
 )
-from ckstore.repository.refs import HEADS, REMOTES, TAGS, RefStore, check_ref_name
-from ckstore.repository.store import ObjectStore
-from ckstore.write.background import BackgroundStatus, CommitHandle, work_for
+from ckstore.repository.refs import HEADS, check_ref_name
+from ckstore.write.background import BackgroundStatus, CommitHandle
 
 # Operations are imported where they are called, so a command loads only what it runs (start-up:
 # scripts/bench_startup.py); the names re-exported below load on first use (``__getattr__``).
 if TYPE_CHECKING:
     from ckstore.compaction.compact import CompactReport
-    from ckstore.history.log import Decorations, Diff, LogEntry, TensorChange
-    from ckstore.history.summary import FileSummary
+    from ckstore.history.log import Decorations, Diff, TensorChange
     from ckstore.maintenance.fsck import Problems
     from ckstore.maintenance.gc import GcReport
     from ckstore.maintenance.repack import RepackReport
     from ckstore.maintenance.sizes import CommitSizes, Stats
     from ckstore.read.checkout import CheckoutResult
     from ckstore.remote.fetch import FetchReport
-    from ckstore.remote.gc import RemoteGcReport
-    from ckstore.remote.lazy import RemoteObjects
-    from ckstore.remote.names import RemoteSpec
-    from ckstore.remote.push import PushReport
     from ckstore.report.status import Status
     from ckstore.repository.overlay import RelinkReport
     from ckstore.repository.reflog import Entry as ReflogEntry
@@ -96,37 +87,8 @@ __all__ = [
 ]
 
 
-_V = TypeVar("_V")
-
-
-class _WorkSetting(Generic[_V]):
-    """A ``Repo`` attribute stored in its repository's ``BackgroundWork`` (write/background.py)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, repo: Repo | None, owner: type | None = None) -> _V:
-        if repo is None:  # looked up on the class (help(), documentation tools)
-            return self  # type: ignore[return-value]  # a descriptor shows itself on the class
-        value: _V = getattr(repo._work, self.name)
-        return value
-
-    def __set__(self, repo: Repo, value: _V) -> None:
-        setattr(repo._work, self.name, value)
-
-
-class Repo:
+class Repo(Remotes, Inspection):
     """A ckstore repository. ``Repo(path)`` opens one; ``Repo.init(path)`` creates one."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        *,
-        backend: Backend | None = None,
-        _context: RepoContext | None = None,
-    ) -> None:
-        self._ctx = _context or open_context(path, backend=backend)
-        self._work = work_for(self._ctx)  # once: ``commits_recorded`` (a signal handler's) takes no lock
 
     # ---- creating and finding ----------------------------------------------------------------
 
@@ -160,131 +122,6 @@ class Repo:
     def find(cls, explicit: str | os.PathLike[str] | None = None, start: str | os.PathLike[str] | None = None) -> Repo:
         """``explicit``, else $CKSTORE_REPO, else the nearest .ckstore at or above ``start``."""
         return cls(_context=find_context(explicit, start))
-
-    # ---- what the repository is made of ------------------------------------------------------
-
-    @property
-    def path(self) -> Path | None:
-        return self._ctx.path
-
-    @property
-    def backend(self) -> Backend:
-        return self._ctx.backend
-
-    @property
-    def store(self) -> ObjectStore:
-        return self._ctx.store
-
-    @property
-    def refs(self) -> RefStore:
-        return self._ctx.refs
-
-    @property
-    def config(self) -> RepoConfig:
-        return self._ctx.config
-
-    # ---- background work (write/background.py) -----------------------------------------------
-
-    # Settings of the repository's background work, kept there (the façade holds no state):
-    # snapshots a background commit may hold at once (host memory; set before the first one);
-    # whether each commit's parent is re-encoded as deltas once the commit is durable (False
-    # leaves it to the next commit that compacts, or to repack); and whether that compaction runs
-    # in a detached process that outlives this one (the CLI: compaction/detached.py) instead of on this
-    # process's thread (a repository in memory always uses the thread); and whether that process
-    # may be a fork of this one, which must then be a ckstore command and nothing else (the CLI).
-    commits_in_flight: _WorkSetting[int] = _WorkSetting()
-    compact_after_commit: _WorkSetting[bool] = _WorkSetting()
-    detach_compaction: _WorkSetting[bool] = _WorkSetting()
-    fork_compaction: _WorkSetting[bool] = _WorkSetting()
-
-    def background_work(self) -> BackgroundStatus:
-        """What still runs after the calls that started it: background commits of this process,
-        and whether a compaction runs or waits (this process's, or a detached one's, whichever
-        process started it), with the log detached compactions write to."""
-        return self._work.status(self._ctx)
-
-    def commits_recorded(self) -> tuple[ObjectId, ...]:
-        """The commits recorded through this repository so far, oldest first. It takes no lock
-        and does no I/O, so a signal handler may ask it (the CLI's Ctrl-C handler does)."""
-        return tuple(self._work.recorded)
-
-    def wait_background(self, poll: float = 0.1) -> None:
-        """``wait``, then wait until no compaction of this repository runs or waits, detached
-        ones included, then bring the current branch to rest (``ckstore wait``)."""
-        import time
-
-        from ckstore.compaction.compact import settle_branch
-
-        self.wait()
-        while self.background_work().compaction_pending:
-            time.sleep(poll)
-        settle_branch(self._ctx, self.head_branch)
-
-    def set_config(self, config: RepoConfig) -> None:
-        """Replace the repository settings (they apply to objects written from now on)."""
-        self._ctx.set_config(config)
-
-    # ---- refs ----------------------------------------------------------------------------------
-
-    @property
-    def head_branch(self) -> str:
-        return self.refs.head_branch()
-
-    def branches(self) -> dict[str, ObjectId]:
-        return self.refs.list(HEADS)
-
-    def tags(self) -> dict[str, ObjectId]:
-        return self.refs.list(TAGS)
-
-    def remote_branches(self) -> dict[str, ObjectId]:
-        """Remote-tracking branches, ``REMOTE/BRANCH`` -> commit, as of the last push or fetch."""
-        return self._ctx.refs.list(REMOTES)
-
-    def create_branch(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
-        """Create branch ``name`` at ``ref``; ``force`` moves it there if it exists."""
-        return branches.create(self._ctx, "branch", name, ref, force)[1]
-
-    def create_tag(self, name: str, ref: str = "HEAD", force: bool = False) -> ObjectId:
-        return branches.create(self._ctx, "tag", name, ref, force)[1]
-
-    def delete_branch(self, name: str, force: bool = False) -> ObjectId:
-        """Delete a branch; return the commit it held. The current or only branch needs ``force``."""
-        return branches.delete(self._ctx, "branch", name, force)
-
-    def delete_tag(self, name: str) -> ObjectId:
-        return branches.delete(self._ctx, "tag", name)
-
-    def switch(self, name: str, create_at: str | None = None) -> ObjectId:
-        """Make ``name`` the current branch (created at ``create_at`` if given); return its commit."""
-        return branches.switch(self._ctx, name, create_at)
-
-    def reset(self, ref: str) -> tuple[ObjectId | None, ObjectId]:
-        """Move the current branch to ``ref``; return (its old commit, the new one)."""
-        return branches.reset(self._ctx, ref)
-
-    def reflog(self, ref: str | None = None) -> list[tuple[str, ReflogEntry]]:
-        """(``name@{n}``, entry) newest first: of ``ref`` (a branch or tag, deleted ones too, or
-        HEAD), or of every ref when None."""
-        graph = self._ctx.graph
-        if ref is None:
-            return graph.reflog_all()
-        name, entries = graph.reflog(ref)
-        return [(f"{name}@{{{n}}}", e) for n, e in enumerate(entries)]
-
-    def resolve(self, spec: str) -> ObjectId:
-        """A commit id from a full id, unique prefix (6+), branch, tag, HEAD, or any of these + ``~N``/``^``."""
-        return self._ctx.graph.resolve(spec)
-
-    def read_commit(self, oid: str, files: bool = True) -> Commit:
-        """``files=False``: the header, its file list read on first use (graph.read_commit)."""
-        return self._ctx.graph.read_commit(oid, files=files)
-
-    def pruned(self) -> dict[ObjectId, tuple[ObjectId, ...]]:
-        return self._ctx.graph.pruned()
-
-    def reachable_commits(self) -> list[ObjectId]:
-        """Every commit reachable from a branch or tag, walking through pruned commits' parents."""
-        return self._ctx.graph.reachable_commits()
 
     # ---- commits -------------------------------------------------------------------------------
 
@@ -418,12 +255,6 @@ class Repo:
         work.wait_commits()
         with collection_paused():
             return write(state_files(state))  # refuses unencodable values before anything is stored
-
-    def wait(self) -> None:
-        """Wait for background commits and this process's compaction after them; raise the error
-        of a background commit that failed unobserved. (A detached compaction is not waited
-        for: ``wait_background`` does.)"""
-        self._work.wait()
 
     def compact(self, branch: str | None = None) -> CompactReport:
         """Re-encode the tip of ``branch`` and its parent now (what runs after every commit), and
@@ -574,89 +405,6 @@ class Repo:
 
         return LazyTensors(self._ctx.graph, ref, path, framework)
 
-    # ---- history and inspection ----------------------------------------------------------------
-
-    def log(
-        self, ref: str | Sequence[str] | None = None, limit: int | None = None, best: tuple[str, bool] | None = None
-    ) -> list[LogEntry]:
-        """Commits reachable from ``ref`` (default HEAD; a list: from any of them), newest first, at most ``limit``, with the
-        names pointing at each; ``best=(metric, maximize)`` marks the best of them by ``metric``."""
-        from ckstore.history.log import log
-
-        return log(self._ctx.graph, ref, limit, best)
-
-    def decorations(self) -> dict[ObjectId, Decorations]:
-        """Branches and tags by the commit they point at (HEAD marks its branch's)."""
-        from ckstore.history.log import decorations
-
-        return decorations(self._ctx.graph)
-
-    def commit_sizes(self, oids: Sequence[str]) -> dict[ObjectId, CommitSizes]:
-        """Each commit's size figures: logical, added when committed, new, held alone (sizes.py)."""
-        from ckstore.maintenance import sizes
-
-        self.wait()  # figures of a repository that this process is not changing underneath
-        return sizes.commit_sizes(self._ctx, [self.resolve(o) for o in oids])
-
-    def show(self, ref: str = "HEAD") -> tuple[ObjectId, Commit]:
-        oid = self.resolve(ref)
-        return oid, self.read_commit(oid)
-
-    def from_base(self, ref: str) -> set[tuple[str, str | None]]:
-        """(path, tensor) pairs of an overlay commit that are identical to its base's; empty otherwise."""
-        from ckstore.repository.overlay import from_base
-
-        commit = self.read_commit(self.resolve(ref))
-        return set() if commit.base is None else from_base(commit, self.read_commit(commit.base.commit))
-
-    def base_location(self, ref: str) -> str | None:
-        """Where an overlay commit's base commit lives now: the base repository (found through
-        ``alternates``, so after a move or relink) that holds it; None if in this repository or
-        unreachable (fsck names an unreachable base)."""
-        commit = self.read_commit(self.resolve(ref))
-        if commit.base is None or commit.base.repo is None:
-            return None
-        return next((b.location for b in self._ctx.bases if b.store.has(commit.base.commit)), None)
-
-    def state_document(self, ref: str) -> JSONValue:
-        """The typed-JSON non-tensor part of a training-state commit (tensors appear as $tensor)."""
-        from ckstore.repository.filedata import state_values
-
-        oid = self.resolve(ref)
-        return state_values(self.store, oid, self.read_commit(oid))
-
-    def diff(self, a: str, b: str) -> Diff:
-        """Per tensor (and per plain file): added, removed, changed or unchanged from ``a`` to ``b``."""
-        from ckstore.history.log import diff
-
-        return diff(self._ctx.graph, a, b)
-
-    def diff_folder(self, ref: str, folder: str | os.PathLike[str]) -> Diff:
-        """``diff`` from commit ``ref`` to the files under ``folder`` (hashed, not stored)."""
-        from ckstore.read.folder_diff import diff_folder
-
-        return diff_folder(self._ctx, ref, folder)
-
-    def summary(self, ref: str = "HEAD") -> list[FileSummary]:
-        """Per file of ``ref``: tensor count, dtypes, bytes, tensors grouped by name (summary.py)."""
-        from ckstore.history.summary import summarise
-
-        oid = self.resolve(ref)
-        return summarise(self.read_commit(oid), self.from_base(oid))
-
-    def stats(self) -> Stats:
-        """Logical bytes over all commits, bytes stored (and unreferenced), and counts."""
-        from ckstore.maintenance import sizes
-
-        self.wait()
-        return sizes.stats(self._ctx)
-
-    def best(self, metric: str, mode: str = "min", branch: str | None = None) -> ObjectId:
-        """The commit with the best ``metric`` in its metadata (``mode`` "min" or "max")."""
-        from ckstore.maintenance.retention import best
-
-        return best(self._ctx.graph, metric, mode, branch)
-
     # ---- maintenance ---------------------------------------------------------------------------
 
     def gc(
@@ -711,66 +459,6 @@ class Repo:
         return relink(self._ctx, bases, dependents, prune)
 
     # ---- remotes (remote/: names.py, push.py, fetch.py, gc.py, lazy.py) ------------------------
-
-    def remotes(self) -> dict[str, RemoteSpec]:
-        """Name -> RemoteSpec (url, endpoint_url) of every remote."""
-        from ckstore.remote.names import read_remotes
-
-        return read_remotes(self._ctx.backend)
-
-    def add_remote(self, name: str, url: str, endpoint_url: str | None = None) -> RemoteSpec:
-        from ckstore.remote import names as remotes
-
-        return remotes.add(self._ctx, name, url, endpoint_url)
-
-    def remove_remote(self, name: str) -> RemoteSpec:
-        from ckstore.remote import names as remotes
-
-        return remotes.remove(self._ctx, name)
-
-    def push(
-        self,
-        remote: str | None = None,
-        refs: Sequence[str] = (),
-        force: bool = False,
-        *,
-        target_size: int | None = None,
-        grace: float | None = None,
-        progress: ProgressFactory | None = None,
-    ) -> PushReport:
-        """Send ``refs`` (default: the current branch) and what they need to ``remote``, then what
-        local compaction re-encoded since; see push.py and supersede.py (``target_size``: bytes
-        per pack; ``grace``: seconds a condemned pack stays reachable)."""
-        from ckstore.format.pack import DEFAULT_TARGET_SIZE
-        from ckstore.remote.layout import DEFAULT_GRACE
-        from ckstore.remote.supersede import push_and_supersede
-
-        self.wait()
-        return push_and_supersede(
-            self._ctx,
-            remote,
-            refs,
-            force,
-            DEFAULT_TARGET_SIZE if target_size is None else target_size,
-            DEFAULT_GRACE if grace is None else grace,
-            progress,
-        )
-
-    def fetch(self, remote: str | None = None, progress: ProgressFactory | None = None) -> FetchReport:
-        """Fetch every branch and tag of ``remote`` (as NAME/BRANCH) and what they need; see fetch.py.
-        Refs it could not take are in the report's ``skipped`` (``report.check()`` raises for damaged ones)."""
-        from ckstore.remote.fetch import fetch
-
-        return fetch(self._ctx, remote, progress)
-
-    def pull(
-        self, remote: str | None = None, progress: ProgressFactory | None = None
-    ) -> tuple[FetchReport, ObjectId | None, ObjectId | None]:
-        """Fetch, then fast-forward the current branch; returns (report, old commit, new commit)."""
-        from ckstore.remote.fetch import pull
-
-        return pull(self._ctx, remote, progress)
-
     @classmethod
     def clone(
         cls,
@@ -791,42 +479,6 @@ class Repo:
         if check:
             report.check()
         return cls(_context=ctx), report
-
-    def gc_remote(
-        self,
-        remote: str | None = None,
-        *,
-        keep_last: int | None = None,
-        keep_best: int | None = None,
-        metric: str | None = None,
-        maximize: bool = False,
-        keep_every: int | None = None,
-        grace: float | None = None,
-        dry_run: bool = False,
-    ) -> RemoteGcReport:
-        """Garbage-collect a remote (two-phase, see remote/gc.py): the retention policy as ``gc``'s,
-        ``grace`` seconds before a condemned pack is deleted."""
-        from ckstore.remote.gc import collect_remote
-        from ckstore.remote.layout import DEFAULT_GRACE
-
-        return collect_remote(
-            self._ctx,
-            remote,
-            keep_last=keep_last,
-            keep_best=keep_best,
-            metric=metric,
-            maximize=maximize,
-            keep_every=keep_every,
-            grace=DEFAULT_GRACE if grace is None else grace,
-            dry_run=dry_run,
-        )
-
-    def use_remote(self, remote: str | None = None) -> RemoteObjects:
-        """Read objects missing here from ``remote`` on demand (ranged reads, cached locally):
-        ``checkout``, ``open`` and ``load_state`` then work on commits only the remote holds."""
-        from ckstore.remote.lazy import attach
-
-        return attach(self._ctx, remote)
 
     def status(self) -> Status:
         """The current branch and HEAD, pending compaction, stored size and what gc would free,
