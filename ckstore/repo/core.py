@@ -110,12 +110,16 @@ class RepoCore:
         ones included, then bring the current branch to rest (``ckstore wait``)."""
         import time
 
-        from ckstore.compaction.compact import settle_branch
+        from ckstore.compaction.at_rest import is_at_rest
 
         self.wait()
         while self.background_work().compaction_pending:
             time.sleep(poll)
-        settle_branch(self._ctx, self.head_branch)
+        tip = self.refs.read(HEADS + self.head_branch)
+        if tip is not None and not is_at_rest(self.backend, tip):  # compaction's modules only when needed
+            from ckstore.compaction.compact import settle_branch
+
+            settle_branch(self._ctx, self.head_branch)
 
     def set_config(self, config: RepoConfig) -> None:
         """Replace the repository settings (they apply to objects written from now on)."""

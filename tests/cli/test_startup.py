@@ -39,6 +39,7 @@ def small_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (folder / "config.json").write_text(json.dumps({"epoch": i}))
         repo.commit(folder, message=f"epoch {i}", metadata={"loss": 1.0 / (i + 1)})
     repo.create_tag("first", "HEAD~1")
+    repo.wait_background()  # at rest: a `ckstore wait` then has nothing to settle
     return root / "repo"
 
 
