@@ -26,13 +26,16 @@ import torch
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
 from ckstore.integrations import plain, scalar_metrics
+from ckstore.integrations.preemption import Preemption
 from ckstore.repo import Repo
 
 try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+        from pytorch_lightning.callbacks import Callback
     except ImportError:
         raise MissingDependencyError(
             "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning"
@@ -140,3 +143,33 @@ class CkstoreCheckpointIO(CheckpointIO):  # type: ignore[misc]
 def _open_or_init(path: str | os.PathLike[str]) -> Repo:
     root = Path(path)
     return Repo(root) if root.exists() else Repo.init(root)
+
+
+class CkstorePreemption(Callback):  # type: ignore[misc]
+    """On a scheduler's signal, commit once at the end of the training batch in progress (through
+    the Trainer's ``CkstoreCheckpointIO``, at ``<default_root_dir>/preempted.ckpt``) and exit
+    (``ckstore.integrations.preemption``). Resume with ``trainer.fit(model, ckpt_path=that file)``."""
+
+    def __init__(self, preemption: Preemption | None = None, filename: str = "preempted.ckpt") -> None:
+        self.preemption = preemption or Preemption()
+        self.filename = filename
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not isinstance(trainer.strategy.checkpoint_io, CkstoreCheckpointIO):
+            raise InvalidInputError("CkstorePreemption needs the Trainer's plugins=[CkstoreCheckpointIO(...)]")
+        self.preemption.install()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.preemption.requested:
+            return
+        io: CkstoreCheckpointIO = trainer.strategy.checkpoint_io
+        io.repo.wait()
+        io.repo.compact_after_commit = False  # the job is about to be killed
+        trainer.save_checkpoint(os.path.join(trainer.default_root_dir, self.filename))
+        io.repo.wait()  # a background=True plugin: durable before the exit
+        assert io.last_commit is not None  # the save above recorded it
+        self.preemption.saved_as(io.repo, io.last_commit)
+        self.preemption.exit()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.preemption.uninstall()
