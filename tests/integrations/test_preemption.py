@@ -144,3 +144,74 @@ def test_bad_signals_are_refused() -> None:
     with pytest.raises(InvalidInputError, match="at least one"):
         Preemption(signals=())
     assert signal_number("sigterm") == signal_number("TERM") == signal.SIGTERM
+
+
+class _SignalAt:
+    """Sends SIGTERM to this process in the middle of batch ``at`` (as a scheduler would)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def tick(self) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_lightning_preemption_commits_the_finished_batch_and_resumes(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from ckstore.integrations.lightning import CkstoreCheckpointIO, CkstorePreemption
+    from tests.integrations.test_frameworks import _lightning_module, _trainer, data
+
+    sender = _SignalAt(3)
+
+    class Signalling(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_start(self, *args: Any) -> None:
+            sender.tick()
+
+    io = CkstoreCheckpointIO(tmp_path / "repo")
+    loader = torch.utils.data.DataLoader(data(), batch_size=8)
+    trainer = _trainer(2, [io], [Signalling(), CkstorePreemption()], tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        trainer.fit(_lightning_module()(), loader)
+    assert exited.value.code == 128 + signal.SIGTERM
+    head = io.repo.read_commit(io.repo.resolve("main"))
+    assert head.decoded_metadata()["step"] == 3  # the batch in progress finished, then the save
+    assert (tmp_path / "preempted.ckpt").exists()
+    resumed = _trainer(2, [CkstoreCheckpointIO(tmp_path / "repo")], [], tmp_path)
+    resumed.fit(_lightning_module()(), loader, ckpt_path=str(tmp_path / "preempted.ckpt"))
+    assert resumed.global_step == 8
+
+
+def test_hf_preemption_commits_the_finished_step(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from ckstore.integrations.hf import CkstoreCallback, PreemptionCallback
+    from tests.integrations.test_frameworks import DictData, HFTiny
+
+    sender = _SignalAt(2)
+
+    class Signalling(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            sender.tick()
+
+    store = CkstoreCallback(tmp_path / "repo", on="epoch")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        num_train_epochs=2,
+        per_device_train_batch_size=8,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    callbacks = [Signalling(), store, PreemptionCallback(store)]
+    trainer = transformers.Trainer(model=HFTiny(), args=args, train_dataset=DictData(), callbacks=callbacks)
+    with pytest.raises(SystemExit) as exited:
+        trainer.train()
+    assert exited.value.code == 128 + signal.SIGTERM
+    state = store.repo.load_state("main")
+    assert state["trainer_state"]["global_step"] == 2
+    assert store.repo.read_commit(store.repo.resolve("main")).decoded_metadata()["preempted"] == "SIGTERM"
+    assert torch.equal(state["model"]["net.0.weight"], trainer.model.net[0].weight.detach())
