@@ -2,6 +2,8 @@
 
 - ``ckstore.integrations.lightning``: ``CkstoreCheckpointIO``, a PyTorch Lightning CheckpointIO.
 - ``ckstore.integrations.hf``: ``CkstoreCallback``, a Hugging Face ``TrainerCallback``.
+- ``ckstore.integrations.mlflow``: ``autolog()``, commits and MLflow runs linked both ways.
+- ``ckstore.integrations.preemption``: ``Preemption``, one durable commit on a scheduler's signal.
 
 Without either framework, the whole integration is two lines in the loop::
 
