@@ -81,7 +81,12 @@ def commit(
     raw: bool,
     as_json: bool,
 ) -> None:
-    """Record safetensors files or directories as one commit; print its id."""
+    """Record safetensors files or directories as one commit; print its id.
+
+    With MLFLOW_RUN_ID set (and MLFLOW_TRACKING_URI), the commit is linked to that MLflow run."""
+    from ckstore.integrations.mlflow import autolog_from_environment
+
+    autolog_from_environment()
     if base_repo and not base:
         base = "HEAD"
     try:
@@ -273,7 +278,12 @@ def import_(
     delete_source: bool,
     as_json: bool,
 ) -> None:
-    """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle)."""
+    """Convert PyTorch pickle checkpoints into commits, safely (torch weights_only, never full pickle).
+
+    With MLFLOW_RUN_ID set, each commit is linked to that MLflow run, as for commit."""
+    from ckstore.integrations.mlflow import autolog_from_environment
+
+    autolog_from_environment()
     # Printed as each file lands: if a later file is refused, the commits made so far are known
     # (with --json, the document lists them before the error line reaches stderr).
     done = []

@@ -44,6 +44,14 @@ def meta_text(metadata: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in metadata.items())
 
 
+def run_text(provenance: Any) -> str | None:
+    """``MLflow: run ID (TRACKING_URI)`` for a commit made in an MLflow run, else None."""
+    from ckstore.integrations.mlflow import link_in
+
+    link = link_in(provenance)
+    return f"MLflow: run {link.run_id}" + (f" ({link.tracking_uri})" if link.tracking_uri else "") if link else None
+
+
 def decoration_text(refs: Decorations | None) -> str:
     """git's style: ``(HEAD -> main, exp, tag: v1, best val_loss)``, or nothing."""
     if refs is None:
@@ -128,6 +136,8 @@ def log(
         )
         if c.decoded_metadata():
             click.echo(f"Meta:   {meta_text(c.decoded_metadata())}")
+        if run := run_text(c.provenance):
+            click.echo(run)
         for parent in e.pruned_parents:
             click.echo(f"Parent: {short(parent)} (pruned)")
         if c.message:
@@ -146,6 +156,8 @@ def _echo_graph_commit(prefix: str, joins: list[str], e: Any, extra: str) -> Non
     ]
     if c.decoded_metadata():
         lines.append(f"Meta:   {meta_text(c.decoded_metadata())}")
+    if run := run_text(c.provenance):
+        lines.append(run)
     if c.message:
         lines += ["", f"    {c.message}"]
     click.echo(f"{prefix} commit {e.id}{decoration_text(e.refs)}")
@@ -225,6 +237,8 @@ def show(repo: Repo, ref: str, list_tensors: bool, as_json: bool) -> None:
         click.echo(f"Meta:   {meta_text(c.decoded_metadata())}")
     click.echo(f"Size:   {human(c.logical_bytes)} logical, {human(c.added_bytes)} added when committed")
     click.echo("Provenance: " + " ".join(f"{k}={v}" for k, v in c.provenance.items()))
+    if run := run_text(c.provenance):
+        click.echo(run)
     if c.state is not None:
         from ckstore.history.state_words import state_lines
 

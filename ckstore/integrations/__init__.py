@@ -4,7 +4,8 @@
 - ``ckstore.integrations.hf``: ``CkstoreCallback``, a Hugging Face ``TrainerCallback``.
 - ``ckstore.integrations.accelerate``: ``CkstoreState``, ``save_state``/``load_state`` of an Accelerator.
 - ``ckstore.integrations.ray``: ``report``/``restore`` for Ray Train workers.
-- ``ckstore.integrations.torchtitan``: ``CkstoreCheckpointManager``, torchtitan's manager on ckstore.
+- ``ckstore.integrations.mlflow``: ``autolog()``, commits and MLflow runs linked both ways.
+- ``ckstore.integrations.preemption``: ``Preemption``, one durable commit on a scheduler's signal.
 
 Without either framework, the whole integration is two lines in the loop::
 

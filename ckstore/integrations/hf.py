@@ -19,6 +19,7 @@ from typing import Any
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
 from ckstore.integrations import open_repo, plain, scalar_metrics
+from ckstore.integrations.preemption import Preemption
 from ckstore.repo import CommitHandle, Repo
 from ckstore.training.state import rng_state, set_rng_state
 
@@ -50,7 +51,8 @@ class CkstoreCallback(TrainerCallback):
         if self.on == "epoch" and state.is_world_process_zero:
             self._commit(state, kwargs)
 
-    def _commit(self, state: Any, parts: dict[str, Any]) -> None:
+    def snapshot(self, state: Any, parts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The training state to commit and its metadata, from a callback's ``state`` and kwargs."""
         model, optimizer, scheduler = parts.get("model"), parts.get("optimizer"), parts.get("lr_scheduler")
         if model is None:
             raise InvalidInputError("the Trainer passed no model to the callback")
@@ -69,6 +71,10 @@ class CkstoreCallback(TrainerCallback):
         metadata = {**scalar_metrics(metrics), "step": state.global_step}
         if state.epoch is not None:
             metadata["epoch"] = int(round(state.epoch)) if abs(state.epoch - round(state.epoch)) < 1e-9 else state.epoch
+        return snapshot, metadata
+
+    def _commit(self, state: Any, parts: dict[str, Any]) -> None:
+        snapshot, metadata = self.snapshot(state, parts)
         result = self.repo.commit_state(
             snapshot,
             message=f"trainer step {state.global_step}",
@@ -100,3 +106,29 @@ def restore(
     if rng:
         set_rng_state(state["rng"])
     return state
+
+
+class PreemptionCallback(TrainerCallback):
+    """On a scheduler's signal, commit once at the end of the optimizer step in progress and exit
+    (``ckstore.integrations.preemption``); the state is ``CkstoreCallback``'s."""
+
+    def __init__(self, store: CkstoreCallback, preemption: Preemption | None = None) -> None:
+        self.store = store
+        self.preemption = preemption or Preemption()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.preemption.install()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.preemption.requested:
+            return
+        snapshot, metadata = self.store.snapshot(state, kwargs)
+        self.store.commits.append(
+            self.preemption.save(
+                self.store.repo, snapshot, f"trainer step {state.global_step} (preempted)", metadata, self.store.branch
+            )
+        )
+        self.preemption.exit()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.preemption.uninstall()

@@ -23,15 +23,19 @@ from typing import Any
 import torch
 
 from ckstore.errors import InvalidInputError, MissingDependencyError
+from ckstore.format.ids import ObjectId
 from ckstore.integrations import open_repo, plain, read_pointer, scalar_metrics, write_pointer
+from ckstore.integrations.preemption import Preemption
 from ckstore.repo import CommitHandle, Repo
 
 try:  # the unified package first, then the standalone one (each has its own CheckpointIO class)
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
-        # The standalone package's class: the same API under its own module name.
+        # The standalone package's classes: the same API under its own module names.
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
     except ImportError:
         raise MissingDependencyError(
             "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning"
@@ -104,3 +108,33 @@ class CkstoreCheckpointIO(CheckpointIO):
         self.repo.wait()
         if read_pointer(path) is not None:
             os.remove(path)
+
+
+class CkstorePreemption(Callback):
+    """On a scheduler's signal, commit once at the end of the training batch in progress (through
+    the Trainer's ``CkstoreCheckpointIO``, at ``<default_root_dir>/preempted.ckpt``) and exit
+    (``ckstore.integrations.preemption``). Resume with ``trainer.fit(model, ckpt_path=that file)``."""
+
+    def __init__(self, preemption: Preemption | None = None, filename: str = "preempted.ckpt") -> None:
+        self.preemption = preemption or Preemption()
+        self.filename = filename
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not isinstance(trainer.strategy.checkpoint_io, CkstoreCheckpointIO):
+            raise InvalidInputError("CkstorePreemption needs the Trainer's plugins=[CkstoreCheckpointIO(...)]")
+        self.preemption.install()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.preemption.requested:
+            return
+        io: CkstoreCheckpointIO = trainer.strategy.checkpoint_io
+        io.repo.wait()
+        io.repo.compact_after_commit = False  # the job is about to be killed
+        trainer.save_checkpoint(os.path.join(trainer.default_root_dir, self.filename))
+        io.repo.wait()  # a background=True plugin: durable before the exit
+        assert io.last_commit is not None  # the save above recorded it
+        self.preemption.saved_as(io.repo, ObjectId(io.last_commit))
+        self.preemption.exit()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.preemption.uninstall()

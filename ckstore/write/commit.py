@@ -17,7 +17,7 @@ interrupted commit either did not happen or is known to have happened.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,7 +32,7 @@ from ckstore.repository.overlay import merge_files
 from ckstore.repository.refs import HEADS, check_ref_name
 from ckstore.repository.writing import writing
 from ckstore.runtime.progress import ProgressFactory, watching
-from ckstore.write import provenance
+from ckstore.write import hooks, provenance
 from ckstore.write.background import work_for
 from ckstore.write.ingest import MemoryFile, SourceFile, ingest
 
@@ -51,6 +51,7 @@ class CommitRequest:
     branch: str | None  # None: the repository's current branch, decided when the ref is moved
     metadata: JSONValue  # typed-JSON encoded (values.py)
     start: ObjectId | None = None  # the parent when the branch does not exist yet; None: a root commit
+    links: Mapping[str, str] = field(default_factory=dict)  # provenance the commit hooks add (hooks.py)
 
     def on_branch(self, ctx: RepoContext) -> CommitRequest:
         """This request with its branch decided now (the current branch when none was given)."""
@@ -63,7 +64,8 @@ def prepare_commit(message: str, branch: str | None, metadata: Mapping[str, Any]
     for key in meta:
         if not isinstance(key, str):
             raise InvalidInputError(f"metadata keys must be strings, not {key!r}")
-    return CommitRequest(message, None if branch is None else check_ref_name(branch, "branch name"), encode_value(meta))
+    checked = None if branch is None else check_ref_name(branch, "branch name")
+    return CommitRequest(message, checked, encode_value(meta), links=hooks.links())
 
 
 def commit_sources(
@@ -151,6 +153,7 @@ def record_commit(
     assert branch is not None  # on_branch decided it
     ref = HEADS + branch
     recorded = origin.result() if origin is not None else provenance.collect()  # runs git: once, not per retry
+    recorded = {**recorded, **request.links}
     for _ in range(MAX_CAS_ATTEMPTS):
         current = ctx.refs.read(ref)
         parent = current or request.start  # a new branch starts at ``start`` (git's checkout -b)
@@ -191,5 +194,6 @@ def record_commit(
             ctx.graph.remember(oid, commit)
             # An overlay's chunks are forward deltas against its base's already: nothing to compact.
             work_for(ctx).commit_recorded(ctx, oid, branch, compact=base is None)
+        hooks.announce(hooks.Recorded(oid, commit, ctx.path))
         return oid
     raise RefChangedError(f"branch {branch!r} kept moving; commit not recorded")
