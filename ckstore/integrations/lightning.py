@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     try:
         # The standalone package's classes: the same API under its own module names.
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment]
-        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]  # as above
     except ImportError:
         raise MissingDependencyError(
             "ckstore.integrations.lightning needs PyTorch Lightning: pip install lightning"

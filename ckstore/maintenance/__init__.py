@@ -1,0 +1,1 @@
+"""Maintenance of a repository: retention, gc (plan, then execute), repack, fsck and the size figures."""

@@ -1,0 +1,2 @@
+"""Training state: nested state dicts committed and loaded without pickle, partial loads, and legacy
+torch.save files imported safely."""

@@ -304,9 +304,10 @@ def load_checkpoint(path: Path) -> Any:
     except OSError as exc:
         raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
     is_zip = magic == _ZIP_MAGIC
-    if not is_zip and not magic.startswith(_PICKLE_PROTO):
+    if not is_zip and not magic.startswith(_PICKLE_PROTO) and Path(path).suffix != ".safetensors":
         # torch.save writes a zip, or (the legacy format) a pickle of protocol 2 or later, which
         # starts with the PROTO opcode: anything else is not a checkpoint, whatever torch says.
+        # (A .safetensors file goes on to torch, which hands it to safetensors.)
         raise InvalidInputError(f"{path} is not a PyTorch checkpoint (neither a zip nor a pickle file)")
     import pickle
     import warnings

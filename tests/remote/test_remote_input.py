@@ -174,7 +174,7 @@ def test_lazy_read_of_a_corrupt_commit_names_it_plainly(tmp_path: Path) -> None:
 
 
 def test_import_of_an_invalid_safetensors_file_is_a_one_line_error(tmp_path: Path) -> None:
-    """Newcomer item 9 (torch hands .safetensors files to safetensors, whose error was not caught)."""
+    """torch hands a .safetensors file to safetensors, whose error is one line too."""
     make_repo(tmp_path / "a", tmp_path / "work", range(1, 2))
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"garbage not safetensors")

@@ -230,7 +230,8 @@ def test_disk_full_in_the_background_worker_fails_the_handle_and_keeps_the_repos
 # ---- the CLI: compaction in a detached process (compaction/detached.py) ------------------------------
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_DONE = re.compile(r"pid (\d+): compacted 'main' in [\d.]+ s \([\d.]+ CPU s\): (\d+) delta")
+# A compaction's own line; the settling of a quiet tip that may follow it ends in "at rest".
+_DONE = re.compile(r"pid (\d+): compacted 'main' in [\d.]+ s \([\d.]+ CPU s\): (\d+) delta(?![^\n]*at rest)")
 
 
 def _ckstore(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
