@@ -4,7 +4,8 @@ Imported by an encoder of that encoding, and by a decoder once it has un-sorted 
 to pay for numba's set-up (context.py), and only where numba is installed. Once imported, every
 delta (encoding 3 and 5) of 2-, 4- and 8-byte elements is also joined with them (``join2`` ...). The kernels
 are cached on disk (``cache=True``: later processes load the machine code instead of compiling
-it) and release the GIL (checkout decodes chunks on several threads at once).
+it), in a folder only this user can write (runtime/kernel_cache.py), and release the GIL
+(checkout decodes chunks on several threads at once).
 
 Separate simple loops (keys, histogram, placement) measured twice as fast as one fused pass over
 the elements decoding every plane (3.6 against 6.7 ms per fp32 MiB, load ~5): the simple loops
@@ -13,15 +14,25 @@ vectorise, and only the placement carries a dependency from one element to the n
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numba
 import numpy as np
 
 from ckstore.codecs.context_keys import HIGHER_CAP, KEYS
+from ckstore.errors import CkstoreWarning
+from ckstore.runtime.kernel_cache import configure_numba
+
+# Before the decorators: numba reads its cache folder when a function is decorated, and the cache
+# is read with pickle, so it lives only in a folder nobody else can write (runtime/kernel_cache.py).
+_CACHE = configure_numba(__file__)
+_CACHED = _CACHE.folder is not None
+if _CACHE.news:
+    warnings.warn(CkstoreWarning(f"compiled kernels are not cached on disk: {_CACHE.reason}"), stacklevel=2)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def exponent_keys(words: Any, keys: Any) -> None:
     """``keys[k]`` = 4 x the 8 bits below the sign bit of base element ``k`` (``words``: the base
     as unsigned little-endian integers of its element width); the top plane's key, and the major
@@ -32,7 +43,7 @@ def exponent_keys(words: Any, keys: Any) -> None:
         keys[k] = np.uint16((words[k] >> shift) & 0xFF) << 2
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def _plane_keys(exponents: Any, words: Any, width: int, plane: int, keys: Any) -> Any:
     """The keys of ``plane``: the exponent key (``exponents``) for the top plane, else, in
     ``keys``, the exponent key plus the residual byte of the plane above capped at 3 (``words``:
@@ -47,7 +58,7 @@ def _plane_keys(exponents: Any, words: Any, width: int, plane: int, keys: Any) -
     return keys
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def _starts(keys: Any) -> Any:
     """Where each key's run starts in the sorted plane (the exclusive running sum of the keys'
     histogram). Neighbouring elements often share a key, and each count waits for the previous
@@ -70,7 +81,7 @@ def _starts(keys: Any) -> Any:
     return starts
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def sort_plane(residual: Any, words: Any, exponents: Any, width: int, plane: int, keys: Any, out: Any) -> None:
     """Byte ``plane`` of every element of ``residual`` (interleaved; ``words``: the same bytes as
     integers of the element width) into ``out`` in ascending key order, equal keys in element
@@ -83,7 +94,7 @@ def sort_plane(residual: Any, words: Any, exponents: Any, width: int, plane: int
         starts[key] += 1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def _place(stored: Any, keys: Any, plane: Any) -> None:
     """Inverse of ``sort_plane``'s placement: ``plane`` (contiguous) from ``stored`` (the same
     bytes in ascending key order, equal keys in element order)."""
@@ -94,14 +105,14 @@ def _place(stored: Any, keys: Any, plane: Any) -> None:
         starts[key] += 1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def unsort_top(stored: Any, exponents: Any, plane: Any) -> None:
     """Inverse of ``sort_plane`` for the top plane, whose key is the exponent key alone: ``plane``
     (that plane of every element, contiguous) from ``stored``."""
     _place(stored, exponents, plane)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def unsort_below(stored: Any, exponents: Any, higher: Any, keys: Any, plane: Any) -> None:
     """Inverse of ``sort_plane`` for a plane under the top one: ``plane`` from ``stored``, keyed by
     the exponent key and the plane above (``higher``, decoded already, contiguous); ``keys``: work
@@ -120,7 +131,7 @@ def unsort_below(stored: Any, exponents: Any, higher: Any, keys: Any, plane: Any
 JOIN_NONE, JOIN_XOR, JOIN_SUB = 0, 1, 2
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def join2(planes: Any, base: Any, op: int, out: Any) -> None:
     """``out`` (uint16 elements) from ``planes`` (2 x n bytes, plane i = byte i) and ``base``."""
     p0, p1 = planes[0], planes[1]
@@ -136,7 +147,7 @@ def join2(planes: Any, base: Any, op: int, out: Any) -> None:
             out[k] = (((r >> 1) ^ -(r & 1)) + np.int64(base[k])) & 0xFFFF
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def join4(planes: Any, base: Any, op: int, out: Any) -> None:
     """``join2`` for uint32 elements (4 planes)."""
     p0, p1, p2, p3 = planes[0], planes[1], planes[2], planes[3]
@@ -162,7 +173,7 @@ def join4(planes: Any, base: Any, op: int, out: Any) -> None:
             out[k] = (((r >> 1) ^ -(r & 1)) + np.int64(base[k])) & 0xFFFFFFFF
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=_CACHED, nogil=True, boundscheck=False)
 def join8(planes: Any, base: Any, op: int, out: Any) -> None:
     """``join2`` for uint64 elements (8 planes; unsigned arithmetic wraps, as the format says)."""
     one = np.uint64(1)

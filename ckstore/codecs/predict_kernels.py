@@ -19,14 +19,25 @@ Like context_kernels.py: imported only where numba is installed, cached on disk,
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numba
 import numpy as np
 
+from ckstore.errors import CkstoreWarning
+from ckstore.runtime.kernel_cache import configure_numba
+
+# Before the decorators: numba reads its cache folder when a function is decorated, and the cache
+# is read with pickle, so it lives only in a folder nobody else can write (runtime/kernel_cache.py).
+_CACHE = configure_numba(__file__)
+_CACHED = _CACHE.folder is not None
+if _CACHE.news:
+    warnings.warn(CkstoreWarning(f"compiled kernels are not cached on disk: {_CACHE.reason}"), stacklevel=2)
+
 _F32_MIN_NORMAL = 2.0**-126
 _EXPONENT = np.uint32(0x7F800000)
-_OPTIONS = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy", "fastmath": False}
+_OPTIONS = {"cache": _CACHED, "nogil": True, "boundscheck": False, "error_model": "numpy", "fastmath": False}
 
 
 @numba.njit(inline="always", **_OPTIONS)
