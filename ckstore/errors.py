@@ -118,6 +118,10 @@ class ConflictError(CkstoreError):
     exit_code = 6
 
 
+class RepoReplacedError(ConflictError):
+    """The repository folder was deleted and created again since this process opened it."""
+
+
 class LockedError(ConflictError):
     """A lock is held by another process (or was left by a dead one)."""
 

@@ -181,6 +181,7 @@ def checkout(
                 "written": result.written,
                 "unchanged": result.unchanged,
                 "bytes_written": result.bytes_written,
+                "removed": result.removed,
             }
         )
         return
@@ -191,6 +192,7 @@ def _report_written(result: CheckoutResult) -> None:
     click.echo(
         f"wrote {len(result.written)} file(s), {human(result.bytes_written)}"
         + (f"; {len(result.unchanged)} already up to date" if result.unchanged else "")
+        + (f"; removed {', '.join(result.removed)} (the model's other layout)" if result.removed else "")
     )
 
 

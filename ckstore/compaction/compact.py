@@ -106,12 +106,16 @@ def compact_branch(
     commit arrives meanwhile (tip.py; a pair an earlier run finished is not redone, so a run
     after one without it only settles)."""
     report = CompactReport()
-    depth = ctx.config.encoding.max_delta_depth
     # No automatic garbage collection while it runs (as a commit): its objects hold no cycles,
     # and collections were 2-3% of a run's CPU.
     with ctx.backend.compaction_lock(lock_timeout), writing(ctx), collection_paused():
         if on_locked is not None:
             on_locked()
+        # The settings and version as they are now, not as this process read them (it may have
+        # waited an hour); and the repository it opened, not one created since at the same path,
+        # whose compaction lock this one would not exclude.
+        ctx.refresh()
+        depth = ctx.config.encoding.max_delta_depth
         tip = ctx.refs.read(HEADS + branch)
         window = depth + 3
         commits = ctx.graph.first_parents(tip, window)
@@ -154,12 +158,14 @@ def compact_branch(
                 newer = {c.id for commit in commits[: i + 1] for c in commit.all_chunks()}
                 # A pair with predictions reads parents' chunks again as bases: those stay cached.
                 forget = all(j.prediction is None for j in pairs[i])
+                ctx.check_same_repository()  # before each batch: a run stops in a re-created repository
                 with ctx.store.batch() as staged:
                     view = HeaderCache(staged, known_raw, found_raw, forget_parents=forget)
                     _run_pair(view, pairs[i], depth, Roles(newer), report, upgrade, pool, sums)
             # Last, and only while no newer commit has arrived: the tip's own chunks (tip.py).
             reached_all = False
             if settle:
+                ctx.check_same_repository()
                 settled, freed, reached_all = settle_tip(
                     ctx, commits[0], TipWatch(ctx, branch, tip), pool, COMPACTION_WORKERS, known_raw, found_raw
                 )

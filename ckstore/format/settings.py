@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -16,6 +17,7 @@ REPO_FORMAT_VERSION = 6  # the newest this ckstore reads (docs/format.md): 2 add
 # first record a relative link (3), a predicted delta (4), a pack (5) or a context-sorted delta
 # (6), so an older ckstore keeps reading every repository without one.
 NEW_REPO_VERSION = 2
+_REPOSITORY_ID = re.compile(r"[0-9a-f]{0,64}")
 RELATIVE_LINKS_VERSION = 3
 PREDICTED_VERSION = 4
 PACKS_VERSION = 5
@@ -81,6 +83,10 @@ class RepoConfig:
     version: int = NEW_REPO_VERSION
     reflog_expire_days: int = DEFAULT_REFLOG_EXPIRE_DAYS
     reflog_expire_unreachable_days: int = DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS
+    # Chosen at random when the repository is created, never changed: a process that opened the
+    # repository tells from it that the folder was deleted and created again meanwhile ("" for a
+    # repository created before it existed).
+    repository_id: str = ""
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {
@@ -93,6 +99,8 @@ class RepoConfig:
             doc["max_delta_depth"] = self.max_delta_depth
         doc["reflog_expire_days"] = self.reflog_expire_days
         doc["reflog_expire_unreachable_days"] = self.reflog_expire_unreachable_days
+        if self.repository_id:
+            doc["id"] = self.repository_id
         return (json.dumps(doc, indent=2) + "\n").encode()
 
     @property
@@ -123,6 +131,7 @@ class RepoConfig:
             version,
             doc.get("reflog_expire_days", DEFAULT_REFLOG_EXPIRE_DAYS),
             doc.get("reflog_expire_unreachable_days", DEFAULT_REFLOG_EXPIRE_UNREACHABLE_DAYS),
+            doc.get("id", ""),
         )
         config.validate(where)
         return config
@@ -138,5 +147,7 @@ class RepoConfig:
             days = getattr(self, name)
             if isinstance(days, bool) or not isinstance(days, int) or not 0 <= days <= MAX_REFLOG_DAYS:
                 raise InvalidInputError(f"{where}: {name} must be a whole number of days from 0 to {MAX_REFLOG_DAYS}")
+        if not isinstance(self.repository_id, str) or not _REPOSITORY_ID.fullmatch(self.repository_id):
+            raise InvalidInputError(f"{where}: id must be up to 64 lowercase hex digits")
         if not isinstance(self.version, int) or not 1 <= self.version <= REPO_FORMAT_VERSION:
             raise UnsupportedFormatError(f"{where}: unknown repository format version {self.version}")

@@ -9,7 +9,9 @@ killed outright (SIGKILL, power loss) can leave its hidden temporary ``.NAME.PID
 checkout writing into that folder removes the temporaries of processes that no longer run.
 Before anything is written every target is checked: a different existing file is refused unless
 ``force``; an identical one (same size, and every chunk region hashing to its chunk's name) is
-left alone. Chunks are fetched, decoded, verified and written at their offsets on a bounded
+left alone. A model's files in the other layout (``model.safetensors`` against
+``model-0000X-of-0000N.safetensors`` and their index) are refused the same way, and removed with
+``force``, so the folder holds the commit's model alone. Chunks are fetched, decoded, verified and written at their offsets on a bounded
 thread pool.
 """
 
@@ -59,6 +61,7 @@ class CheckoutResult:
     written: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     bytes_written: int = 0
+    removed: list[str] = field(default_factory=list)  # another layout's files of the same model (--force)
     merged_adapter: str | None = None  # export: the LoRA adapter merged into the written model
 
 
@@ -372,6 +375,39 @@ def remove_dead_temporaries(folder: Path) -> int:
     return removed
 
 
+# A model's safetensors as one file, as numbered shards, and the shards' index: the three names
+# of one layout. transformers loads ``S.safetensors`` first when both layouts lie in a folder.
+_LAYOUT_NAME = re.compile(r"(?P<stem>[^/]+?)(?:\.safetensors|-\d{5}-of-\d{5}\.safetensors|\.safetensors\.index\.json)")
+
+
+def layout_counterparts(out_dir: Path, outputs: Sequence[Output]) -> list[str]:
+    """Files in ``out_dir`` of the same model as a top-level safetensors output but of another
+    layout (a single ``model.safetensors`` beside new shards, old shards or their index beside a
+    single file, shards of another count): left there, they would be loaded instead of, or
+    mixed with, what the checkout writes."""
+    written = {o.path for o in outputs}
+    stems = {m.group("stem") for path in written if (m := _LAYOUT_NAME.fullmatch(path))}
+    if not stems:
+        return []
+    try:
+        names = sorted(e.name for e in os.scandir(out_dir) if e.is_file(follow_symlinks=False) or e.is_symlink())
+    except OSError:
+        return []
+    return [n for n in names if n not in written and (m := _LAYOUT_NAME.fullmatch(n)) and m.group("stem") in stems]
+
+
+def _remove_counterparts(out_dir: Path, names: Sequence[str], durable: bool) -> None:
+    """Removed before the new layout is written: a checkout stopped part-way then leaves an
+    incomplete model that fails to load, never an old one that loads silently."""
+    for name in names:
+        try:
+            os.unlink(out_dir / name)
+        except FileNotFoundError:
+            pass
+    if names and durable:
+        fsync_path(out_dir)
+
+
 def write_outputs(
     store: ObjectStore,
     outputs: list[Output],
@@ -398,6 +434,9 @@ def write_outputs(
                 conflicts.append(output.path)
                 continue
         todo.append((target, output))
+    stale = layout_counterparts(out_dir, outputs)
+    if not force:
+        conflicts.extend(stale)
     if conflicts:
         raise OutputExistsError(
             f"{len(conflicts)} file(s) in {out_dir} differ from the commit ({', '.join(conflicts[:3])}"
@@ -406,6 +445,8 @@ def write_outputs(
     try:
         for folder in sorted({target.parent for target, _ in todo}):
             remove_dead_temporaries(folder)
+        _remove_counterparts(out_dir, stale, durable)
+        result.removed.extend(stale)
         _write_all(store, todo, progress, durable)
         for _, output in todo:
             result.written.append(output.path)

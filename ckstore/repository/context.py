@@ -9,6 +9,7 @@ through and their graphs resolve names this one does not know (sources.py).
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -17,7 +18,14 @@ from pathlib import Path
 from ckstore.backend.base import Backend
 from ckstore.backend.local import LocalBackend, find_repository, locate_repository, prepare_new_repository
 from ckstore.backend.memory import MemoryBackend
-from ckstore.errors import CkstoreError, InvalidInputError, RefExistsError, RepoNotFoundError, UnsupportedFormatError
+from ckstore.errors import (
+    CkstoreError,
+    InvalidInputError,
+    RefExistsError,
+    RepoNotFoundError,
+    RepoReplacedError,
+    UnsupportedFormatError,
+)
 from ckstore.format.settings import CONFIG_KEY, PACKS_VERSION, RepoConfig
 from ckstore.repository.graph import CommitGraph
 from ckstore.repository.links import ALTERNATES_KEY, MAX_BASE_DEPTH, Link, read_links
@@ -126,6 +134,7 @@ class RepoContext:
         lowered. This context then uses the settings written (or found)."""
         with self.backend.config_lock(CONFIG_LOCK_TIMEOUT):
             now = self.read_config()
+            self._check_same(now)
             wanted = change(now)
             wanted = replace(wanted, version=max(wanted.version, now.version))
             wanted.validate()
@@ -134,6 +143,29 @@ class RepoContext:
         self.config = wanted
         self.store.settings = wanted.encoding
         return wanted
+
+    def refresh(self) -> RepoConfig:
+        """Use the settings on disk now (a long run, once it holds its lock: a setting changed
+        since it opened the repository applies to what it writes); refused when the repository
+        was created again meanwhile (``check_same_repository``)."""
+        now = self.read_config()
+        self._check_same(now)
+        self.config = now
+        self.store.settings = now.encoding
+        return now
+
+    def check_same_repository(self) -> None:
+        """Refuse to go on when the folder now holds another repository than the one this context
+        opened (deleted and initialised again at the same path): its settings, version, locks and
+        objects are not the ones this process planned with."""
+        self._check_same(self.read_config())
+
+    def _check_same(self, now: RepoConfig) -> None:
+        if now.repository_id != self.config.repository_id:
+            raise RepoReplacedError(
+                f"the repository at {self.path if self.path is not None else 'this location'} was deleted"
+                " and created again since this process opened it"
+            )
 
     def read_config(self) -> RepoConfig:
         """The settings as config.json holds them now."""
@@ -190,6 +222,7 @@ def init_context(
     backend: Backend | None = None,
 ) -> RepoContext:
     """Create a repository with ``config`` (on a new local folder unless ``backend`` is given)."""
+    config = replace(config, repository_id=secrets.token_hex(16))  # never another repository's
     config.validate()
     if backend is None:
         backend = LocalBackend(prepare_new_repository(path, CONFIG_KEY))

@@ -546,3 +546,26 @@ def test_a_detached_compaction_settles_the_tip_once_the_branch_stays_quiet(
     assert repo.status().at_rest
     assert {_encoding(repo, o) for o in _tensor_chunks(repo, "HEAD")} == {Encoding.GROUPED}
     assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, "HEAD~1"))
+
+
+def test_a_compaction_opened_before_the_repository_was_created_again_stops_and_writes_nothing(tmp_path: Path) -> None:
+    import shutil
+
+    from ckstore.errors import RepoReplacedError
+
+    old = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
+    old.compact_after_commit = False
+    for step in range(2):
+        old.commit_state(_state(step))
+    shutil.rmtree(tmp_path / "repo")  # deleted and created again at the same path, without deltas
+    new = Repo.init(tmp_path / "repo", chunk_size=CHUNK, max_delta_depth=0)
+    new.compact_after_commit = False
+    for step in range(3):
+        new.commit_state(_state(step))
+    with pytest.raises(RepoReplacedError, match="deleted and created again"):
+        old.compact()
+    assert all(new.store.bases_of(o) == () for o in new.store.iter_ids())
+    with pytest.raises(RepoReplacedError):  # nor do the old settings reach the new repository
+        old._ctx.set_config(old.config)
+    assert new._ctx.read_config().max_delta_depth == 0
+    assert new.compact().deltas == 0  # its own compaction follows its own settings

@@ -51,3 +51,55 @@ def test_a_full_compact_log_is_rotated_keeping_its_latest_lines(tmp_path: Path) 
         os.close(fd)
     assert (tmp_path / ROTATED_LOG).read_bytes() == old  # the latest lines before the rotation, whole
     assert log.read_bytes() == b"newest\n"
+
+
+def _opened(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(os.path.realpath(fd) == str(path) for fd in fds.iterdir())
+    except OSError:
+        return False
+
+
+def test_a_compaction_waiting_when_the_repository_is_created_again_stops_without_writing_into_it(
+    tmp_path: Path,
+) -> None:
+    import shutil
+    import time
+
+    import torch
+
+    from ckstore.compaction.compact import COMPACTION_LOCK_TIMEOUT
+
+    root = tmp_path / "repo"
+    old = Repo.init(root, chunk_size=4096)
+    old.compact_after_commit = False
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 256, generator=g)
+    states = [{"w": base + 1e-4 * k} for k in range(3)]
+    for state in states[:2]:
+        old.commit_state(state)
+    with old._ctx.backend.compaction_lock(COMPACTION_LOCK_TIMEOUT):  # the compaction before it still runs
+        child = subprocess.Popen(
+            [sys.executable, "-m", "ckstore.compaction.detached", str(root), "main", "-1"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "CKSTORE_QUIET_SECONDS": "0"},
+        )
+        deadline = time.monotonic() + 120
+        while not _opened(child.pid, root / "compact.lock"):  # it waits for the lock now
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        shutil.rmtree(root)
+        new = Repo.init(root, chunk_size=4096, max_delta_depth=0)
+        new.compact_after_commit = False
+        for state in states:
+            new.commit_state(state)
+    out, _ = child.communicate(timeout=300)
+    assert child.returncode == 1, out
+    assert "deleted and created again" in out
+    assert all(new.store.bases_of(o) == () for o in new.store.iter_ids())
+    assert new.fsck(read_data=True) == []

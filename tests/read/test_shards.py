@@ -162,3 +162,60 @@ def test_hf_model_folder_round_trips_and_loads(
     assert json.loads((sharded / INDEX_NAME).read_text())["weight_map"] == hub.tensor_to_filename
     assert len(hub.filename_to_tensors) > 2 and not (sharded / "model.safetensors").exists()
     assert torch.equal(_embed(sharded), expected)
+
+
+def _single_file_commit(root: Path, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"embed.weight": torch.randn(64, 32, generator=g), "head.weight": torch.randn(32, 100, generator=g)}
+    save_st(root / "model.safetensors", tensors, metadata={"format": "pt"})
+    (root / "config.json").write_text('{"model_type": "bert"}')
+    return tensors
+
+
+def _model_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("model"))
+
+
+def test_a_sharded_checkout_over_a_plain_one_leaves_no_stale_model_file(repo: Repo, tmp_path: Path) -> None:
+    _single_file_commit(tmp_path / "old", 1)
+    repo.commit(tmp_path / "old", branch="pretrained")
+    tuned = _single_file_commit(tmp_path / "new", 2)
+    repo.commit(tmp_path / "new", branch="tuned")
+    out = tmp_path / "x"
+    repo.checkout("pretrained", out)
+    (out / "notes.txt").write_text("mine")  # not a model file: never touched
+    with pytest.raises(OutputExistsError, match="model.safetensors"):
+        repo.checkout("tuned", out, shard_size="10KB")  # the old single file would shadow the shards
+    result = repo.checkout("tuned", out, shard_size="10KB", force=True)
+    assert result.removed == ["model.safetensors"]
+    assert _model_names(out) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX_NAME]
+    assert (out / "notes.txt").read_text() == "mine"
+    index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    for name, shard in index.items():
+        assert torch.equal(load_file(out / shard)[name], tuned[name])
+
+    # And back: a plain checkout over the shards leaves neither them nor their index.
+    result = repo.checkout("pretrained", out, force=True)
+    assert sorted(result.removed) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        INDEX_NAME,
+    ]
+    assert _model_names(out) == ["model.safetensors"]
+
+
+def test_export_with_force_in_the_other_layout_replaces_the_earlier_export(cli: Cli, tmp_path: Path) -> None:
+    cli("init", str(tmp_path / "repo"), repo=False)
+    _single_file_commit(tmp_path / "old", 1)
+    cli("commit", str(tmp_path / "old"), "--branch", "pretrained")
+    tuned = _single_file_commit(tmp_path / "new", 2)
+    cli("commit", str(tmp_path / "new"), "--branch", "tuned")
+    out = tmp_path / "y"
+    cli("export", "pretrained", "-o", str(out))
+    cli("export", "tuned", "-o", str(out), "--shard-size", "10KB", code=6)
+    printed = cli("export", "tuned", "-o", str(out), "--shard-size", "10KB", "--force")
+    assert "removed model.safetensors" in printed.output
+    assert not (out / "model.safetensors").exists() and (out / INDEX_NAME).is_file()
+    cli("export", "tuned", "-o", str(out), "--force")
+    assert _model_names(out) == ["model.safetensors"]
+    assert torch.equal(load_file(out / "model.safetensors")["head.weight"], tuned["head.weight"])
