@@ -19,6 +19,7 @@ remote branch as last seen; remote tags become local tags unless a local tag of 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -326,6 +327,9 @@ def _pull_locked(
     return report, ours, theirs
 
 
+CLONE_INCOMPLETE = "clone-incomplete"  # in a repository whose clone skipped refs: what to resume
+
+
 def clone(
     url: str,
     path: str | os.PathLike[str],
@@ -334,7 +338,12 @@ def clone(
     progress: ProgressFactory | None = None,
 ) -> tuple[RepoContext, FetchReport]:
     """A new repository at ``path`` with remote "origin", every remote branch as a local branch,
-    and HEAD on "main" (or the first branch)."""
+    and HEAD on "main" (or the first branch).
+
+    A clone that fails outright (an error, Ctrl-C) removes what it made. One that could not fetch
+    some refs (the remote is damaged there) keeps the branches it fetched and records
+    ``clone-incomplete``; the same clone run again resumes into it: it fetches again, adds the
+    branches that arrive now, and drops the record once nothing was skipped."""
     from ckstore.remote.names import RemoteSpec, open_spec
 
     # Refuse bad input, then an empty or foreign remote, before creating anything.
@@ -343,21 +352,50 @@ def clone(
         raise InvalidInputError(problem)
     open_spec(RemoteSpec("origin", url, endpoint_url)).require_format()
     target = Path(path)
+    record = json.dumps({"url": url, "endpoint_url": endpoint_url}, sort_keys=True).encode()
+    resumed = _resumable(target, record)
+    if resumed is not None:
+        return resumed, _fill_clone(resumed, url, progress)
     existed = target.exists()
     ctx = init_context(path, config or RepoConfig())  # refuses a folder with anything in it: the rest is ours
     try:
         add(ctx, "origin", url, endpoint_url)
-        with writing(ctx):
-            report = fetch(ctx, "origin", progress)
-            branches = ctx.refs.list(f"{REMOTES}origin/")
-            for branch, oid in branches.items():
-                ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
-        if branches:
-            ctx.refs.set_head_branch(DEFAULT_BRANCH if DEFAULT_BRANCH in branches else min(branches))
+        ctx.backend.replace(CLONE_INCOMPLETE, record)
+        report = _fill_clone(ctx, url, progress)
     except BaseException:
         _remove_failed_clone(target, existed)
         raise
     return ctx, report
+
+
+def _resumable(target: Path, record: bytes) -> RepoContext | None:
+    """The repository an earlier, incomplete clone of the same remote left at ``target``."""
+    from ckstore.repository.context import open_context
+
+    if not (target / CLONE_INCOMPLETE).is_file():
+        return None
+    ctx = open_context(target)
+    try:
+        if ctx.backend.get(CLONE_INCOMPLETE) == record:
+            return ctx
+    except KeyError:
+        pass
+    return None
+
+
+def _fill_clone(ctx: RepoContext, url: str, progress: ProgressFactory | None) -> FetchReport:
+    """Fetch "origin" and make each of its branches a local one (those not made yet)."""
+    with writing(ctx):
+        report = fetch(ctx, "origin", progress)
+        branches = ctx.refs.list(f"{REMOTES}origin/")
+        for branch, oid in branches.items():
+            if ctx.refs.read(HEADS + branch) is None:
+                ctx.refs.update(HEADS + branch, oid, expected=None, reason=f"clone: from {url}")
+    if branches and ctx.refs.read(HEADS + ctx.refs.head_branch()) is None:
+        ctx.refs.set_head_branch(DEFAULT_BRANCH if DEFAULT_BRANCH in branches else min(branches))
+    if not any(s.damaged for s in report.skipped):
+        ctx.backend.delete(CLONE_INCOMPLETE)
+    return report
 
 
 def _remove_failed_clone(target: Path, existed: bool) -> None:

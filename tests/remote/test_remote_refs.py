@@ -224,3 +224,26 @@ def test_push_fast_forwards_over_a_commit_local_retention_pruned(
     clone, _ = Repo.clone(url, tmp_path / "clone", endpoint_url=endpoint)
     assert clone.branches()["main"] == ids[3]
     assert_checks_out(clone, ids[3], tmp_path / "out", tmp_path / "work" / "e4")
+
+
+def test_a_clone_that_skipped_a_damaged_ref_is_resumed_by_the_same_clone(tmp_path: Path) -> None:
+    """A clone whose remote names a missing commit keeps the branches it could fetch; running
+    the same clone again is not blocked ("a repository already exists") but resumes, and once
+    the remote is repaired it completes."""
+    url = str(tmp_path / "remote")
+    a, ids = pushed(tmp_path, url, None)
+    ghost = tmp_path / "remote" / "refs" / "heads" / "ghost"
+    ghost.write_text("ab" * 32 + "\n")
+    _cli("clone", url, str(tmp_path / "c"), code=4)
+    assert (tmp_path / "c" / "clone-incomplete").is_file()
+    result = _cli("clone", url, str(tmp_path / "c"), code=4)  # again: resumed, still skipping
+    assert "already exists" not in result.stderr and "refs/heads/ghost" in result.stderr
+    a.create_branch("ghost")
+    ghost.unlink()
+    a.push(refs=["ghost"])  # the remote is repaired
+    _cli("clone", url, str(tmp_path / "c"), code=0)
+    c = Repo(tmp_path / "c")
+    assert set(c.branches()) == {"main", "ghost"} and c.fsck(read_data=True) == []
+    assert not (tmp_path / "c" / "clone-incomplete").exists()
+    result = _cli("clone", url, str(tmp_path / "c"), code=6)  # a complete clone is not cloned into
+    assert "already exists" in result.stderr
