@@ -117,6 +117,14 @@ class Backend(ABC):
         each change is made to the settings as they are now, never to a copy read earlier."""
         return _THREAD_LOCKS.hold((id(self), "config"), timeout, "another process is changing the settings")
 
+    def compaction_running(self) -> bool:
+        """Whether a compaction holds the compaction lock now (this process's own finish first)."""
+        try:
+            with self.compaction_lock(timeout=0):
+                return False
+        except LockedError:
+            return True
+
     def compaction_queued(self) -> bool:
         """Whether a compaction waits its turn in another process (only a local repository's do:
         LocalBackend.compaction_place)."""

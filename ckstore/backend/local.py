@@ -25,6 +25,7 @@ Every mutating step (write, fsync, link, rename, unlink, mkdir) goes through
 from __future__ import annotations
 
 import builtins
+import errno
 import fcntl
 import os
 import stat
@@ -464,13 +465,45 @@ class LocalBackend(StagingBackend):
                 os.close(fd)
         return False
 
+    def compaction_running(self) -> bool:
+        """Whether a process holds ``compact.lock`` now, asked without creating or writing
+        anything (``status`` works on a read-only repository): no file, no compaction ever ran."""
+        try:
+            fd = os.open(self.root / COMPACTION_LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def _open_lock(self, path: Path, exclusive: bool) -> int | None:
+        """The descriptor to flock ``path`` with. A shared lock (a reader: log, status, report,
+        a dry run) of a repository it cannot write (a read-only mount, another user's files)
+        takes the flock on a read-only descriptor; with no lock file there, no writer can hold
+        one either (None: nothing to lock)."""
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exclusive or exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise storage_error(exc, f"opening {path}") from None
+        try:
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise storage_error(exc, f"opening {path}") from None
+
     @contextmanager
     def _flock(self, name: str, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
         path = self.root / name
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise storage_error(exc, f"opening {path}") from None
+        fd = self._open_lock(path, exclusive)
+        if fd is None:
+            yield
+            return
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
         deadline = time.monotonic() + timeout
         try:

@@ -86,15 +86,17 @@ def status(repo: Repo, as_json: bool) -> None:
         if s.stats.unreferenced_bytes is None
         else human(s.stats.unreferenced_bytes)
     )
-    when = (
-        ""
-        if s.stats_current
-        else f" (as of {_iso(s.stats_measured)}; changed since: `ckstore stats` measures it again)"
-    )
-    click.echo(
-        f"storage: {human(s.stats.stored_bytes)} stored for {human(s.stats.logical_bytes)} logical in "
-        f"{s.stats.commits} commit(s); plain gc would free {free}{when}"
-    )
+    if s.stats_current:
+        click.echo(
+            f"storage: {human(s.stats.stored_bytes)} stored for {human(s.stats.logical_bytes)} logical in "
+            f"{s.stats.commits} commit(s); plain gc would free {free}"
+        )
+    else:  # commits and logical bytes are counted now; the stored figures are the last measurement's
+        click.echo(
+            f"storage: {s.stats.commits} commit(s), {human(s.stats.logical_bytes)} logical; "
+            f"{human(s.stats.stored_bytes)} stored and plain gc would free {free} as of {_iso(s.stats_measured)}"
+            " (changed since: `ckstore stats` measures it again)"
+        )
     for b in s.bases:
         click.echo(f"base repository {b.location}: " + ("reachable" if b.reachable else f"UNREACHABLE: {b.reason}"))
     for name, url in s.remotes.items():

@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,67 @@ def test_a_store_whose_newest_commit_is_as_committed_is_not_at_rest_until_repack
     assert "not yet at rest" in _status(tmp_path / "r") and "'ckstore wait'" in _status(tmp_path / "r")
     repo.repack()
     assert _json(tmp_path / "r")["at_rest"] is True
+
+
+def _lock_files(repo: Path) -> set[str]:
+    """The files of writers' locks (``lock`` is the readers' too: a reader takes it shared where it can)."""
+    names = {"compact.lock", "config.lock"}
+    found = {n for n in names if (repo / n).exists()}
+    queue = repo / "compact-queue"
+    return found | ({f"compact-queue/{p.name}" for p in queue.iterdir()} if queue.is_dir() else set())
+
+
+def test_status_and_report_create_no_lock_or_queue_file(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "r")
+    for seed in (1, 2):
+        repo.commit([checkpoint(tmp_path / "a.safetensors", seed)], message=f"epoch {seed}")
+    repo.wait()
+    for name in ("lock", "compact.lock", "config.lock"):
+        (tmp_path / "r" / name).unlink(missing_ok=True)
+    shutil.rmtree(tmp_path / "r" / "compact-queue", ignore_errors=True)
+    _status(tmp_path / "r")
+    assert _lock_files(tmp_path / "r") == set()
+    result = CliRunner().invoke(main, ["--repo", str(tmp_path / "r"), "report", "-o", str(tmp_path / "r.html")])
+    assert result.exit_code == 0, result.output
+    assert _lock_files(tmp_path / "r") == set()
+
+
+@pytest.fixture
+def read_only_copy(tmp_path: Path) -> Iterator[Path]:
+    """A repository on a read-only bind mount (as an archived run on read-only NFS)."""
+    import subprocess
+
+    repo = Repo.init(tmp_path / "src" / "r")
+    for seed in (1, 2):
+        repo.commit([checkpoint(tmp_path / "a.safetensors", seed)], message=f"epoch {seed}")
+    repo.wait()
+    (tmp_path / "ro").mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(tmp_path / "src"), str(tmp_path / "ro")], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("needs a bind mount (root with CAP_SYS_ADMIN)")
+    try:
+        remount = ["mount", "-o", "remount,bind,ro", str(tmp_path / "ro")]
+        if subprocess.run(remount, capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only")
+        yield tmp_path / "ro" / "r"
+    finally:
+        subprocess.run(["umount", str(tmp_path / "ro")], check=True)
+
+
+def test_read_only_commands_work_on_a_read_only_repository(read_only_copy: Path, tmp_path: Path) -> None:
+    for args in (
+        ["status"],
+        ["report", "-o", str(tmp_path / "r.html")],
+        ["gc", "--dry-run", "--keep-last", "1"],
+        ["log"],
+        ["fsck"],
+    ):
+        result = CliRunner().invoke(main, ["--repo", str(read_only_copy), *args], prog_name="ckstore")
+        assert result.exit_code == 0, (args, result.output, result.stderr)
+    assert "On branch main" in _status(read_only_copy)
+    assert (
+        "would delete"
+        in CliRunner().invoke(main, ["--repo", str(read_only_copy), "gc", "--dry-run", "--keep-last", "1"]).output
+    )
+    result = CliRunner().invoke(main, ["--repo", str(read_only_copy), "tag", "v1"], prog_name="ckstore")
+    assert result.exit_code == 7 and "Read-only file system" in result.stderr  # writes still fail cleanly

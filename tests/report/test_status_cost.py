@@ -83,7 +83,7 @@ def test_a_change_since_is_measured_again_or_shown_as_of_its_time(
     assert calls == [] and doc["storage_current"] is False
     assert 5000 < doc["gc_would_free_bytes"] < 11000  # the figure measured before the 6000 bytes
     text = _status(repo.path)
-    assert "(as of " in text and "changed since: `ckstore stats` measures it again" in text
+    assert " as of " in text and "(changed since: `ckstore stats` measures it again)" in text
     assert before.unreferenced_bytes == 0
 
 
@@ -114,3 +114,20 @@ def test_ahead_and_behind_walk_only_the_commits_between(tmp_path: Path, monkeypa
     monkeypatch.setattr(status_module.sizes, "stats", lambda ctx: sizes.Stats(0, 0, 0, 0))
     doc = json.loads(_status(repo.path, "--json"))
     assert doc["remotes"][0]["branches"][0]["ahead"] == 2 and doc["remotes"][0]["branches"][0]["behind"] == 0
+
+
+def test_status_counts_the_commits_made_since_the_last_measurement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = settled_repo(tmp_path)
+    repo.stats()  # measured with 2 commits
+    (tmp_path / "f" / "m.txt").write_text("step 2, a longer line than before\n")
+    repo.commit(tmp_path / "f", message="step 2")
+    repo.wait()
+    monkeypatch.setattr(status_module, "MEASURE_SECONDS", 0.0)  # as if measuring took long
+    calls = measurements(monkeypatch)
+    doc = json.loads(_status(repo.path, "--json"))
+    assert calls == [] and doc["storage_current"] is False
+    assert doc["commits"] == 3 and doc["logical_bytes"] == repo.stats().logical_bytes
+    line = next(x for x in _status(repo.path).splitlines() if x.startswith("storage:"))
+    assert line.startswith("storage: 3 commit(s),") and "stored and plain gc would free" in line
