@@ -151,6 +151,10 @@ class StorageError(CkstoreError):
     no_space = False  # the device (or a quota) is full: freeing space elsewhere may let it succeed
 
 
+class OutputError(StorageError):
+    """Standard output cannot be written (a full device, an I/O error, a closed descriptor)."""
+
+
 class UnsupportedFormatError(CkstoreError):
     """The repository was written by a newer ckstore, or is not a ckstore repository."""
 

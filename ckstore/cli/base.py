@@ -25,13 +25,13 @@ import sys
 import warnings
 from collections.abc import Callable
 from functools import update_wrapper
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import click
 import click.shell_completion
 
 from ckstore.cli import EXIT_INTERRUPTED
-from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, StorageError
+from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, OutputError, StorageError
 from ckstore.runtime.units import human  # noqa: F401  (the commands' one way to print sizes)
 
 # The repository layer loads when a command opens a repository (``find_repo``), not for ``--help``
@@ -43,7 +43,10 @@ EXIT_PIPE = 141  # 128 + SIGPIPE
 
 
 def die(message: str, code: int) -> NoReturn:
-    click.echo(f"ckstore: {message}", err=True)
+    try:
+        click.echo(f"ckstore: {message}", err=True)
+    except OSError:
+        pass  # stderr is closed or full too: the exit code is all that can say it
     sys.exit(code)
 
 
@@ -126,6 +129,55 @@ def print_json(doc: Any) -> None:
 
 def short(oid: str) -> str:
     return oid[:12]
+
+
+class _StandardOutput:
+    """stdout as the command writes it: a failed write or flush (``> /dev/full``, an I/O error)
+    becomes OutputError, one line and exit 7, naming standard output (an OSError there names
+    no file); a reader that went away stays BrokenPipeError (``output_closed``). Started with
+    stdout closed, every write fails the same way instead of vanishing."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._closed = stream is None
+        # Closed: the attributes click reads (encoding, isatty) come from /dev/null's stream.
+        self._stream: TextIO = stream if stream is not None else open(os.devnull, "w")  # noqa: SIM115
+
+    def _failed(self, exc: OSError | None) -> NoReturn:
+        why = "it is closed" if exc is None else (exc.strerror or str(exc))
+        raise OutputError(f"cannot write to standard output: {why}")
+
+    def write(self, text: str) -> int:
+        if self._closed and text:
+            self._failed(None)
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            self._failed(exc)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            self._failed(exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _drop_output() -> None:
+    """After a failed write of stdout: what is still buffered goes to /dev/null, so that the
+    final flush neither fails again nor says it twice."""
+    stream = sys.stdout
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, io.UnsupportedOperation, AttributeError):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
 
 
 def output_closed() -> NoReturn:
@@ -216,6 +268,9 @@ class _Group(click.Group):
             return result
         except BrokenPipeError:
             output_closed()
+        except OutputError as exc:
+            _drop_output()
+            die(str(exc), exc.exit_code)
         except CkstoreError as exc:
             die(str(exc), exc.exit_code)
         except KeyboardInterrupt:
@@ -225,6 +280,8 @@ class _Group(click.Group):
             die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
         except MemoryError:
             die("out of memory", 1)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: still one line, never a traceback
+            die(f"internal error: {type(exc).__name__}: {exc} (please report it)", 1)
 
 
 def complete_ref(
@@ -298,6 +355,13 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
             signal.signal(signal.SIGINT, interrupts)
         try:
             result = ctx.invoke(f, repo, *args, **kwargs)
+        except OutputError as exc:
+            recorded = repo.commits_recorded()
+            if not recorded:
+                raise
+            _drop_output()
+            # Said on stderr, so that a script retrying on exit 7 does not record it twice.
+            die(f"{exc}; commit {recorded[-1]} was recorded and stands", exc.exit_code)
         except KeyboardInterrupt:
             recorded = repo.commits_recorded()
             if not recorded:
@@ -349,6 +413,7 @@ def run() -> None:
     # numpy loads (0.06-0.08 CPU s of a 0.1-0.2 s import, a tenth of a small commit). The command
     # makes no BLAS call that more threads would speed up; a user's own setting wins.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    sys.stdout = _StandardOutput(sys.stdout)  # type: ignore[assignment,unused-ignore]
     try:
         main(prog_name="ckstore", standalone_mode=True)
         code = 0
@@ -377,4 +442,9 @@ def _flushed(code: int) -> int:
                 stream.flush()
     except BrokenPipeError:
         return EXIT_PIPE
+    except OutputError as exc:  # what a command printed last, flushed only now
+        _drop_output()
+        if sys.stderr is not None:
+            print(f"ckstore: {exc}", file=sys.stderr)
+        return code or exc.exit_code
     return code

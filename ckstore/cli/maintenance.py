@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -241,7 +241,8 @@ def config_command(repo: Repo, key: str | None, value: int | None) -> None:
         return
     if key == "max_delta_depth" and repo.config.version < 2:
         raise InvalidInputError("a version-1 repository has no deltas; run 'ckstore repack' to upgrade it first")
-    repo.set_config(replace(repo.config, **{key: value}))
+    changes: dict[str, Any] = {key: value}  # key is one of _SETTINGS (all int fields)
+    repo.set_config(replace(repo.config, **changes))
     click.echo(f"{key} = {value}")
 
 

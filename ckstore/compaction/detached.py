@@ -180,8 +180,8 @@ def _fork(path: Path, branch: str, place: int) -> bool:
             try:
                 if stream is not None:  # None: the command was started with that descriptor closed
                     stream.flush()  # what the command printed so far, printed once: not again from the child
-            except (OSError, ValueError):
-                pass  # a closed pipe or stream: the command's own exit reports it
+            except (OSError, ValueError, CkstoreError):
+                pass  # a closed pipe or stream, a full device: the command's own exit reports it
         pid = os.fork()
         if pid == 0:
             code = 1

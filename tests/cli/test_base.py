@@ -387,3 +387,39 @@ def test_commands_work_with_stderr_closed(tmp_path: Path) -> None:
     checkout = subprocess.run(f"{ck} checkout HEAD -o {shlex.quote(str(out))} 2>&-", shell=True, timeout=300)
     assert checkout.returncode == 0 and sha256(out / "model.safetensors") == sha256(source)
     assert Repo.find(path).resolve("HEAD") == commit.stdout.strip()
+
+
+def _sh(command: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_or_closed_stdout_is_exit_7_and_one_line_and_a_recorded_commit_says_it_stands(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    Repo.init(path, chunk_size=4096)
+    ck = f"{shlex.quote(sys.executable)} -m ckstore.cli --repo {shlex.quote(str(path))}"
+    source = checkpoint(tmp_path / "a" / "model.safetensors", 0)
+    commit = _sh(f"{ck} commit {shlex.quote(str(source))} -m e1 >/dev/full")
+    assert commit.returncode == 7
+    recorded = Repo.find(path).resolve("HEAD")
+    assert commit.stderr == (
+        f"ckstore: cannot write to standard output: No space left on device; commit {recorded} was recorded and stands\n"
+    )
+    for redirect, why in ((">/dev/full", "No space left on device"), (">&-", "it is closed")):
+        for command in ("log", "status", "show HEAD"):
+            run = _sh(f"{ck} {command} {redirect}")
+            assert (run.returncode, run.stderr) == (7, f"ckstore: cannot write to standard output: {why}\n"), command
+    both = _sh(f"{ck} log >/dev/full 2>&-")  # nowhere to say it: the exit code alone
+    assert both.returncode == 7
+
+
+def test_an_unexpected_error_is_one_line_and_exit_1(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli("init", str(Path.cwd() / "repo"), repo=False)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(Repo, "status", broken)
+    result = cli("status", code=1)
+    assert result.stderr == "ckstore: internal error: ValueError: a bug (please report it)\n"
