@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ckstore.repo import ProgressBar, Repo
 
 EXIT_PIPE = 141  # 128 + SIGPIPE
+INTERRUPT_NOTE = "ckstore.interrupt_note"  # click context meta: a command's words for an interrupted run
 
 
 def die(message: str, code: int) -> NoReturn:
@@ -368,9 +369,10 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             landed = f"commit {recorded[0]}" if len(recorded) == 1 else f"{len(recorded)} commits (last {recorded[-1]})"
+            note = ctx.meta.get(INTERRUPT_NOTE, "")  # what the command adds (import: was the source deleted)
             die(
-                f"interrupted after {landed} was recorded: it stands, and its compaction continues in the background "
-                "('ckstore wait' waits for it)",
+                f"interrupted after {landed} was recorded: it stands{note}, and its compaction continues in the"
+                " background ('ckstore wait' waits for it)",
                 EXIT_INTERRUPTED,
             )
         if own:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from ckstore.cli.base import (
+    INTERRUPT_NOTE,
     complete_ref,
     human,
     main,
@@ -261,6 +263,24 @@ def export(
         )
 
 
+def _last_source_note(repo: Repo, printed: int) -> str:
+    """Whether the source of the commit recorded last was deleted, for the interrupt's message:
+    a commit that landed before its line was printed may or may not have had its file deleted."""
+    from ckstore.format.values import decode_value
+
+    recorded = repo.commits_recorded()
+    if len(recorded) <= printed:
+        return ""
+    meta = decode_value(repo.read_commit(recorded[-1]).metadata)
+    source = meta.get("source") if isinstance(meta, dict) else None
+    if not isinstance(source, str):
+        return ""
+    kept = os.path.lexists(source)
+    return (
+        f"; its source {source} was {'kept (import it again only if you want a second commit)' if kept else 'deleted'}"
+    )
+
+
 @main.command(name="import")
 @click.argument("path")
 @click.option("--recursive", is_flag=True, help="Import every .pth/.pt/.bin/.ckpt file under the folder PATH.")
@@ -297,6 +317,10 @@ def import_(
             done.append({"commit": result.commit, "source": str(result.source), "deleted": result.deleted})
             if not as_json:
                 click.echo(f"{result.commit}  {result.source}{'  (source deleted)' if result.deleted else ''}")
+    except KeyboardInterrupt:
+        if delete_source:
+            click.get_current_context().meta[INTERRUPT_NOTE] = _last_source_note(repo, len(done))
+        raise
     finally:
         if as_json:
             print_json({"imported": done})

@@ -417,3 +417,24 @@ def test_import_of_a_file_that_is_no_checkpoint_says_so(cli: Cli, tmp_path: Path
     notes.write_bytes(content)
     result = cli("import", str(notes), code=5)
     assert "is not a PyTorch checkpoint (neither a zip nor a pickle file)" in result.stderr
+
+
+@pytest.mark.parametrize("moment", ["before deleting", "after deleting"])
+def test_an_import_interrupted_after_its_commit_says_whether_the_source_was_deleted(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    cli("init", str(tmp_path / "repo"), repo=False)
+    torch.save(model_state(1), tmp_path / "m.pt")
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt  # Ctrl-C at this moment
+
+    monkeypatch.setattr(legacy, "verify_commit" if moment == "before deleting" else "ImportResult", interrupted)
+    result = cli("import", str(tmp_path / "m.pt"), "--delete-source", code=130)
+    [commit] = Repo(tmp_path / "repo").log()
+    assert f"interrupted after commit {commit.id} was recorded: it stands" in result.stderr
+    source = str((tmp_path / "m.pt").resolve())
+    if moment == "before deleting":
+        assert (tmp_path / "m.pt").exists() and f"its source {source} was kept" in result.stderr
+    else:
+        assert not (tmp_path / "m.pt").exists() and f"its source {source} was deleted," in result.stderr
