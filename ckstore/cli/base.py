@@ -281,6 +281,8 @@ class _Group(click.Group):
             die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
         except MemoryError:
             die("out of memory", 1)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise  # click's own ends of a command (--help, usage errors): main() reports them
         except Exception as exc:  # noqa: BLE001 - a bug of ours: still one line, never a traceback
             die(f"internal error: {type(exc).__name__}: {exc} (please report it)", 1)
 

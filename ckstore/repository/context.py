@@ -9,7 +9,6 @@ through and their graphs resolve names this one does not know (sources.py).
 from __future__ import annotations
 
 import os
-import secrets
 import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -222,6 +221,8 @@ def init_context(
     backend: Backend | None = None,
 ) -> RepoContext:
     """Create a repository with ``config`` (on a new local folder unless ``backend`` is given)."""
+    import secrets  # only a new repository needs it: reading commands start lighter
+
     config = replace(config, repository_id=secrets.token_hex(16))  # never another repository's
     config.validate()
     if backend is None:
