@@ -35,7 +35,7 @@ from ckstore.repository.store import ObjectStore
 
 PRUNED_KEY = "pruned"
 ROOT_PREFIXES = (HEADS, TAGS, REMOTES)  # the refs whose commits gc keeps and fsck walks
-_SUFFIX = re.compile(r"~(\d*)$|\^$")
+_SUFFIX = re.compile(r"~(\d*)$|\^1?$")  # "^1": the first parent, as "^"
 _REFLOG_SUFFIX = re.compile(r"(.*)@\{(\d+)\}")
 
 Pruned = Mapping[ObjectId, tuple[ObjectId, ...]]
@@ -55,6 +55,22 @@ def kept_parents(parents: Iterable[ObjectId], pruned: Pruned) -> Iterator[Object
             todo.extend(pruned[oid])
         else:
             yield oid
+
+
+def _check_suffix(spec: str, base: str) -> None:
+    """Refuse what is left of a ``~``/``^`` suffix that did not parse, saying what is wrong with
+    it (no name may hold either character, so it can only be a suffix)."""
+    at = min((i for i in (base.find("~"), base.find("^")) if i >= 0), default=-1)
+    if at < 0:
+        return
+    if re.fullmatch(r"\^\d+", base[at:]):
+        raise InvalidInputError(
+            f"invalid revision {spec!r}: '^N' (a merge's N-th parent) is not supported; ckstore records no"
+            " merges, and '~N' goes N first parents back"
+        )
+    raise InvalidInputError(
+        f"invalid revision {spec!r}: '~' and '^' take a number of commits ('HEAD~3', 'HEAD^', 'HEAD~')"
+    )
 
 
 class CommitGraph:
@@ -120,6 +136,7 @@ class CommitGraph:
         while (m := _SUFFIX.search(base)) and m.start() > 0:
             steps += int(m.group(1)) if m.group(1) else 1
             base = base[: m.start()]
+        _check_suffix(spec, base)
         at = _REFLOG_SUFFIX.fullmatch(base)
         oid = self._resolve_reflog(spec, at.group(1), int(at.group(2))) if at else self.resolve_name(base)
         for _ in range(steps):

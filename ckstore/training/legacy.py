@@ -274,7 +274,9 @@ def _refusal(torch: Any, path: Path, is_zip: bool, text: str) -> UnsafeCheckpoin
     if name is not None:
         return UnsafeCheckpointError(
             f"{path} refused: it needs the global {name}, which torch's weights_only loader does not"
-            " allow (loading it could run arbitrary code)"
+            " allow (loading it could run arbitrary code); if you trust the file, load it yourself"
+            " (torch.load(..., weights_only=False)), keep the tensors and plain values, and commit"
+            " them with Repo.commit_state"
         )
     operand = _OPERAND.search(text)
     if operand is not None and int(operand.group(1)) in first_op:

@@ -39,6 +39,9 @@ class OpenSource:
         self._stored = DropBehind()
         try:
             self.fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            # Gone since the inputs were listed: the same mistake as naming a missing path (exit 5).
+            raise InvalidInputError(f"{path} disappeared while being committed (no such file)") from None
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc.strerror}") from None
 

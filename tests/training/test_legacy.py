@@ -438,3 +438,12 @@ def test_an_import_interrupted_after_its_commit_says_whether_the_source_was_dele
         assert (tmp_path / "m.pt").exists() and f"its source {source} was kept" in result.stderr
     else:
         assert not (tmp_path / "m.pt").exists() and f"its source {source} was deleted," in result.stderr
+
+
+def test_a_refused_global_says_what_to_do_next(cli: Cli, tmp_path: Path) -> None:
+    import argparse
+
+    cli("init", str(tmp_path / "repo"), repo=False)
+    torch.save({"state_dict": model_state(1), "hparams": argparse.Namespace(lr=0.1)}, tmp_path / "lightning.ckpt")
+    result = cli("import", str(tmp_path / "lightning.ckpt"), code=UnsafeCheckpointError.exit_code)
+    assert "argparse.Namespace" in result.stderr and "Repo.commit_state" in result.stderr

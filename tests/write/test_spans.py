@@ -135,3 +135,11 @@ def test_the_stored_prefix_leaves_the_page_cache_while_the_commit_goes(tmp_path:
         assert tail >= 4 * chunk - (1 << 20), tail  # not stored: left alone
     finally:
         source.close()
+
+
+def test_a_source_deleted_before_it_is_read_is_the_input_error_of_a_missing_path(tmp_path: Path) -> None:
+    from ckstore.write.spans import OpenSource
+
+    with pytest.raises(InvalidInputError, match="disappeared while being committed") as info:
+        OpenSource(tmp_path / "trainer_state.json", 10)
+    assert info.value.exit_code == 5  # as `commit nosuch`, not 7 (a storage failure)
