@@ -24,6 +24,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable
+from contextlib import suppress
 from functools import update_wrapper
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -139,7 +140,7 @@ class _StandardOutput:
     stdout closed, every write fails the same way instead of vanishing."""
 
     def __init__(self, stream: TextIO | None) -> None:
-        self._closed = stream is None
+        self._closed = self.closed_at_start = stream is None
         # Closed: the attributes click reads (encoding, isatty) come from /dev/null's stream.
         self._stream: TextIO = stream if stream is not None else open(os.devnull, "w")  # noqa: SIM115
 
@@ -363,8 +364,15 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
             if not recorded:
                 raise
             _drop_output()
-            # Said on stderr, so that a script retrying on exit 7 does not record it twice.
-            die(f"{exc}; commit {recorded[-1]} was recorded and stands", exc.exit_code)
+            if ctx.info_name not in _Interrupts.SINGLE_COMMIT:  # stopped before the rest of its work
+                die(f"{exc}; commit {recorded[-1]} was recorded and stands (the rest was not done)", exc.exit_code)
+            # The command's work is done: printing its id was all that was left. It is said on
+            # stderr, and the exit is 0, so a script retrying on failure does not record it twice;
+            # a caller that closed stdout asked for silence.
+            if not isinstance(sys.stdout, _StandardOutput) or not sys.stdout.closed_at_start:
+                with suppress(OSError):
+                    click.echo(f"ckstore: warning: {exc}; commit {recorded[-1]} was recorded", err=True)
+            return None
         except KeyboardInterrupt:
             recorded = repo.commits_recorded()
             if not recorded:

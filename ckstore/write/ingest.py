@@ -104,6 +104,7 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw:
     """
     found: dict[str, SourceFile] = {}
     pickles: list[str] = []
+    escaping: list[str] = []  # symlinks in a folder whose target lies outside it
 
     def add(rel: str, source: Path) -> None:
         rel = check_relative_path(rel)
@@ -128,6 +129,8 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw:
                     full = Path(dirpath, name)
                     if full.is_file():
                         add(full.relative_to(root).as_posix(), full)
+                        if full.is_symlink() and not _is_inside(full, root):
+                            escaping.append(f"{full.relative_to(root).as_posix()} -> {full.resolve()}")
                         if not raw and not name.endswith(SAFETENSORS_SUFFIX) and pickle_format(full):
                             pickles.append(full.relative_to(root).as_posix())
         elif root.is_file():
@@ -149,6 +152,15 @@ def collect_sources(paths: Sequence[str | os.PathLike[str]], exclude: Path, raw:
             CkstoreWarning(
                 f"storing {len(pickles)} pickle file(s) as opaque blobs, without per-tensor dedup ({', '.join(pickles[:3])}"
                 f"{', …' if len(pickles) > 3 else ''}); import converts a pickle checkpoint to tensors (ckstore import)"
+            ),
+            stacklevel=3,
+        )
+    if escaping:
+        # The link's target is stored as a file of the commit (and pushed with it): say so.
+        warnings.warn(
+            CkstoreWarning(
+                f"storing the target of {len(escaping)} symlink(s) that lead outside the folder, as plain files"
+                f" ({', '.join(escaping[:3])}{', …' if len(escaping) > 3 else ''})"
             ),
             stacklevel=3,
         )

@@ -210,3 +210,19 @@ def test_init_exist_ok_opens_the_existing_repository(tmp_path: Path) -> None:
     (tmp_path / "full" / "x").write_text("not a repository")
     with pytest.raises(OutputExistsError, match="not an empty directory"):  # exit 6, as init over a repository
         Repo.init(tmp_path / "full", exist_ok=True)
+
+
+def test_a_symlink_leading_outside_the_folder_is_stored_with_a_warning(cli: Cli, tmp_path: Path) -> None:
+    cli("init", str(tmp_path / "repo"), repo=False)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not part of the run\n")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    (folder / "inside").symlink_to(folder / "notes.txt")  # inside the folder: nothing to say
+    (folder / "leak").symlink_to(outside)
+    result = cli("commit", str(folder), "-m", "x")
+    assert result.stderr == (
+        "ckstore: warning: storing the target of 1 symlink(s) that lead outside the folder, as plain files"
+        f" (leak -> {outside.resolve()})\n"
+    )
