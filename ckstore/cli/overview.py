@@ -34,6 +34,7 @@ def _status_json(s: Any) -> dict[str, Any]:
         "gc_would_free_bytes": s.stats.unreferenced_bytes,
         "storage_measured": _iso(s.stats_measured),
         "storage_current": s.stats_current,
+        "storage_problem": s.storage_problem or None,
         "bases": [{"location": b.location, "reachable": b.reachable, "reason": b.reason} for b in s.bases],
         "remotes": list(remotes.values()),
     }
@@ -86,7 +87,9 @@ def status(repo: Repo, as_json: bool) -> None:
         if s.stats.unreferenced_bytes is None
         else human(s.stats.unreferenced_bytes)
     )
-    if s.stats_current:
+    if s.storage_problem:
+        click.echo(f"storage: not measured: {s.storage_problem} ('ckstore fsck' names every damaged object)")
+    elif s.stats_current:
         click.echo(
             f"storage: {human(s.stats.stored_bytes)} stored for {human(s.stats.logical_bytes)} logical in "
             f"{s.stats.commits} commit(s); plain gc would free {free}"

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ckstore.compaction.at_rest import is_at_rest
+from ckstore.errors import IntegrityError
 from ckstore.format.ids import ObjectId
 from ckstore.maintenance import sizes
 from ckstore.repository.context import RepoContext
@@ -49,6 +50,8 @@ class Status:
     # Every chunk of HEAD's commit and its parent in its best encoding (compaction/at_rest.py):
     # False while a compaction runs, waits, or was cut short by a newer commit.
     at_rest: bool = True
+    # Why the storage figures could not be measured (a damaged object: fsck names them all); "" when they were.
+    storage_problem: str = ""
 
 
 # status measures storage itself when the last measurement took less than this (wall seconds).
@@ -119,9 +122,13 @@ def status(ctx: RepoContext, remotes: dict[str, str]) -> Status:
             local = ctx.refs.read(HEADS + remote_branch)
             ahead, behind = _counts(ctx, local, oid)
             tracking.append(TrackingStatus(name, remote_branch, oid, local, ahead, behind))
-    figures, measured, current = _storage(ctx)
-    if not current:
-        figures = _counted(ctx, figures)
+    problem = ""
+    try:
+        figures, measured, current = _storage(ctx)
+        if not current:
+            figures = _counted(ctx, figures)
+    except IntegrityError as exc:  # the branch and HEAD are still worth showing, and the damage named
+        figures, measured, current, problem = sizes.Stats(0, 0, 0, 0, None, None), 0.0, False, str(exc)
     head = ctx.refs.read(HEADS + branch)
     running = compaction_running(ctx)
     return Status(
@@ -135,4 +142,5 @@ def status(ctx: RepoContext, remotes: dict[str, str]) -> Status:
         measured,
         current,
         at_rest=head is None or (not running and is_at_rest(ctx.backend, head)),
+        storage_problem=problem,
     )

@@ -205,3 +205,25 @@ def test_read_only_commands_work_on_a_read_only_repository(read_only_copy: Path,
     )
     result = CliRunner().invoke(main, ["--repo", str(read_only_copy), "tag", "v1"], prog_name="ckstore")
     assert result.exit_code == 7 and "Read-only file system" in result.stderr  # writes still fail cleanly
+
+
+def test_status_on_a_damaged_file_list_piece_shows_the_branch_and_names_the_damage(tmp_path: Path) -> None:
+    repo = Repo.init(tmp_path / "r")
+    for e in (1, 2):  # 3000 files: the file list is stored apart, in pieces (docs/format.md 5.3)
+        folder = tmp_path / f"d{e}"
+        folder.mkdir()
+        for i in range(3000):
+            (folder / f"f{i:05d}.txt").write_text(f"file {i} epoch {e if i % 7 == 0 else 1}\n" * 3)
+        head = repo.commit(folder, message=f"e{e}")
+    repo.wait()
+    piece = repo.read_commit(head, files=False).file_list[0].id
+    path = tmp_path / "r" / "objects" / piece[:2] / piece[2:]
+    if not path.is_file():
+        pytest.skip("the piece is packed")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+    text = _status(tmp_path / "r")
+    assert text.splitlines()[0] == f"On branch main, HEAD {head[:12]} e2"
+    assert f"storage: not measured: commit {head}" in text and piece in text and "'ckstore fsck'" in text
+    assert piece in _json(tmp_path / "r")["storage_problem"]
