@@ -425,6 +425,7 @@ def run() -> None:
     # numpy loads (0.06-0.08 CPU s of a 0.1-0.2 s import, a tenth of a small commit). The command
     # makes no BLAS call that more threads would speed up; a user's own setting wins.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # A TextIO stand-in, not a TextIO subclass: it forwards what it does not wrap.
     sys.stdout = _StandardOutput(sys.stdout)  # type: ignore[assignment,unused-ignore]
     try:
         main(prog_name="ckstore", standalone_mode=True)
