@@ -3,37 +3,49 @@
 On the checkpoints scripts/bench_at_rest.py stores (scripts/bench_data.py: all-MiniLM-L6-v2 +
 AdamW, four epochs, ``--steps`` steps apart), the epochs are coded the way ckstore keeps them at
 rest: the newest whole, each older epoch against the next one, per 1 MiB chunk of every tensor of
-2-byte or wider elements (smaller tensors are a fraction of a percent). Per tensor kind (weight,
-``exp_avg``, ``exp_avg_sq``) and epoch role (newest, older) this prints:
+2-byte or wider elements and at least 16 KiB (the rest is a fraction of a percent), a seeded
+``--sample`` of the chunks (each tensor kind and role scaled to all its bytes). Per tensor kind
+(weight, ``exp_avg``, ``exp_avg_sq``) and role (newest, older), as fractions of raw:
 
-- **ckstore**: the chunk as ckstore's encoder stores it (``encode_chunk`` at level 1 with every
-  candidate, context-sorted deltas included, and against the newer epoch's chunk);
-- **order-1**: H(byte | the same byte of the newer epoch) per plane, table free: the limit docs/
-  benchmarks.md prints (a lower bound for any coder that conditions on that byte alone);
-- candidate coders, each an *adaptive* per-chunk model (each context's counts start empty and are
-  updated after every symbol, Krichevsky-Trofimov-like with the best of a few priors, signalled
-  in a byte): their code length is exactly computable from the final counts (the Dirichlet
-  mixture's probability of the sequence does not depend on the order), and an arithmetic coder
-  (constriction's range coder) reaches it within a few bytes, so it is an honest coded size
-  with the tables' cost included — the cost of learning them is in it:
+- ``ckstore``: ckstore's encoder at level 1 without the context-sorted delta (what compaction
+  writes, so what stays at rest); ``ckstore+5``: with it (what repack writes);
+- ``order-0`` (newest) and ``order-1`` (older: H(byte | the same byte of the newer epoch) per
+  plane, tables free: the limit docs/benchmarks.md prints);
+- *adaptive* context models, per chunk: each context's counts start empty and grow with every
+  symbol (a Dirichlet prior, the best of ``PRIORS``, said in 2 bits). Their code length follows
+  from the final counts alone (the mixture's probability of a sequence does not depend on its
+  order), so it is exact, with the cost of learning the tables in it; an adaptive arithmetic
+  coder would reach it within bytes:
 
-  - ``ctx5``: each residual byte plane (the smaller of XOR and zigzag difference) in the
-    context of encoding 5 (base exponent x the residual byte above, capped at 3);
-  - ``ctx-rich``: the same with the byte above in 8 classes and the byte two above as a flag;
-  - ``ulp``: the zigzag difference in ulps coded as its bit length (in the context of the base's
-    exponent and, for a weight, of the newer epoch's Adam step size |m / sqrt(v)|, for
-    ``exp_avg_sq`` of m^2 / v: how much of the newer v the last steps' gradients made), the
-    two bits below the leading one in the context of the length, the rest as raw bits;
-  - ``moment``: ``exp_avg`` whole, sign and exponent in the context of the newer epoch's sign
-    and exponent and of the same epoch's ``exp_avg_sq`` exponent, the mantissa's top byte in the
-    context of the exponent, its other bits raw.
+  - ``ctx``: older, each byte plane of the residual (the smaller of XOR and zigzag difference)
+    in encoding 5's context (the base's exponent x the residual byte above, capped at 3); newest,
+    the top plane order-0, the plane below in the context of the exponent, lower planes in the
+    context of whether the byte above is zero;
+  - ``ctx-rich``: older, the byte above in 8 classes and the byte two above as a flag;
+  - ``ulp``: the zigzag difference (ulps) as its bit length, in the context of the base's
+    exponent and, for a weight, of the newer epoch's Adam step |m / sqrt(v)|, for ``exp_avg_sq``
+    of m^2 / v (how much of the newer v the last steps made); the two bits below the leading
+    one in the context of the length, the rest raw;
+  - ``moment``: an older ``exp_avg`` whole: sign and exponent in the context of the newer
+    epoch's sign and exponent and of the same epoch's ``exp_avg_sq`` exponent, the top 7
+    mantissa bits in the context of the exponent, the other bits raw;
 
-  Each kind takes the best candidate per chunk (the choice signalled in a byte).
+- ``ctx static`` and ``moment static``: the same models coded for real with constriction's range
+  coder, one static categorical table per context and chunk, the tables stored
+  (``static_coded``), decoded and compared; their decode rate (M symbols per CPU second, all
+  sampled chunks) is printed with the load;
+- ``best static``: per chunk the smallest of ``ckstore`` and the static coders (a byte says
+  which); ``best shared``: per tensor the smallest of ``ckstore`` and the models with static
+  tables shared by all the tensor's chunks (``shared_table_bytes``: what a table object named by
+  every chunk would store); ``best ideal``: per chunk the smallest of ``ckstore`` and the
+  adaptive models.
 
-Fractions of the run's raw bytes (all four epochs, both files). The last table adds up the best
-per kind and compares with the peers' figures docs/benchmarks.md reports for the same runs.
+Then bits per byte per plane (ckstore's stored planes against ``ctx``) and the totals.
+``--two-back`` instead codes epochs 1 and 2 as plain deltas of a prediction from the two newer
+epochs (``a * next + b * after``, least squares per tensor), beside the delta of the next epoch.
 
-    python scripts/bench_context_coder.py [--work DIR] [--steps 60] [--runs ...] [--chunks N]
+    python scripts/bench_context_coder.py [--work DIR] [--steps 60] [--runs ...] [--sample 0.25]
+        [--two-back]
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ from bench_data import RUNS, ensure_checkpoints  # noqa: E402
 
 from ckstore.codecs.deltas import DELTA  # noqa: E402
 from ckstore.codecs.objects import HEADER_SIZE, Encoding, encode_chunk, parse_header  # noqa: E402
-from ckstore.codecs.planes import PLANE  # noqa: E402
+from ckstore.codecs.planes import PLANE, grouped_parts  # noqa: E402
 
 CHUNK = 1 << 20
 FILES = ("model.safetensors", "optimizer.safetensors")
@@ -462,8 +474,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--sample", type=float, default=0.25, help="share of chunks measured (seeded)")
+    parser.add_argument("--two-back", action="store_true", help="only the two-epochs-back prediction")
     args = parser.parse_args()
     data = ensure_checkpoints(Path(args.work) / "checkpoints", steps=args.steps, runs=tuple(args.runs))
+    if args.two_back:
+        print("| run | kind | raw MB (epochs 1-2) | whole | delta of the next epoch | + delta of a*next + b*after |")
+        print("|---|---|---|---|---|---|")
+        for run in args.runs:
+            for kind, (raw, whole, one, two) in sorted(two_back(data[run]).items()):
+                print(
+                    f"| {run} | {kind} | {raw / 1e6:.0f} | {whole / raw:.4f} | {one / raw:.4f} | {two / raw:.4f} |",
+                    flush=True,
+                )
+        return
     print(f"load {os.getloadavg()[0]:.1f}")
     print("| run | kind | role | raw MB | " + " | ".join(CODERS) + " |")
     print("|---|---|---|---|" + "---|" * len(CODERS))
@@ -481,15 +504,62 @@ def main() -> None:
     print_planes(by_plane)
     print()
     print(
-        "| run | ckstore at rest / raw | + encoding 5 | best static / raw | ratio | best ideal / raw | ratio | static decode, M symbols/s | load |"
+        "| run | ckstore at rest / raw | + encoding 5 | best static / raw | ratio | best shared / raw | ratio "
+        "| best ideal / raw | ratio | static decode, M symbols/s | load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for run, t in totals.items():
         print(
             f"| {run} | {t['ckstore']:.3f} | {t['ckstore+5']:.3f} | {t['best static']:.3f} | {t['best static'] / t['ckstore']:.3f} | "
             f"{t['best shared']:.3f} | {t['best shared'] / t['ckstore']:.3f} | "
             f"{t['best ideal']:.3f} | {t['best ideal'] / t['ckstore']:.3f} | {t['rate']:.0f} | {os.getloadavg()[0]:.1f} |"
         )
+
+
+def from_float(values: np.ndarray, width: int) -> np.ndarray:
+    """float64 values to the element type's bits (round to nearest even)."""
+    f32 = values.astype(np.float32)
+    if width == 4:
+        return f32.view(np.uint32)
+    return torch.from_numpy(f32).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def grouped_delta_bytes(new: np.ndarray, base: np.ndarray, width: int) -> int:
+    """ckstore's plain delta of ``new`` against ``base`` (the smaller of XOR and zigzag
+    difference, byte planes at level 1), summed over 1 MiB chunks."""
+    total, per = 0, CHUNK // width
+    for lo in range(0, new.size, per):
+        a, b = new[lo : lo + per], base[lo : lo + per]
+        total += min(grouped_parts(r.tobytes(), width, 1)[0] for r in (a ^ b, zigzag(a, b, width)))
+    return total
+
+
+def two_back(dirs: list[Path]) -> dict[str, list[float]]:
+    """Per kind, for epochs 1 and 2 (the ones with two newer epochs): bytes stored whole, as
+    ckstore's plain delta of the next epoch, and as a plain delta of a prediction from the next
+    two, ``a * next + b * after`` (least squares per tensor; a decoder would read a and b from
+    the object), each the smallest so far per tensor: [raw, whole, 1 back, 2 back]."""
+    epochs = [load_epoch(d) for d in dirs]
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0] * 4)
+    for k in range(len(epochs) - 2):
+        for name, old in epochs[k].items():
+            width = old.dtype.itemsize
+            new, after = epochs[k + 1][name], epochs[k + 2][name]
+            whole = sum(
+                grouped_parts(old[lo : lo + CHUNK // width].tobytes(), width, 1)[0]
+                for lo in range(0, old.size, CHUNK // width)
+            )
+            one = min(whole, grouped_delta_bytes(old, new, width))
+            a, b, o = as_float(new, width), as_float(after, width), as_float(old, width)
+            fit = np.isfinite(a) & np.isfinite(b) & np.isfinite(o)
+            coef = np.linalg.lstsq(np.stack([a[fit], b[fit]], 1)[::7], o[fit][::7], rcond=None)[0]
+            with np.errstate(all="ignore"):
+                predicted = from_float(coef[0] * a + coef[1] * b, width)
+            two = min(one, grouped_delta_bytes(old, predicted, width))
+            acc = out[kind_of(name)]
+            for i, v in enumerate((old.nbytes, whole, one, two)):
+                acc[i] += v
+    return out
 
 
 def print_planes(by_plane: list[tuple[str, dict[tuple[str, str], dict[str, float]]]]) -> None:
