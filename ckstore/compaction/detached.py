@@ -305,7 +305,7 @@ def run(path: str, branch: str, place: int) -> int:
         _say(f"no commit on {branch!r} for {quiet_seconds():.0f} s: settling what of its newest commit stays whole")
         started = time.monotonic()
         report = compact_branch(ctx, branch, lock_timeout=LOCK_WAIT, settle=True, defer_bases=True)
-        _say(_report_text(branch, started, report))
+        _say(_report_text(branch, started, report) + ("" if report.at_rest else ", not yet at rest"))
         over = run_over_after(ctx, tip)
         if not report.at_rest and _quiet(ctx, branch, tip, over - _age(ctx, tip)):
             _say(f"no commit on {branch!r} for {over:.0f} s: settling the rest of its newest commit")
