@@ -16,13 +16,17 @@ bytes:
   ``ckstore`` command: a ``ckstore commit`` per epoch of a folder of files named for the epoch
   (``model_epoch_N.safetensors``), each in a process of its own, the detached compaction waited
   for before the next epoch (minutes of training separate two epochs, shorter than
-  ``detached.QUIET_SECONDS``), then ``ckstore wait``:
+  ``detached.QUIET_SECONDS``; ``--epoch-seconds E --quiet Q``: epochs E seconds apart, longer
+  than a quiet period of Q seconds, so that what a detached process does once the branch is
+  quiet falls inside the epoch and counts as its background work), then ``ckstore wait``:
   the stored bytes then ("at rest", no repack), after ``ckstore repack``; every commit is checked
   out and compared byte for byte with its files. Times (medians of ``--reps``, after an
   ``os.sync()``): checkout of the newest commit and of the oldest (three deltas back) with
   ``ckstore checkout``, as MB of files per CPU-second of the command (all threads: MB/s per
-  core), both at rest; the detached compaction's CPU seconds per epoch (from compact.log)
-  against safetensors ``save_file`` + fsync of the same epoch (CPU seconds, in this process).
+  core), both at rest, and of the newest before ``ckstore wait`` too (as its commit stored it);
+  the CPU seconds of each epoch's detached process (its compaction, and what it settled once
+  the branch was quiet; from compact.log) against safetensors ``save_file`` + fsync of the
+  same epoch (CPU seconds, in this process).
 
 Prints one markdown table per part, with the 1-minute load average beside the timed figures.
 """
@@ -151,9 +155,18 @@ def _save_cpu(folder: Path, out: Path) -> float:
     return total
 
 
-def _compaction_cpu(log: Path) -> list[float]:
-    text = log.read_text() if log.exists() else ""
-    return [float(m) for m in re.findall(r"\(([0-9.]+) CPU s\)", text)]
+def _background_cpu(log: Path, start: int) -> float:
+    """CPU seconds of the detached processes that logged past byte ``start`` of compact.log (each
+    logs its own CPU so far after every run: its last figure is its total)."""
+    text = log.read_bytes()[start:].decode() if log.exists() else ""
+    last: dict[str, float] = {}
+    for pid, cpu in re.findall(r"pid (\d+): compacted .*?\(([0-9.]+) CPU s\)", text):
+        last[pid] = max(last.get(pid, 0.0), float(cpu))
+    return sum(last.values()) if last else float("nan")
+
+
+def _log_size(log: Path) -> int:
+    return log.stat().st_size if log.exists() else 0
 
 
 def _compaction_done(repo: Path) -> None:
@@ -183,8 +196,9 @@ def _same_files(folder: Path, epoch: Path, n: int) -> bool:
     )
 
 
-def readme_loop(code: Path, dirs: list[Path], work: Path, reps: int) -> dict[str, float]:
-    """ckstore through its command, as the README teaches it (module docstring)."""
+def readme_loop(code: Path, dirs: list[Path], work: Path, reps: int, epoch_seconds: float = 0.0) -> dict[str, float]:
+    """ckstore through its command, as the README teaches it (module docstring); ``epoch_seconds``:
+    each epoch's commit that long after the one before (0: once its compaction is done)."""
     root = work / "readme"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -196,14 +210,16 @@ def readme_loop(code: Path, dirs: list[Path], work: Path, reps: int) -> dict[str
         folder.mkdir()
         for f in FILES:
             shutil.copyfile(d / f, folder / f.replace(".safetensors", f"_epoch_{n}.safetensors"))
+        at, started = _log_size(repo / "compact.log"), time.monotonic()
         _cli(code, ["--repo", str(repo), "commit", str(folder), "-m", f"epoch {n}"], root)
         _compaction_done(repo)  # the next epoch's training: its compaction ends meanwhile
-        cpu = _compaction_cpu(repo / "compact.log")
-        compactions.append(cpu[-1] if cpu else float("nan"))
+        time.sleep(max(0.0, started + epoch_seconds - time.monotonic()))
+        compactions.append(_background_cpu(repo / "compact.log", at))
         saves.append(_save_cpu(d, folder))
         shutil.rmtree(folder)
-    result = {"wait CPU s": _cli(code, ["--repo", str(repo), "wait"], root)}
     size = sum((dirs[-1] / f).stat().st_size for f in FILES)
+    before = _checkout_rate(code, repo, "HEAD", root / "out", size, reps)
+    result = {"wait CPU s": _cli(code, ["--repo", str(repo), "wait"], root), "newest before wait": before}
     result.update({"at rest": _stored(code, repo), "load": os.getloadavg()[0]})
     out = root / "out"
     exact = True
@@ -235,7 +251,11 @@ def main() -> None:
     parser.add_argument("--code", nargs="+", default=[str(ROOT)], help="ckstore source trees to measure")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-peers", action="store_true", help="ckstore only")
+    parser.add_argument("--epoch-seconds", type=float, default=0.0, help="seconds from one epoch's commit to the next")
+    parser.add_argument("--quiet", type=float, help="CKSTORE_QUIET_SECONDS for the commands")
     args = parser.parse_args()
+    if args.quiet is not None:
+        os.environ["CKSTORE_QUIET_SECONDS"] = str(args.quiet)
     work = Path(args.work)
     data = ensure_checkpoints(work / "checkpoints", steps=args.steps, runs=tuple(args.runs))
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -247,11 +267,11 @@ def main() -> None:
         chain = min((others[k] for k in ("z4ai delta chain", "ZipNN XOR chain") if k in others), default=0)
         for code in args.code:
             print(f"{run}: ckstore of {code} ...", flush=True)
-            ck = readme_loop(Path(code), dirs, work, args.reps)
+            ck = readme_loop(Path(code), dirs, work, args.reps, args.epoch_seconds)
             vs = f"{ck['at rest'] / chain:.3f}×" if chain else "–"
             ck_rows.append(
                 f"| {run} | {Path(code).name} | {ck['at rest'] / raw:.3f} | {vs} | {ck['after repack'] / raw:.3f} | "
-                f"{ck['newest MB/s per core']:.0f} | {ck['oldest MB/s per core']:.0f} | "
+                f"{ck['newest before wait']:.0f} | {ck['newest MB/s per core']:.0f} | {ck['oldest MB/s per core']:.0f} | "
                 f"{ck['compaction / save']:.2f}× | {ck['wait CPU s']:.1f} | {'yes' if ck['bit-exact'] else 'NO'} | {ck['load']:.1f} |"
             )
             print(ck_rows[-1], flush=True)
@@ -260,17 +280,20 @@ def main() -> None:
                 f"| {run} | {raw / 1e6:.0f} | " + " | ".join(f"{v / raw:.3f}" for v in others.values()) + " |"
             )
             print(peer_rows[-1], flush=True)
-    print(f"\nbench_at_rest.py, {args.steps} steps/epoch, started {started}\n")
+    quiet = os.environ.get("CKSTORE_QUIET_SECONDS", "default")
+    print(
+        f"\nbench_at_rest.py, {args.steps} steps/epoch, epochs {args.epoch_seconds:g} s apart, quiet {quiet}, started {started}\n"
+    )
     if peer_rows:
         print("| run | raw MB | zstd -3 | ZipNN | hexz | z4ai | z4ai delta chain | ZipNN XOR chain |")
         print("|---|---|---|---|---|---|---|---|")
         print("\n".join(peer_rows) + "\n")
     print(
         "| run | code | ckstore at rest (README loop, wait) | / smaller chain | after repack | "
-        "checkout newest MB/s per core | checkout 3 back MB/s per core | compaction / save_file + fsync (CPU) | "
-        "final `ckstore wait` CPU s | bit-exact | load |"
+        "checkout newest before `wait` MB/s per core | checkout newest MB/s per core | checkout 3 back MB/s per core | "
+        "background of an epoch / save_file + fsync (CPU) | final `ckstore wait` CPU s | bit-exact | load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(ck_rows))
 
 

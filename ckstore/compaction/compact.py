@@ -20,8 +20,9 @@ later. For each chunk position of the branch tip (paired with its parent's chunk
    next commit's compaction turns most of them into deltas and settles the rest, and encoding
    them whole each epoch only to replace them one epoch later doubled a run's CPU (fp32_frozen
    MiniLM epochs: 4.4x the save's CPU to 9.9x). They are settled once the branch is quiet
-   (tip.py): when ``ckstore wait`` asks for it (``settle_branch``), or when no newer commit has
-   arrived for ``detached.QUIET_SECONDS`` after a detached compaction; a newer commit preempts it.
+   (tip.py): when ``ckstore wait`` asks for it (``settle_branch``), or, after a detached
+   compaction, those likely to stay whole once no newer commit has arrived for
+   ``detached.QUIET_SECONDS`` and the rest once the run looks over; a newer commit preempts it.
 
 Every replacement is decoded and re-hashed before it is staged, and all of a run's replacements
 are applied together after one durability barrier (``ObjectStore.batch``); an interrupted run
@@ -99,12 +100,15 @@ def compact_branch(
     lock_timeout: float = COMPACTION_LOCK_TIMEOUT,
     on_locked: Callable[[], object] | None = None,
     settle: bool = False,
+    defer_bases: bool = False,
 ) -> CompactReport:
     """Compact the tip of ``branch`` against its parent, and the parent against its parent.
     ``on_locked`` is called once the compaction lock is held (a detached run leaves its place in
     line then: detached.py). ``settle``: then settle the tip's own chunks too, unless a newer
     commit arrives meanwhile (tip.py; a pair an earlier run finished is not redone, so a run
-    after one without it only settles)."""
+    after one without it only settles); ``defer_bases``: all but those the parent's deltas are
+    based on, which the next commit's compaction most likely makes deltas (the tip is then not
+    at rest yet)."""
     report = CompactReport()
     # No automatic garbage collection while it runs (as a commit): its objects hold no cycles,
     # and collections were 2-3% of a run's CPU.
@@ -167,7 +171,15 @@ def compact_branch(
             if settle:
                 ctx.check_same_repository()
                 settled, freed, reached_all = settle_tip(
-                    ctx, commits[0], TipWatch(ctx, branch, tip), pool, COMPACTION_WORKERS, known_raw, found_raw
+                    ctx,
+                    commits[0],
+                    TipWatch(ctx, branch, tip),
+                    pool,
+                    COMPACTION_WORKERS,
+                    known_raw,
+                    found_raw,
+                    parent=commits[1] if len(commits) > 1 else None,
+                    defer_bases=defer_bases,
                 )
                 report.recompressed, report.saved = report.recompressed + settled, report.saved + freed
         record_settled_raw(ctx.backend, ctx.store.settings, found_raw)  # as record_finished: after the batches
@@ -187,8 +199,12 @@ def compact_branch(
             report.at_rest = True
         # Packs that hold replaced objects are settled here, off the training loop's path: their
         # other large objects spread into loose files, small ones kept packed; a pack none of
-        # whose objects was replaced stays (backend/local_settle.py).
-        ctx.backend.unpack(keep_clean=True)
+        # whose objects was replaced stays (backend/local_settle.py). Not after settling the
+        # tip's likely-whole chunks alone: the tip's pack would spread the delta bases it still
+        # holds (two thirds of an fp32 MiniLM epoch copied, 0.45 of that run's 1.0 CPU s), which
+        # the next compaction replaces anyway; their old copies stay in the pack until then.
+        if not (settle and defer_bases and not reached_all):
+            ctx.backend.unpack(keep_clean=True)
         _warm_tip(ctx, commits[0])
     return report
 

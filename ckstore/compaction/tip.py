@@ -10,6 +10,14 @@ settled them (or made them deltas), so the last commit of every run kept that co
 The tip stays whole (a resume reads it): the best whole encoding is what encode_chunk picks
 (byte planes, zstd at the repository's level), which reads back as fast as the fast one.
 
+Which chunks go first: a tip chunk that some chunk of the parent is now a delta of sits where
+deltas pay, so the next commit's compaction most likely makes it a delta too, and settling it
+whole would be work thrown away one epoch later; every other chunk (where the parent's delta
+was refused, a tensor the parent lacked) most likely stays whole, and the next compaction would
+have to settle it anyway. So the likely-whole chunks are settled first, and ``defer_bases``
+leaves the delta bases out: a detached compaction settles only those once the branch has been
+quiet for ``QUIET_SECONDS``, and the rest only once the run looks over (detached.py).
+
 The step yields to a newer commit: before each chunk it reads the branch's ref, and once the ref
 has moved it stops, keeping what it has settled so far (each replacement is checked and staged as
 compaction's are, and applied with the batch). The newer commit's compaction, waiting for the
@@ -83,6 +91,23 @@ def _settle_one(store: HeaderCache, slot: Slot, watch: TipWatch) -> tuple[int, i
     return int(freed > 0), freed
 
 
+def delta_bases_among(store: HeaderCache, parent: Commit, chunk_size: int, ids: set[str]) -> set[str]:
+    """Those of ``ids`` (the tip's chunks) that a chunk of ``parent`` is a delta of now; a header
+    read per chunk of the parent that compaction re-encodes (the small ones it leaves), which
+    then leaves the page cache, as compaction keeps the parent's chunks out of it."""
+    small = small_position(chunk_size)
+    found: set[str] = set()
+    for oid in dict.fromkeys(c.id for c in parent.all_chunks() if c.size >= small):
+        if oid in ids:
+            continue  # the tip's own chunk: compaction never makes it a delta
+        try:
+            found.update(b for b in store.bases_of(oid) if b in ids)
+        except CkstoreError:
+            continue  # a damaged or missing chunk: it only changes the order
+        store.forget_cached(oid)
+    return found
+
+
 def settle_tip(
     ctx: RepoContext,
     tip: Commit,
@@ -91,14 +116,22 @@ def settle_tip(
     workers: int,
     known_raw: set[str],
     found_raw: set[str],
+    parent: Commit | None = None,
+    defer_bases: bool = False,
 ) -> tuple[int, int, bool]:
     """Re-encode the tip's fast-stored chunks in their best whole encoding, until a newer commit
-    arrives; (chunks re-encoded, bytes freed, whether every chunk was reached)."""
+    arrives, those that ``parent``'s deltas are based on last (``defer_bases``: not at all);
+    (chunks re-encoded, bytes freed, whether every chunk was reached)."""
     recompressed = saved = 0
     with ctx.store.batch() as staged:
         view = HeaderCache(staged, known_raw, found_raw)
         work = tip_slots(tip, ctx.config.chunk_size)
+        bases = set[str]()
+        if parent is not None:
+            bases = delta_bases_among(view, parent, ctx.config.chunk_size, {s.id for s in work})
+        first = [s for s in work if s.id not in bases]
+        work = first if defer_bases else first + [s for s in work if s.id in bases]
         for done, freed in ordered_map(lambda s: _settle_one(view, s, watch), work, workers=workers, pool=pool):
             recompressed += done
             saved += freed
-    return recompressed, saved, watch.still_tip()
+    return recompressed, saved, watch.still_tip() and not (defer_bases and bases)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ckstore.compaction.detached import COMPACTION_LOG, LOG_LIMIT, ROTATED_LOG, _open_log
 from ckstore.repo import Repo
 from tests.helpers import checkpoint, sha256
@@ -103,3 +105,39 @@ def test_a_compaction_waiting_when_the_repository_is_created_again_stops_without
     assert "deleted and created again" in out
     assert all(new.store.bases_of(o) == () for o in new.store.iter_ids())
     assert new.fsck(read_data=True) == []
+
+
+class _Commit:
+    def __init__(self, timestamp: float) -> None:
+        self.timestamp = timestamp
+
+
+class _Graph:
+    def __init__(self, times: list[float]) -> None:
+        self.times = times
+
+    def first_parents(self, start: object, limit: int) -> list[_Commit]:
+        return [_Commit(t) for t in self.times[:limit]]
+
+
+class _Ctx:
+    def __init__(self, times: list[float]) -> None:
+        self.graph = _Graph(times)
+
+
+def test_the_rest_of_the_tip_waits_for_twice_the_runs_epoch_within_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose epochs come every 20 minutes looks over 40 minutes after its last commit, not
+    after the 5 quiet minutes that settle what stays whole; never sooner than those, never later
+    than the cap; a branch of one commit (no interval) after the quiet minutes."""
+    from ckstore.compaction import detached
+
+    monkeypatch.delenv("CKSTORE_QUIET_SECONDS", raising=False)
+    epoch = 1200.0
+    newest_first = [10_000.0 - k * epoch for k in range(6)]
+    assert detached.run_over_after(_Ctx(newest_first), "tip") == 2 * epoch  # type: ignore[arg-type]
+    assert detached.run_over_after(_Ctx([1000.0, 990.0, 980.0]), "tip") == detached.QUIET_SECONDS  # type: ignore[arg-type]
+    days = [1e6 - k * 86400.0 for k in range(3)]
+    assert detached.run_over_after(_Ctx(days), "tip") == detached.RUN_OVER_MAX_QUIETS * detached.QUIET_SECONDS  # type: ignore[arg-type]
+    assert detached.run_over_after(_Ctx([1000.0]), "tip") == detached.QUIET_SECONDS  # type: ignore[arg-type]
+    monkeypatch.setenv("CKSTORE_QUIET_SECONDS", "0")  # the test suite's: nothing waits
+    assert detached.run_over_after(_Ctx(newest_first), "tip") == 0  # type: ignore[arg-type]
