@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from ckstore.errors import ObjectMissingError, RefNotFoundError
 from ckstore.format.ids import ObjectId
-from ckstore.remote.layout import Holdings, RemoteRepo, pack_key
+from ckstore.remote.layout import Holdings, RemoteRepo, pack_key, retry_when_gone
 from ckstore.remote.names import cache_backend, default_name, open_remote
 from ckstore.repository.context import RepoContext
 from ckstore.repository.reader import VerifiedReader
@@ -67,7 +67,15 @@ class RemoteObjects:
             return self._download(oid, context)[0]
 
     def _download(self, oid: str, context: str) -> tuple[bytes, str]:
-        """Its stored bytes, read from the remote, and where they were read (for errors)."""
+        """Its stored bytes, read from the remote, and where they were read (for errors); a pack
+        deleted since the holdings were read (a push superseded it) sends it to the holdings
+        again: the object is in another pack."""
+        return retry_when_gone(lambda: self._download_once(oid, context), self._forget_holdings)
+
+    def _forget_holdings(self) -> None:
+        self._where = None
+
+    def _download_once(self, oid: str, context: str) -> tuple[bytes, str]:
         loc = self.where().get(oid)
         if loc is None:
             raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
