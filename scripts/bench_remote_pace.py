@@ -67,20 +67,34 @@ def load() -> float:
 
 
 def run(kind: str, url: str, endpoint: str | None, epochs: list[Path], work: Path) -> list[dict[str, float | str]]:
-    """The user's path over ``epochs``; a row per push: label, remote, local, ratio, seconds, load."""
+    """The user's path over ``epochs``; a row per push: label, remote, local (after the push), the
+    ratio, the ratio to the local store as the push began (compaction goes on meanwhile),
+    seconds, load."""
     repo = work / f"repo-{kind}-{len(epochs)}"
     ckstore(repo, "init")
     ckstore(repo, "remote", "add", "origin", url, *(["--endpoint-url", endpoint] if endpoint else []))
     rows: list[dict[str, float | str]] = []
 
     def push(label: str) -> None:
+        before = local_bytes(repo)
         started = time.perf_counter()
         ckstore(repo, "push")
         seconds = time.perf_counter() - started
         remote, local = remote_bytes(repo), local_bytes(repo)
-        rows.append(dict(label=label, remote=remote, local=local, ratio=remote / local, seconds=seconds, load=load()))
+        rows.append(
+            dict(
+                label=label,
+                remote=remote,
+                local=local,
+                ratio=remote / local,
+                seen=remote / before,
+                seconds=seconds,
+                load=load(),
+            )
+        )
         print(
             f"{kind} {label}: remote {remote / 2**20:.1f} MiB / local {local / 2**20:.1f} MiB = {remote / local:.3f}x"
+            f" (/ local before the push {remote / before:.3f}x)"
             f" (push {seconds:.1f} s; load {load():.1f})",
             flush=True,
         )

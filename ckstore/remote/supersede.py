@@ -91,7 +91,23 @@ def supersede(
 ) -> None:
     """Sweep what earlier pushes condemned, send again what is smaller here, drop or condemn
     what that superseded (the module docstring); recorded in ``report``."""
-    _sweep(remote, grace, report)
+    sweep_superseded(remote, grace, report)
+    resend_and_replace(ctx, remote, report, target_size, progress)
+
+
+def resend_and_replace(
+    ctx: RepoContext,
+    remote: RemoteRepo,
+    report: PushReport,
+    target_size: int = DEFAULT_TARGET_SIZE,
+    progress: ProgressFactory | None = None,
+) -> None:
+    """Steps 2 to 4: send again what ``ctx``'s store holds markedly smaller than the remote does
+    (whole packs' worth, ``repack.superseded``), delete at once the packs that strictly
+    superseded, condemn those superseded otherwise; recorded in ``report`` (its ``sent_packs``
+    so far count as sent before this step). ``ctx`` may be a scratch repository holding only a
+    few packs' objects (remote/compaction.py): a pack is sent again only when every object of it
+    is held there."""
     before = set(remote.catalogue()) - set(report.sent_packs)
     first, objects, sent = len(report.sent_packs), report.objects, report.bytes
     resend_superseded(ctx, remote, target_size, report, progress)
@@ -254,7 +270,7 @@ def _superseded(remote: RemoteRepo, condemned: Condemned, candidates: Collection
     return out
 
 
-def _sweep(remote: RemoteRepo, grace: float, report: PushReport) -> None:
+def sweep_superseded(remote: RemoteRepo, grace: float, report: PushReport) -> None:
     """Delete the condemned packs that have been so for ``grace`` and are still superseded, and
     finish the drops a killed push left claimed (claimed ``grace`` ago or more)."""
     leftovers = _delete_leftovers(remote, grace)
