@@ -118,7 +118,7 @@ def compact_remote(
     remote.require_format()
     report = RemoteCompactReport(ObjectId(commit))
     with _scratch(config or RepoConfig()) as ctx:
-        lazy = RemoteObjects(remote, _cache_store(ctx, cache))
+        lazy = RemoteObjects(remote, _cache_store(ctx, cache), prefix_reads=True)
         ctx.store.sources.append(lazy)
         commits = ctx.graph.first_parents(ObjectId(commit), ctx.config.encoding.max_delta_depth + 3)
         if not commits:
