@@ -54,7 +54,7 @@ def ckstore(repo: Path, *args: str) -> str:
     return proc.stdout
 
 
-def remote_bytes(repo: Path) -> int:
+def remote_bytes(repo: Path | str) -> int:
     return sum(info.size for info in open_remote(open_context(repo)).transport.list(""))
 
 
@@ -139,6 +139,53 @@ def stand_in_epochs(out: Path, epochs: int, steps: int = 60) -> list[Path]:
     return folders
 
 
+def run_remote_compaction(
+    url: str, endpoint: str | None, epochs: list[Path], work: Path
+) -> list[dict[str, float | str]]:
+    """Commits pushed as stored (never compacted anywhere: what writers uploading straight to the
+    remote leave), each followed by ``compact_remote`` from a machine holding nothing; against a
+    local repository compacted after each commit the same way (its newest commit not settled)."""
+    from ckstore.compaction.compact import compact_branch
+    from ckstore.remote.compaction import compact_remote, open_url
+    from ckstore.repo import Repo
+    from ckstore.repository.context import open_context as context
+
+    pushed = Repo.init(work / "whole")
+    pushed.compact_after_commit = False
+    pushed.add_remote("origin", url, endpoint)
+    local = Repo.init(work / "compacted")
+    local.compact_after_commit = False
+    rows: list[dict[str, float | str]] = []
+    for n, folder in enumerate(epochs, 1):
+        oid = pushed.commit(folder, message=f"epoch {n}")
+        pushed.push()
+        started = time.perf_counter()
+        r = compact_remote(open_url(url, endpoint), oid)
+        seconds = time.perf_counter() - started
+        local.commit(folder, message=f"epoch {n}")
+        compact_branch(context(local.path), "main")
+        remote, here = remote_bytes(pushed.path), local.stats().stored_bytes
+        rows.append(
+            dict(
+                label=f"epoch {n}",
+                remote=remote,
+                local=here,
+                ratio=remote / here,
+                read=r.read_bytes,
+                sent=r.sent_bytes,
+                seconds=seconds,
+                load=load(),
+            )
+        )
+        print(
+            f"remote compaction epoch {n}: remote {remote / 2**20:.1f} MiB / local {here / 2**20:.1f} MiB = "
+            f"{remote / here:.3f}x; read {r.read_bytes / 2**20:.1f} MiB, sent {r.sent_bytes / 2**20:.1f} MiB, "
+            f"{seconds:.0f} s (load {load():.1f})",
+            flush=True,
+        )
+    return rows
+
+
 def table(runs: dict[str, list[dict[str, float | str]]], data: str) -> str:
     """The docs section: the ratio after each push, per remote kind, side by side."""
     kinds = list(runs)
@@ -164,6 +211,9 @@ def main() -> None:
     parser.add_argument("--epochs", dest="count", type=int, default=4, help="with --real: how many epochs")
     parser.add_argument("--stand-in", type=int, metavar="N", help="N epochs of a small real AdamW fine-tune instead")
     parser.add_argument("--kinds", nargs="+", default=["dir", "s3"], choices=["dir", "s3"])
+    parser.add_argument(
+        "--remote-compaction", action="store_true", help="measure compact_remote instead (folder remote)"
+    )
     parser.add_argument("--write-docs", type=Path, help="replace this run's section of the benchmarks page")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pace-"))
@@ -179,6 +229,23 @@ def main() -> None:
     if not args.epochs:
         parser.error("give epoch folders, --real WORK or --stand-in N")
     runs: dict[str, list[dict[str, float | str]]] = {}
+    if args.remote_compaction:
+        try:
+            rows = run_remote_compaction(str(work / "remote"), None, args.epochs, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        lines = [
+            "| after | remote / local | read from the remote MiB | sent MiB | s | load |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['label']} | **{float(r['ratio']):.3f}×** ({float(r['remote']) / 2**20:.1f} / "
+                f"{float(r['local']) / 2**20:.1f} MiB) | {float(r['read']) / 2**20:.1f} | {float(r['sent']) / 2**20:.1f} "
+                f"| {float(r['seconds']):.0f} | {float(r['load']):.0f} |"
+            )
+        print(f"{data}\n\n" + "\n".join(lines))
+        return
     try:
         print(f"{len(args.epochs)} epochs, load {load():.1f}", flush=True)
         if "dir" in args.kinds:
