@@ -162,6 +162,8 @@ def _bring(ctx: RepoContext, lazy: RemoteObjects, jobs: Sequence[Job]) -> None:
     changes only objects there): each job's own, its parent's, a prediction's bases."""
     wanted: dict[str, None] = {}
     for job in jobs:
+        if job.parent is None and not job.settle and job.prediction is None:
+            continue  # a chunk the parent lacks, not settled: nothing reads it
         wanted.update(dict.fromkeys([job.slot.id, *([job.parent] if job.parent else [])]))
         if job.prediction is not None:
             p = job.prediction
