@@ -4,8 +4,12 @@ read lazily by a machine with an empty cache; every commit then clones bit-exact
 
 from __future__ import annotations
 
+import shutil
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file, save_file
 
 from ckstore.compaction.compact import compact_branch
@@ -89,3 +93,61 @@ def test_each_writer_compacts_its_own_file_with_its_own_cache(tmp_path: Path) ->
     assert_every_commit_reads_back(clone, ids, folders, tmp_path / "out")
     # Each cache holds what its rank read, not the other's file.
     assert (tmp_path / "cache0").is_dir() and (tmp_path / "cache1").is_dir()
+
+
+def _remote_step() -> int:
+    """1 when the step being taken is a write to the remote (the scratch repository's own local
+    writes are not what this test stops at)."""
+    return int(sys._getframe(3).f_globals.get("__name__", "").startswith("ckstore.remote"))
+
+
+class Interrupted(BaseException):
+    """Raised by the step observer: the compaction stops there, as a crash would stop it."""
+
+
+@pytest.mark.slow
+def test_a_remote_compaction_stopped_at_each_step_leaves_every_commit_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped at each of its remote writes in turn (the new pack, its index, the claim, the old
+    index, the old pack, the list settled): every commit still clones bit-exact, and running it
+    again (a grace later, for what the stopped run left claimed or unindexed) brings the remote
+    to a local repository's size."""
+    from ckstore.backend import fsio
+
+    grace = 0.3
+    folders = adamw_fine_tune(tmp_path / "work", 2)
+    template = tmp_path / "template"
+    a = whole_pushes(template, str(tmp_path / "remote"), None)
+    ids = []
+    for folder in folders:
+        ids.append(a.commit(folder))
+        a.push()
+    shutil.copytree(tmp_path / "remote", tmp_path / "remote-template")
+    local = compacted_locally(tmp_path / "local", folders).stats().stored_bytes
+    steps = [0]
+    monkeypatch.setattr(fsio, "_observer", lambda: steps.__setitem__(0, steps[0] + _remote_step()))
+    compact_remote(open_url(str(tmp_path / "remote")), ids[-1], grace=grace)
+    total = steps[0]
+    assert total >= 5
+    for k in range(1, total + 1):
+        shutil.rmtree(tmp_path / "remote")
+        shutil.copytree(tmp_path / "remote-template", tmp_path / "remote")
+        count = [0]
+
+        def stop(at: int = k) -> None:
+            count[0] += _remote_step()
+            if count[0] == at and _remote_step():
+                raise Interrupted
+
+        monkeypatch.setattr(fsio, "_observer", stop)
+        with pytest.raises(Interrupted):
+            compact_remote(open_url(str(tmp_path / "remote")), ids[-1], grace=grace)
+        monkeypatch.setattr(fsio, "_observer", None)
+        clone, _ = Repo.clone(str(tmp_path / "remote"), tmp_path / f"c{k}")
+        assert_every_commit_reads_back(clone, ids, folders, tmp_path / f"out{k}")
+        time.sleep(2 * grace + 1.1)
+        compact_remote(open_url(str(tmp_path / "remote")), ids[-1], grace=grace)
+        compact_remote(open_url(str(tmp_path / "remote")), ids[-1], grace=grace)
+        assert remote_bytes(a) <= 1.1 * local, k
+        shutil.rmtree(tmp_path / f"c{k}")
