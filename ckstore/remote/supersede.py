@@ -211,6 +211,8 @@ def _droppable(
     involved = [(p, t) for p, t in sorted(tables.items()) if p not in claimed and len(t.locate_many(ids)[0])]
     out: dict[str, set[str]] = {}
     for pack_id in chosen:
+        if any(pack_id in lean for lean in out.values()):
+            continue  # an earlier one's copies or bases are here: it stays
         gone = {pack_id, *out}
         where = choose_copies([(p, t) for p, t in involved if p not in gone], listed)
         own_table = tables[pack_id]
