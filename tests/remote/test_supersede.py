@@ -230,7 +230,7 @@ def test_concurrent_pushers_racing_supersession_never_delete_each_others_copies(
     grace = 1.0
     folders = adamw_fine_tune(tmp_path / "work", 3)
     raced = 0
-    for n, delay in enumerate([0.0, 0.0, 0.05, 0.3]):
+    for n, delay in enumerate([0.0, 0.0, 0.0, 0.0, 0.05, 0.3]):
         where = f"{url}-round{n}"
         a, ids = pushed_whole(tmp_path / f"a{n}", where, endpoint, folders)
         shutil.copytree(a.path, tmp_path / f"b{n}")
