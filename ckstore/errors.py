@@ -52,6 +52,11 @@ class ObjectMissingError(NotFoundError):
     """A referenced object is absent from the object store."""
 
 
+class PackGoneError(ObjectMissingError):
+    """A remote pack a reader located was deleted before it was read: a push deleted it as
+    superseded (every object in it is held in another pack), so the reader looks again."""
+
+
 class DependentNotFoundError(NotFoundError):
     """An overlay repository listed in ``dependents`` cannot be opened: gc refuses rather than
     delete what it may need (it may have moved)."""

@@ -62,7 +62,10 @@ def remote_remove(repo: Repo, name: str) -> None:
     "--grace",
     type=click.FloatRange(min=0),
     metavar="SECONDS",
-    help="How long a pack this push finds superseded stays before a later push deletes it (default 3600).",
+    help=(
+        "How long a superseded pack this push cannot delete at once (an equal copy another push sent) "
+        "stays before a later push deletes it (default 3600)."
+    ),
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_repo
@@ -70,7 +73,7 @@ def push(
     repo: Repo, remote_name: str | None, refs: tuple[str, ...], force: bool, grace: float | None, as_json: bool
 ) -> None:
     """Send REFs (default: the current branch) to REMOTE (default: origin), only what it lacks,
-    and what local compaction re-encoded smaller since (the copies it replaces go after --grace)."""
+    and what local compaction re-encoded smaller since (the packs it replaces are deleted at once)."""
     r = repo.push(remote_name, list(refs), force=force, grace=grace, progress=progress_factory())
     if as_json:
         print_json(

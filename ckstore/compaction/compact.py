@@ -46,7 +46,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -206,6 +206,43 @@ def compact_branch(
         if not (settle and defer_bases and not reached_all):
             ctx.backend.unpack(keep_clean=True)
         _warm_tip(ctx, commits[0])
+    return report
+
+
+def compact_commits(
+    ctx: RepoContext, commits: Sequence[Commit], prepare: Callable[[Sequence[Job]], object] | None = None
+) -> CompactReport:
+    """The tip pair of ``compact_branch`` alone, on commits given rather than a branch's:
+    ``commits[1]``'s chunks (the parent) become deltas of ``commits[0]``'s where smaller, or their
+    best whole encoding, and ``commits[0]``'s chunks that the parent shares are settled.
+    ``commits``: the child, then its first parents (up to the delta depth + 2: chains are counted
+    on them), read through ``ctx``'s store, whose sources may be a remote's lazily read objects
+    (remote/compaction.py: the replacements are then sent there). A child restricted to some of
+    its files re-encodes only their positions. Compaction changes only objects in ``ctx``'s own
+    backend: ``prepare`` is given the jobs first, to bring there the chunks they name. Nothing is
+    recorded (finished pairs, changes, at rest): the caller decides what the result means."""
+    report = CompactReport()
+    depth = ctx.config.encoding.max_delta_depth
+    if len(commits) < 2 or not depth:
+        return report
+    with ctx.backend.compaction_lock(COMPACTION_LOCK_TIMEOUT), writing(ctx), collection_paused():
+        upgrade = Upgrade(ctx)
+        jobs = plan_pair(
+            commits[0], commits[1:], depth, history_ends=len(commits) < depth + 3, upgrade=upgrade, tip=True
+        )
+        shared = {c.id for c in commits[1].all_chunks()}
+        small = small_position(ctx.config.chunk_size)
+        jobs = [replace(j, settle=j.slot.id in shared, record_only=j.slot.size < small) for j in jobs]
+        if prepare is not None:
+            prepare(jobs)
+        known_raw, found_raw = settled_raw(ctx.backend, ctx.store.settings), set[str]()
+        pool = ThreadPoolExecutor(
+            COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training
+        )
+        with pool, ctx.store.batch() as staged:
+            view = HeaderCache(staged, known_raw, found_raw, forget_parents=all(j.prediction is None for j in jobs))
+            newer = {c.id for c in commits[0].all_chunks()}
+            _run_pair(view, jobs, depth, Roles(newer), report, upgrade, pool, {})
     return report
 
 

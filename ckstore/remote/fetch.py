@@ -41,7 +41,7 @@ from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import ChunkReader, Commit, decode_commit
 from ckstore.format.settings import RepoConfig, version_for
 from ckstore.remote.landing import Batches, Lander, read_objects
-from ckstore.remote.layout import Located, RemoteRepo, pack_key
+from ckstore.remote.layout import Located, RemoteRepo, pack_key, retry_when_gone
 from ckstore.remote.names import add, open_remote, tracking_ref
 from ckstore.repository.context import RepoContext, init_context
 from ckstore.repository.reader import VerifiedReader, bounded_file_list_reader, verified_commit
@@ -250,7 +250,9 @@ def _fetch_locked(ctx: RepoContext, remote_name: str | None, progress: ProgressF
     # The total is not known before the commits are read: the bar counts bytes and their rate.
     report.progress = progress(0, f"fetch {remote.name}") if progress else None
     try:
-        missing = fetch_history(ctx, remote, list(refs.values()), report)
+        # A pack deleted mid-fetch (a push superseded it: its objects are in other packs) makes
+        # the fetch start again from the holdings as they are now; what landed is not fetched again.
+        missing = retry_when_gone(lambda: fetch_history(ctx, remote, list(refs.values()), report), lambda: None)
     finally:
         if report.progress is not None:
             report.progress.close()

@@ -34,7 +34,7 @@ from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ckstore.backend.fsio import dead_owner, process_owner
+from ckstore.backend.fsio import dead_owner, mutating_step, process_owner
 from ckstore.backend.memory import MemoryBackend
 from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
 from ckstore.errors import IntegrityError, LockedError
@@ -51,6 +51,7 @@ from ckstore.remote.layout import (
     RemoteRepo,
     index_key,
     pack_key,
+    retry_when_gone,
 )
 from ckstore.remote.lazy import RemoteObjects
 from ckstore.remote.names import open_remote
@@ -60,6 +61,7 @@ from ckstore.repository.graph import PRUNED_KEY, CommitGraph
 from ckstore.repository.reader import delta_closure_many
 from ckstore.repository.refs import RefStore, encode_ref
 from ckstore.repository.store import ObjectStore
+from ckstore.transport.base import ObjectInfo
 
 # S3 reports Last-Modified in whole seconds: a pack may be up to this much younger than it looks.
 MTIME_RESOLUTION = 1.0
@@ -134,7 +136,7 @@ def remote_bases(remote: RemoteRepo, where: Mapping[str, Located], chunks: Abstr
             by_pack.setdefault(where[oid].pack_id, []).append(where[oid])
         for pack_id, locs in by_pack.items():
             ranges = [(loc.entry.offset, min(loc.entry.length, BASES_PREFIX_SIZE)) for loc in locs]
-            for loc, head in zip(locs, remote.transport.get_ranges(pack_key(pack_id), ranges)):
+            for loc, head in zip(locs, remote.read_ranges(pack_id, ranges)):
                 try:
                     yield loc.entry.id, delta_bases(head)
                 except IntegrityError as exc:
@@ -168,30 +170,12 @@ def collect_remote(
             # holding the old copies hold nothing live below and go the way unreferenced ones do.
             sent = send_superseded(ctx, remote)
             report.resent_objects, report.resent_bytes = sent.objects, sent.bytes
-        refs = remote.list_refs()
-        packs = {
-            info.key[len(PACKS) : -len(".pack")]: info
-            for info in remote.transport.list(PACKS)
-            if info.key.endswith(".pack")
-        }
-        condemned = remote.read_condemned()
-        remote.catalogue()
-        # An object in a condemned pack and in another counts in the other: the condemned one may
-        # go; so does a pack whose copies push has sent again smaller (repack.py).
-        where = remote.locate(avoid=condemned.packs)
-        graph = remote_graph(ctx, remote, refs)
-        reachable = graph.reachable_from(graph.tips())
-        if policy.active:
-            selection = select(graph, policy)
-            selection.check(policy, force=True)  # a metric no commit records ranks nothing: refused
-            kept = selection.kept
-        else:
-            kept = reachable
+        # A push may delete a pack it superseded while this reads (its objects are in other
+        # packs): then everything is read again.
+        state = retry_when_gone(lambda: _liveness(ctx, remote, policy), lambda: None)
+        packs, condemned, graph, reachable, kept, live, live_packs = state
         report.pruned_commits = sorted(reachable - kept)
-        chunks = {c.id for oid in kept for c in graph.read_commit(oid).all_chunks()}
-        live = remote_bases(remote, where, chunks) | kept
         report.live_objects = len(live)
-        live_packs = {where[o].pack_id for o in live if o in where}
         now = time.time()
         due = {
             p
@@ -214,17 +198,47 @@ def collect_remote(
         if policy.active and report.pruned_commits:
             # Before any pack goes: pushes stop sending these commits, fetches stop at them.
             remote.add_pruned(graph.pruned_after(kept, reachable))
-        claimed = _update(remote, lambda c: _claim(c, due, live_packs))
+        claimed = update_condemned(remote, lambda c: _claim(c, due, live_packs))
         for p in sorted(claimed):
-            remote.transport.delete(index_key(p))  # first: nothing names a pack that is going
-            remote.transport.delete(pack_key(p))
+            _delete_pack(remote, p)
             report.deleted.append(p)
             report.freed_bytes += packs[p].size if p in packs else 0
-        _update(remote, lambda c: _settle(c, claimed, fresh, now))
+        update_condemned(remote, lambda c: _settle(c, claimed, fresh, now))
     return report
 
 
-def _update(remote: RemoteRepo, change: Callable[[Condemned], set[str]]) -> set[str]:
+_Liveness = tuple[dict[str, ObjectInfo], Condemned, CommitGraph, set[ObjectId], set[ObjectId], set[str], set[str]]
+
+
+def _liveness(ctx: RepoContext, remote: RemoteRepo, policy: RetentionPolicy) -> _Liveness:
+    """(every pack key's listing, the condemned list, the remote's graph, the reachable commits,
+    those the policy keeps, the live objects, the packs holding their chosen copies)."""
+    refs = remote.list_refs()
+    packs = {
+        info.key[len(PACKS) : -len(".pack")]: info
+        for info in remote.transport.list(PACKS)
+        if info.key.endswith(".pack")
+    }
+    condemned = remote.read_condemned()
+    remote.catalogue()
+    # An object in a condemned pack and in another counts in the other: the condemned one may
+    # go; so does a pack whose copies push has sent again smaller (repack.py).
+    where = remote.locate(avoid=condemned.packs)
+    graph = remote_graph(ctx, remote, refs)
+    reachable = graph.reachable_from(graph.tips())
+    if policy.active:
+        selection = select(graph, policy)
+        selection.check(policy, force=True)  # a metric no commit records ranks nothing: refused
+        kept = selection.kept
+    else:
+        kept = reachable
+    chunks = {c.id for oid in kept for c in graph.read_commit(oid).all_chunks()}
+    live = remote_bases(remote, where, chunks) | kept
+    live_packs = {where[o].pack_id for o in live if o in where}
+    return packs, condemned, graph, reachable, kept, live, live_packs
+
+
+def update_condemned(remote: RemoteRepo, change: Callable[[Condemned], set[str]]) -> set[str]:
     """Apply ``change`` to the condemned list by compare-and-swap until it sticks."""
     while True:
         condemned = remote.read_condemned()
@@ -256,16 +270,27 @@ def _settle(condemned: Condemned, deleted: set[str], fresh: list[str], now: floa
 def condemn(remote: RemoteRepo, packs: set[str], now: float) -> None:
     """Add ``packs`` to the condemned list, unclaimed, as of ``now`` (an entry already listed
     keeps its older time): the first phase, the one a remote gc's mark takes."""
-    _update(remote, lambda c: _settle(c, set(), sorted(packs), now))
+    update_condemned(remote, lambda c: _settle(c, set(), sorted(packs), now))
 
 
 def sweep(remote: RemoteRepo, pick: Callable[[Condemned], set[str]]) -> set[str]:
     """The second phase: claim, by one compare-and-swap, the entries ``pick`` chooses from the
     list as read at that moment, delete each one's index, then its pack, then drop the entries;
     the packs deleted."""
-    claimed = _update(remote, pick)
+    return delete_claimed(remote, update_condemned(remote, pick))
+
+
+def delete_claimed(remote: RemoteRepo, claimed: set[str]) -> set[str]:
+    """Delete each claimed pack's index, then the pack, then drop the entries; ``claimed``."""
     for p in sorted(claimed):
-        remote.transport.delete(index_key(p))  # first: nothing names a pack that is going
-        remote.transport.delete(pack_key(p))
-    _update(remote, lambda c: _settle(c, claimed, [], time.time()))
+        _delete_pack(remote, p)
+    if claimed:
+        update_condemned(remote, lambda c: _settle(c, claimed, [], time.time()))
     return claimed
+
+
+def _delete_pack(remote: RemoteRepo, pack_id: str) -> None:
+    mutating_step()
+    remote.transport.delete(index_key(pack_id))  # first: nothing names a pack that is going
+    mutating_step()
+    remote.transport.delete(pack_key(pack_id))

@@ -25,10 +25,11 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ckstore.backend.base import Backend
 from ckstore.backend.fsio import mutating_step
-from ckstore.errors import IntegrityError, StorageError, UnsupportedFormatError
+from ckstore.errors import IntegrityError, PackGoneError, StorageError, UnsupportedFormatError
 from ckstore.format.ids import ObjectId, is_object_id
 from ckstore.format.pack import (
     ENTRY,
@@ -64,6 +65,10 @@ MAX_INDEX_SIZE = INDEX_HEADER.size + MAX_PACK_OBJECTS * ENTRY.size + 32
 MAX_CONDEMNED = 16 << 20  # about 100,000 packs
 MAX_PRUNED = MAX_SWAPPED  # about 250,000 pruned commits with their parents
 MAX_GC_LOCK = 4096
+# A reader whose located pack was deleted (superseded by a push) reads the holdings again and
+# retries: once is enough unless pushes supersede the same objects again meanwhile.
+READ_ATTEMPTS = 3
+T = TypeVar("T")
 
 
 def pack_key(pack_id: str) -> str:
@@ -323,12 +328,25 @@ class RemoteRepo:
         return Holdings({p: t for p, t in self.catalogue(refresh=False).items() if p not in exclude}, avoid)
 
     def read_objects(self, pack_id: str, entries: list[PackEntry]) -> Iterator[tuple[PackEntry, bytes | memoryview]]:
-        """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged)."""
+        """The stored bytes of ``entries`` of one pack, by ranged reads (nearby ones merged);
+        ``PackGoneError`` when the pack was deleted since it was located."""
         ordered = sorted(entries, key=lambda e: e.offset)
-        datas = self.transport.get_ranges(pack_key(pack_id), [(e.offset, e.length) for e in ordered])
+        datas = self.read_ranges(pack_id, [(e.offset, e.length) for e in ordered])
         for e, data in zip(ordered, datas):
             check_read(data, e, pack_id)
             yield e, data
+
+    def read_ranges(self, pack_id: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
+        """Ranged reads of one pack; ``PackGoneError`` when it is gone (a push deletes a pack it
+        superseded at once, docs/format.md 15.9: every object in it is held in another pack, so
+        a reader that located something there reads the holdings again and retries)."""
+        try:
+            return self.transport.get_ranges(pack_key(pack_id), ranges)
+        except NotFound:
+            raise PackGoneError(
+                f"remote {self.name}: {self.describe(pack_key(pack_id))} was deleted while it was being read "
+                "(a push superseded it); run the command again"
+            ) from None
 
     def upload_pack(self, pack_id: str, parts: Iterable[bytes | memoryview], index: Callable[[], bytes]) -> None:
         """Pack first (sent part by part as ``parts`` yields them), then its index, made by
@@ -393,6 +411,19 @@ class RemoteRepo:
             if self.write_condemned(condemned):
                 return lost
             time.sleep(0.01)  # gc changed the list meanwhile: read it again
+
+
+def retry_when_gone(attempt: Callable[[], T], again: Callable[[], object]) -> T:
+    """``attempt()``; when a pack it located is gone (``PackGoneError``: a push deleted it as
+    superseded, 15.9), ``again()`` (read the holdings anew) and retry, ``READ_ATTEMPTS`` in all."""
+    for n in range(1, READ_ATTEMPTS + 1):
+        try:
+            return attempt()
+        except PackGoneError:
+            if n == READ_ATTEMPTS:
+                raise
+            again()
+    raise AssertionError("unreachable")
 
 
 def choose_copies(tables: Iterable[tuple[str, PackTable]], avoided: set[str]) -> dict[str, Located]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from ckstore.errors import ObjectMissingError, RefNotFoundError
 from ckstore.format.ids import ObjectId
-from ckstore.remote.layout import Holdings, RemoteRepo, pack_key
+from ckstore.remote.layout import Holdings, RemoteRepo, pack_key, retry_when_gone
 from ckstore.remote.names import cache_backend, default_name, open_remote
 from ckstore.repository.context import RepoContext
 from ckstore.repository.reader import VerifiedReader
@@ -28,7 +28,11 @@ class RemoteObjects:
     """An object source (``sources.ObjectSource``) that reads what its cache lacks from a
     remote's packs."""
 
-    def __init__(self, remote: RemoteRepo, cache: ObjectStore) -> None:
+    def __init__(self, remote: RemoteRepo, cache: ObjectStore, prefix_reads: bool = False) -> None:
+        # ``prefix_reads``: a header asked for is read alone (a ranged read of its bytes) rather
+        # than with its object, which is then cached: for readers that look at many headers and
+        # few bodies (remote compaction's chain heights); a checkout reads both.
+        self.prefix_reads = prefix_reads
         self.backend = cache.backend
         self.remote = remote
         self._where: Holdings | None = None
@@ -52,6 +56,9 @@ class RemoteObjects:
             return self.backend.get(key) if n is None else self.backend.get_prefix(key, n)
         except KeyError:
             pass
+        if n is not None and self.prefix_reads:
+            # A header only: unverified, as a local header read is; verified when read whole.
+            return retry_when_gone(lambda: self._download_prefix(oid, n, context), self._forget_holdings)
         data, where = self._download(oid, context)
         # Verified before it is cached (a damaged copy never sticks), by one reader whose chain
         # walk spans the remote: bases come raw from the remote on the same path, so a cycle or
@@ -67,7 +74,15 @@ class RemoteObjects:
             return self._download(oid, context)[0]
 
     def _download(self, oid: str, context: str) -> tuple[bytes, str]:
-        """Its stored bytes, read from the remote, and where they were read (for errors)."""
+        """Its stored bytes, read from the remote, and where they were read (for errors); a pack
+        deleted since the holdings were read (a push superseded it) sends it to the holdings
+        again: the object is in another pack."""
+        return retry_when_gone(lambda: self._download_once(oid, context), self._forget_holdings)
+
+    def _forget_holdings(self) -> None:
+        self._where = None
+
+    def _download_once(self, oid: str, context: str) -> tuple[bytes, str]:
         loc = self.where().get(oid)
         if loc is None:
             raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
@@ -76,6 +91,14 @@ class RemoteObjects:
         self.fetched_bytes += len(data)
         self.fetched_objects += 1
         return data, f" (read from {self.remote.describe(pack_key(loc.pack_id))})"
+
+    def _download_prefix(self, oid: str, n: int, context: str) -> bytes:
+        loc = self.where().get(oid)
+        if loc is None:
+            raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
+        (data,) = self.remote.read_ranges(loc.pack_id, [(loc.entry.offset, min(n, loc.entry.length))])
+        self.fetched_bytes += len(data)
+        return bytes(data)
 
     def _keep(self, oid: str, data: bytes | memoryview) -> None:
         self.backend.put_if_absent(object_key(oid), bytes(data))
