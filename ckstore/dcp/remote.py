@@ -30,6 +30,7 @@ objects decoded and re-hashed against their names on every read.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckstore.backend.base import Backend
+from ckstore.backend.fsio import dead_owner, process_owner
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
 from ckstore.dcp.compaction import store_pieces
@@ -70,7 +72,10 @@ from ckstore.write.ingest import MemoryFile
 CACHE_ENV = "CKSTORE_CACHE_DIR"
 # Keys for the conditional-write probe: nothing in the remote layout reads them.
 PROBE_PREFIX = "dcp-probe/"
-_honouring: set[str] = set()  # remotes whose server was seen to honour conditional writes
+_honouring: set[str] = set()
+_memory_caches: dict[
+    str, Backend
+] = {}  # remote URL -> this process's copies of its index files  # remotes whose server was seen to honour conditional writes
 
 
 def is_remote_url(target: object) -> bool:
@@ -94,7 +99,12 @@ class RemoteTarget:
     cache_dir: str | None = None
 
     def open(self) -> RemoteRepo:
-        return open_spec(RemoteSpec("", self.url, self.endpoint_url), self.cache_backend())
+        """The remote, its index files cached in the cache folder, else in this process's memory
+        (so a training loop that makes a Writer per step downloads each index once)."""
+        cache = self.cache_backend()
+        if cache is None:
+            cache = _memory_caches.setdefault(self.url, MemoryBackend())
+        return open_spec(RemoteSpec("", self.url, self.endpoint_url), cache)
 
     def cache_backend(self) -> Backend | None:
         folder = cache_folder(self.cache_dir)
@@ -171,15 +181,22 @@ class _Held:
         raise ObjectMissingError(f"object {oid} is missing{context} (it is on the remote, not staged)")
 
 
+STAGE_PREFIX = "ckstore-dcp-"
+STAGE_OWNER = "owner.json"
+
+
 class Stage:
-    """A rank's private object store on local disk for one save; ``close`` deletes it."""
+    """A rank's private object store on local disk for one save; ``close`` deletes it. Each
+    records its process (``owner.json``), so the stages of killed ranks are removed by the next
+    stage made in the same folder on that machine."""
 
     def __init__(self, cache_dir: str | None, where: Holdings, chunk_size: int) -> None:
         folder = cache_folder(cache_dir)
-        parent = None if folder is None else folder / "stage"
-        if parent is not None:
-            parent.mkdir(parents=True, exist_ok=True)
-        self.folder = Path(tempfile.mkdtemp(prefix="ckstore-dcp-", dir=parent))
+        parent = Path(tempfile.gettempdir()) if folder is None else folder / "stage"
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_stages(parent)
+        self.folder = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=parent))
+        (self.folder / STAGE_OWNER).write_text(json.dumps(process_owner()))
         backend = LocalBackend(self.folder)
         backend.allow_packs = lambda: True  # a private store: no older reader to keep out
         self.store = ObjectStore(backend, RepoConfig(chunk_size=chunk_size).encoding)
@@ -187,6 +204,18 @@ class Stage:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _remove_dead_stages(parent: Path) -> None:
+    """Remove the stages in ``parent`` whose process is surely gone (same host, boot and pid
+    namespace, pid not running: the rule of lock files)."""
+    for stage in parent.glob(STAGE_PREFIX + "*"):
+        try:
+            owner = (stage / STAGE_OWNER).read_bytes()
+        except OSError:
+            continue  # being made, or not ours
+        if dead_owner(owner) is not None:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def save_rank(remote: RemoteRepo, target: RemoteTarget, source: MemoryFile, chunk_size: int) -> tuple[FileEntry, int]:

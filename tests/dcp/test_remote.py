@@ -120,6 +120,8 @@ def test_two_ranks_save_and_resume_and_clone_checks_out_the_saves(bucket: Bucket
     # The saves are ordinary commits to a clone: log, and a checkout bit-identical to the state.
     clone, _ = ckstore.Repo.clone(url, tmp_path / "clone")
     assert [e.id for e in clone.log("main")] == rep["commits"][::-1]
+    statuses = {(c.name or "").split("@")[0]: c.status for c in clone.diff(rep["commits"][0], rep["commits"][1])}
+    assert statuses["model.l1.weight"] == "changed" and statuses["model.embed.weight"] == "unchanged", statuses
     want = load_file(out / "full.safetensors")
     got = checkout_full(clone, rep["commits"][-1], tmp_path / "co")
     assert_same_tensors({k: got[k] for k in want}, want)
@@ -168,14 +170,17 @@ def test_a_name_after_the_remote_is_a_tag_and_reads_back(bucket: Bucket) -> None
 
 
 def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_packs(
-    bucket: Bucket, tmp_path: Path
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = bucket.url()
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKSTORE_CACHE_DIR", str(cache))
     before = _single_save(url, 1.0)
     packs = _packs(url)
     result = torchrun(2, "kill-upload", url, str(tmp_path), "main", check=False)
     assert result.returncode != 0
     assert _ref(url, HEADS + "main") == before, "the branch stays where it was"
+    assert list((cache / "stage").iterdir()), "the killed rank's stage is left behind"
     orphans = _packs(url) - packs
     assert orphans, "the killed rank had uploaded a pack"
     # Remote gc's two phases: the first run condemns what no ref needs, the next deletes it.
@@ -184,6 +189,7 @@ def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_pack
     assert set(clone.gc_remote(grace=0).deleted) >= orphans
     assert not orphans & _packs(url)
     after = _single_save(url, 3.0)  # the next save succeeds, on top of the branch as it was
+    assert not list((cache / "stage").iterdir()), "a dead rank's stage goes with the next save here"
     clone.fetch()
     assert [e.id for e in clone.log("origin/main")] == [after, before]
 
