@@ -181,22 +181,18 @@ class _Held:
         raise ObjectMissingError(f"object {oid} is missing{context} (it is on the remote, not staged)")
 
 
-STAGE_PREFIX = "ckstore-dcp-"
-STAGE_OWNER = "owner.json"
+STAGE_PREFIX = "ckstore-dcp-stage-"
+READ_PREFIX = "ckstore-dcp-read-"
+STAGE_OWNER = "owner.json"  # in each private folder: the process it belongs to
 
 
 class Stage:
-    """A rank's private object store on local disk for one save; ``close`` deletes it. Each
-    records its process (``owner.json``), so the stages of killed ranks are removed by the next
-    stage made in the same folder on that machine."""
+    """A rank's private object store on local disk for one save; ``close`` deletes it (a killed
+    rank's goes when the next one is made there: ``private_folder``)."""
 
     def __init__(self, cache_dir: str | None, where: Holdings, chunk_size: int) -> None:
         folder = cache_folder(cache_dir)
-        parent = Path(tempfile.gettempdir()) if folder is None else folder / "stage"
-        parent.mkdir(parents=True, exist_ok=True)
-        _remove_dead_stages(parent)
-        self.folder = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=parent))
-        (self.folder / STAGE_OWNER).write_text(json.dumps(process_owner()))
+        self.folder = private_folder(None if folder is None else folder / "stage", STAGE_PREFIX)
         backend = LocalBackend(self.folder)
         backend.allow_packs = lambda: True  # a private store: no older reader to keep out
         self.store = ObjectStore(backend, RepoConfig(chunk_size=chunk_size).encoding)
@@ -206,16 +202,23 @@ class Stage:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _remove_dead_stages(parent: Path) -> None:
-    """Remove the stages in ``parent`` whose process is surely gone (same host, boot and pid
-    namespace, pid not running: the rule of lock files)."""
-    for stage in parent.glob(STAGE_PREFIX + "*"):
+def private_folder(parent: Path | None, prefix: str) -> Path:
+    """A new folder of this process in ``parent`` (default: the temporary folder), recording its
+    owner; first removes the folders of that prefix there whose process is surely gone (same
+    host, boot and pid namespace, pid not running: the rule of lock files), such as a killed
+    rank's."""
+    parent = Path(tempfile.gettempdir()) if parent is None else parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for old in parent.glob(prefix + "*"):
         try:
-            owner = (stage / STAGE_OWNER).read_bytes()
+            owner = (old / STAGE_OWNER).read_bytes()
         except OSError:
             continue  # being made, or not ours
         if dead_owner(owner) is not None:
-            shutil.rmtree(stage, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    (folder / STAGE_OWNER).write_text(json.dumps(process_owner()))
+    return folder
 
 
 def save_rank(remote: RemoteRepo, target: RemoteTarget, source: MemoryFile, chunk_size: int) -> tuple[FileEntry, int]:
@@ -306,15 +309,14 @@ class RemoteView:
         self.remote = target.open()
         self.remote.require_format()
         cache = target.cache_backend()
-        if cache is None:
-            folder = tempfile.mkdtemp(prefix="ckstore-dcp-read-")
-            weakref.finalize(self, shutil.rmtree, folder, True)
-            cache = LocalBackend(Path(folder))
-        self.objects = RemoteObjects(self.remote, ObjectStore(cache))
+        folder = None if cache is not None else private_folder(None, READ_PREFIX)
+        self.objects = RemoteObjects(self.remote, ObjectStore(cache or LocalBackend(Path(str(folder)))))
         store = ObjectStore(MemoryBackend())
         store.sources.append(self.objects)
         refs = MemoryBackend()
         self.graph = CommitGraph(refs, store, RefStore(refs))
+        if folder is not None:  # the readers hold the graph, not the view: the folder lives as long
+            weakref.finalize(self.graph, shutil.rmtree, folder, True)
 
     def resolve(self, name: str) -> ObjectId:
         found = resolve_name(self.remote, name)

@@ -167,6 +167,13 @@ def test_a_name_after_the_remote_is_a_tag_and_reads_back(bucket: Bucket) -> None
     assert torch.equal(out["w"], torch.arange(4096, dtype=torch.float32).reshape(64, 64) * 2.0) and out["step"] == 2
     dcp.load(out, storage_reader=ckstore.dcp.Reader(url, ref=first))
     assert out["step"] == 1
+    # Call sites that pass the URL as checkpoint_id (torchtitan's and Lightning's managers).
+    state = {"w": torch.ones(64, 64), "step": 3}
+    meta = dcp.save(state, checkpoint_id=url + "/step-3", storage_writer=ckstore.dcp.Writer())
+    assert _ref(url, TAGS + "step-3") == ckstore.dcp.saved_commit(meta) == ckstore.dcp.latest(url + "/step-3")
+    dcp.load(out, checkpoint_id=url + "/step-3", storage_reader=ckstore.dcp.Reader())
+    assert out["step"] == 3 and torch.equal(out["w"], state["w"])
+    assert ckstore.dcp.latest(bucket.url()) is None  # nothing saved there yet
 
 
 def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_packs(
