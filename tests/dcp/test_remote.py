@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from safetensors.torch import load_file
 
 import ckstore
 import ckstore.dcp
-from ckstore.dcp.remote import find_target
+import ckstore.dcp.remote as remote_module
+from ckstore.backend.memory import MemoryBackend
+from ckstore.dcp.remote import RemoteView, find_target
 from ckstore.errors import CkstoreError
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.transport.testserver import S3Server, free_ports
@@ -174,6 +177,49 @@ def test_a_name_after_the_remote_is_a_tag_and_reads_back(bucket: Bucket) -> None
     dcp.load(out, checkpoint_id=url + "/step-3", storage_reader=ckstore.dcp.Reader())
     assert out["step"] == 3 and torch.equal(out["w"], state["w"])
     assert ckstore.dcp.latest(bucket.url()) is None  # nothing saved there yet
+
+
+def test_two_jobs_saving_to_one_branch_at_once_both_land_one_on_the_other(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = bucket.url()
+    base = _single_save(url, 1.0)
+    results: dict[float, str] = {}
+    errors: list[BaseException] = []
+    # Both coordinators read the branch and upload their commits before either swaps it.
+    barrier, waited = threading.Barrier(2, timeout=120), set()
+    upload = remote_module.send_objects
+
+    def in_step(store: Any, remote: Any, wanted: list[str], *args: Any) -> Any:
+        sent = upload(store, remote, wanted, *args)
+        commit_upload = isinstance(store.backend, MemoryBackend)  # land_save's store of the commit
+        if commit_upload and threading.get_ident() not in waited:
+            waited.add(threading.get_ident())
+            barrier.wait()
+        return sent
+
+    monkeypatch.setattr(remote_module, "send_objects", in_step)
+
+    def save(scale: float) -> None:
+        try:
+            results[scale] = _single_save(url, scale)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(scale,)) for scale in (2.0, 3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, [_cause(e) for e in errors]
+    # The compare-and-swap lets one land first; the other re-parents onto it: none is lost.
+    view = RemoteView(find_target(url))
+    tip = view.resolve("main")
+    history = [tip]
+    while parents := view.graph.read_commit(history[-1]).parents:
+        history.append(parents[0])
+    assert set(history) == {base, *results.values()} and history[-1] == base
+    assert len(waited) == 2, "both commits were built on the same tip"
 
 
 def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_packs(
