@@ -25,6 +25,11 @@ by rank, so the next save finds each piece's predecessor wherever it was written
 pieces cost nothing, changed ones are stored the fast way and, once the commit is recorded, the
 repository's compaction re-encodes their predecessors as deltas against them (dcp/compaction.py).
 
+A remote URL instead of a repository (``s3://…``, ``file://…``) takes the same path up to the
+rank's file: each rank then stages it in a private store and uploads what the remote lacks,
+and the coordinator lands the commit there by compare-and-swap (remote.py); no lock is held,
+since a remote gc's grace period is what keeps a save's packs until its ref moves.
+
 Non-tensor items: with DCP's default planner (``transform_object`` not overridden) the Writer
 looks the value up itself and stores it in ckstore's typed JSON (values.py) when it is
 representable there; otherwise it stores the bytes the planner produced (``torch.save`` pickle for

@@ -132,6 +132,9 @@ def test_two_ranks_save_and_resume_and_clone_checks_out_the_saves(bucket: Bucket
     # Later steps send far less than the first: unchanged pieces are on the remote already.
     sizes = [clone.read_commit(c).added_bytes for c in rep["commits"]]
     assert sizes[1] < sizes[0] * 0.8 and sizes[2] < sizes[0] * 0.8, sizes
+    # Retention on the bucket: keep the newest two saves; the newest still loads from the remote.
+    assert clone.gc_remote(keep_last=2, grace=0).pruned_commits == [rep["commits"][0]]
+    assert ckstore.dcp.latest(url) == rep["commits"][-1]
 
 
 def test_a_load_reads_at_another_world_size_and_only_from_the_remote(bucket: Bucket, tmp_path: Path) -> None:
