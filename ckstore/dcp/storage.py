@@ -59,15 +59,29 @@ from ckstore.dcp.compaction import store_pieces
 from ckstore.dcp.hold import SaveHold
 from ckstore.dcp.location import CheckpointPath, checkpoint_path, repository_location
 from ckstore.dcp.metadata import Location, StoredItem, build_metadata, build_record, decode_object, dtype_name
+from ckstore.dcp.remote import (
+    RemoteTarget,
+    RemoteView,
+    find_target,
+    is_remote_url,
+    land_save,
+    point_tag,
+    prepare_remote,
+    save_branch,
+    save_rank,
+)
 from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
 from ckstore.format.dcp_record import piece_name, stored_dtype
 from ckstore.format.dtypes import TORCH_DTYPES
 from ckstore.format.manifest import FileEntry, canonical_json
 from ckstore.format.safetensors import emit_header, parse_header
+from ckstore.format.settings import DEFAULT_CHUNK_SIZE
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
+from ckstore.remote.layout import RemoteRepo
 from ckstore.repository.branches import create
 from ckstore.repository.context import RepoContext, open_context
+from ckstore.repository.graph import CommitGraph
 from ckstore.repository.refs import HEADS, check_ref_name
 from ckstore.repository.writing import writing
 from ckstore.training.partial import LazyTensors
@@ -103,6 +117,7 @@ class _PlanInfo:
     rank: int
     world_size: int
     branch: str
+    remote: RemoteTarget | None = None  # a save to a remote: where, as the coordinator found it
 
 
 class Writer(StorageWriter):
@@ -110,6 +125,12 @@ class Writer(StorageWriter):
 
     ``repo`` may be left out when the call site passes ``checkpoint_id`` (``<repo>`` or
     ``<repo>/<name>``, location.py), which also chooses the branch or tag the save names.
+    ``repo`` (or ``checkpoint_id``) may be a remote URL instead, ``s3://bucket/prefix[/name]``
+    or ``file:///folder[/name]``: ranks on machines that share no folder then save straight to
+    that remote (remote.py; branch ``main`` by default). ``cache_dir`` (default: the
+    ``CKSTORE_CACHE_DIR`` environment variable, else none) is a node-local folder for what is
+    cached from the remote and for staging; it is never needed for correctness. S3 endpoint
+    and credentials come from the standard AWS variables, or ``endpoint_url``.
     After ``dcp.save`` returns, ``commit_id`` holds the new commit's id on the coordinator rank;
     every rank finds it in the returned metadata (``saved_commit(dcp.save(...))``).
     """
@@ -121,10 +142,17 @@ class Writer(StorageWriter):
         message: str = "",
         metadata: Mapping[str, Any] | None = None,
         lock_hold: float = DEFAULT_LOCK_HOLD,
+        cache_dir: str | os.PathLike[str] | None = None,
+        endpoint_url: str | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__()
         self.lock_hold = lock_hold
-        self.location = None if repo is None else repository_location(repo)
+        self.cache_dir, self.endpoint_url, self.chunk_size = cache_dir, endpoint_url, chunk_size
+        self.remote_url = os.fspath(repo) if is_remote_url(repo) else None
+        self._target: RemoteTarget | None = None  # the remote as found, on the coordinator
+        self._remotes: dict[RemoteTarget, RemoteRepo] = {}  # kept across saves: indexes read once
+        self.location = None if repo is None or self.remote_url else repository_location(repo)
         self._name: str | None = None  # the ref a checkpoint path named (location.py)
         self._tag: str | None = None  # the tag the coordinator points at the commit, decided in planning
         self._request = prepare_commit(message, branch, metadata)  # refuses bad input before any save
@@ -136,13 +164,18 @@ class Writer(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:  # async_save in a separate process pickles the writer
         state = dict(self.__dict__)
-        state["_ctx"] = None
+        state["_ctx"], state["_remotes"] = None, {}
         del state["_hold"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._hold = SaveHold()
+
+    def _remote(self, target: RemoteTarget) -> RemoteRepo:
+        if target not in self._remotes:
+            self._remotes[target] = target.open()
+        return self._remotes[target]
 
     def _context(self) -> RepoContext:
         if self._ctx is None:
@@ -158,6 +191,10 @@ class Writer(StorageWriter):
         self.commit_id = None
         if checkpoint_id is None:
             return  # the same place as before (DCP's older save_state_dict resets without one)
+        if is_remote_url(checkpoint_id):
+            self.remote_url, self.location, self._ctx = os.fspath(checkpoint_id), None, None
+            return
+        self.remote_url = None
         target = _target(checkpoint_id, "ckstore.dcp.Writer")
         if target.name is not None:
             check_ref_name(target.name, "checkpoint name")
@@ -167,15 +204,18 @@ class Writer(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return checkpoint_path(checkpoint_id) is not None
+        return is_remote_url(checkpoint_id) or checkpoint_path(checkpoint_id) is not None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._context()
+        if self.remote_url is None:
+            self._context()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.remote_url is not None:
+            return self._remote_plan(plans)
         ctx = self._context()
         branch, self._tag = self._request.on_branch(ctx).branch, None
         if self._name is not None and (self._name == self._request.branch or ctx.refs.read(HEADS + self._name)):
@@ -186,6 +226,17 @@ class Writer(StorageWriter):
         self._hold.take(ctx, self.lock_hold)  # before any rank writes: see hold.py
         self._world, self._plan_branch = len(plans), branch
         return [dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch)) for i, p in enumerate(plans)]
+
+    def _remote_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        assert self.remote_url is not None
+        found = find_target(self.remote_url, self.endpoint_url, self.cache_dir)
+        remote = self._remote(found)
+        prepare_remote(remote)
+        branch, self._tag = save_branch(remote, self._request, found.name)
+        self._target, self._world, self._plan_branch = found, len(plans), branch
+        return [
+            dataclasses.replace(p, storage_data=_PlanInfo(i, len(plans), branch, found)) for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
@@ -198,7 +249,6 @@ class Writer(StorageWriter):
         info = plan.storage_data
         if not isinstance(info, _PlanInfo):
             raise InvalidInputError("the save plan did not come from ckstore's Writer (prepare_global_plan)")
-        ctx = self._context()
         path = rank_file(info.rank)
         specs: list[tuple[str, str, tuple[int, ...]]] = []
         buffers: list[Any] = []
@@ -228,8 +278,12 @@ class Writer(StorageWriter):
             header, _ = emit_header(specs, FILE_METADATA)
             size = len(header) + sum(len(b) for b in buffers)
             source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
-            with writing(ctx), ctx.store.batch(size) as staged:  # durable before we report
-                entry, added = store_pieces(staged, source, ctx.config.chunk_size)
+            if info.remote is not None:  # on the remote, in indexed packs, before we report
+                entry, added = save_rank(self._remote(info.remote), info.remote, source, self.chunk_size)
+            else:
+                ctx = self._context()
+                with writing(ctx), ctx.store.batch(size) as staged:  # durable before we report
+                    entry, added = store_pieces(staged, source, ctx.config.chunk_size)
             entries = {t.name: t for t in entry.tensors}
             for i, (item, (piece, _, _), item_encoding) in enumerate(zip(plan.items, specs, encodings)):
                 stored = StoredItem(
@@ -242,6 +296,9 @@ class Writer(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._target is not None and self.remote_url is not None:
+            self._finish_remote(metadata, results, self._target)
+            return
         ctx = self._context()
         try:
             items = [r.storage_data for rank in results for r in rank]
@@ -267,6 +324,18 @@ class Writer(StorageWriter):
             metadata.storage_data = {COMMIT_KEY: self.commit_id}
         finally:
             self._hold.release()
+
+    def _finish_remote(self, metadata: Metadata, results: list[list[WriteResult]], target: RemoteTarget) -> None:
+        items = [r.storage_data for rank in results for r in rank]
+        files = _rank_files(items)
+        record = build_record(metadata, results, max(self._world, len(results)))
+        remote = self._remote(target)
+        assert self._plan_branch is not None  # decided in planning
+        added = sum(i.added for i in items)
+        self.commit_id = land_save(remote, files, added, self._request, self._plan_branch, record)
+        if self._tag is not None:
+            point_tag(remote, self._tag, self.commit_id)
+        metadata.storage_data = {COMMIT_KEY: self.commit_id}
 
     def storage_meta(self) -> Any:
         return None
@@ -314,25 +383,43 @@ class Reader(StorageReader):
     ``repo`` may be left out when the call site passes ``checkpoint_id``: ``<repo>`` (HEAD) or
     ``<repo>/<name>`` (a branch, tag or commit id; location.py); a checkpoint id that lies in
     no repository is taken as a ref of ``repo``.
+
+    ``repo`` may be a remote URL as for ``Writer`` (the same URL: ``<remote>/<name>`` reads
+    ``<name>``, ``<remote>`` reads ``ref``, where ``HEAD`` is branch ``main``): each rank then
+    reads only the chunks of its own read items from the remote, each verified as it arrives,
+    and keeps them in ``cache_dir`` (or ``CKSTORE_CACHE_DIR``) when one is given.
     """
 
-    def __init__(self, repo: Any = None, ref: str = "HEAD") -> None:
+    def __init__(
+        self,
+        repo: Any = None,
+        ref: str = "HEAD",
+        cache_dir: str | os.PathLike[str] | None = None,
+        endpoint_url: str | None = None,
+    ) -> None:
         super().__init__()
-        self.location = None if repo is None else repository_location(repo)
+        self.remote_url = os.fspath(repo) if is_remote_url(repo) else None
+        self.location = None if repo is None or self.remote_url else repository_location(repo)
+        self.cache_dir, self.endpoint_url = cache_dir, endpoint_url
         self.ref = ref
         self.commit_id: str | None = None
         self._ctx: RepoContext | None = None
+        self._graph: CommitGraph | None = None
         self._storage: dict[MetadataIndex, Location] = {}
         self._readers: dict[str, LazyTensors] = {}
         self.bytes_read = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_ctx"], state["_readers"] = None, {}
+        state["_ctx"], state["_graph"], state["_readers"] = None, None, {}
         return state
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
+        if checkpoint_id is not None and is_remote_url(checkpoint_id):
+            self.remote_url, self.location, self._ctx = os.fspath(checkpoint_id), None, None
+        elif checkpoint_id is not None and self.remote_url is not None:
+            self.ref = os.fspath(checkpoint_id)  # dcp.load(checkpoint_id=REF, storage_reader=Reader(url))
+        elif checkpoint_id is not None:
             target = checkpoint_path(checkpoint_id)
             if target is None and self.location is None:
                 target = _target(checkpoint_id, "ckstore.dcp.Reader")
@@ -342,21 +429,36 @@ class Reader(StorageReader):
                 if target.repo != self.location:
                     self._ctx = None
                 self.location, self.ref = target.repo, target.name or "HEAD"
-        self.commit_id = None
+        self.commit_id, self._graph = None, None  # a remote's holdings are read again for each load
         self._readers = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return checkpoint_path(checkpoint_id) is not None
+        return is_remote_url(checkpoint_id) or checkpoint_path(checkpoint_id) is not None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._ctx is None:
+    def _open(self) -> CommitGraph:
+        """The graph to read from (the repository's, or the remote's read lazily), with
+        ``commit_id`` resolved."""
+        if self._graph is None and self.remote_url is not None:
+            target = find_target(self.remote_url, self.endpoint_url, self.cache_dir)
+            view = RemoteView(target)
+            self._graph = view.graph
+            if self.commit_id is None:
+                self.commit_id = view.resolve(target.name if target.name is not None else self.ref)
+        if self._graph is None:
             if self.location is None:
                 raise InvalidInputError("ckstore.dcp.Reader: no repository (pass one, or a checkpoint_id to dcp.load)")
-            self._ctx = open_context(self.location)
+            if self._ctx is None:
+                self._ctx = open_context(self.location)
+            self._graph = self._ctx.graph
         if self.commit_id is None:
-            self.commit_id = self._ctx.graph.resolve(self.ref)
-        commit = self._ctx.graph.read_commit(self.commit_id)
+            self.commit_id = self._graph.resolve(self.ref)
+        return self._graph
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        graph = self._open()
+        assert self.commit_id is not None  # resolved by _open
+        commit = graph.read_commit(self.commit_id)
         if commit.dcp is None:
             raise InvalidInputError(f"commit {self.commit_id[:12]} is not a distributed checkpoint")
         metadata, self._storage = build_metadata(commit.dcp)
@@ -375,8 +477,8 @@ class Reader(StorageReader):
 
     def _file(self, path: str) -> LazyTensors:
         if path not in self._readers:
-            assert self._ctx is not None and self.commit_id is not None
-            self._readers[path] = LazyTensors(self._ctx.graph, self.commit_id, path, "pt")
+            assert self._graph is not None and self.commit_id is not None
+            self._readers[path] = LazyTensors(self._graph, self.commit_id, path, "pt")
         return self._readers[path]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

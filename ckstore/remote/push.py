@@ -140,7 +140,7 @@ def send_superseded(ctx: RepoContext, remote: RemoteRepo, target_size: int = DEF
     """Send again, as stored here, the objects of the remote's packs that local compaction has
     made markedly smaller (remote/repack.py); what was sent."""
     report = PushReport(remote.name)
-    _send_missing(ctx, remote, [], target_size, report, resend=True)
+    _send_missing(ctx.store, remote, [], target_size, report, resend=True)
     return report
 
 
@@ -155,13 +155,35 @@ def resend_superseded(
     copies' delta bases are in is taken off the condemned list afterwards, and when a sweep has
     already claimed one, what that pack held is sent again (the bases must stay held)."""
     report = PushReport(remote.name) if report is None else report
-    relied = _send_missing(ctx, remote, [], target_size, report, resend=True, progress=progress)
+    relied = _send_missing(ctx.store, remote, [], target_size, report, resend=True, progress=progress)
     tables = dict(remote.catalogue(refresh=False))
     while lost := remote.rescue(relied):
         again = [e.id for p in sorted(lost) if p in tables for e in tables[p].entries if ctx.store.has(e.id)]
-        relied = _send_missing(ctx, remote, again, target_size, report, forget=lost)
+        relied = _send_missing(ctx.store, remote, again, target_size, report, forget=lost)
         tables = dict(remote.catalogue(refresh=False))
     return report
+
+
+def send_objects(
+    store: ObjectStore, remote: RemoteRepo, wanted: list[str], target_size: int = DEFAULT_TARGET_SIZE
+) -> tuple[PushReport, set[str]]:
+    """Upload the objects of ``wanted`` (with their delta bases) that the remote lacks, as a
+    push does, from ``store`` (a writer's staging store: push.py's rules need no commit graph),
+    and rescue every pack the objects are in from a remote gc's condemned list, sending again
+    what a sweep has claimed meanwhile. What was sent, and the packs relied on: the objects are
+    all on the remote, in indexed packs no gc may delete before ``grace`` has passed again."""
+    report = PushReport(remote.name)
+    relied = _send_missing(store, remote, wanted, target_size, report)
+    while lost := remote.rescue(relied):
+        where = remote.holdings(lost)
+        gone = [oid for oid in wanted if oid not in where and not store.has(oid)]
+        if gone:  # deduplicated against a pack a sweep is deleting: nothing here to send instead
+            raise ConflictError(
+                f"remote {remote.name}: a remote gc deleted a pack holding object {gone[0]} while it was "
+                "being relied on; nothing was committed, save again"
+            )
+        relied = _send_missing(store, remote, wanted, target_size, report, forget=lost)
+    return report, relied
 
 
 def push(
@@ -203,16 +225,16 @@ def push(
     swapped, others = _held_by_remote(ctx, remote, plan, where)
     wanted, walked = needed_objects(ctx, tips, theirs, swapped | others)
     checked = time.monotonic()
-    relied = _send_missing(ctx, remote, wanted, target_size, report, progress=progress, known=(where, condemned))
+    relied = _send_missing(ctx.store, remote, wanted, target_size, report, progress=progress, known=(where, condemned))
     while True:
         lost = remote.rescue(relied)
         if lost:  # a remote gc is deleting packs we counted on: send those objects again
-            relied = _send_missing(ctx, remote, wanted, target_size, report, forget=lost)
+            relied = _send_missing(ctx.store, remote, wanted, target_size, report, forget=lost)
             checked = time.monotonic()
             continue
         if time.monotonic() - checked > grace / 2:
             remote.catalogue()  # slow push: look again before the refs name anything
-            relied = _send_missing(ctx, remote, wanted, target_size, report)
+            relied = _send_missing(ctx.store, remote, wanted, target_size, report)
             checked = time.monotonic()
             continue
         if others and _condemned_long_ago(remote.read_condemned(), grace):
@@ -221,7 +243,7 @@ def push(
             # refs the swap itself checks, and send (and rescue) all the rest.
             others = set()
             wanted, walked = needed_objects(ctx, tips, theirs, swapped)
-            relied = _send_missing(ctx, remote, wanted, target_size, report)
+            relied = _send_missing(ctx.store, remote, wanted, target_size, report)
             checked = time.monotonic()
             continue
         break
@@ -332,7 +354,7 @@ def _refuse_non_fast_forward(ctx: RepoContext, remote: RemoteRepo, ref: str, old
 
 
 def _send_missing(
-    ctx: RepoContext,
+    store: ObjectStore,
     remote: RemoteRepo,
     wanted: list[str],
     target_size: int,
@@ -354,7 +376,6 @@ def _send_missing(
         where, condemned = known
     claimed = condemned.claimed() | set(forget)
     missing = [oid for oid in wanted if oid not in where]
-    store = ctx.store
     # Objects local compaction has since stored smaller, with the rest of their packs: sent again
     # so that remote gc can drop those packs (repack.py); relied on in their new packs only.
     again = (

@@ -39,7 +39,8 @@ from ckstore.write.ingest import MemoryFile, SourceFile, ingest
 MAX_CAS_ATTEMPTS = 20
 
 
-def _now() -> str:
+def now_iso() -> str:
+    """The time a commit records: UTC, microseconds, a trailing Z."""
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
@@ -161,7 +162,7 @@ def record_commit(
             files = without_change(files)
         commit = Commit(
             parents=(parent,) if parent else (),
-            time=_now(),
+            time=now_iso(),
             message=request.message,
             branch=branch,
             files=tuple(files),
