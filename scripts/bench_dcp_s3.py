@@ -20,13 +20,16 @@ Measured per save: wall seconds (the slowest rank), bytes the server received fo
 on the bucket (its listing); after the fourth save each writer's latest checkpoint is loaded at
 1, 2 and 4 ranks (fresh processes, a model and optimizer built for that world size) and checked
 bit for bit against the full state gathered at save time. A separate phase saves a state of
-``--rss-gb`` GB per rank twice with each writer and samples every rank's resident set (every
+about 1 GB per rank (``--rss-dim``, ``--rss-layers``) twice with each writer and samples every rank's resident set (every
 5 ms); reported is the peak minus the resident set right before the save (the interpreter with
 torch and the state already in memory). Times are medians over ``--runs`` runs.
 
-    python scripts/bench_dcp_s3.py [--runs 3] [--steps 20] [--dim 768] [--layers 6]
-        [--writers fsspec s3tc ckstore] [--python /work/venv-peers/bin/python]
-        [--write-docs docs/benchmarks.md]
+    python scripts/bench_dcp_s3.py [--phases save rss] [--runs 3] [--steps 10] [--dim 512]
+        [--layers 4] [--writers fsspec s3tc ckstore] [--rss-writers fsspec ckstore]
+        [--python /work/venv-peers/bin/python] [--write-docs docs/benchmarks.md]
+
+Each phase keeps its results in ``--work`` (saves.json, memory.json); ``--write-docs`` writes the
+section from whichever are there, so the phases may be run apart.
 
 The orchestrator runs the server with this interpreter; the ranks run with ``--python`` (an
 environment that has s3fs and s3torchconnector: ``pip install -e '.[bench]'``).
@@ -72,7 +75,7 @@ def torchrun(args: argparse.Namespace, job: str, ranks: int, env: dict[str, str]
         job,
         *(f"--{k}={flags[k]}" for k in ("dim", "layers", "vocab", "seq", "batch", "steps", "saves", "trial", "out")),
         "--writers",
-        *args.writers,
+        *flags["writers"],
     ]
     subprocess.run(cmd, check=True, env=env, timeout=args.timeout)
 
@@ -94,12 +97,13 @@ def rank_env(server: Any, metrics_port: int, work: Path) -> dict[str, str]:
     return env
 
 
-def one_run(args: argparse.Namespace, run: int, rss_phase: bool) -> dict[str, Any]:
+def one_run(args: argparse.Namespace, run: int, job: str) -> dict[str, Any]:
+    """One fresh server: the saves and the loads (``job="save"``) or the memory phase (``"rss"``)."""
     import boto3
 
     from ckstore.transport.testserver import _remove_sockets, _stop, free_ports, launch
 
-    work = Path(args.work) / f"run{run}"
+    work = Path(args.work) / f"{job}{run}"
     shutil.rmtree(work, ignore_errors=True)
     (work / "server").mkdir(parents=True)
     (work / "tmp").mkdir()
@@ -113,19 +117,20 @@ def one_run(args: argparse.Namespace, run: int, rss_phase: bool) -> dict[str, An
             aws_secret_access_key=server.secret_key,
             region_name=REGION,
         )
-        for name in args.writers:
+        for name in WRITERS:
             for mode in ("sync", "async", "rss"):
                 s3.create_bucket(Bucket=bucket_of(name, mode))
         env = rank_env(server, metrics_port, work)
         result: dict[str, Any] = {"load_before": os.getloadavg()}
-        torchrun(args, "save", 2, env, trial=run, out=work)
-        result["save"] = json.loads((work / "save.json").read_text())
-        for ranks in LOAD_WORLDS:
-            torchrun(args, "load", ranks, env, trial=run, out=work)
-            result[f"load{ranks}"] = json.loads((work / f"load{ranks}.json").read_text())
-        if rss_phase:
-            torchrun(args, "rss", 2, env, trial=run, out=work, dim=args.rss_dim, layers=args.rss_layers, steps=1)
+        if job == "rss":
+            torchrun(args, "rss", 2, env, out=work, dim=args.rss_dim, layers=args.rss_layers, writers=args.rss_writers)
             result["rss"] = json.loads((work / "rss.json").read_text())
+        else:
+            torchrun(args, "save", 2, env, trial=run, out=work)
+            result["save"] = json.loads((work / "save.json").read_text())
+            for ranks in LOAD_WORLDS:
+                torchrun(args, "load", ranks, env, trial=run, out=work)
+                result[f"load{ranks}"] = json.loads((work / f"load{ranks}.json").read_text())
         result["load_after"] = os.getloadavg()
         return result
     finally:
@@ -266,60 +271,78 @@ def rss_table(result: dict[str, Any], writers: list[str]) -> list[str]:
     return lines
 
 
-def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    writers = list(args.writers)
-    state = runs[0]["save"]["state_bytes"]
-    loads = "; ".join(
-        f"run {i + 1}: {' / '.join(f'{x:.1f}' for x in r['load_before'])} → {' / '.join(f'{x:.1f}' for x in r['load_after'])}"
-        for i, r in enumerate(runs)
+def _loads(runs: list[dict[str, Any]]) -> str:
+    return "; ".join(
+        f"{' / '.join(f'{x:.1f}' for x in r['load_before'])} → {' / '.join(f'{x:.1f}' for x in r['load_after'])}"
+        for r in runs
     )
-    lines = [
-        f"`python scripts/bench_dcp_s3.py --runs {args.runs} --steps {args.steps}` ({os.cpu_count()} cores shared with other work;"
-        f" load average 1/5/15 min before → after each run: {loads}). 2 ranks, FSDP2 GPT-style decoder"
-        f" ({args.layers} blocks, width {args.dim}, vocabulary {args.vocab}, context {args.seq}) + AdamW:"
-        f" {state / MB:.0f} MB of state, {args.steps} training steps (batch {args.batch}) between saves, {args.saves} saves."
-        f" Times are medians of {len(runs)} runs; writers: {', '.join(writers)}.",
-        "",
-        *save_tables(runs, writers),
-        "",
-        *load_table(runs, writers),
-    ]
-    if "rss" in runs[-1]:
-        lines += ["", *rss_table(runs[-1]["rss"], writers)]
-    return "\n".join(lines)
+
+
+def report(saves: dict[str, Any] | None, memory: dict[str, Any] | None) -> str:
+    lines: list[str] = []
+    if saves is not None:
+        a, runs = saves["args"], saves["runs"]
+        writers = list(a["writers"])
+        lines += [
+            f"`python scripts/bench_dcp_s3.py --phases save --runs {len(runs)} --steps {a['steps']}`"
+            f" ({os.cpu_count()} cores shared with other work; `uptime` load average 1/5/15 min before → after"
+            f" each run: {_loads(runs)}). 2 ranks, FSDP2 GPT-style decoder ({a['layers']} blocks, width"
+            f" {a['dim']}, vocabulary {a['vocab']}, context {a['seq']}) + AdamW: {runs[0]['save']['state_bytes'] / MB:.0f}"
+            f" MB of state, {a['steps']} training steps (batch {a['batch']}) between saves, {a['saves']} saves."
+            f" Times are medians of {len(runs)} runs, each on a fresh server; writers: {', '.join(writers)}.",
+            "",
+            *save_tables(runs, writers),
+            "",
+            *load_table(runs, writers),
+        ]
+    if memory is not None:
+        a, run = memory["args"], memory["run"]
+        lines += [
+            "",
+            f"`python scripts/bench_dcp_s3.py --phases rss` (width {a['rss_dim']}, {a['rss_layers']} blocks;"
+            f" load average {_loads([run])}).",
+            "",
+            *rss_table(run["rss"], list(a["rss_writers"])),
+        ]
+    return "\n".join(lines).strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     peers = Path("/work/venv-peers/bin/python")
+    parser.add_argument("--phases", nargs="+", choices=["save", "rss"], default=["save", "rss"])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help="training steps between saves")
+    parser.add_argument("--steps", type=int, default=10, help="training steps between saves")
     parser.add_argument("--saves", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument(
-        "--rss-dim", type=int, default=1024, help="the memory phase's model: about 1 GB of state per rank"
-    )
-    parser.add_argument("--rss-layers", type=int, default=12)
-    parser.add_argument("--no-rss", action="store_true", help="skip the memory phase")
     parser.add_argument("--writers", nargs="+", choices=WRITERS, default=list(WRITERS))
+    parser.add_argument("--rss-dim", type=int, default=1024, help="the memory phase's model: 1 GB of state per rank")
+    parser.add_argument("--rss-layers", type=int, default=12)
+    parser.add_argument("--rss-writers", nargs="+", choices=WRITERS, default=["fsspec", "ckstore"])
     parser.add_argument(
         "--python", default=str(peers) if peers.exists() else sys.executable, help="the ranks' interpreter"
     )
     parser.add_argument("--work", default=str(ROOT / "bench-work" / "dcp-s3"))
     parser.add_argument("--keep", action="store_true", help="keep each run's server data")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one torchrun launch may take")
-    parser.add_argument("--write-docs", type=Path)
+    parser.add_argument("--write-docs", type=Path, help="write the section from this and earlier phases' results")
     args = parser.parse_args()
-    runs = []
-    for run in range(args.runs):
-        runs.append(one_run(args, run, rss_phase=not args.no_rss and run == args.runs - 1))
-        Path(args.work).mkdir(parents=True, exist_ok=True)
-        (Path(args.work) / "results.json").write_text(json.dumps(runs))
-    body = report(runs, args)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    recorded = {k: v for k, v in vars(args).items() if k not in ("write_docs",)}
+    if "save" in args.phases:
+        runs: list[dict[str, Any]] = []
+        for run in range(args.runs):
+            runs.append(one_run(args, run, "save"))
+            (work / "saves.json").write_text(json.dumps({"args": recorded, "runs": runs}))
+    if "rss" in args.phases:
+        (work / "memory.json").write_text(json.dumps({"args": recorded, "run": one_run(args, 0, "rss")}))
+    found = [json.loads((work / n).read_text()) if (work / n).exists() else None for n in ("saves.json", "memory.json")]
+    body = report(*found)
     print(body)
     if args.write_docs:
         from bench_sections import write_section
