@@ -42,12 +42,7 @@ def repository_location(repo: Any) -> str | os.PathLike[str]:
     """A repository path, or an object with a ``path`` (``ckstore.Repo``)."""
     path = getattr(repo, "path", repo)
     if not isinstance(path, (str, os.PathLike)):
-        raise InvalidInputError("the repository must be given as a path on a shared file system")
-    if "://" in os.fspath(path):
-        raise InvalidInputError(
-            f"{os.fspath(path)!r}: DCP saves go to a repository on a file system all ranks share, not to a "
-            "remote URL; save there and 'ckstore push' it to the remote"
-        )
+        raise InvalidInputError("the repository must be given as a path, or a remote URL (s3://bucket/prefix)")
     return path
 
 

@@ -288,15 +288,31 @@ class RemoteView:
         self.graph = CommitGraph(refs, store, RefStore(refs))
 
     def resolve(self, name: str) -> ObjectId:
-        """A branch, tag or commit id on the remote (``HEAD``: branch ``main``)."""
-        name = DEFAULT_BRANCH if name == "HEAD" else name
-        for ref in (HEADS + name, TAGS + name):
-            oid, _ = self.remote.read_ref(ref)
-            if oid is not None:
-                return oid
-        if is_object_id(name):
-            return ObjectId(name)
-        raise RefNotFoundError(f"remote {self.remote.name} has no branch or tag {name!r}")
+        found = resolve_name(self.remote, name)
+        if found is None:
+            raise RefNotFoundError(f"remote {self.remote.name} has no branch or tag {name!r}")
+        return found
+
+
+def resolve_name(remote: RemoteRepo, name: str) -> ObjectId | None:
+    """A branch, tag or commit id on the remote (``HEAD``: branch ``main``); None when the
+    remote has no such branch or tag."""
+    name = DEFAULT_BRANCH if name == "HEAD" else name
+    for ref in (HEADS + name, TAGS + name):
+        oid, _ = remote.read_ref(ref)
+        if oid is not None:
+            return oid
+    return ObjectId(name) if is_object_id(name) else None
+
+
+def latest(url: str, ref: str = "HEAD", endpoint_url: str | None = None) -> str | None:
+    """The commit a ``Reader`` of ``url`` (with ``ref``) would load, or None when there is none
+    yet (no remote there, or no such branch or tag): where a training script resumes from."""
+    target = find_target(url, endpoint_url)
+    remote = target.open()
+    if not (remote.transport.location_exists() and remote.check_format()):
+        return None
+    return resolve_name(remote, target.name if target.name is not None else ref)
 
 
 __all__ = [
@@ -306,6 +322,7 @@ __all__ = [
     "find_target",
     "is_remote_url",
     "land_save",
+    "latest",
     "point_tag",
     "prepare_remote",
     "save_branch",

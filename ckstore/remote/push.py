@@ -173,6 +173,7 @@ def send_objects(
     what a sweep has claimed meanwhile. What was sent, and the packs relied on: the objects are
     all on the remote, in indexed packs no gc may delete before ``grace`` has passed again."""
     report = PushReport(remote.name)
+    wanted = list(dict.fromkeys(wanted))  # a pack holds each object once
     relied = _send_missing(store, remote, wanted, target_size, report)
     while lost := remote.rescue(relied):
         where = remote.holdings(lost)

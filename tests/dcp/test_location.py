@@ -100,9 +100,8 @@ def test_a_reader_given_a_repository_still_takes_a_ref_as_checkpoint_id(tmp_path
     assert _load("main~1", Reader(repo))["step"] == 1
 
 
-def test_a_remote_url_is_refused_before_any_save(tmp_path: Path) -> None:
+def test_a_remote_url_is_a_remote_target_not_a_repository_path(tmp_path: Path) -> None:
     for url in ("s3://bucket/runs/x", f"file://{tmp_path}"):
-        with pytest.raises(InvalidInputError, match="remote URL"):
-            Writer(url)
-        with pytest.raises(InvalidInputError, match="remote URL"):
-            Reader(url)
+        assert Writer(url).remote_url == url and Writer(url).location is None  # no request yet
+        assert Reader(url).remote_url == url and Reader(url).location is None
+        assert Writer.validate_checkpoint_id(url) and Reader.validate_checkpoint_id(url)

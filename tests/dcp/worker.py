@@ -170,6 +170,20 @@ def main() -> None:
 
             ObjectStore.put_chunk = dying  # type: ignore[method-assign]
         dcp.save(state(model, opt, 0), storage_writer=ckstore.dcp.Writer(repo, branch=sys.argv[4]))
+    elif scenario == "kill-upload":  # a save to a remote: rank 1 dies once its first pack is up
+        model, opt = build(0)
+        train_step(model, opt, 0)
+        if rank == 1:
+            from ckstore.remote.layout import RemoteRepo
+
+            upload = RemoteRepo.upload_pack
+
+            def dying_upload(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+                upload(self, *args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            RemoteRepo.upload_pack = dying_upload  # type: ignore[method-assign]
+        dcp.save(state(model, opt, 0), storage_writer=ckstore.dcp.Writer(repo, branch=sys.argv[4]))
     finish(report, out)
 
 
