@@ -278,12 +278,53 @@ def _loads(runs: list[dict[str, Any]]) -> str:
     )
 
 
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def targets(saves: dict[str, Any] | None, memory: dict[str, Any] | None) -> list[str]:
+    """ckstore's figures against the targets, from the tables' own numbers."""
+    rows = []
+    if saves is not None and "ckstore" in saves["args"]["writers"] and "fsspec" in saves["args"]["writers"]:
+        runs, n = saves["runs"], saves["args"]["saves"]
+        last = runs[-1]["save"]["rows"][-1]
+        on = last["ckstore.sync"]["on_bucket"] / last["fsspec.sync"]["on_bucket"]
+        rows.append(
+            f"| bytes on the bucket after {n} saves, ckstore / fsspec | ≤ 0.45 | {on:.3f} | {_verdict(on <= 0.45)} |"
+        )
+        walls = {w: sum(save_figure(runs, s, f"{w}.sync", "wall") for s in range(n)) for w in ("ckstore", "fsspec")}
+        wall = walls["ckstore"] / walls["fsspec"]
+        rows.append(
+            f"| save wall time over the {n} saves, ckstore / fsspec | ≤ 1.0 | {wall:.2f} | {_verdict(wall <= 1.0)} |"
+        )
+        blocked = max(
+            save_figure(runs, s, "ckstore.async", "blocked") / save_figure(runs, s, "ckstore.sync", "wall")
+            for s in range(n)
+        )
+        rows.append(
+            f"| `async_save` blocked / synchronous save, ckstore, worst save | ≤ 0.5 | {blocked:.2f} | {_verdict(blocked <= 0.5)} |"
+        )
+        ok = all(not r[f"load{k}"][w]["differs"] for r in runs for k in LOAD_WORLDS for w in saves["args"]["writers"])
+        rows.append(
+            f"| loads bit-identical at 1, 2 and 4 ranks | all | {'all' if ok else 'not all'} | {_verdict(ok)} |"
+        )
+    if memory is not None and "ckstore" in memory["args"]["rss_writers"]:
+        above = max(memory["run"]["rss"][f"ckstore.{i}"]["above"] for i in (0, 1)) / MIB
+        rows.append(
+            f"| peak RSS above the rank before the save, ckstore, 1 GB shard | < 500 MiB | {above:.0f} MiB | {_verdict(above < 500)} |"
+        )
+    if not rows:
+        return []
+    return ["| target | bound | measured | |", "|---|---|---|---|", *rows]
+
+
 def report(saves: dict[str, Any] | None, memory: dict[str, Any] | None) -> str:
-    lines: list[str] = []
+    lines: list[str] = targets(saves, memory)
     if saves is not None:
         a, runs = saves["args"], saves["runs"]
         writers = list(a["writers"])
         lines += [
+            "",
             f"`python scripts/bench_dcp_s3.py --phases save --runs {len(runs)} --steps {a['steps']}`"
             f" ({os.cpu_count()} cores shared with other work; `uptime` load average 1/5/15 min before → after"
             f" each run: {_loads(runs)}). 2 ranks, FSDP2 GPT-style decoder ({a['layers']} blocks, width"
