@@ -122,7 +122,13 @@ def one_run(args: argparse.Namespace, run: int, job: str) -> dict[str, Any]:
                 s3.create_bucket(Bucket=bucket_of(name, mode))
         env = rank_env(server, metrics_port, work)
         result: dict[str, Any] = {"load_before": os.getloadavg()}
-        if job == "rss":
+        if job == "local":
+            import ckstore
+
+            ckstore.Repo.init(work / "repo")
+            torchrun(args, "local", 2, env, out=work)
+            result["local"] = json.loads((work / "local.json").read_text())
+        elif job == "rss":
             torchrun(args, "rss", 2, env, out=work, dim=args.rss_dim, layers=args.rss_layers, writers=args.rss_writers)
             result["rss"] = json.loads((work / "rss.json").read_text())
         else:
@@ -318,7 +324,7 @@ def targets(saves: dict[str, Any] | None, memory: dict[str, Any] | None) -> list
     return ["| target | bound | measured | |", "|---|---|---|---|", *rows]
 
 
-def report(saves: dict[str, Any] | None, memory: dict[str, Any] | None) -> str:
+def report(saves: dict[str, Any] | None, memory: dict[str, Any] | None, local: dict[str, Any] | None = None) -> str:
     lines: list[str] = targets(saves, memory)
     if saves is not None:
         a, runs = saves["args"], saves["runs"]
@@ -345,13 +351,28 @@ def report(saves: dict[str, Any] | None, memory: dict[str, Any] | None) -> str:
             "",
             *rss_table(run["rss"], list(a["rss_writers"])),
         ]
+    if local is not None:
+        a, rows = local["args"], local["run"]["local"]
+        lines += [
+            "",
+            f"`python scripts/bench_dcp_s3.py --phases local --steps {a['steps']}`: the same training and saves into a local"
+            " ckstore repository (its compaction after each save waited for) and FileSystemWriter folders, bytes on disk"
+            f" (load average {_loads([local['run']])}):",
+            "",
+            "| save | FileSystemWriter MB | local ckstore repository MB | ratio |",
+            "|---|---|---|---|",
+            *(
+                f"| {i + 1} | {r['fs'] / MB:.1f} | {r['ckstore'] / MB:.1f} | {r['ckstore'] / r['fs']:.3f} |"
+                for i, r in enumerate(rows)
+            ),
+        ]
     return "\n".join(lines).strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     peers = Path("/work/venv-peers/bin/python")
-    parser.add_argument("--phases", nargs="+", choices=["save", "rss"], default=["save", "rss"])
+    parser.add_argument("--phases", nargs="+", choices=["save", "rss", "local"], default=["save", "rss"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="training steps between saves")
     parser.add_argument("--saves", type=int, default=4)
@@ -380,9 +401,11 @@ def main() -> None:
         for run in range(args.runs):
             runs.append(one_run(args, run, "save"))
             (work / "saves.json").write_text(json.dumps({"args": recorded, "runs": runs}))
-    if "rss" in args.phases:
-        (work / "memory.json").write_text(json.dumps({"args": recorded, "run": one_run(args, 0, "rss")}))
-    found = [json.loads((work / n).read_text()) if (work / n).exists() else None for n in ("saves.json", "memory.json")]
+    for phase, name in (("rss", "memory.json"), ("local", "local.json")):
+        if phase in args.phases:
+            (work / name).write_text(json.dumps({"args": recorded, "run": one_run(args, 0, phase)}))
+    names = ("saves.json", "memory.json", "local.json")
+    found = [json.loads((work / n).read_text()) if (work / n).exists() else None for n in names]
     body = report(*found)
     print(body)
     if args.write_docs:

@@ -430,6 +430,41 @@ def worker_load(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def worker_local(args: argparse.Namespace) -> None:
+    """The same training and saves into a local ckstore repository (compaction waited for) and
+    FileSystemWriter folders: what a repository on a shared disk holds, for the bytes target."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ckstore.dcp
+
+    rank = init_rank()
+    out = Path(args.out)
+    model, opt = sharded(args)
+    data = Tokens(args.vocab, args.seq, args.batch, rank)
+    rows = []
+    for step in range(args.saves):
+        train(model, opt, data, args.steps)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "step": step}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / "fs" / f"step{step}")))
+        dist.barrier()
+        dcp.save(state, storage_writer=ckstore.dcp.Writer(out / "repo", message=f"step {step}"))
+        ckstore.dcp.wait_compaction()
+        dist.barrier()
+        if rank == 0:
+            rows.append({"fs": _du(out / "fs"), "ckstore": _du(out / "repo")})
+            print(f"local save {step + 1}: {json.dumps(rows[-1])}", flush=True)
+    if rank == 0:
+        (out / "local.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def worker_rss(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -472,13 +507,13 @@ def _tensors(state: Any) -> Iterator[Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--job", choices=["save", "load", "rss"], required=True)
+    parser.add_argument("--job", choices=["save", "load", "rss", "local"], required=True)
     for name in ("dim", "layers", "vocab", "seq", "batch", "steps", "saves", "trial"):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--writers", nargs="+", choices=WRITERS, required=True)
     args = parser.parse_args()
-    {"save": worker_save, "load": worker_load, "rss": worker_rss}[args.job](args)
+    {"save": worker_save, "load": worker_load, "rss": worker_rss, "local": worker_local}[args.job](args)
 
 
 if __name__ == "__main__":
