@@ -30,6 +30,7 @@ objects decoded and re-hashed against their names on every read.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckstore.backend.base import Backend
+from ckstore.backend.fsio import dead_owner, process_owner
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
 from ckstore.dcp.compaction import store_pieces
@@ -70,7 +72,10 @@ from ckstore.write.ingest import MemoryFile
 CACHE_ENV = "CKSTORE_CACHE_DIR"
 # Keys for the conditional-write probe: nothing in the remote layout reads them.
 PROBE_PREFIX = "dcp-probe/"
-_honouring: set[str] = set()  # remotes whose server was seen to honour conditional writes
+_honouring: set[str] = set()
+_memory_caches: dict[
+    str, Backend
+] = {}  # remote URL -> this process's copies of its index files  # remotes whose server was seen to honour conditional writes
 
 
 def is_remote_url(target: object) -> bool:
@@ -94,7 +99,12 @@ class RemoteTarget:
     cache_dir: str | None = None
 
     def open(self) -> RemoteRepo:
-        return open_spec(RemoteSpec("", self.url, self.endpoint_url), self.cache_backend())
+        """The remote, its index files cached in the cache folder, else in this process's memory
+        (so a training loop that makes a Writer per step downloads each index once)."""
+        cache = self.cache_backend()
+        if cache is None:
+            cache = _memory_caches.setdefault(self.url, MemoryBackend())
+        return open_spec(RemoteSpec("", self.url, self.endpoint_url), cache)
 
     def cache_backend(self) -> Backend | None:
         folder = cache_folder(self.cache_dir)
@@ -171,15 +181,18 @@ class _Held:
         raise ObjectMissingError(f"object {oid} is missing{context} (it is on the remote, not staged)")
 
 
+STAGE_PREFIX = "ckstore-dcp-stage-"
+READ_PREFIX = "ckstore-dcp-read-"
+STAGE_OWNER = "owner.json"  # in each private folder: the process it belongs to
+
+
 class Stage:
-    """A rank's private object store on local disk for one save; ``close`` deletes it."""
+    """A rank's private object store on local disk for one save; ``close`` deletes it (a killed
+    rank's goes when the next one is made there: ``private_folder``)."""
 
     def __init__(self, cache_dir: str | None, where: Holdings, chunk_size: int) -> None:
         folder = cache_folder(cache_dir)
-        parent = None if folder is None else folder / "stage"
-        if parent is not None:
-            parent.mkdir(parents=True, exist_ok=True)
-        self.folder = Path(tempfile.mkdtemp(prefix="ckstore-dcp-", dir=parent))
+        self.folder = private_folder(None if folder is None else folder / "stage", STAGE_PREFIX)
         backend = LocalBackend(self.folder)
         backend.allow_packs = lambda: True  # a private store: no older reader to keep out
         self.store = ObjectStore(backend, RepoConfig(chunk_size=chunk_size).encoding)
@@ -187,6 +200,25 @@ class Stage:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def private_folder(parent: Path | None, prefix: str) -> Path:
+    """A new folder of this process in ``parent`` (default: the temporary folder), recording its
+    owner; first removes the folders of that prefix there whose process is surely gone (same
+    host, boot and pid namespace, pid not running: the rule of lock files), such as a killed
+    rank's."""
+    parent = Path(tempfile.gettempdir()) if parent is None else parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for old in parent.glob(prefix + "*"):
+        try:
+            owner = (old / STAGE_OWNER).read_bytes()
+        except OSError:
+            continue  # being made, or not ours
+        if dead_owner(owner) is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    (folder / STAGE_OWNER).write_text(json.dumps(process_owner()))
+    return folder
 
 
 def save_rank(remote: RemoteRepo, target: RemoteTarget, source: MemoryFile, chunk_size: int) -> tuple[FileEntry, int]:
@@ -277,15 +309,14 @@ class RemoteView:
         self.remote = target.open()
         self.remote.require_format()
         cache = target.cache_backend()
-        if cache is None:
-            folder = tempfile.mkdtemp(prefix="ckstore-dcp-read-")
-            weakref.finalize(self, shutil.rmtree, folder, True)
-            cache = LocalBackend(Path(folder))
-        self.objects = RemoteObjects(self.remote, ObjectStore(cache))
+        folder = None if cache is not None else private_folder(None, READ_PREFIX)
+        self.objects = RemoteObjects(self.remote, ObjectStore(cache or LocalBackend(Path(str(folder)))))
         store = ObjectStore(MemoryBackend())
         store.sources.append(self.objects)
         refs = MemoryBackend()
         self.graph = CommitGraph(refs, store, RefStore(refs))
+        if folder is not None:  # the readers hold the graph, not the view: the folder lives as long
+            weakref.finalize(self.graph, shutil.rmtree, folder, True)
 
     def resolve(self, name: str) -> ObjectId:
         found = resolve_name(self.remote, name)

@@ -25,6 +25,11 @@ by rank, so the next save finds each piece's predecessor wherever it was written
 pieces cost nothing, changed ones are stored the fast way and, once the commit is recorded, the
 repository's compaction re-encodes their predecessors as deltas against them (dcp/compaction.py).
 
+A remote URL instead of a repository (``s3://…``, ``file://…``) takes the same path up to the
+rank's file: each rank then stages it in a private store and uploads what the remote lacks,
+and the coordinator lands the commit there by compare-and-swap (remote.py); no lock is held,
+since a remote gc's grace period is what keeps a save's packs until its ref moves.
+
 Non-tensor items: with DCP's default planner (``transform_object`` not overridden) the Writer
 looks the value up itself and stores it in ckstore's typed JSON (values.py) when it is
 representable there; otherwise it stores the bytes the planner produced (``torch.save`` pickle for
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, cast
@@ -93,6 +99,8 @@ FILE_METADATA = {"format": "ckstore-dcp"}
 # failed or died): maintenance waits at most this, well within REPO_LOCK_TIMEOUT.
 DEFAULT_LOCK_HOLD = 300.0
 COMMIT_KEY = "ckstore_commit"  # in the Metadata dcp.save returns: the commit id, on every rank
+# Bytes of a stored piece a load reads and copies into its target at a time.
+COPY_BAND = 32 << 20
 OBJECT_SUFFIX = "@bytes"  # piece names end in "@" and digits, so an item's name never equals one
 
 
@@ -497,14 +505,13 @@ class Reader(StorageReader):
                 else:
                     planner.load_bytes(req, io.BytesIO(data))
             else:
-                source = self._region(reader, where, req)
                 target = planner.resolve_tensor(req).detach()
-                if tuple(target.shape) != tuple(source.shape):
+                if tuple(target.shape) != tuple(req.lengths):
                     raise IntegrityError(
-                        f"tensor {req.storage_index.fqn!r}: stored region {tuple(source.shape)} "
+                        f"tensor {req.storage_index.fqn!r}: stored region {tuple(req.lengths)} "
                         f"does not fit the target {tuple(target.shape)}"
                     )
-                target.copy_(source)
+                self._copy_region(reader, where, req, target)
                 planner.commit_tensor(req, target)
             self.bytes_read += reader.bytes_read - before
         future: Future[None] = Future()
@@ -520,19 +527,29 @@ class Reader(StorageReader):
         return found
 
     @staticmethod
-    def _region(reader: LazyTensors, where: Location, req: Any) -> torch.Tensor:
-        """The requested hypercube of a stored piece, reading only the chunks of its rows."""
+    def _copy_region(reader: LazyTensors, where: Location, req: Any, target: torch.Tensor) -> None:
+        """Copy the requested hypercube of a stored piece into ``target``, reading only the
+        chunks of its rows, a band of rows at a time: a load holds about COPY_BAND bytes of a
+        piece on top of its target, whatever the piece's size."""
         offsets, lengths = list(req.storage_offsets), list(req.lengths)
         if TORCH_DTYPES[where.kind][1] is None:  # a dtype safetensors cannot name: raw bytes, read whole
             piece = reader.get_tensor(where.tensor).view(getattr(torch, where.kind)).reshape(where.sizes)
-        elif not offsets:
-            return reader.get_tensor(where.tensor)
-        else:
-            piece = reader.get_slice(where.tensor)[offsets[0] : offsets[0] + lengths[0]]
-            offsets[0] = 0  # the rows are cut already
-        for dim, (offset, length) in enumerate(zip(offsets, lengths)):
-            piece = piece.narrow(dim, offset, length)
-        return piece
+            for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+                piece = piece.narrow(dim, offset, length)
+            target.copy_(piece)
+            return
+        if not offsets:
+            target.copy_(reader.get_tensor(where.tensor))
+            return
+        row = math.prod(where.sizes[1:]) * getattr(torch, where.kind).itemsize
+        band = max(1, COPY_BAND // max(1, row))
+        rows = reader.get_slice(where.tensor)
+        for start in range(0, lengths[0], band):
+            n = min(band, lengths[0] - start)
+            piece = rows[offsets[0] + start : offsets[0] + start + n]
+            for dim in range(1, len(offsets)):
+                piece = piece.narrow(dim, offsets[dim], lengths[dim])
+            target.narrow(0, start, n).copy_(piece)
 
 
 def _deliver_value(planner: LoadPlanner, req: Any, value: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from safetensors.torch import load_file
 
 import ckstore
 import ckstore.dcp
-from ckstore.dcp.remote import find_target
+import ckstore.dcp.remote as remote_module
+from ckstore.backend.memory import MemoryBackend
+from ckstore.dcp.remote import RemoteView, find_target
 from ckstore.errors import CkstoreError
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.transport.testserver import S3Server, free_ports
@@ -120,6 +123,8 @@ def test_two_ranks_save_and_resume_and_clone_checks_out_the_saves(bucket: Bucket
     # The saves are ordinary commits to a clone: log, and a checkout bit-identical to the state.
     clone, _ = ckstore.Repo.clone(url, tmp_path / "clone")
     assert [e.id for e in clone.log("main")] == rep["commits"][::-1]
+    statuses = {(c.name or "").split("@")[0]: c.status for c in clone.diff(rep["commits"][0], rep["commits"][1])}
+    assert statuses["model.l1.weight"] == "changed" and statuses["model.embed.weight"] == "unchanged", statuses
     want = load_file(out / "full.safetensors")
     got = checkout_full(clone, rep["commits"][-1], tmp_path / "co")
     assert_same_tensors({k: got[k] for k in want}, want)
@@ -127,6 +132,9 @@ def test_two_ranks_save_and_resume_and_clone_checks_out_the_saves(bucket: Bucket
     # Later steps send far less than the first: unchanged pieces are on the remote already.
     sizes = [clone.read_commit(c).added_bytes for c in rep["commits"]]
     assert sizes[1] < sizes[0] * 0.8 and sizes[2] < sizes[0] * 0.8, sizes
+    # Retention on the bucket: keep the newest two saves; the newest still loads from the remote.
+    assert clone.gc_remote(keep_last=2, grace=0).pruned_commits == [rep["commits"][0]]
+    assert ckstore.dcp.latest(url) == rep["commits"][-1]
 
 
 def test_a_load_reads_at_another_world_size_and_only_from_the_remote(bucket: Bucket, tmp_path: Path) -> None:
@@ -165,17 +173,70 @@ def test_a_name_after_the_remote_is_a_tag_and_reads_back(bucket: Bucket) -> None
     assert torch.equal(out["w"], torch.arange(4096, dtype=torch.float32).reshape(64, 64) * 2.0) and out["step"] == 2
     dcp.load(out, storage_reader=ckstore.dcp.Reader(url, ref=first))
     assert out["step"] == 1
+    # Call sites that pass the URL as checkpoint_id (torchtitan's and Lightning's managers).
+    state = {"w": torch.ones(64, 64), "step": 3}
+    meta = dcp.save(state, checkpoint_id=url + "/step-3", storage_writer=ckstore.dcp.Writer())
+    assert _ref(url, TAGS + "step-3") == ckstore.dcp.saved_commit(meta) == ckstore.dcp.latest(url + "/step-3")
+    dcp.load(out, checkpoint_id=url + "/step-3", storage_reader=ckstore.dcp.Reader())
+    assert out["step"] == 3 and torch.equal(out["w"], state["w"])
+    assert ckstore.dcp.latest(bucket.url()) is None  # nothing saved there yet
+
+
+def test_two_jobs_saving_to_one_branch_at_once_both_land_one_on_the_other(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = bucket.url()
+    base = _single_save(url, 1.0)
+    results: dict[float, str] = {}
+    errors: list[BaseException] = []
+    # Both coordinators read the branch and upload their commits before either swaps it.
+    barrier, waited = threading.Barrier(2, timeout=120), set()
+    upload = remote_module.send_objects
+
+    def in_step(store: Any, remote: Any, wanted: list[str], *args: Any) -> Any:
+        sent = upload(store, remote, wanted, *args)
+        commit_upload = isinstance(store.backend, MemoryBackend)  # land_save's store of the commit
+        if commit_upload and threading.get_ident() not in waited:
+            waited.add(threading.get_ident())
+            barrier.wait()
+        return sent
+
+    monkeypatch.setattr(remote_module, "send_objects", in_step)
+
+    def save(scale: float) -> None:
+        try:
+            results[scale] = _single_save(url, scale)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(scale,)) for scale in (2.0, 3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, [_cause(e) for e in errors]
+    # The compare-and-swap lets one land first; the other re-parents onto it: none is lost.
+    view = RemoteView(find_target(url))
+    tip = view.resolve("main")
+    history = [tip]
+    while parents := view.graph.read_commit(history[-1]).parents:
+        history.append(parents[0])
+    assert set(history) == {base, *results.values()} and history[-1] == base
+    assert len(waited) == 2, "both commits were built on the same tip"
 
 
 def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_packs(
-    bucket: Bucket, tmp_path: Path
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = bucket.url()
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKSTORE_CACHE_DIR", str(cache))
     before = _single_save(url, 1.0)
     packs = _packs(url)
     result = torchrun(2, "kill-upload", url, str(tmp_path), "main", check=False)
     assert result.returncode != 0
     assert _ref(url, HEADS + "main") == before, "the branch stays where it was"
+    assert list((cache / "stage").iterdir()), "the killed rank's stage is left behind"
     orphans = _packs(url) - packs
     assert orphans, "the killed rank had uploaded a pack"
     # Remote gc's two phases: the first run condemns what no ref needs, the next deletes it.
@@ -184,6 +245,7 @@ def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_pack
     assert set(clone.gc_remote(grace=0).deleted) >= orphans
     assert not orphans & _packs(url)
     after = _single_save(url, 3.0)  # the next save succeeds, on top of the branch as it was
+    assert not list((cache / "stage").iterdir()), "a dead rank's stage goes with the next save here"
     clone.fetch()
     assert [e.id for e in clone.log("origin/main")] == [after, before]
 
