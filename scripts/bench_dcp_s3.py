@@ -19,17 +19,22 @@ Measured per save: wall seconds (the slowest rank), bytes the server received fo
 (SeaweedFS's per-bucket traffic counter: what the writer uploaded, requests included) and bytes
 on the bucket (its listing); after the fourth save each writer's latest checkpoint is loaded at
 1, 2 and 4 ranks (fresh processes, a model and optimizer built for that world size) and checked
-bit for bit against the full state gathered at save time. A separate phase saves a state of
-about 1 GB per rank (``--rss-dim``, ``--rss-layers``) twice with each writer and samples every rank's resident set (every
-5 ms); reported is the peak minus the resident set right before the save (the interpreter with
-torch and the state already in memory). Times are medians over ``--runs`` runs.
+bit for bit against the full state gathered at save time (``--phases save``).
 
-    python scripts/bench_dcp_s3.py [--phases save rss] [--runs 3] [--steps 10] [--dim 512]
+``--phases rss`` saves a state of about 1 GB per rank (``--rss-dim``, ``--rss-layers``) twice
+with each of ``--rss-writers`` and samples every rank's resident set every 5 ms; reported is the
+peak minus the resident set right before the save (the interpreter with torch and the state
+already in memory). ``--phases local`` runs the same training and saves into a local ckstore
+repository, its compaction waited for, and FileSystemWriter folders: the bytes a repository on
+a shared disk holds, which a remote's are compared with. Times are medians over ``--runs`` runs.
+
+    python scripts/bench_dcp_s3.py [--phases save rss local] [--runs 3] [--steps 10] [--dim 512]
         [--layers 4] [--writers fsspec s3tc ckstore] [--rss-writers fsspec ckstore]
         [--python /work/venv-peers/bin/python] [--write-docs docs/benchmarks.md]
 
-Each phase keeps its results in ``--work`` (saves.json, memory.json); ``--write-docs`` writes the
-section from whichever are there, so the phases may be run apart.
+Each phase keeps its results in ``--work`` (saves.json, memory.json, local.json);
+``--write-docs`` writes the section from whichever are there, so the phases may be run apart
+(``--phases`` with no phase only writes the report).
 
 The orchestrator runs the server with this interpreter; the ranks run with ``--python`` (an
 environment that has s3fs and s3torchconnector: ``pip install -e '.[bench]'``).
@@ -378,7 +383,13 @@ def report(saves: dict[str, Any] | None, memory: dict[str, Any] | None, local: d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     peers = Path("/work/venv-peers/bin/python")
-    parser.add_argument("--phases", nargs="+", choices=["save", "rss", "local"], default=["save", "rss"])
+    parser.add_argument(
+        "--phases",
+        nargs="*",
+        choices=["save", "rss", "local"],
+        default=["save", "rss", "local"],
+        help="what to run (none: only write the report from the results in --work)",
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="training steps between saves")
     parser.add_argument("--saves", type=int, default=4)

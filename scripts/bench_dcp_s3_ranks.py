@@ -129,8 +129,9 @@ def storage_options() -> dict[str, Any]:
 
 
 def _s3tc_fs(reader_constructor: Any = None) -> Any:
-    # S3StorageWriter/Reader build their client from the region alone; the file system they use
-    # takes a client, which takes an endpoint (path-style addressing for a local server).
+    # S3StorageWriter/Reader build their client from the region alone (its native client also
+    # honours AWS_ENDPOINT_URL, which the ranks have); the endpoint is given explicitly so that the
+    # figures do not rest on that, with path-style addressing for a local server.
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
     from s3torchconnector.dcp.s3_file_system import S3FileSystem
