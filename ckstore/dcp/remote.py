@@ -72,10 +72,10 @@ from ckstore.write.ingest import MemoryFile
 CACHE_ENV = "CKSTORE_CACHE_DIR"
 # Keys for the conditional-write probe: nothing in the remote layout reads them.
 PROBE_PREFIX = "dcp-probe/"
+# Remotes (with their endpoints) whose server was seen to honour conditional writes.
 _honouring: set[str] = set()
-_memory_caches: dict[
-    str, Backend
-] = {}  # remote URL -> this process's copies of its index files  # remotes whose server was seen to honour conditional writes
+# Remote URL -> this process's copies of its index files.
+_memory_caches: dict[str, Backend] = {}
 
 
 def is_remote_url(target: object) -> bool:
@@ -140,19 +140,21 @@ def find_target(
     return RemoteTarget(whole, None, endpoint_url, cache)
 
 
-def prepare_remote(remote: RemoteRepo) -> None:
-    """The coordinator's checks before a save: the remote exists (created on a first save) and
-    its server honours conditional writes, without which two writers could both "win" a
-    compare-and-swap of a branch and one save would vanish unseen."""
+def prepare_remote(remote: RemoteRepo, target: RemoteTarget) -> None:
+    """The coordinator's checks before a save: the server honours conditional writes, without
+    which two writers could both "win" a compare-and-swap of a branch and one save would vanish
+    unseen (asked once per process, remote and endpoint; a refused server is left without a
+    remote marker), and the remote exists (created on a first save)."""
+    key = f"{target.url} {target.endpoint_url}"
+    if key not in _honouring:
+        remote.transport.create_location()
+        if not remote.transport.honours_conditional_writes(PROBE_PREFIX + uuid.uuid4().hex):
+            raise StorageError(
+                f"remote {remote.name}: the server ignores conditional writes (If-None-Match / If-Match), so "
+                "concurrent saves could overwrite each other's branch unseen; use a server that honours them"
+            )
+        _honouring.add(key)
     remote.check_format(create=True)
-    if remote.transport.url in _honouring:
-        return
-    if not remote.transport.honours_conditional_writes(PROBE_PREFIX + uuid.uuid4().hex):
-        raise StorageError(
-            f"remote {remote.name}: the server ignores conditional writes (If-None-Match / If-Match), so "
-            "concurrent saves could overwrite each other's branch unseen; use a server that honours them"
-        )
-    _honouring.add(remote.transport.url)
 
 
 def save_branch(remote: RemoteRepo, request: CommitRequest, name: str | None) -> tuple[str, str | None]:

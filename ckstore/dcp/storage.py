@@ -239,7 +239,7 @@ class Writer(StorageWriter):
         assert self.remote_url is not None
         found = find_target(self.remote_url, self.endpoint_url, self.cache_dir)
         remote = self._remote(found)
-        prepare_remote(remote)
+        prepare_remote(remote, found)
         branch, self._tag = save_branch(remote, self._request, found.name)
         self._target, self._world, self._plan_branch = found, len(plans), branch
         return [

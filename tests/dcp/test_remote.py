@@ -262,7 +262,8 @@ def test_a_server_that_ignores_conditional_writes_is_refused(
             _single_save(url, 1.0, endpoint_url=proxy.url)
         cause = _cause(caught.value)
         assert isinstance(cause, CkstoreError) and "ignores conditional writes" in str(cause)
-        assert not find_target(url, proxy.url).open().list_refs(), "no ref was written"
+        remote = find_target(url, proxy.url).open()
+        assert not remote.list_refs() and not remote.check_format(), "no remote was made there"
 
 
 def test_async_save_uploads_in_the_background_and_a_failure_surfaces_on_the_future(bucket: Bucket) -> None:
