@@ -157,30 +157,7 @@ def make_writer(name: str, bucket: str, run: int, step: int) -> Any:
         return writer
     import ckstore.dcp
 
-    _unique_sends()
     return ckstore.dcp.Writer(f"s3://{bucket}/run{run}", message=f"step {step}")
-
-
-def _unique_sends() -> None:
-    """Hand the remote Writer's upload each object id once.
-
-    A rank's save lists its chunk ids in order, and equal pieces (AdamW's per-parameter ``step``
-    counters, all the same value) repeat an id; the branch measured here passes that list to
-    ``send_objects`` as it is, whose pack builder refuses the second copy ("already in this
-    pack"), so no AdamW state saves. Deduplicating the list (order kept) changes nothing else,
-    and nothing once the Writer does it itself.
-    """
-    import ckstore.dcp.remote as remote
-
-    send = remote.send_objects
-    if getattr(send, "unique_ids", False):
-        return
-
-    def unique(store: Any, target: Any, wanted: list[str], *args: Any, **kwargs: Any) -> Any:
-        return send(store, target, list(dict.fromkeys(wanted)), *args, **kwargs)
-
-    unique.unique_ids = True  # type: ignore[attr-defined]
-    remote.send_objects = unique
 
 
 def make_reader(name: str, bucket: str, run: int, step: int) -> Any:
