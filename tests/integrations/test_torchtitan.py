@@ -1,0 +1,55 @@
+"""torchtitan's CheckpointManager (ckstore's subclass) on two CPU ranks: its saves are commits tagged
+step-N, a resume in a new process group is bit-exact, keep_latest_k thins the branch through
+ckstore's retention, and no step folder is ever written.
+
+torchtitan 0.3.0 is installed without its dependencies (README, "torchtitan"), so the test skips
+where it is absent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckstore.repo import Repo
+from tests.helpers import Cli, torchrun_script
+
+pytest.importorskip("torchtitan.components.checkpoint")
+
+WORKER = Path(__file__).with_name("titan_worker.py")
+pytestmark = pytest.mark.slow  # three torchrun launches of two ranks each
+
+
+def run(folder: Path, out: Path, stop: int, async_mode: str = "disabled") -> tuple[dict[str, torch.Tensor], dict]:
+    torchrun_script(WORKER, 2, str(folder), str(out), str(stop), async_mode)
+    with safe_open(str(out), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["info"])
+
+
+def test_saves_are_commits_and_a_resume_is_bit_exact(tmp_path: Path, cli: Cli) -> None:
+    straight, info = run(tmp_path / "straight", tmp_path / "straight.safetensors", 8)
+    assert info == {"resumed": False, "start": 0, "lr": info["lr"]}
+
+    # The first run is stopped after step 4 (its saves async), the second resumes from step-4.
+    folder = tmp_path / "repo"  # the cli fixture's repository
+    first, info = run(folder, tmp_path / "first.safetensors", 4, "async")
+    assert not info["resumed"]
+    repo = Repo(folder)
+    assert sorted(repo.tags()) == ["step-2", "step-4"]
+    assert repo.read_commit(repo.resolve("step-4")).decoded_metadata()["step"] == 4
+    resumed, info = run(folder, tmp_path / "resumed.safetensors", 8)
+    assert info["resumed"] and info["start"] == 4
+    assert straight.keys() == resumed.keys() and any(k.startswith("optimizer.") for k in resumed)
+    for key, value in straight.items():
+        assert torch.equal(value, resumed[key]), key
+    assert not torch.equal(first["0.weight"], resumed["0.weight"])  # it did train on
+
+    # keep_latest_k=2 after the save of step 6 (torchtitan purges after every save but the last):
+    # step-2's tag and commit are gone, and no step folder was ever written.
+    assert sorted(repo.tags()) == ["step-4", "step-6", "step-8"]
+    assert [e.id for e in repo.log("main")] == [repo.resolve(f"step-{s}") for s in (8, 6, 4)]
+    assert not list(folder.rglob(".metadata")) and not list(folder.glob("step-*"))
+    assert "no problems found" in cli("fsck", "--read-data").output
