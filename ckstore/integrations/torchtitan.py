@@ -21,7 +21,9 @@ folders and reads it through ``ckstore.dcp.Reader``; with no tag yet, torchtitan
 folder deletion: once a save is durable (at once for synchronous saves; for async ones when
 torchtitan waits for it), torchtitan's purge thread drops the ``step-N`` tags beyond the newest
 ``k`` and thins the branch to its ``k`` newest commits with ``gc --keep-last k --branch BRANCH``
-(other branches, other tags and the reflog's undo window are kept). A final save with
+(other branches, other tags and the reflog's undo window are kept); ``close()`` waits for an
+async save still in flight. ``async_mode="async_with_pinned_mem"`` goes to DCP's process-based
+async save unchanged; torchtitan's stager needs an accelerator for it. A final save with
 ``last_save_in_hf`` is a Hugging Face export, not a checkpoint: torchtitan writes it as the
 plain folder it always does.
 """
@@ -174,6 +176,10 @@ class CkstoreCheckpointManager(CheckpointManager):
     def _wait_for_saving(self) -> None:
         super()._wait_for_saving()
         self._queue_retention()  # the async save has landed
+
+    def _close(self) -> None:
+        self.maybe_wait_for_saving()  # an async save in flight lands (and counts for retention) first
+        super()._close()
 
     def _queue_retention(self) -> None:
         if self.keep_latest_k > 0 and _rank() == 0:

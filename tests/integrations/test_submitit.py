@@ -66,6 +66,8 @@ def test_a_preempted_job_commits_requeues_and_resumes_bit_exact(
     wait_for("the job's first steps", lambda: step_of(folder) >= 20)
     first = attempts(folder)[0]
     os.kill(first["pid"], preemption_signal())  # the signal a preempted submitit job gets
+    wait_for("the requeued job", job.done, timeout=600)
+    wait_for("the reference job", reference.done, timeout=600)
     result = job.result()  # the requeued attempt's: it ran to the end
     assert reference.result()["start"] == 0
 

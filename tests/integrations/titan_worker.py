@@ -96,8 +96,7 @@ def main(folder: str, out: str, stop: int, async_mode: str) -> None:
         schedulers.step()
         train_state.step = step
         manager.save(step, last_step=step == TOTAL)
-    manager.maybe_wait_for_saving()
-    manager.close()
+    manager.close()  # waits for an async save still in flight
     weights = full(model.state_dict())
     moments = {f"optimizer.{k}": v for k, v in full(optimizers.state_dict()).items()}
     if dist.get_rank() == 0:
