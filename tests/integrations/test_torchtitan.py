@@ -20,7 +20,6 @@ from tests.helpers import Cli, torchrun_script
 pytest.importorskip("torchtitan.components.checkpoint")
 
 WORKER = Path(__file__).with_name("titan_worker.py")
-pytestmark = pytest.mark.slow  # three torchrun launches of two ranks each
 
 
 def run(folder: Path, out: Path, stop: int, async_mode: str = "disabled") -> tuple[dict[str, torch.Tensor], dict]:
@@ -29,6 +28,7 @@ def run(folder: Path, out: Path, stop: int, async_mode: str = "disabled") -> tup
         return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["info"])
 
 
+@pytest.mark.slow  # three torchrun launches of two ranks each
 def test_saves_are_commits_and_a_resume_is_bit_exact(tmp_path: Path, cli: Cli) -> None:
     straight, info = run(tmp_path / "straight", tmp_path / "straight.safetensors", 8)
     assert info == {"resumed": False, "start": 0, "lr": info["lr"]}
@@ -92,6 +92,7 @@ def manager(folder: Path, **config: object) -> tuple[object, torch.nn.Module, ob
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no process group
+@pytest.mark.filterwarnings("ignore:To get the last learning rate")  # torchtitan's scheduler load
 def test_a_run_folder_inside_a_repository_keeps_its_own_branch_tags_and_retention(tmp_path: Path) -> None:
     from ckstore.errors import RefNotFoundError
 
