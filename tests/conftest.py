@@ -127,3 +127,18 @@ def remote_url(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
     return f"s3://{server.bucket}/t/{uuid.uuid4().hex}", server.endpoint
+
+
+@pytest.fixture
+def readme_torchtitan() -> dict[str, str]:
+    """README's torchtitan section: torchtitan is installed without its requirements (.ci/run), so
+    the section is skipped where it is absent."""
+    pytest.importorskip("torchtitan.components.checkpoint")
+    return {}
+
+
+@pytest.fixture
+def readme_submitit() -> dict[str, str]:
+    """README's submitit section (submitit comes with the dev extra): skipped where it is absent."""
+    pytest.importorskip("submitit")
+    return {}

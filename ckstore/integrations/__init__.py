@@ -6,6 +6,8 @@
 - ``ckstore.integrations.ray``: ``report``/``restore`` for Ray Train workers.
 - ``ckstore.integrations.mlflow``: ``autolog()``, commits and MLflow runs linked both ways.
 - ``ckstore.integrations.preemption``: ``Preemption``, one durable commit on a scheduler's signal.
+- ``ckstore.integrations.submitit``: ``CkstoreCheckpointable``, that commit before submitit's checkpoint-and-requeue.
+- ``ckstore.integrations.torchtitan``: ``CkstoreCheckpointManager``, torchtitan's manager saving through ckstore.dcp.
 
 Without either framework, the whole integration is two lines in the loop::
 
