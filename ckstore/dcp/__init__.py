@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
 
         return latest
     if name == "wait_compaction":
-        from ckstore.dcp.compaction import wait_compaction
+        from ckstore.dcp.remote_compaction import wait_compaction
 
         return wait_compaction
     if name in __all__:

@@ -12,14 +12,14 @@ Pieces are paired with the parent's by file and piece name, else by piece name
 Only the coordinator compacts: compaction covers the whole commit (every rank's file), and one
 runs at a time per repository anyway (``Backend.compaction_lock``). A save does not wait for the
 previous save's compaction (it holds the shared lock like any writer); ``wait_compaction``
-waits for this process's, and interpreter exit waits on its own (write/background.py).
+(remote_compaction.py) waits for this process's, and interpreter exit waits on its own
+(write/background.py).
 """
 
 from __future__ import annotations
 
 from ckstore.format.manifest import FileEntry
 from ckstore.repository.store import ObjectStore
-from ckstore.write.background import wait_all
 from ckstore.write.ingest import MemoryFile, ingest
 
 
@@ -30,10 +30,3 @@ def store_pieces(staged: ObjectStore, source: MemoryFile, chunk_size: int) -> tu
     first moments by deltas or their best whole encoding) and rewrites the pack then."""
     files, added = ingest(staged, [source], chunk_size, fast=True)
     return files[0], added
-
-
-def wait_compaction() -> None:
-    """Wait until this process's compactions after DCP saves have finished (a benchmark or a test
-    that measures stored bytes calls it; on the coordinator rank only is there anything to wait
-    for)."""
-    wait_all()

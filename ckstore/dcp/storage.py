@@ -44,6 +44,8 @@ import dataclasses
 import io
 import math
 import os
+import subprocess
+import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -61,6 +63,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckstore.dcp import remote_compaction
 from ckstore.dcp.compaction import store_pieces
 from ckstore.dcp.hold import SaveHold
 from ckstore.dcp.location import CheckpointPath, checkpoint_path, repository_location
@@ -76,7 +79,8 @@ from ckstore.dcp.remote import (
     save_branch,
     save_rank,
 )
-from ckstore.errors import ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
+from ckstore.dcp.remote_compaction import check_mode
+from ckstore.errors import CkstoreError, ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
 from ckstore.format.dcp_record import piece_name, stored_dtype
 from ckstore.format.dtypes import TORCH_DTYPES
 from ckstore.format.manifest import FileEntry, canonical_json
@@ -84,6 +88,7 @@ from ckstore.format.safetensors import emit_header, parse_header
 from ckstore.format.settings import DEFAULT_CHUNK_SIZE
 from ckstore.format.torch_dtypes import bytes_of
 from ckstore.format.values import encode_value
+from ckstore.remote.compaction import RemoteCompactReport
 from ckstore.remote.layout import RemoteRepo
 from ckstore.repository.branches import create
 from ckstore.repository.context import RepoContext, open_context
@@ -138,7 +143,10 @@ class Writer(StorageWriter):
     that remote (remote.py; branch ``main`` by default). ``cache_dir`` (default: the
     ``CKSTORE_CACHE_DIR`` environment variable, else none) is a node-local folder for what is
     cached from the remote and for staging; it is never needed for correctness. S3 endpoint
-    and credentials come from the standard AWS variables, or ``endpoint_url``.
+    and credentials come from the standard AWS variables, or ``endpoint_url``. Once a save has
+    landed on a remote, the previous save's chunks are re-encoded there as deltas of the new ones
+    (``compact``: ``"background"``, a detached process, the default; ``"inline"``, before
+    ``dcp.save`` returns; ``"off"``; remote_compaction.py).
     After ``dcp.save`` returns, ``commit_id`` holds the new commit's id on the coordinator rank;
     every rank finds it in the returned metadata (``saved_commit(dcp.save(...))``).
     """
@@ -153,9 +161,14 @@ class Writer(StorageWriter):
         cache_dir: str | os.PathLike[str] | None = None,
         endpoint_url: str | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        compact: str = "background",
     ) -> None:
         super().__init__()
         self.lock_hold = lock_hold
+        self.compact = check_mode(compact)
+        # After a save to a remote, on the coordinator: the detached compaction's process
+        # (``compact="background"``) or the report of the one that ran (``"inline"``).
+        self.compaction: subprocess.Popen[bytes] | RemoteCompactReport | None = None
         self.cache_dir, self.endpoint_url, self.chunk_size = cache_dir, endpoint_url, chunk_size
         self.remote_url = os.fspath(repo) if is_remote_url(repo) else None
         self._target: RemoteTarget | None = None  # the remote as found, on the coordinator
@@ -172,7 +185,7 @@ class Writer(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:  # async_save in a separate process pickles the writer
         state = dict(self.__dict__)
-        state["_ctx"], state["_remotes"] = None, {}
+        state["_ctx"], state["_remotes"], state["compaction"] = None, {}, None
         del state["_hold"]
         return state
 
@@ -344,6 +357,11 @@ class Writer(StorageWriter):
         if self._tag is not None:
             point_tag(remote, self._tag, self.commit_id)
         metadata.storage_data = {COMMIT_KEY: self.commit_id}
+        # Landed: from here a failure of the re-encoding costs bytes, never the save.
+        try:
+            self.compaction = remote_compaction.start(target, self.commit_id, self.compact)
+        except (CkstoreError, OSError) as exc:
+            warnings.warn(f"ckstore: the save landed, but its remote compaction did not run: {exc}", stacklevel=2)
 
     def storage_meta(self) -> Any:
         return None
