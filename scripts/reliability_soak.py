@@ -31,6 +31,18 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--kill-probability", type=float, default=0.15)
+    parser.add_argument("--gc-kill-probability", type=float, default=0.3, help="For gc, repack and remote gc.")
+    parser.add_argument("--sigint-share", type=float, default=0.4, help="Of the CLI interruptions, Ctrl-C's share.")
+    parser.add_argument(
+        "--fresh-share",
+        type=float,
+        default=0.3,
+        help="Of the other CLI commands, the share run in a process of their own.",
+    )
+    parser.add_argument(
+        "--disk-mib", type=float, default=8.0, help="The full-disk lane's tmpfs (needs root; 0: no such lane)."
+    )
+    parser.add_argument("--progress-every", type=int, default=100)
     parser.add_argument("--log", type=Path, help="Write the operation log here.")
     parser.add_argument("--keep", type=Path, help="Work in this (new) folder and keep it for inspection.")
     args = parser.parse_args()
@@ -46,7 +58,11 @@ def main() -> int:
         max_operations=args.operations,
         max_seconds=args.minutes * 60,
         kill_probability=args.kill_probability,
-        progress_every=100,
+        gc_kill_probability=args.gc_kill_probability,
+        sigint_share=args.sigint_share,
+        fresh_share=args.fresh_share,
+        disk_bytes=int(args.disk_mib * (1 << 20)),
+        progress_every=args.progress_every,
     )
     with tempfile.TemporaryDirectory(prefix="ckstore-soak-") as tmp:
         work = args.keep if args.keep else Path(tmp) / "work"

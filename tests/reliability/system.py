@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from ckstore.repo import Repo
@@ -61,10 +62,12 @@ from ckstore.transport.testserver import S3Server, seaweedfs
 
 from .helpers import CLI, checkpoint_bytes, cli_env, tree_digest
 from .system_driver import same_state, state_for
+from .system_procs import Interruption, Server, run_fresh, traceback_in_ckstore
 
 DRIVER = Path(__file__).with_name("system_driver.py")
 ROOT = Path(__file__).resolve().parents[2]
 OID = re.compile(r"^[0-9a-f]{64}$", re.M)
+STANDS = re.compile(r"interrupted after commit ([0-9a-f]{64}) was recorded")
 STALE_LOCK = re.compile(r"stale lock (\S+) left by process (\d+)")
 OP_TIMEOUT = 600.0
 REMOTES = ("s3", "dir")
@@ -76,7 +79,12 @@ class Settings:
     max_operations: int = 150
     max_seconds: float = 90.0
     kill_probability: float = 0.15
+    gc_kill_probability: float = 0.3  # gc, repack and remote gc: the operations a user interrupts most
+    sigint_share: float = 0.4  # of the interruptions of a CLI command, the share that is a Ctrl-C
+    fresh_share: float = 0.3  # of the CLI commands not Ctrl-C'd, the share run in a process of their own
+    disk_bytes: int = 0  # the size of the tmpfs the ``disk`` lane's repository fills (0: no such lane)
     tensor_size: int = 512
+    disk_tensor_size: int = 128 << 10  # the disk lane's checkpoints: ~0.5 MiB, to fill its disk fast
     remote_grace: float = 15.0
     progress_every: int = 0  # print a line every N operations (0: quiet)
 
@@ -117,6 +125,8 @@ class Report:
     seed: int
     operations: Counter[str] = field(default_factory=Counter)
     kills: Counter[str] = field(default_factory=Counter)
+    interrupts: Counter[str] = field(default_factory=Counter)  # Ctrl-C (SIGINT) delivered before the end
+    disk: Counter[str] = field(default_factory=Counter)  # the full-disk lane's events
     errors: Counter[str] = field(default_factory=Counter)
     acknowledged: Counter[str] = field(default_factory=Counter)
     excused: int = 0
@@ -125,6 +135,7 @@ class Report:
     losses: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    loads: list[float] = field(default_factory=list)  # the 1-minute load average at each progress line
 
     @property
     def total(self) -> int:
@@ -135,8 +146,16 @@ class Report:
             f"seed {self.seed}: {self.total} operations in {self.seconds:.0f} s, "
             f"{sum(self.kills.values())} SIGKILLs, {len(self.losses)} losses, {len(self.failures)} failures"
         ]
+        if self.loads:
+            lines.append(f"load average {min(self.loads):.1f}-{max(self.loads):.1f} (median {median(self.loads):.1f})")
         lines.append("operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.operations.items())))
         lines.append("killed:     " + ", ".join(f"{k} {v}" for k, v in sorted(self.kills.items())))
+        lines.append(
+            f"Ctrl-C'd:   {sum(self.interrupts.values())}: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.interrupts.items()))
+        )
+        if self.disk:
+            lines.append("full disk:  " + ", ".join(f"{k} {v}" for k, v in sorted(self.disk.items())))
         lines.append(
             "acknowledged: "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.acknowledged.items()))
@@ -150,6 +169,18 @@ class Report:
             )
         lines += [f"LOSS: {x}" for x in self.losses] + [f"FAILURE: {x}" for x in self.failures]
         return "\n".join(lines)
+
+
+def acked_oid(result: subprocess.CompletedProcess[str] | None) -> str | None:
+    """The commit a command acknowledged: the id it printed on success, or the one an interrupted
+    command says was recorded and stands."""
+    if result is None:
+        return None
+    if result.returncode == 0:
+        m = OID.search(result.stdout)
+        return m.group(0) if m else None
+    m = STANDS.search(result.stderr)
+    return m.group(1) if m else None
 
 
 class Stop(Exception):
@@ -186,6 +217,10 @@ class System:
         self.contents: dict[str, dict[str, str] | int] = {}
         self.durations: dict[str, float] = {}
         self.log: list[str] = []
+        self.local = threading.local()
+        self.servers: list[Server] = []
+        if settings.disk_bytes:
+            self.repos["disk"] = work / "disk" / "repo"
 
     # ---- running operations ------------------------------------------------------------------
 
@@ -199,9 +234,13 @@ class System:
             self.report.operations[kind] += 1
             total = self.report.total
             if self.settings.progress_every and total % self.settings.progress_every == 0:
+                load = os.getloadavg()[0]
+                self.report.loads.append(load)
                 print(
                     f"{self.now():7.0f} s: {total} operations, {sum(self.report.kills.values())} kills, "
-                    f"{sum(self.report.acknowledged.values())} acknowledged",
+                    f"{sum(self.report.interrupts.values())} Ctrl-C, {sum(self.report.acknowledged.values())} "
+                    f"acknowledged, {self.report.disk['commits refused with ENOSPC']} ENOSPC, "
+                    f"{len(self.report.losses)} losses, {len(self.report.failures)} failures, load {load:.1f}",
                     flush=True,
                 )
             return total
@@ -212,10 +251,30 @@ class System:
             return None
         return rng.uniform(0.0, 1.2 * self.durations.get(kind, 1.5))
 
+    def interruption(self, rng: random.Random, kind: str) -> Interruption | None:
+        """None (let it run), or a moment within its usual duration to SIGKILL it or (a share of
+        the time) to Ctrl-C it; gc, repack and remote gc are interrupted more often."""
+        gc_like = kind.startswith(("gc", "repack"))
+        chance = self.settings.gc_kill_probability if gc_like else self.settings.kill_probability
+        if rng.random() >= chance:
+            return None
+        delay = rng.uniform(0.0, 1.2 * self.durations.get(kind, 1.5))
+        ctrl_c = rng.random() < self.settings.sigint_share
+        return Interruption(delay, signal.SIGINT if ctrl_c else signal.SIGKILL)
+
     def learn(self, kind: str, seconds: float) -> None:
         with self.lock:
             old = self.durations.get(kind, seconds)
             self.durations[kind] = 0.8 * old + 0.2 * seconds
+
+    def command_server(self) -> Server:
+        """This lane's command server (one per thread)."""
+        server: Server | None = getattr(self.local, "server", None)
+        if server is None:
+            server = self.local.server = Server(self.env)
+            with self.lock:
+                self.servers.append(server)
+        return server
 
     def cli(
         self,
@@ -223,28 +282,43 @@ class System:
         kind: str,
         repo: str | None,
         *args: str,
-        env: dict[str, str] | None = None,
+        pack_min_bytes: int | None = None,
         killable: bool = True,
     ) -> tuple[int, subprocess.CompletedProcess[str] | None]:
-        """Run one CLI operation, maybe SIGKILLed; (op number, the result or None when killed)."""
+        """Run one CLI operation, maybe SIGKILLed or Ctrl-C'd; (op number, the result or None
+        when SIGKILL ended it). A Ctrl-C and a share of the rest run in a process of their own."""
         op = self.next_op(kind)
-        delay = self.kill_delay(rng, kind) if killable else None
-        argv = [*CLI, *(["--repo", str(self.repos[repo])] if repo else []), *args]
+        interruption = self.interruption(rng, kind) if killable else None
+        argv = [*(["--repo", str(self.repos[repo])] if repo else []), *args]
+        fresh = rng.random() < self.settings.fresh_share or (
+            interruption is not None and interruption.signum == signal.SIGINT
+        )
         start = time.monotonic()
-        proc = subprocess.Popen(argv, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            out, err = proc.communicate(timeout=delay if delay is not None else OP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate()
-            if delay is None:
-                self.fail(f"op {op} {kind} ({' '.join(args)}) did not end in {OP_TIMEOUT:.0f} s")
+            if fresh:
+                env = (
+                    self.env
+                    if pack_min_bytes is None
+                    else {**self.env, "CKSTORE_TEST_PACK_MIN_BYTES": str(pack_min_bytes)}
+                )
+                ran = run_fresh(argv, env, interruption, OP_TIMEOUT)
             else:
-                self.killed(op, kind, args)
+                ran = self.command_server().run(
+                    argv, pack_min_bytes, interruption.delay if interruption else None, OP_TIMEOUT
+                )
+        except subprocess.TimeoutExpired:
+            self.fail(f"op {op} {kind} ({' '.join(args)}) did not end in {OP_TIMEOUT:.0f} s")
             return op, None
-        self.learn(kind, time.monotonic() - start)
-        result = subprocess.CompletedProcess(argv, proc.returncode, out, err)
-        self.outcome(op, kind, args, result.returncode, err)
+        if ran.code is None:
+            self.killed(op, kind, args)
+            return op, None
+        if ran.interrupted == signal.SIGINT:
+            with self.lock:
+                self.report.interrupts[kind] += 1
+        else:
+            self.learn(kind, time.monotonic() - start)
+        result = subprocess.CompletedProcess(argv, ran.code, ran.out, ran.err)
+        self.outcome(op, kind, args, result.returncode, ran.err, ctrl_c=ran.interrupted == signal.SIGINT)
         return op, result
 
     def killed(self, op: int, kind: str, what: object) -> None:
@@ -252,11 +326,15 @@ class System:
             self.report.kills[kind] += 1
             self.log.append(f"{self.now():7.2f} op {op} {kind} {what} KILLED")
 
-    def outcome(self, op: int, kind: str, what: object, code: int, err: str) -> None:
+    def outcome(self, op: int, kind: str, what: object, code: int, err: str, ctrl_c: bool = False) -> None:
         first = err.strip().splitlines()[0] if err.strip() else ""
         with self.lock:
-            self.log.append(f"{self.now():7.2f} op {op} {kind} {what} -> {code} {first[:160]}")
+            mark = " (Ctrl-C)" if ctrl_c else ""
+            self.log.append(f"{self.now():7.2f} op {op} {kind} {what}{mark} -> {code} {first[:160]}")
             if code == 0:
+                return
+            if ctrl_c and "Traceback" in err and not traceback_in_ckstore(err):
+                self.report.errors[f"{kind}: Ctrl-C inside the interpreter's own start-up"] += 1
                 return
             if "Traceback" in err:
                 self.report.failures.append(f"op {op} {kind} {what}: traceback: {err.strip().splitlines()[-1]}")
@@ -383,7 +461,6 @@ class System:
         folder = self.source(seed)
         content = tree_digest(folder)
         packed = rng.random() < 0.25
-        env = {**self.env, "CKSTORE_TEST_PACK_MIN_BYTES": "1"} if packed else None
         kind = "commit (pack)" if packed else "commit"
         started = self.attempt("base", "a", loss)
         op, result = self.cli(
@@ -398,10 +475,10 @@ class System:
             f"loss={loss}",
             "-m",
             f"s{seed}",
-            env=env,
+            pack_min_bytes=1 if packed else None,
         )
-        if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
-            self.acknowledge("commit", m.group(0), "base", "a", started, loss, content, op)
+        if oid := acked_oid(result):
+            self.acknowledge("commit", oid, "base", "a", started, loss, content, op)
         shutil.rmtree(folder)
 
     def cli_tag_and_push(self, rng: random.Random) -> None:
@@ -547,8 +624,8 @@ class System:
                     "--meta",
                     f"loss={loss}",
                 )
-                if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
-                    self.acknowledge("overlay commit", m.group(0), "ovl", "o", started, loss, content, op)
+                if oid := acked_oid(result):
+                    self.acknowledge("overlay commit", oid, "ovl", "o", started, loss, content, op)
                 shutil.rmtree(folder)
             else:
                 keep = rng.randint(2, 5)
@@ -573,8 +650,8 @@ class System:
                 content = tree_digest(folder)
                 started = self.attempt("mirror", "m", loss)
                 op, result = self.cli(rng, "commit mirror", "mirror", "commit", str(folder), "--branch", "m")
-                if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
-                    self.acknowledge("commit", m.group(0), "mirror", "m", started, loss, content, op)
+                if oid := acked_oid(result):
+                    self.acknowledge("commit", oid, "mirror", "m", started, loss, content, op)
                 shutil.rmtree(folder)
             else:
                 self.cli(rng, "gc mirror", "mirror", "gc")
@@ -635,6 +712,8 @@ class System:
 
         base = Repo.init(self.repos["base"])  # in-process: the set-up is not under test
         Repo.init(self.repos["ovl"])
+        if "disk" in self.repos:
+            Repo.init(self.repos["disk"])
         for branch in ("a", "b"):
             seed, loss = self.new_seed(rng), self.loss_value(rng)
             folder = self.source(seed)
@@ -661,6 +740,10 @@ class System:
             "mirror": self.lane_mirror,
             "maint": self.lane_maint,
         }
+        if self.settings.disk_bytes:
+            from .system_disk import DiskLane  # it builds on this module
+
+            lanes["disk"] = DiskLane(self).run
         threads = []
         for name, lane in lanes.items():
             rng = random.Random(f"{self.settings.seed}/{name}")
@@ -669,6 +752,8 @@ class System:
             t.start()
         for t in threads:
             t.join()
+        for server in self.servers:
+            server.close()
         self.report.seconds = time.monotonic() - self.started
         self.check()
         return self.report
@@ -788,5 +873,9 @@ def run_system(settings: Settings, work: Path, server: S3Server) -> tuple[Report
     """Run one randomized system test in ``work`` (empty) against ``server``; the report and the
     operation log (one line per operation: time, number, kind, outcome)."""
     system = System(settings, work, server)
-    report = system.run()
-    return report, system.log
+    if not settings.disk_bytes:
+        return system.run(), system.log
+    from .system_disk import small_disk
+
+    with small_disk(work / "disk", settings.disk_bytes):
+        return system.run(), system.log
