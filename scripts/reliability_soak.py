@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument(
         "--fresh-share",
         type=float,
-        default=0.3,
+        default=0.2,
         help="Of the other CLI commands, the share run in a process of their own.",
     )
     parser.add_argument(
