@@ -42,6 +42,7 @@ def main() -> int:
     parser.add_argument(
         "--disk-mib", type=float, default=8.0, help="The full-disk lane's tmpfs (needs root; 0: no such lane)."
     )
+    parser.add_argument("--parallel", type=int, default=2, help="Copies of the cli and py lanes (own branches).")
     parser.add_argument("--progress-every", type=int, default=100)
     parser.add_argument("--log", type=Path, help="Write the operation log here.")
     parser.add_argument("--keep", type=Path, help="Work in this (new) folder and keep it for inspection.")
@@ -62,6 +63,7 @@ def main() -> int:
         sigint_share=args.sigint_share,
         fresh_share=args.fresh_share,
         disk_bytes=int(args.disk_mib * (1 << 20)),
+        parallel=args.parallel,
         progress_every=args.progress_every,
     )
     with tempfile.TemporaryDirectory(prefix="ckstore-soak-") as tmp:

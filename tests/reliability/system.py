@@ -38,6 +38,7 @@ Bounded: loopback addresses only, every loop ends by count or by time, every pro
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -82,6 +83,7 @@ class Settings:
     gc_kill_probability: float = 0.3  # gc, repack and remote gc: the operations a user interrupts most
     sigint_share: float = 0.4  # of the interruptions of a CLI command, the share that is a Ctrl-C
     fresh_share: float = 0.3  # of the CLI commands not Ctrl-C'd, the share run in a process of their own
+    parallel: int = 1  # copies of the cli and py lanes, each on a branch of its own
     disk_bytes: int = 0  # the size of the tmpfs the ``disk`` lane's repository fills (0: no such lane)
     tensor_size: int = 512
     disk_tensor_size: int = 128 << 10  # the disk lane's checkpoints: ~0.5 MiB, to fill its disk fast
@@ -440,29 +442,29 @@ class System:
 
     # ---- lanes -------------------------------------------------------------------------------
 
-    def lane_cli(self, rng: random.Random) -> None:
+    def lane_cli(self, rng: random.Random, branch: str = "a") -> None:
         while True:
             roll = rng.random()
             if roll < 0.6:
-                self.cli_commit(rng)
+                self.cli_commit(rng, branch)
             elif roll < 0.9:
                 remote = rng.choice(REMOTES)
                 read_at = self.now()
-                value = (self.repos["base"] / "refs/heads/a").read_text().strip()
-                op, result = self.cli(rng, f"push {remote}", "base", "push", remote, "a")
+                value = (self.repos["base"] / "refs/heads" / branch).read_text().strip()
+                op, result = self.cli(rng, f"push {remote}", "base", "push", remote, branch)
                 if result is not None and result.returncode == 0:
                     with self.lock:
-                        self.pushed.append((remote, "refs/heads/a", value, op, read_at))
+                        self.pushed.append((remote, f"refs/heads/{branch}", value, op, read_at))
             else:
-                self.cli_tag_and_push(rng)
+                self.cli_tag_and_push(rng, branch)
 
-    def cli_commit(self, rng: random.Random) -> None:
+    def cli_commit(self, rng: random.Random, branch: str) -> None:
         seed, loss = self.new_seed(rng), self.loss_value(rng)
         folder = self.source(seed)
         content = tree_digest(folder)
         packed = rng.random() < 0.25
         kind = "commit (pack)" if packed else "commit"
-        started = self.attempt("base", "a", loss)
+        started = self.attempt("base", branch, loss)
         op, result = self.cli(
             rng,
             kind,
@@ -470,7 +472,7 @@ class System:
             "commit",
             str(folder),
             "--branch",
-            "a",
+            branch,
             "--meta",
             f"loss={loss}",
             "-m",
@@ -478,12 +480,12 @@ class System:
             pack_min_bytes=1 if packed else None,
         )
         if oid := acked_oid(result):
-            self.acknowledge("commit", oid, "base", "a", started, loss, content, op)
+            self.acknowledge("commit", oid, "base", branch, started, loss, content, op)
         shutil.rmtree(folder)
 
-    def cli_tag_and_push(self, rng: random.Random) -> None:
+    def cli_tag_and_push(self, rng: random.Random, branch: str) -> None:
         with self.lock:
-            older = [c for c in self.acked if c.repo == "base" and c.branch == "a"][:-1]
+            older = [c for c in self.acked if c.repo == "base" and c.branch == branch][:-1]
         if not older:
             return
         target = rng.choice(older)
@@ -501,7 +503,7 @@ class System:
             with self.lock:
                 self.pushed.append((remote, f"refs/tags/{name}", target.oid, op, self.now()))
 
-    def lane_py(self, rng: random.Random) -> None:
+    def lane_py(self, rng: random.Random, branch: str = "b") -> None:
         driver: subprocess.Popen[str] | None = None
         try:
             while True:
@@ -523,7 +525,7 @@ class System:
                         "op": "state",
                         "seed": seed,
                         "n": self.settings.tensor_size,
-                        "branch": "b",
+                        "branch": branch,
                         "background": background,
                         "loss": loss,
                     }
@@ -531,20 +533,20 @@ class System:
                 elif roll < 0.75:
                     folder = self.source(seed, rng.choice(("both", "model")))
                     kind, content = "commit (driver)", tree_digest(folder)
-                    request = {"op": "commit", "dir": str(folder), "seed": seed, "branch": "b", "loss": loss}
+                    request = {"op": "commit", "dir": str(folder), "seed": seed, "branch": branch, "loss": loss}
                 elif roll < 0.85:
-                    kind, content, request = "compact", None, {"op": "compact", "branch": "b"}
+                    kind, content, request = "compact", None, {"op": "compact", "branch": branch}
                 else:
                     remote = rng.choice(REMOTES)
-                    kind, content, request = f"push {remote}", None, {"op": "push", "remote": remote, "ref": "b"}
-                started = self.attempt("base", "b", loss) if request["op"] in ("state", "commit") else self.now()
+                    kind, content, request = f"push {remote}", None, {"op": "push", "remote": remote, "ref": branch}
+                started = self.attempt("base", branch, loss) if request["op"] in ("state", "commit") else self.now()
                 op = self.next_op(kind)
                 answer = self.ask(driver, rng, op, kind, request)
                 if answer is not None and answer["ok"] and request["op"] in ("state", "commit"):
-                    self.acknowledge(kind.split(" ")[0], answer["oid"], "base", "b", started, loss, content, op)  # type: ignore[arg-type]
+                    self.acknowledge(kind.split(" ")[0], answer["oid"], "base", branch, started, loss, content, op)  # type: ignore[arg-type]
                 elif answer is not None and answer["ok"] and request["op"] == "push":
                     with self.lock:
-                        self.pushed.append((request["remote"], "refs/heads/b", answer["oid"], op, started))
+                        self.pushed.append((request["remote"], f"refs/heads/{branch}", answer["oid"], op, started))
                 shutil.rmtree(self.work / "src" / str(seed), ignore_errors=True)
         finally:
             if driver is not None and driver.poll() is None:
@@ -694,6 +696,10 @@ class System:
 
     # ---- set-up, run, check ------------------------------------------------------------------
 
+    def branches(self) -> list[str]:
+        """The branches of ``base``: one per cli and py lane."""
+        return ["a", "b", *(f"{x}{n}" for n in range(2, self.settings.parallel + 1) for x in "ab")]
+
     def setup(self) -> None:
         """Repositories with history on both branches, remotes holding it, a mirror cloned from S3."""
         rng = random.Random(self.settings.seed - 1)
@@ -714,7 +720,7 @@ class System:
         Repo.init(self.repos["ovl"])
         if "disk" in self.repos:
             Repo.init(self.repos["disk"])
-        for branch in ("a", "b"):
+        for branch in self.branches():
             seed, loss = self.new_seed(rng), self.loss_value(rng)
             folder = self.source(seed)
             started = self.attempt("base", branch, loss)
@@ -725,7 +731,7 @@ class System:
         must("remote", "add", "s3", self.urls["s3"], "--endpoint-url", self.server.endpoint, repo="base")
         must("remote", "add", "dir", self.urls["dir"], repo="base")
         for remote in REMOTES:
-            must("push", remote, "a", "b", repo="base")
+            must("push", remote, *self.branches(), repo="base")
         must("clone", self.urls["s3"], str(self.repos["mirror"]), "--endpoint-url", self.server.endpoint)
         must("remote", "add", "dir", self.urls["dir"], repo="mirror")
         must("switch", "a", repo="mirror")
@@ -740,6 +746,9 @@ class System:
             "mirror": self.lane_mirror,
             "maint": self.lane_maint,
         }
+        for n in range(2, self.settings.parallel + 1):  # more writers on branches of their own
+            lanes[f"cli{n}"] = functools.partial(self.lane_cli, branch=f"a{n}")
+            lanes[f"py{n}"] = functools.partial(self.lane_py, branch=f"b{n}")
         if self.settings.disk_bytes:
             from .system_disk import DiskLane  # it builds on this module
 
