@@ -42,7 +42,6 @@ import functools
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -50,146 +49,35 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 from ckstore.repo import Repo
 from ckstore.transport.testserver import S3Server, seaweedfs
 
 from .helpers import CLI, checkpoint_bytes, cli_env, tree_digest
-from .system_driver import same_state, state_for
+from .system_check import Checks
+from .system_model import (
+    OP_TIMEOUT,
+    REMOTES,
+    STALE_LOCK,
+    Acked,
+    Attempt,
+    Report,
+    Retention,
+    Settings,
+    Stop,
+    acked_oid,
+)
 from .system_procs import Interruption, Server, run_fresh, traceback_in_ckstore
 
 DRIVER = Path(__file__).with_name("system_driver.py")
 ROOT = Path(__file__).resolve().parents[2]
-OID = re.compile(r"^[0-9a-f]{64}$", re.M)
-STANDS = re.compile(r"interrupted after commit ([0-9a-f]{64}) was recorded")
-STALE_LOCK = re.compile(r"stale lock (\S+) left by process (\d+)")
-OP_TIMEOUT = 600.0
-REMOTES = ("s3", "dir")
 
 
-@dataclass(frozen=True)
-class Settings:
-    seed: int
-    max_operations: int = 150
-    max_seconds: float = 90.0
-    kill_probability: float = 0.15
-    gc_kill_probability: float = 0.3  # gc, repack and remote gc: the operations a user interrupts most
-    sigint_share: float = 0.4  # of the interruptions of a CLI command, the share that is a Ctrl-C
-    fresh_share: float = 0.3  # of the CLI commands not Ctrl-C'd, the share run in a process of their own
-    parallel: int = 1  # copies of the cli and py lanes, each on a branch of its own
-    disk_bytes: int = 0  # the size of the tmpfs the ``disk`` lane's repository fills (0: no such lane)
-    tensor_size: int = 512
-    disk_tensor_size: int = 128 << 10  # the disk lane's checkpoints: ~0.5 MiB, to fill its disk fast
-    remote_grace: float = 15.0
-    progress_every: int = 0  # print a line every N operations (0: quiet)
-
-
-@dataclass
-class Attempt:
-    """A commit started on ``repo``/``branch`` (acknowledged or not): what retention may have seen."""
-
-    repo: str
-    branch: str
-    started: float
-    loss: float
-
-
-@dataclass
-class Acked:
-    oid: str
-    repo: str
-    branch: str
-    kind: str
-    started: float
-    loss: float
-    content: dict[str, str] | int  # tree digest of the files, or the seed of a state
-    op: int
-
-
-@dataclass
-class Retention:
-    repo: str
-    started: float
-    ended: float
-    keep_last: int | None = None
-    keep_best: int | None = None
-
-
-@dataclass
-class Report:
-    seed: int
-    operations: Counter[str] = field(default_factory=Counter)
-    kills: Counter[str] = field(default_factory=Counter)
-    interrupts: Counter[str] = field(default_factory=Counter)  # Ctrl-C (SIGINT) delivered before the end
-    disk: Counter[str] = field(default_factory=Counter)  # the full-disk lane's events
-    errors: Counter[str] = field(default_factory=Counter)
-    acknowledged: Counter[str] = field(default_factory=Counter)
-    excused: int = 0
-    verified: int = 0
-    stale_locks: int = 0
-    losses: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    loads: list[float] = field(default_factory=list)  # the 1-minute load average at each progress line
-
-    @property
-    def total(self) -> int:
-        return sum(self.operations.values())
-
-    def summary(self) -> str:
-        lines = [
-            f"seed {self.seed}: {self.total} operations in {self.seconds:.0f} s, "
-            f"{sum(self.kills.values())} SIGKILLs, {len(self.losses)} losses, {len(self.failures)} failures"
-        ]
-        if self.loads:
-            lines.append(f"load average {min(self.loads):.1f}-{max(self.loads):.1f} (median {median(self.loads):.1f})")
-        lines.append("operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.operations.items())))
-        lines.append("killed:     " + ", ".join(f"{k} {v}" for k, v in sorted(self.kills.items())))
-        lines.append(
-            f"Ctrl-C'd:   {sum(self.interrupts.values())}: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(self.interrupts.items()))
-        )
-        if self.disk:
-            lines.append("full disk:  " + ", ".join(f"{k} {v}" for k, v in sorted(self.disk.items())))
-        lines.append(
-            "acknowledged: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(self.acknowledged.items()))
-            + f"; verified bit-exact {self.verified}, excused by retention {self.excused}, "
-            f"stale ref locks removed {self.stale_locks}"
-        )
-        if self.errors:
-            lines.append(
-                "clean errors (exit code, first words): "
-                + "; ".join(f"{k} ×{v}" for k, v in self.errors.most_common(12))
-            )
-        lines += [f"LOSS: {x}" for x in self.losses] + [f"FAILURE: {x}" for x in self.failures]
-        return "\n".join(lines)
-
-
-def acked_oid(result: subprocess.CompletedProcess[str] | None) -> str | None:
-    """The commit a command acknowledged: the id it printed on success, or the one an interrupted
-    command says was recorded and stands."""
-    if result is None:
-        return None
-    if result.returncode == 0:
-        m = OID.search(result.stdout)
-        return m.group(0) if m else None
-    m = STANDS.search(result.stderr)
-    return m.group(1) if m else None
-
-
-class Stop(Exception):
-    """The operation or time budget is spent."""
-
-
-class System:
+class System(Checks):
     """The repositories, the remotes, the model, and the lanes that drive them."""
 
     def __init__(self, settings: Settings, work: Path, server: S3Server) -> None:
@@ -402,36 +290,6 @@ class System:
         with self.lock:
             mine = [c for c in self.acked if c.repo == repo and c.branch == branch]
         return rng.choice(mine[-newest:]) if mine else None
-
-    def excused(self, c: Acked) -> bool:
-        """Could a retention policy that ran after ``c`` started have dropped it?"""
-        for g in self.retention:
-            if g.repo != c.repo or g.ended < c.started:
-                continue
-            same = [a for a in self.attempts if a.repo == c.repo and a.branch == c.branch and a.started < g.ended]
-            if g.keep_last is not None and sum(a.started > c.started for a in same) >= g.keep_last:
-                return True
-            if g.keep_best is not None and sum(a.loss < c.loss for a in same) >= g.keep_best:
-                return True
-        return False
-
-    def unacknowledged_excused(self, branch: str, read_at: float) -> bool:
-        """A pushed branch value no process acknowledged was made by a commit killed after its ref
-        moved: take the newest unacknowledged attempt on the branch before the value was read as
-        its maker (the fewest later attempts, so the least excused) and ask retention about it."""
-        answered = {(c.repo, c.branch, c.started) for c in self.acked}
-        makers = [
-            a
-            for a in self.attempts
-            if a.repo == "base"
-            and a.branch == branch
-            and a.started < read_at
-            and (a.repo, a.branch, a.started) not in answered
-        ]
-        if not makers:
-            return False
-        maker = makers[-1]
-        return self.excused(Acked("", maker.repo, maker.branch, "commit", maker.started, maker.loss, 0, 0))
 
     @staticmethod
     def new_seed(rng: random.Random) -> int:
@@ -774,100 +632,6 @@ class System:
             pass
         except Exception as exc:  # a bug of the harness must show, not hang the run
             self.fail(f"lane {name} crashed: {exc!r}")
-
-    def check(self) -> None:
-        for repo in self.repos.values():
-            self.remove_stale_locks(repo)
-        for name, path in self.repos.items():
-            self.check_repo(name, path)
-        for commit in self.acked:
-            if commit.kind != "tag" and self.excused(commit):
-                self.report.excused += 1
-                continue
-            problem = self.read_back(Repo(self.repos[commit.repo]), commit.oid, commit.content)
-            if problem:
-                self.report.losses.append(
-                    f"{commit.kind} {commit.oid[:12]} on {commit.repo}/{commit.branch} (op {commit.op}): {problem}"
-                )
-            else:
-                self.report.verified += 1
-        for remote, url in self.urls.items():
-            self.check_remote(remote, url)
-
-    def remove_stale_locks(self, repo: Path) -> None:
-        for lock in [*(repo / "refs").rglob("*.lock"), repo / "HEAD.lock"]:
-            if lock.exists():
-                lock.unlink()  # every process has ended: the documented recovery
-                self.report.stale_locks += 1
-
-    def check_repo(self, name: str, path: Path) -> None:
-        repo = Repo(path)
-        try:
-            problems = repo.fsck(read_data=True)
-        except Exception as exc:  # noqa: BLE001  (an fsck that cannot finish is the finding)
-            problems = [f"fsck raised {type(exc).__name__}: {exc}"]
-        if problems:
-            self.report.failures.append(
-                f"fsck --read-data on {name}: {len(problems)} problems: " + " | ".join(problems[:6])
-            )
-        refs = {f"refs/heads/{k}": v for k, v in repo.branches().items()}
-        refs.update({f"refs/tags/{k}": v for k, v in repo.tags().items()})
-        remotes = path / "refs" / "remotes"
-        for p in sorted(remotes.rglob("*")) if remotes.is_dir() else []:
-            if p.is_file() and not p.name.endswith(".lock"):
-                refs[p.relative_to(path).as_posix()] = p.read_text().strip()
-        for ref, oid in refs.items():
-            problem = self.read_back(repo, oid, self.contents.get(oid))
-            if problem:
-                self.report.failures.append(f"{name} {ref} -> {oid[:12]}: {problem}")
-
-    def read_back(self, repo: Repo, oid: str, content: dict[str, str] | int | None) -> str | None:
-        """None when ``oid`` checks out (bit-exact against ``content`` when known), else why not."""
-        out = self.work / "readback"
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            if isinstance(content, int):
-                state = repo.load_state(oid)
-                return None if same_state(state, state_for(content, self.settings.tensor_size)) else "state differs"
-            repo.checkout(oid, out)
-            if content is not None and tree_digest(out) != content:
-                return f"files differ: {sorted(tree_digest(out).items())} != {sorted(content.items())}"
-            return None
-        except Exception as exc:  # noqa: BLE001  (every failure to read back is the finding)
-            return f"{type(exc).__name__}: {exc}"
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
-
-    def check_remote(self, remote: str, url: str) -> None:
-        clone = self.work / f"clone-{remote}"
-        args = [*CLI, "clone", url, str(clone)] + (["--endpoint-url", self.server.endpoint] if remote == "s3" else [])
-        result = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=OP_TIMEOUT, check=False)
-        if result.returncode != 0:
-            self.report.failures.append(f"clone of remote {remote}: exit {result.returncode}: {result.stderr.strip()}")
-            for r, ref, oid, op, _ in self.pushed:
-                if r == remote:
-                    self.report.losses.append(
-                        f"push of {ref} {oid[:12]} to {remote} (op {op}): remote cannot be cloned"
-                    )
-            return
-        self.check_repo(f"clone of {remote}", clone)
-        repo = Repo(clone)
-        excused = {c.oid for c in self.acked if c.kind != "tag" and self.excused(c)}
-        acked = {c.oid for c in self.acked}
-        for r, ref, oid, op, read_at in self.pushed:
-            if r != remote:
-                continue
-            if ref.startswith("refs/heads/") and (
-                oid in excused or (oid not in acked and self.unacknowledged_excused(ref[len("refs/heads/") :], read_at))
-            ):
-                continue  # a later push sends the history as retention left it ("pushed as pruned")
-            problem = self.read_back(repo, oid, self.contents.get(oid))
-            if problem is None and ref.startswith("refs/tags/") and repo.tags().get(ref[10:]) != oid:
-                problem = f"the remote's tag holds {repo.tags().get(ref[10:])}"
-            if problem:
-                self.report.losses.append(f"push of {ref} {oid[:12]} to {remote} (op {op}): {problem}")
-            else:
-                self.report.verified += 1
 
 
 @contextmanager

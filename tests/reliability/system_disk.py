@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .helpers import checkpoint_bytes, tree_digest
-from .system import Retention, acked_oid
+from .system_model import Retention, acked_oid
 
 if TYPE_CHECKING:
     from .system import System
