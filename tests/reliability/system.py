@@ -227,7 +227,8 @@ class System(Checks):
                 self.report.errors[f"{kind}: Ctrl-C inside the interpreter's own start-up"] += 1
                 return
             if "Traceback" in err:
-                self.report.failures.append(f"op {op} {kind} {what}: traceback: {err.strip().splitlines()[-1]}")
+                frames = " | ".join(line.strip() for line in err.strip().splitlines()[-8:])  # where, not only what
+                self.report.failures.append(f"op {op} {kind} {what}: traceback: {frames}")
             elif code == 4:
                 self.report.failures.append(f"op {op} {kind} {what}: integrity error during normal work: {first}")
             self.report.errors[f"{kind} exit {code}: {' '.join(first.split()[1:5])}"] += 1
