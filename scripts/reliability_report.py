@@ -45,6 +45,23 @@ ROWS = [
         "stateful test: commits / gc runs / corruptions / verified checkouts",
         ["stateful_commits", "stateful_gcs", "stateful_corruptions", "stateful_checkouts"],
     ),
+    (
+        "randomized system test: operations / SIGKILLs / verified bit-exact",
+        [
+            "system test: operations",
+            "system test: SIGKILLs",
+            "system test: acknowledged commits and pushes verified bit-exact",
+        ],
+    ),
+    (
+        "bounded soak: operations / SIGKILLs / Ctrl-C / commits refused with ENOSPC",
+        [
+            "soak (bounded): operations",
+            "soak (bounded): SIGKILLs",
+            "soak (bounded): Ctrl-C",
+            "soak (bounded): commits refused with ENOSPC",
+        ],
+    ),
     ("source files scanned for pickle", ["no_pickle_files_scanned"]),
 ]
 

@@ -17,6 +17,17 @@ import signal
 import sys
 from pathlib import Path
 
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    # As the ckstore command's own start-up (ckstore/cli/__init__.py): a Ctrl-C before the
+    # command runs is a one-line message and exit 130, here while this wrapper imports ckstore.
+    os.write(2, b"ckstore: interrupted\n")
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout under test
 
 from ckstore.backend import fsio  # noqa: E402
@@ -57,4 +68,5 @@ if __name__ == "__main__":
 
     BackgroundWork.detach_compaction = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
     fsio.observe_steps(FaultPlan(os.environ.get("CKSTORE_FAULT", ""), os.environ.get("CKSTORE_FAULT_COUNT")))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # run() installs its own from here
     run()

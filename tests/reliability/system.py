@@ -38,10 +38,10 @@ Bounded: loopback addresses only, every loop ends by count or by time, every pro
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -49,10 +49,8 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,103 +58,26 @@ from ckstore.repo import Repo
 from ckstore.transport.testserver import S3Server, seaweedfs
 
 from .helpers import CLI, checkpoint_bytes, cli_env, tree_digest
-from .system_driver import same_state, state_for
+from .system_check import Checks
+from .system_model import (
+    OP_TIMEOUT,
+    REMOTES,
+    STALE_LOCK,
+    Acked,
+    Attempt,
+    Report,
+    Retention,
+    Settings,
+    Stop,
+    acked_oid,
+)
+from .system_procs import Interruption, Server, run_fresh, traceback_in_ckstore
 
 DRIVER = Path(__file__).with_name("system_driver.py")
 ROOT = Path(__file__).resolve().parents[2]
-OID = re.compile(r"^[0-9a-f]{64}$", re.M)
-STALE_LOCK = re.compile(r"stale lock (\S+) left by process (\d+)")
-OP_TIMEOUT = 600.0
-REMOTES = ("s3", "dir")
 
 
-@dataclass(frozen=True)
-class Settings:
-    seed: int
-    max_operations: int = 150
-    max_seconds: float = 90.0
-    kill_probability: float = 0.15
-    tensor_size: int = 512
-    remote_grace: float = 15.0
-    progress_every: int = 0  # print a line every N operations (0: quiet)
-
-
-@dataclass
-class Attempt:
-    """A commit started on ``repo``/``branch`` (acknowledged or not): what retention may have seen."""
-
-    repo: str
-    branch: str
-    started: float
-    loss: float
-
-
-@dataclass
-class Acked:
-    oid: str
-    repo: str
-    branch: str
-    kind: str
-    started: float
-    loss: float
-    content: dict[str, str] | int  # tree digest of the files, or the seed of a state
-    op: int
-
-
-@dataclass
-class Retention:
-    repo: str
-    started: float
-    ended: float
-    keep_last: int | None = None
-    keep_best: int | None = None
-
-
-@dataclass
-class Report:
-    seed: int
-    operations: Counter[str] = field(default_factory=Counter)
-    kills: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    acknowledged: Counter[str] = field(default_factory=Counter)
-    excused: int = 0
-    verified: int = 0
-    stale_locks: int = 0
-    losses: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def total(self) -> int:
-        return sum(self.operations.values())
-
-    def summary(self) -> str:
-        lines = [
-            f"seed {self.seed}: {self.total} operations in {self.seconds:.0f} s, "
-            f"{sum(self.kills.values())} SIGKILLs, {len(self.losses)} losses, {len(self.failures)} failures"
-        ]
-        lines.append("operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.operations.items())))
-        lines.append("killed:     " + ", ".join(f"{k} {v}" for k, v in sorted(self.kills.items())))
-        lines.append(
-            "acknowledged: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(self.acknowledged.items()))
-            + f"; verified bit-exact {self.verified}, excused by retention {self.excused}, "
-            f"stale ref locks removed {self.stale_locks}"
-        )
-        if self.errors:
-            lines.append(
-                "clean errors (exit code, first words): "
-                + "; ".join(f"{k} ×{v}" for k, v in self.errors.most_common(12))
-            )
-        lines += [f"LOSS: {x}" for x in self.losses] + [f"FAILURE: {x}" for x in self.failures]
-        return "\n".join(lines)
-
-
-class Stop(Exception):
-    """The operation or time budget is spent."""
-
-
-class System:
+class System(Checks):
     """The repositories, the remotes, the model, and the lanes that drive them."""
 
     def __init__(self, settings: Settings, work: Path, server: S3Server) -> None:
@@ -186,6 +107,10 @@ class System:
         self.contents: dict[str, dict[str, str] | int] = {}
         self.durations: dict[str, float] = {}
         self.log: list[str] = []
+        self.local = threading.local()
+        self.servers: list[Server] = []
+        if settings.disk_bytes:
+            self.repos["disk"] = work / "disk" / "repo"
 
     # ---- running operations ------------------------------------------------------------------
 
@@ -199,9 +124,13 @@ class System:
             self.report.operations[kind] += 1
             total = self.report.total
             if self.settings.progress_every and total % self.settings.progress_every == 0:
+                load = os.getloadavg()[0]
+                self.report.loads.append(load)
                 print(
                     f"{self.now():7.0f} s: {total} operations, {sum(self.report.kills.values())} kills, "
-                    f"{sum(self.report.acknowledged.values())} acknowledged",
+                    f"{sum(self.report.interrupts.values())} Ctrl-C, {sum(self.report.acknowledged.values())} "
+                    f"acknowledged, {self.report.disk['commits refused with ENOSPC']} ENOSPC, "
+                    f"{len(self.report.losses)} losses, {len(self.report.failures)} failures, load {load:.1f}",
                     flush=True,
                 )
             return total
@@ -212,10 +141,30 @@ class System:
             return None
         return rng.uniform(0.0, 1.2 * self.durations.get(kind, 1.5))
 
+    def interruption(self, rng: random.Random, kind: str) -> Interruption | None:
+        """None (let it run), or a moment within its usual duration to SIGKILL it or (a share of
+        the time) to Ctrl-C it; gc, repack and remote gc are interrupted more often."""
+        gc_like = kind.startswith(("gc", "repack"))
+        chance = self.settings.gc_kill_probability if gc_like else self.settings.kill_probability
+        if rng.random() >= chance:
+            return None
+        delay = rng.uniform(0.0, 1.2 * self.durations.get(kind, 1.5))
+        ctrl_c = rng.random() < self.settings.sigint_share
+        return Interruption(delay, signal.SIGINT if ctrl_c else signal.SIGKILL)
+
     def learn(self, kind: str, seconds: float) -> None:
         with self.lock:
             old = self.durations.get(kind, seconds)
             self.durations[kind] = 0.8 * old + 0.2 * seconds
+
+    def command_server(self) -> Server:
+        """This lane's command server (one per thread)."""
+        server: Server | None = getattr(self.local, "server", None)
+        if server is None:
+            server = self.local.server = Server(self.env)
+            with self.lock:
+                self.servers.append(server)
+        return server
 
     def cli(
         self,
@@ -223,28 +172,43 @@ class System:
         kind: str,
         repo: str | None,
         *args: str,
-        env: dict[str, str] | None = None,
+        pack_min_bytes: int | None = None,
         killable: bool = True,
     ) -> tuple[int, subprocess.CompletedProcess[str] | None]:
-        """Run one CLI operation, maybe SIGKILLed; (op number, the result or None when killed)."""
+        """Run one CLI operation, maybe SIGKILLed or Ctrl-C'd; (op number, the result or None
+        when SIGKILL ended it). A Ctrl-C and a share of the rest run in a process of their own."""
         op = self.next_op(kind)
-        delay = self.kill_delay(rng, kind) if killable else None
-        argv = [*CLI, *(["--repo", str(self.repos[repo])] if repo else []), *args]
+        interruption = self.interruption(rng, kind) if killable else None
+        argv = [*(["--repo", str(self.repos[repo])] if repo else []), *args]
+        fresh = rng.random() < self.settings.fresh_share or (
+            interruption is not None and interruption.signum == signal.SIGINT
+        )
         start = time.monotonic()
-        proc = subprocess.Popen(argv, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            out, err = proc.communicate(timeout=delay if delay is not None else OP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate()
-            if delay is None:
-                self.fail(f"op {op} {kind} ({' '.join(args)}) did not end in {OP_TIMEOUT:.0f} s")
+            if fresh:
+                env = (
+                    self.env
+                    if pack_min_bytes is None
+                    else {**self.env, "CKSTORE_TEST_PACK_MIN_BYTES": str(pack_min_bytes)}
+                )
+                ran = run_fresh(argv, env, interruption, OP_TIMEOUT)
             else:
-                self.killed(op, kind, args)
+                ran = self.command_server().run(
+                    argv, pack_min_bytes, interruption.delay if interruption else None, OP_TIMEOUT
+                )
+        except subprocess.TimeoutExpired:
+            self.fail(f"op {op} {kind} ({' '.join(args)}) did not end in {OP_TIMEOUT:.0f} s")
             return op, None
-        self.learn(kind, time.monotonic() - start)
-        result = subprocess.CompletedProcess(argv, proc.returncode, out, err)
-        self.outcome(op, kind, args, result.returncode, err)
+        if ran.code is None:
+            self.killed(op, kind, args)
+            return op, None
+        if ran.interrupted == signal.SIGINT:
+            with self.lock:
+                self.report.interrupts[kind] += 1
+        else:
+            self.learn(kind, time.monotonic() - start)
+        result = subprocess.CompletedProcess(argv, ran.code, ran.out, ran.err)
+        self.outcome(op, kind, args, result.returncode, ran.err, ctrl_c=ran.interrupted == signal.SIGINT)
         return op, result
 
     def killed(self, op: int, kind: str, what: object) -> None:
@@ -252,14 +216,19 @@ class System:
             self.report.kills[kind] += 1
             self.log.append(f"{self.now():7.2f} op {op} {kind} {what} KILLED")
 
-    def outcome(self, op: int, kind: str, what: object, code: int, err: str) -> None:
+    def outcome(self, op: int, kind: str, what: object, code: int, err: str, ctrl_c: bool = False) -> None:
         first = err.strip().splitlines()[0] if err.strip() else ""
         with self.lock:
-            self.log.append(f"{self.now():7.2f} op {op} {kind} {what} -> {code} {first[:160]}")
+            mark = " (Ctrl-C)" if ctrl_c else ""
+            self.log.append(f"{self.now():7.2f} op {op} {kind} {what}{mark} -> {code} {first[:160]}")
             if code == 0:
                 return
+            if ctrl_c and "Traceback" in err and not traceback_in_ckstore(err):
+                self.report.errors[f"{kind}: Ctrl-C inside the interpreter's own start-up"] += 1
+                return
             if "Traceback" in err:
-                self.report.failures.append(f"op {op} {kind} {what}: traceback: {err.strip().splitlines()[-1]}")
+                frames = " | ".join(line.strip() for line in err.strip().splitlines()[-8:])  # where, not only what
+                self.report.failures.append(f"op {op} {kind} {what}: traceback: {frames}")
             elif code == 4:
                 self.report.failures.append(f"op {op} {kind} {what}: integrity error during normal work: {first}")
             self.report.errors[f"{kind} exit {code}: {' '.join(first.split()[1:5])}"] += 1
@@ -323,36 +292,6 @@ class System:
             mine = [c for c in self.acked if c.repo == repo and c.branch == branch]
         return rng.choice(mine[-newest:]) if mine else None
 
-    def excused(self, c: Acked) -> bool:
-        """Could a retention policy that ran after ``c`` started have dropped it?"""
-        for g in self.retention:
-            if g.repo != c.repo or g.ended < c.started:
-                continue
-            same = [a for a in self.attempts if a.repo == c.repo and a.branch == c.branch and a.started < g.ended]
-            if g.keep_last is not None and sum(a.started > c.started for a in same) >= g.keep_last:
-                return True
-            if g.keep_best is not None and sum(a.loss < c.loss for a in same) >= g.keep_best:
-                return True
-        return False
-
-    def unacknowledged_excused(self, branch: str, read_at: float) -> bool:
-        """A pushed branch value no process acknowledged was made by a commit killed after its ref
-        moved: take the newest unacknowledged attempt on the branch before the value was read as
-        its maker (the fewest later attempts, so the least excused) and ask retention about it."""
-        answered = {(c.repo, c.branch, c.started) for c in self.acked}
-        makers = [
-            a
-            for a in self.attempts
-            if a.repo == "base"
-            and a.branch == branch
-            and a.started < read_at
-            and (a.repo, a.branch, a.started) not in answered
-        ]
-        if not makers:
-            return False
-        maker = makers[-1]
-        return self.excused(Acked("", maker.repo, maker.branch, "commit", maker.started, maker.loss, 0, 0))
-
     @staticmethod
     def new_seed(rng: random.Random) -> int:
         return rng.getrandbits(40)
@@ -362,30 +301,29 @@ class System:
 
     # ---- lanes -------------------------------------------------------------------------------
 
-    def lane_cli(self, rng: random.Random) -> None:
+    def lane_cli(self, rng: random.Random, branch: str = "a") -> None:
         while True:
             roll = rng.random()
             if roll < 0.6:
-                self.cli_commit(rng)
+                self.cli_commit(rng, branch)
             elif roll < 0.9:
                 remote = rng.choice(REMOTES)
                 read_at = self.now()
-                value = (self.repos["base"] / "refs/heads/a").read_text().strip()
-                op, result = self.cli(rng, f"push {remote}", "base", "push", remote, "a")
+                value = (self.repos["base"] / "refs/heads" / branch).read_text().strip()
+                op, result = self.cli(rng, f"push {remote}", "base", "push", remote, branch)
                 if result is not None and result.returncode == 0:
                     with self.lock:
-                        self.pushed.append((remote, "refs/heads/a", value, op, read_at))
+                        self.pushed.append((remote, f"refs/heads/{branch}", value, op, read_at))
             else:
-                self.cli_tag_and_push(rng)
+                self.cli_tag_and_push(rng, branch)
 
-    def cli_commit(self, rng: random.Random) -> None:
+    def cli_commit(self, rng: random.Random, branch: str) -> None:
         seed, loss = self.new_seed(rng), self.loss_value(rng)
         folder = self.source(seed)
         content = tree_digest(folder)
         packed = rng.random() < 0.25
-        env = {**self.env, "CKSTORE_TEST_PACK_MIN_BYTES": "1"} if packed else None
         kind = "commit (pack)" if packed else "commit"
-        started = self.attempt("base", "a", loss)
+        started = self.attempt("base", branch, loss)
         op, result = self.cli(
             rng,
             kind,
@@ -393,20 +331,20 @@ class System:
             "commit",
             str(folder),
             "--branch",
-            "a",
+            branch,
             "--meta",
             f"loss={loss}",
             "-m",
             f"s{seed}",
-            env=env,
+            pack_min_bytes=1 if packed else None,
         )
-        if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
-            self.acknowledge("commit", m.group(0), "base", "a", started, loss, content, op)
+        if oid := acked_oid(result):
+            self.acknowledge("commit", oid, "base", branch, started, loss, content, op)
         shutil.rmtree(folder)
 
-    def cli_tag_and_push(self, rng: random.Random) -> None:
+    def cli_tag_and_push(self, rng: random.Random, branch: str) -> None:
         with self.lock:
-            older = [c for c in self.acked if c.repo == "base" and c.branch == "a"][:-1]
+            older = [c for c in self.acked if c.repo == "base" and c.branch == branch][:-1]
         if not older:
             return
         target = rng.choice(older)
@@ -424,7 +362,7 @@ class System:
             with self.lock:
                 self.pushed.append((remote, f"refs/tags/{name}", target.oid, op, self.now()))
 
-    def lane_py(self, rng: random.Random) -> None:
+    def lane_py(self, rng: random.Random, branch: str = "b") -> None:
         driver: subprocess.Popen[str] | None = None
         try:
             while True:
@@ -446,7 +384,7 @@ class System:
                         "op": "state",
                         "seed": seed,
                         "n": self.settings.tensor_size,
-                        "branch": "b",
+                        "branch": branch,
                         "background": background,
                         "loss": loss,
                     }
@@ -454,20 +392,20 @@ class System:
                 elif roll < 0.75:
                     folder = self.source(seed, rng.choice(("both", "model")))
                     kind, content = "commit (driver)", tree_digest(folder)
-                    request = {"op": "commit", "dir": str(folder), "seed": seed, "branch": "b", "loss": loss}
+                    request = {"op": "commit", "dir": str(folder), "seed": seed, "branch": branch, "loss": loss}
                 elif roll < 0.85:
-                    kind, content, request = "compact", None, {"op": "compact", "branch": "b"}
+                    kind, content, request = "compact", None, {"op": "compact", "branch": branch}
                 else:
                     remote = rng.choice(REMOTES)
-                    kind, content, request = f"push {remote}", None, {"op": "push", "remote": remote, "ref": "b"}
-                started = self.attempt("base", "b", loss) if request["op"] in ("state", "commit") else self.now()
+                    kind, content, request = f"push {remote}", None, {"op": "push", "remote": remote, "ref": branch}
+                started = self.attempt("base", branch, loss) if request["op"] in ("state", "commit") else self.now()
                 op = self.next_op(kind)
                 answer = self.ask(driver, rng, op, kind, request)
                 if answer is not None and answer["ok"] and request["op"] in ("state", "commit"):
-                    self.acknowledge(kind.split(" ")[0], answer["oid"], "base", "b", started, loss, content, op)  # type: ignore[arg-type]
+                    self.acknowledge(kind.split(" ")[0], answer["oid"], "base", branch, started, loss, content, op)  # type: ignore[arg-type]
                 elif answer is not None and answer["ok"] and request["op"] == "push":
                     with self.lock:
-                        self.pushed.append((request["remote"], "refs/heads/b", answer["oid"], op, started))
+                        self.pushed.append((request["remote"], f"refs/heads/{branch}", answer["oid"], op, started))
                 shutil.rmtree(self.work / "src" / str(seed), ignore_errors=True)
         finally:
             if driver is not None and driver.poll() is None:
@@ -547,8 +485,8 @@ class System:
                     "--meta",
                     f"loss={loss}",
                 )
-                if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
-                    self.acknowledge("overlay commit", m.group(0), "ovl", "o", started, loss, content, op)
+                if oid := acked_oid(result):
+                    self.acknowledge("overlay commit", oid, "ovl", "o", started, loss, content, op)
                 shutil.rmtree(folder)
             else:
                 keep = rng.randint(2, 5)
@@ -573,8 +511,8 @@ class System:
                 content = tree_digest(folder)
                 started = self.attempt("mirror", "m", loss)
                 op, result = self.cli(rng, "commit mirror", "mirror", "commit", str(folder), "--branch", "m")
-                if result is not None and result.returncode == 0 and (m := OID.search(result.stdout)):
-                    self.acknowledge("commit", m.group(0), "mirror", "m", started, loss, content, op)
+                if oid := acked_oid(result):
+                    self.acknowledge("commit", oid, "mirror", "m", started, loss, content, op)
                 shutil.rmtree(folder)
             else:
                 self.cli(rng, "gc mirror", "mirror", "gc")
@@ -617,6 +555,10 @@ class System:
 
     # ---- set-up, run, check ------------------------------------------------------------------
 
+    def branches(self) -> list[str]:
+        """The branches of ``base``: one per cli and py lane."""
+        return ["a", "b", *(f"{x}{n}" for n in range(2, self.settings.parallel + 1) for x in "ab")]
+
     def setup(self) -> None:
         """Repositories with history on both branches, remotes holding it, a mirror cloned from S3."""
         rng = random.Random(self.settings.seed - 1)
@@ -635,7 +577,9 @@ class System:
 
         base = Repo.init(self.repos["base"])  # in-process: the set-up is not under test
         Repo.init(self.repos["ovl"])
-        for branch in ("a", "b"):
+        if "disk" in self.repos:
+            Repo.init(self.repos["disk"])
+        for branch in self.branches():
             seed, loss = self.new_seed(rng), self.loss_value(rng)
             folder = self.source(seed)
             started = self.attempt("base", branch, loss)
@@ -646,7 +590,7 @@ class System:
         must("remote", "add", "s3", self.urls["s3"], "--endpoint-url", self.server.endpoint, repo="base")
         must("remote", "add", "dir", self.urls["dir"], repo="base")
         for remote in REMOTES:
-            must("push", remote, "a", "b", repo="base")
+            must("push", remote, *self.branches(), repo="base")
         must("clone", self.urls["s3"], str(self.repos["mirror"]), "--endpoint-url", self.server.endpoint)
         must("remote", "add", "dir", self.urls["dir"], repo="mirror")
         must("switch", "a", repo="mirror")
@@ -661,6 +605,13 @@ class System:
             "mirror": self.lane_mirror,
             "maint": self.lane_maint,
         }
+        for n in range(2, self.settings.parallel + 1):  # more writers on branches of their own
+            lanes[f"cli{n}"] = functools.partial(self.lane_cli, branch=f"a{n}")
+            lanes[f"py{n}"] = functools.partial(self.lane_py, branch=f"b{n}")
+        if self.settings.disk_bytes:
+            from .system_disk import DiskLane  # it builds on this module
+
+            lanes["disk"] = DiskLane(self).run
         threads = []
         for name, lane in lanes.items():
             rng = random.Random(f"{self.settings.seed}/{name}")
@@ -669,6 +620,8 @@ class System:
             t.start()
         for t in threads:
             t.join()
+        for server in self.servers:
+            server.close()
         self.report.seconds = time.monotonic() - self.started
         self.check()
         return self.report
@@ -680,100 +633,6 @@ class System:
             pass
         except Exception as exc:  # a bug of the harness must show, not hang the run
             self.fail(f"lane {name} crashed: {exc!r}")
-
-    def check(self) -> None:
-        for repo in self.repos.values():
-            self.remove_stale_locks(repo)
-        for name, path in self.repos.items():
-            self.check_repo(name, path)
-        for commit in self.acked:
-            if commit.kind != "tag" and self.excused(commit):
-                self.report.excused += 1
-                continue
-            problem = self.read_back(Repo(self.repos[commit.repo]), commit.oid, commit.content)
-            if problem:
-                self.report.losses.append(
-                    f"{commit.kind} {commit.oid[:12]} on {commit.repo}/{commit.branch} (op {commit.op}): {problem}"
-                )
-            else:
-                self.report.verified += 1
-        for remote, url in self.urls.items():
-            self.check_remote(remote, url)
-
-    def remove_stale_locks(self, repo: Path) -> None:
-        for lock in [*(repo / "refs").rglob("*.lock"), repo / "HEAD.lock"]:
-            if lock.exists():
-                lock.unlink()  # every process has ended: the documented recovery
-                self.report.stale_locks += 1
-
-    def check_repo(self, name: str, path: Path) -> None:
-        repo = Repo(path)
-        try:
-            problems = repo.fsck(read_data=True)
-        except Exception as exc:  # noqa: BLE001  (an fsck that cannot finish is the finding)
-            problems = [f"fsck raised {type(exc).__name__}: {exc}"]
-        if problems:
-            self.report.failures.append(
-                f"fsck --read-data on {name}: {len(problems)} problems: " + " | ".join(problems[:6])
-            )
-        refs = {f"refs/heads/{k}": v for k, v in repo.branches().items()}
-        refs.update({f"refs/tags/{k}": v for k, v in repo.tags().items()})
-        remotes = path / "refs" / "remotes"
-        for p in sorted(remotes.rglob("*")) if remotes.is_dir() else []:
-            if p.is_file() and not p.name.endswith(".lock"):
-                refs[p.relative_to(path).as_posix()] = p.read_text().strip()
-        for ref, oid in refs.items():
-            problem = self.read_back(repo, oid, self.contents.get(oid))
-            if problem:
-                self.report.failures.append(f"{name} {ref} -> {oid[:12]}: {problem}")
-
-    def read_back(self, repo: Repo, oid: str, content: dict[str, str] | int | None) -> str | None:
-        """None when ``oid`` checks out (bit-exact against ``content`` when known), else why not."""
-        out = self.work / "readback"
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            if isinstance(content, int):
-                state = repo.load_state(oid)
-                return None if same_state(state, state_for(content, self.settings.tensor_size)) else "state differs"
-            repo.checkout(oid, out)
-            if content is not None and tree_digest(out) != content:
-                return f"files differ: {sorted(tree_digest(out).items())} != {sorted(content.items())}"
-            return None
-        except Exception as exc:  # noqa: BLE001  (every failure to read back is the finding)
-            return f"{type(exc).__name__}: {exc}"
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
-
-    def check_remote(self, remote: str, url: str) -> None:
-        clone = self.work / f"clone-{remote}"
-        args = [*CLI, "clone", url, str(clone)] + (["--endpoint-url", self.server.endpoint] if remote == "s3" else [])
-        result = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=OP_TIMEOUT, check=False)
-        if result.returncode != 0:
-            self.report.failures.append(f"clone of remote {remote}: exit {result.returncode}: {result.stderr.strip()}")
-            for r, ref, oid, op, _ in self.pushed:
-                if r == remote:
-                    self.report.losses.append(
-                        f"push of {ref} {oid[:12]} to {remote} (op {op}): remote cannot be cloned"
-                    )
-            return
-        self.check_repo(f"clone of {remote}", clone)
-        repo = Repo(clone)
-        excused = {c.oid for c in self.acked if c.kind != "tag" and self.excused(c)}
-        acked = {c.oid for c in self.acked}
-        for r, ref, oid, op, read_at in self.pushed:
-            if r != remote:
-                continue
-            if ref.startswith("refs/heads/") and (
-                oid in excused or (oid not in acked and self.unacknowledged_excused(ref[len("refs/heads/") :], read_at))
-            ):
-                continue  # a later push sends the history as retention left it ("pushed as pruned")
-            problem = self.read_back(repo, oid, self.contents.get(oid))
-            if problem is None and ref.startswith("refs/tags/") and repo.tags().get(ref[10:]) != oid:
-                problem = f"the remote's tag holds {repo.tags().get(ref[10:])}"
-            if problem:
-                self.report.losses.append(f"push of {ref} {oid[:12]} to {remote} (op {op}): {problem}")
-            else:
-                self.report.verified += 1
 
 
 @contextmanager
@@ -788,5 +647,9 @@ def run_system(settings: Settings, work: Path, server: S3Server) -> tuple[Report
     """Run one randomized system test in ``work`` (empty) against ``server``; the report and the
     operation log (one line per operation: time, number, kind, outcome)."""
     system = System(settings, work, server)
-    report = system.run()
-    return report, system.log
+    if not settings.disk_bytes:
+        return system.run(), system.log
+    from .system_disk import small_disk
+
+    with small_disk(work / "disk", settings.disk_bytes):
+        return system.run(), system.log
