@@ -37,7 +37,10 @@ def _sha(path: Path) -> str:
 
 
 def _commit_each(repo: Repo, files: list[Path]) -> list[str]:
-    return [repo.commit([f], message=f.name) for f in files]
+    """One commit a file, then the compactions after them waited for (sizes are compared)."""
+    ids = [repo.commit([f], message=f.name) for f in files]
+    repo.wait()
+    return ids
 
 
 def test_epoch_named_files_get_deltas_like_files_under_one_name(tmp_path: Path) -> None:

@@ -138,7 +138,7 @@ def reproducible_commits() -> Iterator[None]:
         return (start + timedelta(seconds=next(ticks))).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ckstore.write.commit, "_now", clock)  # raises if the name moves: update it here
+        patch.setattr(ckstore.write.commit, "now_iso", clock)  # raises if the name moves: update it here
         patch.setattr(ckstore.write.provenance, "collect", lambda cwd=None: {"ckstore": "test", "python": "3"})
         yield
 

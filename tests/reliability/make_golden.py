@@ -44,7 +44,7 @@ def _checkpoint(folder: Path, epoch: int) -> None:
 
 
 def _base(root: Path) -> tuple[Repo, list[str]]:
-    ckstore.write.commit._now = _fixed_clock()  # type: ignore[attr-defined]
+    ckstore.write.commit.now_iso = _fixed_clock()
     ckstore.write.provenance.collect = lambda cwd=None: {"ckstore": "golden", "python": "3", "hostname": "golden"}
     repo = Repo.init(root / "repo", chunk_size=4096, zstd_level=3)
     ids = []
