@@ -455,30 +455,17 @@ class LocalBackend(StagingBackend):
     def compaction_queued(self) -> bool:
         """Whether a compaction holds its place in line (see ``compaction_place``)."""
         folder = self.root / COMPACTION_QUEUE_FOLDER
-        for path in sorted(folder.iterdir()) if folder.is_dir() else ():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            finally:
-                os.close(fd)
-        return False
+        return any(
+            _locked_by_another(path, os.O_RDONLY) for path in (sorted(folder.iterdir()) if folder.is_dir() else ())
+        )
 
     def compaction_running(self) -> bool:
         """Whether a process holds ``compact.lock`` now, asked without creating or writing
         anything (``status`` works on a read-only repository): no file, no compaction ever ran."""
         try:
-            fd = os.open(self.root / COMPACTION_LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+            return _locked_by_another(self.root / COMPACTION_LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
 
     def _open_lock(self, path: Path, exclusive: bool) -> int | None:
         """The descriptor to flock ``path`` with. A shared lock (a reader: log, status, report,
@@ -670,6 +657,18 @@ class LocalBackend(StagingBackend):
             for entry in folder.iterdir():
                 if folder.name == TMP_DIR or _is_temporary(entry.name):
                     yield entry
+
+
+def _locked_by_another(path: Path, flags: int) -> bool:
+    """Whether some process holds an exclusive flock on ``path`` now (asked without waiting)."""
+    fd = os.open(path, flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _is_temporary(name: str) -> bool:

@@ -55,7 +55,7 @@ from ckstore.errors import (
 )
 from ckstore.format.dcp_record import DcpRecord
 from ckstore.format.ids import ObjectId, is_object_id
-from ckstore.format.manifest import Commit, FileEntry, encode_commit_parts
+from ckstore.format.manifest import FileEntry, encode_commit_parts
 from ckstore.format.settings import RepoConfig
 from ckstore.remote.layout import Holdings, RemoteRepo
 from ckstore.remote.lazy import RemoteObjects
@@ -66,7 +66,7 @@ from ckstore.repository.refs import DEFAULT_BRANCH, HEADS, TAGS, RefStore
 from ckstore.repository.store import ObjectStore
 from ckstore.transport import parse_url
 from ckstore.write import provenance
-from ckstore.write.commit import MAX_CAS_ATTEMPTS, CommitRequest, now_iso
+from ckstore.write.commit import MAX_CAS_ATTEMPTS, CommitRequest
 from ckstore.write.ingest import MemoryFile
 
 CACHE_ENV = "CKSTORE_CACHE_DIR"
@@ -269,18 +269,7 @@ def land_save(
     for _ in range(MAX_CAS_ATTEMPTS):
         parent, token = remote.read_ref(ref)
         parent = parent or request.start
-        commit = Commit(
-            parents=(parent,) if parent else (),
-            time=now_iso(),
-            message=request.message,
-            branch=branch,
-            files=tuple(files),
-            metadata=request.metadata,
-            provenance=recorded,
-            logical_bytes=sum(f.size for f in files),
-            added_bytes=added,
-            dcp=record,
-        )
+        commit = request.build(parent, branch, files, added, recorded, dcp=record)
         manifest, pieces = encode_commit_parts(commit)
         store = ObjectStore(MemoryBackend())
         for _, piece in pieces:  # a large file list (format.md 5.3): its pieces go up with the commit

@@ -58,6 +58,30 @@ class CommitRequest:
         """This request with its branch decided now (the current branch when none was given)."""
         return self if self.branch is not None else replace(self, branch=ctx.refs.head_branch())
 
+    def build(
+        self,
+        parent: ObjectId | None,
+        branch: str,
+        files: Sequence[FileEntry],
+        added: int,
+        recorded: Mapping[str, str],
+        **extra: Any,
+    ) -> Commit:
+        """The commit this request makes on ``branch`` over ``parent`` (None: a root commit), its
+        time taken now; ``extra``: the kind's own fields (state, base, dcp)."""
+        return Commit(
+            parents=(parent,) if parent else (),
+            time=now_iso(),
+            message=self.message,
+            branch=branch,
+            files=tuple(files),
+            metadata=self.metadata,
+            provenance=recorded,
+            logical_bytes=sum(f.size for f in files),
+            added_bytes=added,
+            **extra,
+        )
+
 
 def prepare_commit(message: str, branch: str | None, metadata: Mapping[str, Any] | None) -> CommitRequest:
     """Refuse a bad branch name or metadata that cannot be stored, before any object is written."""
@@ -160,20 +184,7 @@ def record_commit(
         parent = current or request.start  # a new branch starts at ``start`` (git's checkout -b)
         if parent != stats_parent:
             files = without_change(files)
-        commit = Commit(
-            parents=(parent,) if parent else (),
-            time=now_iso(),
-            message=request.message,
-            branch=branch,
-            files=tuple(files),
-            metadata=request.metadata,
-            provenance=recorded,
-            logical_bytes=sum(f.size for f in files),
-            added_bytes=added,
-            state=state,
-            base=base,
-            dcp=dcp,
-        )
+        commit = request.build(parent, branch, files, added, recorded, state=state, base=base, dcp=dcp)
         manifest, pieces = encode_commit_parts(commit)
         if pieces:  # a large file list (format.md 5.3): its chunks are durable before the manifest
             with ctx.store.batch(sum(len(p) for _, p in pieces), len(pieces)) as view:
