@@ -6,6 +6,9 @@ checkout's output files; see ckstore/backend/fsio.py) do ACTION instead: ``kill`
 ``enospc`` or ``eio`` (raise that OSError). ``CKSTORE_FAULT_COUNT=PATH`` writes the running step
 count to PATH, so a harness can enumerate every K. ``CKSTORE_TEST_PACK_MIN_BYTES=N`` makes batches
 of N bytes or more write local packs (backend/local_packs.py), so small test data takes that path.
+``CKSTORE_TEST_BARRIER=DIR:N`` makes the process, once it has imported ckstore, wait (a minute at
+most) until N processes have reached that point, then sleep ``CKSTORE_TEST_DELAY`` seconds: two
+commands raced by a test start together however long each took to start on a loaded machine.
 The production code only offers the seams.
 """
 
@@ -15,6 +18,7 @@ import errno
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -56,6 +60,17 @@ class FaultPlan:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
+def wait_at_barrier(spec: str, delay: float) -> None:
+    """Arrive (a file of this process's own in DIR), wait for N arrivals, then ``delay``."""
+    folder, _, count = spec.rpartition(":")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(folder)) < int(count) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(delay)
+
+
 if __name__ == "__main__":
     if "CKSTORE_TEST_PACK_MIN_BYTES" in os.environ:
         from ckstore.backend.local import LocalBackend
@@ -68,5 +83,7 @@ if __name__ == "__main__":
 
     BackgroundWork.detach_compaction = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
     fsio.observe_steps(FaultPlan(os.environ.get("CKSTORE_FAULT", ""), os.environ.get("CKSTORE_FAULT_COUNT")))
+    if os.environ.get("CKSTORE_TEST_BARRIER"):
+        wait_at_barrier(os.environ["CKSTORE_TEST_BARRIER"], float(os.environ.get("CKSTORE_TEST_DELAY", "0")))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # run() installs its own from here
     run()

@@ -15,7 +15,8 @@ epoch. Every push therefore, after its refs moved (docs/format.md 15.9, "Superse
 3. drops (``drop_superseded``) at once every pack, among those holding an object it sent, that
    is *strictly* superseded: each of its objects is held in another pack, off the list, in a
    copy strictly smaller than its own or sent by step 2 of this push, and that pack existed
-   before this push sent anything; every delta base of those copies is held off the list. The
+   before step 2 sent anything (step 1's own packs included: compaction can re-encode smaller
+   what this push sent while it was in flight); every delta base of those copies is held off the list. The
    drop claims the pack (compare-and-swap; refused when a pack it leans on is listed), checks
    that every pack it leans on still has its index, then deletes the index, then the pack;
 4. condemns (``gc.condemn``) every other pack now superseded: the two-phase grace decides.
@@ -104,11 +105,11 @@ def resend_and_replace(
 ) -> None:
     """Steps 2 to 4: send again what ``ctx``'s store holds markedly smaller than the remote does
     (whole packs' worth, ``repack.superseded``), delete at once the packs that strictly
-    superseded, condemn those superseded otherwise; recorded in ``report`` (its ``sent_packs``
-    so far count as sent before this step). ``ctx`` may be a scratch repository holding only a
+    superseded, condemn those superseded otherwise; recorded in ``report``. Every pack on the
+    remote before this step is a candidate, the packs this push sent before it included. ``ctx`` may be a scratch repository holding only a
     few packs' objects (remote/compaction.py): a pack is sent again only when every object of it
     is held there."""
-    before = set(remote.catalogue()) - set(report.sent_packs)
+    before = set(remote.catalogue())
     first, objects, sent = len(report.sent_packs), report.objects, report.bytes
     resend_superseded(ctx, remote, target_size, report, progress)
     report.resent_objects += report.objects - objects

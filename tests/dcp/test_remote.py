@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -241,6 +242,10 @@ def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_pack
     assert orphans, "the killed rank had uploaded a pack"
     # Remote gc's two phases: the first run condemns what no ref needs, the next deletes it.
     clone, _ = ckstore.Repo.clone(url, tmp_path / "clone")
+    # gc condemns only packs older than the store's clock resolution: wait until they are.
+    deadline = time.monotonic() + 30
+    while not set(clone.gc_remote(grace=0, dry_run=True).condemned) >= orphans and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert clone.gc_remote(grace=0).condemned
     assert set(clone.gc_remote(grace=0).deleted) >= orphans
     assert not orphans & _packs(url)

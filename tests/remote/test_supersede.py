@@ -14,15 +14,17 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ckstore.remote import supersede as supersede_module
 from ckstore.remote.gc import remote_bases
 from ckstore.remote.layout import RemoteRepo
 from ckstore.remote.names import open_remote
 from ckstore.remote.push import PushReport
 from ckstore.repo import Repo
-from ckstore.repository.context import open_context
+from ckstore.repository.context import RepoContext, open_context
 from tests.remote.epochs import CHUNK, adamw_fine_tune, digests
 
 GRACE = 0.3
@@ -57,8 +59,9 @@ def test_a_remote_fed_by_push_alone_holds_what_the_local_store_holds(
         ratios.append(remote_bytes(repo) / repo.stats().stored_bytes)
     repo.wait_background()  # ckstore wait
     final = repo.push()
-    # Right after that push, however loaded the machine: what it replaced is deleted at once.
-    assert final.updated == [] and final.resent_objects > 0 and final.deleted and final.condemned == []
+    # Right after that push, however loaded the machine: what it replaced is deleted at once
+    # (by this push, or by the earlier push it was sent by, when the compaction beat it).
+    assert final.updated == [] and final.condemned == []
     local = repo.stats().stored_bytes
     assert remote_bytes(repo) <= 1.05 * local, (remote_bytes(repo), local, ratios)
     assert open_remote(open_context(repo.path)).read_condemned().packs == {}
@@ -183,12 +186,46 @@ def test_readers_during_supersession_read_every_commit_bit_exact(
     assert deleted and reads[0] > 1
 
 
-def _push_process(repo: Path, grace: float, fault: str = "", count: Path | None = None) -> subprocess.Popen[str]:
+def test_what_compaction_makes_smaller_during_the_push_that_sent_it_goes_with_that_push(
+    tmp_path: Path, remote_url: tuple[str, str | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detached compaction re-encodes epoch 0 as deltas of epoch 1 while the push sending
+    both is in flight (after it sent the whole copies, before it looks for smaller ones): that
+    push sends the smaller copies and deletes the whole pack it had itself just sent, rather
+    than leaving it condemned for the grace (an hour by default: the remote at ~2x the store)."""
+    url, endpoint = remote_url
+    repo = Repo.init(tmp_path / "a", chunk_size=CHUNK)
+    repo.compact_after_commit = False
+    repo.add_remote("origin", url, endpoint)
+    folders = adamw_fine_tune(tmp_path / "work", 2)
+    ids = [repo.commit(folder) for folder in folders]
+    real = supersede_module.resend_superseded
+    sent_whole: list[str] = []
+
+    def compacted_meanwhile(ctx: RepoContext, remote: RemoteRepo, *args: Any) -> PushReport:
+        sent_whole.extend(args[1].sent_packs)  # the report: what this push sent before
+        repo.compact()
+        return real(open_context(repo.path), remote, *args)
+
+    monkeypatch.setattr(supersede_module, "resend_superseded", compacted_meanwhile)
+    report = repo.push()
+    assert sent_whole and report.resent_objects > 0 and report.condemned == []
+    assert set(sent_whole) & set(report.deleted), (sent_whole, report.deleted)
+    assert remote_bytes(repo) <= 1.05 * repo.stats().stored_bytes
+    clone, _ = Repo.clone(url, tmp_path / "b", endpoint_url=endpoint)
+    assert_every_commit_reads_back(clone, ids, folders, tmp_path / "out")
+
+
+def _push_process(
+    repo: Path, grace: float, fault: str = "", count: Path | None = None, barrier: str = "", delay: float = 0.0
+) -> subprocess.Popen[str]:
     """``ckstore push --grace G`` in a process of its own (tests/fault_cli.py: ``kill@K`` SIGKILLs
-    it at its K-th mutating step; ``count`` receives the number of steps)."""
+    it at its K-th mutating step; ``count`` receives the number of steps; ``barrier`` DIR:N
+    starts the push once N processes are ready, ``delay`` seconds after)."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env["CKSTORE_FAULT"] = fault
+    env["CKSTORE_TEST_BARRIER"], env["CKSTORE_TEST_DELAY"] = barrier, str(delay)
     if count is not None:
         env["CKSTORE_FAULT_COUNT"] = str(count)
     return subprocess.Popen(
@@ -234,9 +271,10 @@ def test_concurrent_pushers_racing_supersession_never_delete_each_others_copies(
         where = f"{url}-round{n}"
         a, ids = pushed_whole(tmp_path / f"a{n}", where, endpoint, folders)
         shutil.copytree(a.path, tmp_path / f"b{n}")
-        first = _push_process(a.path, grace)
-        time.sleep(delay)
-        second = _push_process(tmp_path / f"b{n}", grace)
+        # Both start together once both have started up (imports take seconds under load).
+        barrier = f"{tmp_path / f'barrier{n}'}:2"
+        first = _push_process(a.path, grace, barrier=barrier)
+        second = _push_process(tmp_path / f"b{n}", grace, barrier=barrier, delay=delay)
         results = [_finished(first), _finished(second)]
         assert [code for code, _ in results] == [0, 0], results
         # Both sent the smaller copies: they raced (each saw the remote before the other's copies).
