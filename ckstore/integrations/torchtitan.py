@@ -23,7 +23,9 @@ torchtitan waits for it), torchtitan's purge thread drops the ``step-N`` tags be
 ``k`` and thins the branch to its ``k`` newest commits with ``gc --keep-last k --branch BRANCH``
 (other branches, other tags and the reflog's undo window are kept); ``close()`` waits for an
 async save still in flight. ``async_mode="async_with_pinned_mem"`` goes to DCP's process-based
-async save unchanged; torchtitan's stager needs an accelerator for it. A final save with
+async save unchanged. torchtitan's stager pins host memory and copies without blocking, which
+needs an accelerator; on a machine without one the manager stages into shared memory in a
+background thread instead, so the mode works (and is tested) on CPU. A final save with
 ``last_save_in_hf`` is a Hugging Face export, not a checkpoint: torchtitan writes it as the
 plain folder it always does.
 """
@@ -42,8 +44,10 @@ from ckstore.integrations import keep_latest
 from ckstore.repo import Repo
 
 try:
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
     from torchtitan.components.checkpointer.base import purge_thread
 except ImportError:  # pragma: no cover - depends on what is installed
@@ -79,6 +83,13 @@ class CkstoreCheckpointManager(CheckpointManager):
             return
         self.repo_path, self.run = self._repository()
         self.branch = config.branch or self.run
+        if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and not torch.accelerator.is_available():
+            # torchtitan makes its own stager only while none is set; its options need an accelerator.
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False
+                )
+            )
         if self.purge_thread is not None:  # torchtitan's deletes folders; this one applies retention
             self.purge_queue.put(None)
             self.purge_thread.join()

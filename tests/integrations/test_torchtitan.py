@@ -29,13 +29,15 @@ def run(folder: Path, out: Path, stop: int, async_mode: str = "disabled") -> tup
 
 
 @pytest.mark.slow  # three torchrun launches of two ranks each
-def test_saves_are_commits_and_a_resume_is_bit_exact(tmp_path: Path, cli: Cli) -> None:
+@pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])
+def test_saves_are_commits_and_a_resume_is_bit_exact(tmp_path: Path, cli: Cli, async_mode: str) -> None:
     straight, info = run(tmp_path / "straight", tmp_path / "straight.safetensors", 8)
     assert info == {"resumed": False, "start": 0, "lr": info["lr"]}
 
-    # The first run is stopped after step 4 (its saves async), the second resumes from step-4.
+    # The first run is stopped after step 4 (its saves async: DCP's thread, or its background
+    # process staged by torchtitan's stager), the second resumes from step-4.
     folder = tmp_path / "repo"  # the cli fixture's repository
-    first, info = run(folder, tmp_path / "first.safetensors", 4, "async")
+    first, info = run(folder, tmp_path / "first.safetensors", 4, async_mode)
     assert not info["resumed"]
     repo = Repo(folder)
     assert sorted(repo.tags()) == ["step-2", "step-4"]
