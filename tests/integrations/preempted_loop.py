@@ -2,9 +2,11 @@
 by tests/integrations/test_preemption.py and scripts/bench_preemption.py).
 
     python preempted_loop.py REPO STEPS [--width N] [--every K] [--signal TERM] [--sleep S]
+                             [--slurm-requeue]
 
-Prints ``ready`` once its handler is installed, then trains; every K steps it makes a background
-commit; a signal makes one commit at the end of the step in progress and exits 128 + signal.
+Prints ``ready START`` once its handler is installed, then trains; every K steps it makes a
+background commit; a signal makes one commit at the end of the step in progress, puts the Slurm
+job back in the queue when asked (``slurm_requeue``), and exits 128 + signal.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 import ckstore
-from ckstore.integrations.preemption import Preemption
+from ckstore.integrations.preemption import Preemption, slurm_requeue
 
 
 def main() -> None:
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--signal", default="TERM")
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument("--slurm-requeue", action="store_true", help="requeue this Slurm job once saved")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -46,7 +49,7 @@ def main() -> None:
         opt.load_state_dict(state["optimizer"])
         ckstore.set_rng_state(state["rng"])
         start = state["step"] + 1
-    with Preemption(signals=(args.signal,)) as preempt:
+    with Preemption(signals=(args.signal,), on_saved=slurm_requeue if args.slurm_requeue else None) as preempt:
         print("ready", start, flush=True)
         for step in range(start, args.steps):
             x = torch.randn(32, args.width)  # the global RNG: resuming must restore it too

@@ -7,75 +7,31 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from ckstore.errors import InvalidInputError
 from ckstore.integrations.preemption import Preemption, signal_number
 from ckstore.repo import Repo
-
-ROOT = Path(__file__).resolve().parents[2]
-LOOP = Path(__file__).with_name("preempted_loop.py")
-STEPS = 400
-
-
-def _run_loop(repo: Path, *extra: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, str(LOOP), str(repo), str(STEPS), "--sleep", "0.004", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().startswith("ready"), proc.communicate()
-    return proc
-
-
-def _final(repo: Path) -> dict[str, Any]:
-    state = Repo(repo).load_state("main")
-    assert state["step"] == STEPS - 1
-    return state
-
-
-def _differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two nested states differ (tensors and arrays bit for bit, dtypes included)."""
-    if isinstance(a, torch.Tensor):
-        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        same = isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    elif isinstance(a, dict):
-        if not isinstance(b, dict) or a.keys() != b.keys():
-            return [f"{path}: keys"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{path}/{k}")]
-    elif isinstance(a, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return [f"{path}: {type(a).__name__} of {len(a)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}/{i}")]
-    else:
-        same = type(a) is type(b) and a == b
-    return [] if same else [path]
+from tests.integrations.loops import differences, final_state, run_loop
 
 
 @pytest.mark.slow
 def test_signalled_training_runs_resume_bit_exact(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
-    done = _run_loop(reference)
+    done = run_loop(reference)
     assert done.wait(timeout=300) == 0, done.communicate()
-    expected = _final(reference)
+    expected = final_state(reference)
     rng = random.Random(42)
     preempted = 0
     for run in range(4):
         repo = tmp_path / f"run{run}"
         name = rng.choice(["TERM", "USR1"])
-        proc = _run_loop(repo, "--signal", name)
+        proc = run_loop(repo, "--signal", name)
         time.sleep(rng.uniform(0.05, 1.0))
         os.kill(proc.pid, signal_number(name))
         code = proc.wait(timeout=300)
@@ -86,9 +42,9 @@ def test_signalled_training_runs_resume_bit_exact(tmp_path: Path) -> None:
         assert head.decoded_metadata()["preempted"] == f"SIG{name}"
         assert not Repo(repo).fsck(read_data=True)
         preempted += 1
-        resumed = _run_loop(repo)
+        resumed = run_loop(repo)
         assert resumed.wait(timeout=300) == 0, resumed.communicate()
-        assert _differences(_final(repo), expected) == [], f"run {run}"
+        assert differences(final_state(repo), expected) == [], f"run {run}"
     assert preempted >= 3
 
 
