@@ -14,9 +14,9 @@ ever appears under its final name before its bytes are on disk, and the caller w
 manifest only after the batch returned. Measured: ~1,000 per-object fsyncs took 3.0 s of a
 6.8 s commit; two syncfs calls take ~0.1 s.
 
-The repository lock is ``fcntl.flock`` on the file ``lock``: the kernel drops it when its holder
-dies, so a killed commit can never wedge gc. (flock is not reliable on every network filesystem;
-docs/design.md says so.)
+The repository lock is ``fcntl.flock`` on the file ``lock`` (local_locks.py): the kernel drops it
+when its holder dies, so a killed commit can never wedge gc. (flock is not reliable on every
+network filesystem; docs/design.md says so.) Finding a repository's folder: local_location.py.
 
 Every mutating step (write, fsync, link, rename, unlink, mkdir) goes through
 ``fsio.mutating_step``, the seam the crash and fault-injection tests use.
@@ -25,70 +25,26 @@ Every mutating step (write, fsync, link, rename, unlink, mkdir) goes through
 from __future__ import annotations
 
 import builtins
-import errno
-import fcntl
 import os
 import stat
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
 from ckstore.backend.base import Backend, check_key, check_line, check_prefix, storage_error
 from ckstore.backend.fsio import drop_cached, fsync_path, mutating_step, read_ahead, start_writeback, write_out_and_drop
 from ckstore.backend.local_batch import LocalBatch, StagingBackend
+from ckstore.backend.local_locks import LocalLocks
 from ckstore.backend.local_packs import PACK_FOLDER, LocalPacks
 from ckstore.backend.syscalls import HAS_SYNCFS, syncfs
-from ckstore.errors import (
-    LockedError,
-    OutputExistsError,
-    RefExistsError,
-)
 from ckstore.format.ids import is_object_id, key_object_id, object_key
 from ckstore.format.pack import MAX_PACK_SIZE
 
 TMP_DIR = "tmp"
-LOCK_FILE = "lock"
-COMPACTION_LOCK_FILE = "compact.lock"
-CONFIG_LOCK_FILE = "config.lock"  # flock while config.json is read, changed and replaced
-COMPACTION_QUEUE_FOLDER = "compact-queue"  # one file per branch: flock while its compaction waits
 # Space set aside for gc on a full disk (docs/format.md section 3): what gc writes before it
 # deletes (the pruned record, reflogs) must fit; a reflog line is ~150 bytes.
 RESERVE_FILE = "reserve"
 RESERVE_BYTES = 256 << 10
-
-
-def locate_repository(path: str | os.PathLike[str], marker: str, default_dir: str) -> Path | None:
-    """The repository folder at ``path`` (or its ``default_dir`` child): where ``marker`` exists."""
-    root = Path(path)
-    for candidate in (root, root / default_dir):
-        if (candidate / marker).is_file():
-            return candidate
-    return None
-
-
-def find_repository(start: str | os.PathLike[str], marker: str, default_dir: str) -> Path | None:
-    """The nearest ``default_dir`` holding ``marker`` at or above ``start``."""
-    here = Path(start).resolve()
-    for folder in (here, *here.parents):
-        if (folder / default_dir / marker).is_file():
-            return folder / default_dir
-    return None
-
-
-def prepare_new_repository(path: str | os.PathLike[str], marker: str) -> Path:
-    """Create the folder for a new repository; refuse one that exists with anything in it."""
-    root = Path(path)
-    if (root / marker).exists():
-        raise RefExistsError(f"a repository already exists at {root}")
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        # Exit 6, "output exists", as for init over a repository, not 5.
-        raise OutputExistsError(f"{root} exists and is not an empty directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise storage_error(exc, f"creating {root}") from None
-    return root
 
 
 def _last_line_end(fd: int, end: int, block: int = 1 << 16) -> int:
@@ -102,7 +58,7 @@ def _last_line_end(fd: int, end: int, block: int = 1 << 16) -> int:
     return 0
 
 
-class LocalBackend(StagingBackend):
+class LocalBackend(LocalLocks, StagingBackend):
     # Batches use syncfs(2) when the platform has it; tests turn it off to cover the fallback.
     use_syncfs: bool = HAS_SYNCFS
 
@@ -424,88 +380,6 @@ class LocalBackend(StagingBackend):
         # Sorted as whole keys (os.walk yields a folder's files before its subfolders').
         yield from sorted(keys)
 
-    def repo_lock(self, exclusive: bool, timeout: float) -> AbstractContextManager[None]:
-        what = "a running commit" if exclusive else "a running gc"
-        return self._flock(LOCK_FILE, exclusive, timeout, f"repository is locked by {what}; try again later")
-
-    def compaction_lock(self, timeout: float) -> AbstractContextManager[None]:
-        return self._flock(COMPACTION_LOCK_FILE, True, timeout, "another process is compacting this repository")
-
-    def config_lock(self, timeout: float) -> AbstractContextManager[None]:
-        return self._flock(CONFIG_LOCK_FILE, True, timeout, "another process is changing the repository settings")
-
-    def compaction_place(self, key: str) -> int | None:
-        """A descriptor holding ``key``'s place in line for a compaction (flock, exclusive, on
-        ``compact-queue/<key>``), or None when another holder has it: one waiting compaction per
-        branch is enough, since a run reads the branch's tip when it starts. The place passes to
-        a child process with the descriptor and ends when every copy is closed, or its holder dies."""
-        folder = self.root / COMPACTION_QUEUE_FOLDER
-        try:
-            folder.mkdir(exist_ok=True)
-            fd = os.open(folder / key, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise storage_error(exc, f"opening {folder / key}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
-
-    def compaction_queued(self) -> bool:
-        """Whether a compaction holds its place in line (see ``compaction_place``)."""
-        folder = self.root / COMPACTION_QUEUE_FOLDER
-        return any(
-            _locked_by_another(path, os.O_RDONLY) for path in (sorted(folder.iterdir()) if folder.is_dir() else ())
-        )
-
-    def compaction_running(self) -> bool:
-        """Whether a process holds ``compact.lock`` now, asked without creating or writing
-        anything (``status`` works on a read-only repository): no file, no compaction ever ran."""
-        try:
-            return _locked_by_another(self.root / COMPACTION_LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return False
-
-    def _open_lock(self, path: Path, exclusive: bool) -> int | None:
-        """The descriptor to flock ``path`` with. A shared lock (a reader: log, status, report,
-        a dry run) of a repository it cannot write (a read-only mount, another user's files)
-        takes the flock on a read-only descriptor; with no lock file there, no writer can hold
-        one either (None: nothing to lock)."""
-        try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            if exclusive or exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise storage_error(exc, f"opening {path}") from None
-        try:
-            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise storage_error(exc, f"opening {path}") from None
-
-    @contextmanager
-    def _flock(self, name: str, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
-        path = self.root / name
-        fd = self._open_lock(path, exclusive)
-        if fd is None:
-            yield
-            return
-        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, mode)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise LockedError(busy) from None
-                    time.sleep(0.05)
-            yield
-        finally:
-            os.close(fd)  # closing drops the flock
-
     @contextmanager
     def batch(self, expected_bytes: int = 0, expected_objects: int = 0) -> Iterator[Backend]:
         many = expected_bytes >= self.pack_min_bytes or expected_objects >= self.pack_min_objects
@@ -657,18 +531,6 @@ class LocalBackend(StagingBackend):
             for entry in folder.iterdir():
                 if folder.name == TMP_DIR or _is_temporary(entry.name):
                     yield entry
-
-
-def _locked_by_another(path: Path, flags: int) -> bool:
-    """Whether some process holds an exclusive flock on ``path`` now (asked without waiting)."""
-    fd = os.open(path, flags)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def _is_temporary(name: str) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ckstore.backend.local import locate_repository
+from ckstore.backend.local_location import locate_repository
 from ckstore.errors import InvalidInputError
 from ckstore.format.settings import CONFIG_KEY
 from ckstore.repository.context import DEFAULT_DIR

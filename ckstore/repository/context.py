@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ckstore.backend.base import Backend
-from ckstore.backend.local import LocalBackend, find_repository, locate_repository, prepare_new_repository
+from ckstore.backend.local import LocalBackend
+from ckstore.backend.local_location import find_repository, locate_repository, prepare_new_repository
 from ckstore.backend.memory import MemoryBackend
 from ckstore.errors import (
     CkstoreError,
