@@ -11,7 +11,10 @@ compact=...)``):
   machine take a lock file in turn (in the cache folder, else a private folder under the
   temporary one), so two saves' compactions never race each other; a run killed part-way leaves
   every object readable and that pair of saves partly whole (the remote stays correct, only
-  larger; the design of compact_remote);
+  larger; the design of compact_remote). It runs at the lowest priority (``SCHED_IDLE``, nice
+  19: runtime/priority.py), set before it does any work: its re-encoding (tens of CPU seconds
+  for a large save) would otherwise compete with the next save and the training steps for the
+  same cores, and it has no deadline;
 - ``"inline"``: in ``finish``, before ``dcp.save`` returns (tests, benchmarks, a last save);
 - ``"off"``: never (the remote keeps every save as its ranks uploaded it).
 
@@ -34,6 +37,7 @@ from pathlib import Path
 from ckstore.dcp.remote import RemoteTarget, cache_folder
 from ckstore.errors import CkstoreError, InvalidInputError
 from ckstore.remote.compaction import RemoteCompactReport, compact_remote, open_url
+from ckstore.runtime.priority import lowest
 from ckstore.write.background import wait_all
 
 MODES = ("background", "inline", "off")
@@ -112,6 +116,8 @@ def wait_compaction() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The detached run: lowest priority first, then the compaction, one line in the log."""
+    priority = ", ".join(lowest()) or "normal priority"
     parser = argparse.ArgumentParser(prog="python -m ckstore.dcp.remote_compaction")
     parser.add_argument("url")
     parser.add_argument("commit")
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"ckstore: remote compaction of {args.commit[:12]} on {args.url}: {report.deltas} delta(s), "
-        f"{report.sent_bytes} bytes sent, {report.freed_bytes} bytes freed",
+        f"{report.sent_bytes} bytes sent, {report.freed_bytes} bytes freed ({priority})",
         flush=True,
     )
     return 0
