@@ -107,6 +107,6 @@ def test_the_top_of_the_package_holds_only_its_face() -> None:
     for folder in (ROOT / "ckstore").iterdir():
         if folder.is_dir() and (folder / "__init__.py").exists():
             modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-            # 14 since format/manifest.py (630 lines) was split by responsibility: a module
-            # over the ~600-line limit is the worse of the two.
-            assert len(modules) <= 14, f"{folder.name}/ holds {len(modules)} modules"
+            # 15 since format/manifest.py and format/pack.py (over 600 lines each) were split by
+            # responsibility: a module over the ~600-line limit is the worse of the two.
+            assert len(modules) <= 15, f"{folder.name}/ holds {len(modules)} modules"

@@ -34,13 +34,13 @@ from ckstore.format.ids import is_object_id
 from ckstore.format.pack import (
     MAX_PACK_SIZE,
     TAIL_GUESS,
-    PackBuilder,
     PackEntry,
     PackIndex,
     PackTable,
     table_from_tail,
     tail_length,
 )
+from ckstore.format.pack_build import PackBuilder
 
 PACK_FOLDER = "objects/pack"
 PACK_SUFFIX = ".pack"

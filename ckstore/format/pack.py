@@ -40,9 +40,8 @@ an IntegrityError naming the pack.
 
 from __future__ import annotations
 
-import os
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +62,8 @@ ENTRIES = {1: ENTRY_V1, 2: ENTRY}
 TRAILER = struct.Struct("<IB3s32s4s")
 INDEX_HEADER = struct.Struct("<4sB3s32sQI4s")
 CHECKSUM_SIZE = 32
-_ZERO3 = b"\0\0\0"
-_ZERO4 = b"\0\0\0\0"
+ZERO3 = b"\0\0\0"
+ZERO4 = b"\0\0\0\0"
 
 DEFAULT_TARGET_SIZE = 32 << 20
 # Offsets and lengths are u32: packs are tens of MiB, and the limit keeps a hostile index from
@@ -137,20 +136,8 @@ class PackIndex:
         return encode_index(self.pack_id, self.pack_size, self.entries, self.version)
 
 
-@dataclass(frozen=True)
-class BuiltPack:
-    """A finished pack: its name, bytes, and the index file that describes it."""
-
-    index: PackIndex
-    data: bytes
-    index_data: bytes
-
-    @property
-    def name(self) -> str:
-        return self.index.pack_id
-
-
-def _table_bytes(entries: Iterable[PackEntry], version: int) -> bytes:
+def table_bytes(entries: Iterable[PackEntry], version: int) -> bytes:
+    """A pack's (and its index's) table of entries, in the given order, in ``version``'s layout."""
     if version == 1:
         return b"".join(ENTRY_V1.pack(bytes.fromhex(e.id), e.offset, e.length) for e in entries)
     rows = list(entries)
@@ -165,123 +152,13 @@ def encode_index(pack_id: str, pack_size: int, entries: Iterable[PackEntry], ver
     body = INDEX_HEADER.pack(
         INDEX_MAGIC,
         version,
-        _ZERO3,
+        ZERO3,
         bytes.fromhex(pack_id),
         pack_size,
         len(rows),
-        _ZERO4,
-    ) + _table_bytes(rows, version)
+        ZERO4,
+    ) + table_bytes(rows, version)
     return body + blake3.blake3(body).digest()
-
-
-class PackBuilder:
-    """Lays out one pack, object by object, without holding the objects' bytes.
-
-    The pack's name is chosen before its first byte (random, docs/format.md 15.1), so a caller
-    can send ``header``, then each object's stored bytes as it is added, then ``close()``'s tail,
-    while later objects are still being read and verified: the upload of a pack overlaps its
-    making. The caller decides where one pack ends: ``fits`` says whether an object of a given
-    length still belongs in this pack. Objects are laid out in the order they are added, so
-    adding the chunks of one tensor in order lets a reader fetch them with one coalesced read.
-    """
-
-    def __init__(self, target_size: int = DEFAULT_TARGET_SIZE, pack_id: str | None = None) -> None:
-        if not 0 < target_size <= MAX_PACK_SIZE:
-            raise ValueError(f"pack target size {target_size} out of range 1..{MAX_PACK_SIZE}")
-        if pack_id is not None and not is_object_id(pack_id):
-            raise ValueError(f"invalid pack id {pack_id!r}")
-        self.target_size = target_size
-        self.pack_id = pack_id or os.urandom(32).hex()  # what secrets.token_hex does, without its import
-        self.header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, _ZERO3)
-        self._entries: dict[str, PackEntry] = {}
-        self._end = PACK_HEADER.size
-        self._closed = False
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, oid: object) -> bool:
-        return oid in self._entries
-
-    def entry(self, oid: str) -> PackEntry | None:
-        """Where an object added to this pack lies, if it was added."""
-        return self._entries.get(oid)
-
-    @property
-    def size(self) -> int:
-        """The size the pack would have if closed now."""
-        return self._end + ENTRY.size * len(self._entries) + TRAILER.size
-
-    def fits(self, length: int) -> bool:
-        """Whether an object of ``length`` stored bytes belongs in this pack: always for an empty
-        pack (an object larger than the target gets a pack of its own), else while the pack
-        stays within the target size and the hard limits."""
-        if len(self._entries) >= MAX_PACK_OBJECTS:
-            return False
-        grown = self.size + length + ENTRY.size
-        return not self._entries and grown <= MAX_PACK_SIZE or grown <= self.target_size
-
-    def add(self, oid: str, stored: bytes | memoryview, digest: bytes | None = None) -> PackEntry:
-        """Place one stored object (its exact stored bytes) named ``oid`` next in the pack;
-        ``digest`` is the BLAKE3 of ``stored`` when the caller has it already (hashed here
-        otherwise). The caller writes ``stored`` itself, right after the previous object's."""
-        if self._closed:
-            raise ValueError("the pack is closed")
-        if not is_object_id(oid):
-            raise ValueError(f"invalid object id {oid!r}")
-        if oid in self._entries:
-            raise ValueError(f"object {oid} is already in this pack")
-        length = len(stored)
-        if length > MAX_OBJECT_LENGTH:
-            raise ValueError(f"object {oid} is {length} bytes, more than a stored object can be")
-        if len(self._entries) >= MAX_PACK_OBJECTS or self.size + length + ENTRY.size > MAX_PACK_SIZE:
-            raise ValueError("pack is full: check fits() before add()")
-        try:
-            parse_header(stored)
-        except IntegrityError as exc:
-            raise IntegrityError(f"object {oid} is corrupt: {exc}") from None
-        entry = PackEntry(oid, self._end, length, digest if digest is not None else blake3.blake3(stored).digest())
-        self._entries[oid] = entry
-        self._end += length
-        return entry
-
-    def close(self) -> tuple[bytes, PackIndex]:
-        """The pack's last bytes (table and trailer) and its index; no object can follow."""
-        if not self._entries:
-            raise ValueError("an empty pack cannot be written")
-        self._closed = True
-        entries = tuple(sorted(self._entries.values(), key=lambda e: e.id))
-        table = _table_bytes(entries, PACK_VERSION)
-        trailer = TRAILER.pack(len(entries), PACK_VERSION, _ZERO3, blake3.blake3(table).digest(), PACK_MAGIC)
-        return table + trailer, PackIndex(self.pack_id, self.size, entries)
-
-
-def pack_objects(
-    objects: Iterable[tuple[str, bytes | memoryview] | tuple[str, bytes | memoryview, bytes]],
-    target_size: int = DEFAULT_TARGET_SIZE,
-) -> Iterator[BuiltPack]:
-    """Group (id, stored bytes[, their BLAKE3]) into whole packs of about ``target_size``
-    bytes, in order. A repeated id is stored once (the first time it appears)."""
-    builder = PackBuilder(target_size)
-    parts: list[bytes | memoryview] = [builder.header]
-    seen: set[str] = set()
-
-    def built() -> BuiltPack:
-        tail, index = builder.close()
-        return BuiltPack(index, b"".join([*parts, tail]), index.to_bytes())
-
-    for oid, stored, *digest in objects:
-        if oid in seen:
-            continue
-        seen.add(oid)
-        if not builder.fits(len(stored)):
-            yield built()
-            builder = PackBuilder(target_size)
-            parts = [builder.header]
-        builder.add(oid, stored, *digest)
-        parts.append(stored)
-    if len(builder):
-        yield built()
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -490,7 +367,7 @@ def parse_index_table(data: bytes | memoryview, pack_id: str | None = None, vali
     if len(view) < INDEX_HEADER.size + CHECKSUM_SIZE:
         raise _fail(what, f"{len(view)} bytes is shorter than the smallest index")
     magic, version, reserved, raw_pack, size, count, reserved2 = INDEX_HEADER.unpack_from(view)
-    _check_frame(what, "index header", magic == INDEX_MAGIC, version, reserved == _ZERO3 and reserved2 == _ZERO4)
+    _check_frame(what, "index header", magic == INDEX_MAGIC, version, reserved == ZERO3 and reserved2 == ZERO4)
     if pack_id is not None and raw_pack.hex() != pack_id:
         raise _fail(what, f"it describes pack {raw_pack.hex()}")
     what = f"index of pack {raw_pack.hex()}"
@@ -515,7 +392,7 @@ def tail_length(trailer: bytes | memoryview, pack_size: int, pack_id: str) -> in
     if len(trailer) < TRAILER.size:
         raise _fail(what, "its trailer is truncated")
     count, version, reserved, _, magic = TRAILER.unpack_from(trailer, len(trailer) - TRAILER.size)
-    _check_frame(what, "trailer", magic == PACK_MAGIC, version, reserved == _ZERO3)
+    _check_frame(what, "trailer", magic == PACK_MAGIC, version, reserved == ZERO3)
     _check_count(count, what)
     needed = TRAILER.size + count * ENTRIES[version].size
     if PACK_HEADER.size + count * HEADER_SIZE + needed > pack_size:
@@ -562,7 +439,7 @@ def parse_pack(data: bytes | memoryview, pack_id: str) -> PackIndex:
     what = f"pack {pack_id}"
     _check_size(len(view), what)
     magic, version, reserved = PACK_HEADER.unpack_from(view)
-    _check_frame(what, "header", magic == PACK_MAGIC, version, reserved == _ZERO3)
+    _check_frame(what, "header", magic == PACK_MAGIC, version, reserved == ZERO3)
     index = index_from_tail(view[len(view) - tail_length(view, len(view), pack_id) :], len(view), pack_id)
     if index.version != version:
         raise _fail(what, f"its header says version {version}, its trailer {index.version}")

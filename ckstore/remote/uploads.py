@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import cast
 
-from ckstore.format.pack import DEFAULT_TARGET_SIZE, PackBuilder, PackIndex
+from ckstore.format.pack import DEFAULT_TARGET_SIZE, PackIndex
+from ckstore.format.pack_build import PackBuilder
 from ckstore.remote.layout import RemoteRepo
 
 # Parts queued for one pack ahead of its upload (memory: about this many stored objects).

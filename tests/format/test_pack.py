@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ckstore.codecs.objects import HEADER_SIZE, Kind, decode, encode
 from ckstore.errors import IntegrityError
-from ckstore.format import pack
+from ckstore.format import pack, pack_build
 from ckstore.format.ids import chunk_id
 from ckstore.repository.store import MAX_CHUNK_SIZE, MAX_COMMIT_SIZE
 
@@ -88,7 +88,7 @@ def layout(objects: list[tuple[str, bytes]], version: int = 2) -> list[Row]:
 
 def test_builder_output_matches_the_spec_layout() -> None:
     objects = make_objects(4)
-    builder = pack.PackBuilder()
+    builder = pack_build.PackBuilder()
     streamed = [builder.header]
     for oid, data in objects:
         builder.add(oid, data)
@@ -109,16 +109,16 @@ def test_pack_names_are_chosen_before_the_bytes_and_never_repeat() -> None:
     """A pack's name is random (docs/format.md 15.1): the same objects packed twice make two
     packs with the same bytes under different names, and a given name is used as given."""
     objects = make_objects(2)
-    first, second = (next(pack.pack_objects(objects)) for _ in range(2))
+    first, second = (next(pack_build.pack_objects(objects)) for _ in range(2))
     assert first.data == second.data and first.name != second.name
-    assert pack.PackBuilder(pack_id="ab" * 32).pack_id == "ab" * 32
+    assert pack_build.PackBuilder(pack_id="ab" * 32).pack_id == "ab" * 32
     with pytest.raises(ValueError, match="invalid pack id"):
-        pack.PackBuilder(pack_id="not hex")
+        pack_build.PackBuilder(pack_id="not hex")
 
 
 def test_round_trip_and_one_ranged_read_per_object() -> None:
     objects = make_objects(6)
-    (built,) = pack.pack_objects(objects)
+    (built,) = pack_build.pack_objects(objects)
     index = pack.parse_index(built.index_data, built.name)
     assert index == built.index == pack.parse_pack(built.data, built.name)
     for oid, data in objects:
@@ -135,7 +135,7 @@ def test_round_trip_and_one_ranged_read_per_object() -> None:
 
 def test_index_rebuilt_from_the_tail() -> None:
     objects = make_objects(5)
-    (built,) = pack.pack_objects(objects)
+    (built,) = pack_build.pack_objects(objects)
     need = pack.tail_length(built.data[-pack.TRAILER.size :], len(built.data), built.name)
     assert need == pack.TRAILER.size + 72 * 5
     assert pack.index_from_tail(built.data[-need:], len(built.data), built.name) == built.index
@@ -146,7 +146,7 @@ def test_index_rebuilt_from_the_tail() -> None:
 
 def test_packs_split_at_the_target_size() -> None:
     objects = make_objects(20, size=1000)
-    packs = list(pack.pack_objects(objects, target_size=4000))
+    packs = list(pack_build.pack_objects(objects, target_size=4000))
     assert len(packs) > 4
     assert all(len(p.data) <= 4000 for p in packs)
     got = [e.id for p in packs for e in p.index.in_pack_order()]
@@ -160,19 +160,19 @@ def test_packs_split_at_the_target_size() -> None:
 def test_an_object_larger_than_the_target_gets_its_own_pack() -> None:
     small = make_objects(2, size=100)
     big = stored_object(os.urandom(5000))
-    packs = list(pack.pack_objects([small[0], big, small[1]], target_size=1000))
+    packs = list(pack_build.pack_objects([small[0], big, small[1]], target_size=1000))
     assert [len(p.index) for p in packs] == [1, 1, 1]
     assert packs[1].index.entries[0].id == big[0] and len(packs[1].data) > 1000
 
 
 def test_pack_objects_stores_a_repeated_object_once() -> None:
     objects = make_objects(3)
-    (built,) = pack.pack_objects(objects + objects[:2])
+    (built,) = pack_build.pack_objects(objects + objects[:2])
     assert len(built.index) == 3
 
 
 def test_builder_refuses_misuse() -> None:
-    builder = pack.PackBuilder(10_000)
+    builder = pack_build.PackBuilder(10_000)
     oid, data = stored_object(b"x" * 100)
     with pytest.raises(ValueError, match="empty pack"):
         builder.close()
@@ -184,9 +184,9 @@ def test_builder_refuses_misuse() -> None:
     with pytest.raises(IntegrityError, match="magic"):
         builder.add("1" * 64, b"not a stored object at all")
     with pytest.raises(ValueError):
-        pack.PackBuilder(0)
+        pack_build.PackBuilder(0)
     with pytest.raises(ValueError):
-        pack.PackBuilder(pack.MAX_PACK_SIZE + 1)
+        pack_build.PackBuilder(pack.MAX_PACK_SIZE + 1)
 
 
 def test_limits_agree_with_the_store() -> None:
@@ -217,7 +217,7 @@ def test_version_1_packs_and_indexes_stay_readable() -> None:
 
 def test_digests_catch_a_damaged_object_without_decoding_it() -> None:
     objects = make_objects(3)
-    (built,) = pack.pack_objects(objects)
+    (built,) = pack_build.pack_objects(objects)
     assert built.index.version == 2
     for e in built.index.entries:
         good = built.data[e.offset : e.end]
@@ -234,7 +234,7 @@ def test_digests_catch_a_damaged_object_without_decoding_it() -> None:
 
 
 def test_check_read_names_a_truncated_pack() -> None:
-    (built,) = pack.pack_objects(make_objects(2))
+    (built,) = pack_build.pack_objects(make_objects(2))
     entry = built.index.entries[0]
     with pytest.raises(IntegrityError, match=f"pack {built.name} is truncated"):
         pack.check_read(built.data[entry.offset : entry.end - 1], entry, built.name)
@@ -365,7 +365,7 @@ def test_bad_pack_headers_and_names() -> None:
     ],
 )
 def test_bad_indexes_are_refused(mutate, message: str) -> None:
-    (built,) = pack.pack_objects(make_objects(3))
+    (built,) = pack_build.pack_objects(make_objects(3))
     with pytest.raises(IntegrityError, match=message):
         pack.parse_index(mutate(built.index_data), built.name)
 
@@ -401,7 +401,7 @@ blobs = st.lists(st.binary(min_size=0, max_size=3000), min_size=1, max_size=25)
 def test_property_round_trip(raws: list[bytes], target: int, kind: Kind) -> None:
     objects = [(chunk_id(r), encode(r, kind, 1)) for r in raws]
     unique = dict(objects)
-    packs = list(pack.pack_objects(objects, target))
+    packs = list(pack_build.pack_objects(objects, target))
     assert sum(len(p.index) for p in packs) == len(unique)
     for p in packs:
         assert len(p.data) <= target or len(p.index) == 1
@@ -439,7 +439,7 @@ def _apply(data: bytes, ops: list[tuple[str, int, int]]) -> bytes:
 
 
 # Built once: hypothesis varies the mutations, not the pack.
-_FUZZ = next(pack.pack_objects(make_objects(4, size=60)))
+_FUZZ = next(pack_build.pack_objects(make_objects(4, size=60)))
 
 
 @settings(max_examples=400, deadline=None)
@@ -477,7 +477,7 @@ def test_objects_located_together_are_where_find_puts_them(picks: list[int], odd
     from the pack's tail (arrays) and in a built index alike, each found where ``find`` finds it,
     in the order asked, absent and malformed ids left out."""
     objects = make_objects(8)
-    (built,) = pack.pack_objects(objects)
+    (built,) = pack_build.pack_objects(objects)
     table = pack.table_from_tail(built.data[-pack.TAIL_GUESS :], len(built.data), built.name)
     candidates = [oid for oid, _ in objects] + [chunk_id(bytes([i])) for i in range(4)]
     asked = [candidates[i] for i in picks] + odd

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckstore.codecs.objects import Kind, encode
-from ckstore.format import pack
+from ckstore.format import pack, pack_build
 from ckstore.format.ids import chunk_id
 from ckstore.transport.s3 import S3Transport
 from ckstore.transport.testserver import S3Server, seaweedfs
@@ -29,7 +29,7 @@ from .faultproxy import FaultProxy
 
 
 def scenarios(
-    t: S3Transport, objects: list[tuple[str, bytes]], packs: list[pack.BuiltPack]
+    t: S3Transport, objects: list[tuple[str, bytes]], packs: list[pack_build.BuiltPack]
 ) -> dict[str, Callable[[], object]]:
     pool = ThreadPoolExecutor(8)
     entries = [(f"packs/{p.name}.pack", e) for p in packs for e in p.index.in_pack_order()]
@@ -64,7 +64,7 @@ def run(server: S3Server, n: int, size: int, repeat: int) -> None:
     for _ in range(n):
         raw = os.urandom(size)
         objects.append((chunk_id(raw), encode(raw, Kind.CHUNK, 1)))
-    packs = list(pack.pack_objects(objects))
+    packs = list(pack_build.pack_objects(objects))
     total = sum(len(d) for _, d in objects)
     index_bytes = sum(len(p.index_data) for p in packs)
     print(

@@ -14,7 +14,7 @@ import pytest
 
 from ckstore.codecs.objects import Kind, encode
 from ckstore.errors import StorageError
-from ckstore.format import pack
+from ckstore.format import pack, pack_build
 from ckstore.format.ids import chunk_id
 from ckstore.transport.s3 import S3Transport
 from ckstore.transport.testserver import S3Server
@@ -145,7 +145,7 @@ def test_a_server_that_ignores_conditional_writes_is_detected(remote: S3Transpor
 
 def test_one_ranged_get_per_object_and_one_for_neighbours(remote: S3Transport, proxy: FaultProxy) -> None:
     raws = [os.urandom(50_000 + i) for i in range(12)]
-    (built,) = pack.pack_objects([(chunk_id(r), encode(r, Kind.CHUNK, 1)) for r in raws])
+    (built,) = pack_build.pack_objects([(chunk_id(r), encode(r, Kind.CHUNK, 1)) for r in raws])
     remote.put(f"packs/{built.name}.pack", built.data)
     remote.put(f"packs/{built.name}.idx", built.index_data)
     proxy.reset()
@@ -171,7 +171,7 @@ def test_one_ranged_get_per_object_and_one_for_neighbours(remote: S3Transport, p
 
 def test_index_rebuilt_from_a_remote_pack_tail(remote: S3Transport, proxy: FaultProxy) -> None:
     raws = [os.urandom(1000 + i) for i in range(40)]
-    (built,) = pack.pack_objects([(chunk_id(r), encode(r, Kind.CHUNK, 1)) for r in raws])
+    (built,) = pack_build.pack_objects([(chunk_id(r), encode(r, Kind.CHUNK, 1)) for r in raws])
     key = f"packs/{built.name}.pack"
     remote.put(key, built.data)
     proxy.reset()
@@ -184,7 +184,7 @@ def test_index_rebuilt_from_a_remote_pack_tail(remote: S3Transport, proxy: Fault
 
 def test_truncated_remote_pack_reads_short_and_is_named(remote: S3Transport) -> None:
     raws = [os.urandom(3000 + i) for i in range(4)]
-    (built,) = pack.pack_objects([(chunk_id(r), encode(r, Kind.CHUNK, 1)) for r in raws])
+    (built,) = pack_build.pack_objects([(chunk_id(r), encode(r, Kind.CHUNK, 1)) for r in raws])
     key = f"packs/{built.name}.pack"
     remote.put(key, built.data[: built.index.in_pack_order()[2].offset + 10])  # damaged upload
     order = built.index.in_pack_order()

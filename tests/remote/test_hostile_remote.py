@@ -20,7 +20,8 @@ from ckstore.codecs.objects import HEADER_SIZE, Encoding, Kind, decode, encode, 
 from ckstore.errors import IntegrityError
 from ckstore.format.ids import chunk_id, commit_id
 from ckstore.format.manifest import ChunkRef, FileEntry, decode_commit, encode_commit
-from ckstore.format.pack import object_bytes, pack_objects, parse_pack
+from ckstore.format.pack import object_bytes, parse_pack
+from ckstore.format.pack_build import pack_objects
 from ckstore.remote.layout import PACKS, index_key, pack_key, pack_name
 from ckstore.repo import Repo
 from ckstore.transport import open_transport

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckstore.codecs.objects import Kind, encode
-from ckstore.format.pack import PackBuilder
+from ckstore.format.pack_build import PackBuilder
 from ckstore.remote.layout import Condemned, RemoteRepo
 from ckstore.transport.directory import DirectoryTransport
 

@@ -15,7 +15,7 @@ from ckstore.codecs.objects import HEADER, MAGIC, OBJECT_VERSION, Encoding, Kind
 from ckstore.errors import IntegrityError, ObjectCorruptError, ObjectMissingError
 from ckstore.format.ids import chunk_id, commit_id, object_key
 from ckstore.format.manifest import canonical_json
-from ckstore.format.pack import PackBuilder
+from ckstore.format.pack_build import PackBuilder
 from ckstore.remote.names import RemoteSpec, open_spec
 from ckstore.repo import Repo
 from ckstore.repository.reader import (
