@@ -311,12 +311,22 @@ def autolog(disable: bool = False) -> None:
     hooks.register(hooks.CommitHook(HOOK, active_link, log_commit))
 
 
+# What a ``ckstore commit`` process asks of MLflow's HTTP client unless the user set it: a training
+# script waits for the command, and MLflow's own defaults (7 retries with exponential backoff,
+# 120 s a request) keep a commit waiting over four minutes for a tracking server that is down,
+# while the commit itself stands either way (a one-line warning says the run was not told).
+CLI_TRACKING_REQUESTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
 def autolog_from_environment() -> bool:
-    """``autolog()`` when ``MLFLOW_RUN_ID`` names a run (the CLI calls this); whether it did.
+    """``autolog()`` when ``MLFLOW_RUN_ID`` names a run (the CLI calls this, in its own process);
+    whether it did. Requests to the tracking server are bounded (``CLI_TRACKING_REQUESTS``).
 
     Without MLflow installed this warns and links nothing: the checkpoint matters more."""
     if not os.environ.get("MLFLOW_RUN_ID"):
         return False
+    for name, value in CLI_TRACKING_REQUESTS.items():
+        os.environ.setdefault(name, value)
     try:
         autolog()
     except MissingDependencyError as exc:

@@ -124,12 +124,12 @@ def test_a_registered_model_version_loads_its_commit_bit_exact(linked: Repo) -> 
         ckmlflow.load_model_version("tiny-net", other.version)
 
 
-def _ckstore(repo: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _ckstore(repo: Path, *args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ckstore.cli", "--repo", str(repo), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
     )
 
@@ -172,6 +172,31 @@ def test_cli_commit_naming_an_unknown_run_warns_and_keeps_the_commit(tmp_path: P
     assert Repo(repo).resolve("HEAD") == oid
     assert done.stderr.startswith(f"ckstore: warning: commit {oid[:12]} is recorded, but the mlflow hook failed")
     assert "Traceback" not in done.stderr
+
+
+def test_cli_commit_with_the_tracking_server_down_keeps_the_commit_and_does_not_hang(tmp_path: Path) -> None:
+    """With MLflow's own retry defaults this commit waited over four minutes for a server that
+    refuses every connection; the command bounds its requests, so the training script goes on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    repo = tmp_path / ".ckstore"
+    Repo.init(repo)
+    save_st(tmp_path / "ckpt" / "model.safetensors", {"w": torch.ones(8)})
+    env = {"MLFLOW_RUN_ID": "0" * 32, "MLFLOW_TRACKING_URI": down}
+    clean = {k: v for k, v in os.environ.items() if k not in ckmlflow.CLI_TRACKING_REQUESTS}  # MLflow's defaults
+    done = subprocess.run(
+        [sys.executable, "-m", "ckstore.cli", "--repo", str(repo), "commit", str(tmp_path / "ckpt"), "-m", "kept"],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang guard: MLflow's defaults take ~250 s here
+        env={**clean, "PYTHONPATH": str(ROOT), **env},
+    )
+    assert done.returncode == 0, done.stderr
+    oid = done.stdout.strip()
+    assert Repo(repo).resolve("HEAD") == oid
+    assert done.stderr.startswith(f"ckstore: warning: commit {oid[:12]} is recorded, but the mlflow hook failed")
+    assert len(done.stderr.splitlines()) == 1
 
 
 def test_credentials_never_reach_the_manifest() -> None:
