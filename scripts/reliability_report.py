@@ -27,6 +27,7 @@ START, END = "<!-- figures:start -->", "<!-- figures:end -->"
 ROWS = [
     ("SIGKILL at every write step, survived", ["kills_every_step"]),
     ("SIGKILL at random moments, survived", ["kills_random"]),
+    ("Ctrl-C at a chosen call / at a random moment, one line at most", ["ctrl_c_at_a_call", "ctrl_c_at_random"]),
     ("stale ref locks left by kills, broken by the next ref update", ["stale_ref_locks_broken", "stale_locks_broken"]),
     ("stale locks of an older ckstore, reported with the remedy", ["stale_locks_reported"]),
     ("checkout temporaries left by kills, removed by the next checkout", ["checkout_temporaries_left_by_kills"]),

@@ -35,7 +35,10 @@ if __name__ == "__main__":
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout under test
 
 from ckstore.backend import fsio  # noqa: E402
-from ckstore.cli import run  # noqa: E402
+from ckstore.cli import CTRL_C, run  # noqa: E402
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, CTRL_C)  # the command's own handler, with no moment between the two
 
 
 class FaultPlan:
@@ -85,5 +88,4 @@ if __name__ == "__main__":
     fsio.observe_steps(FaultPlan(os.environ.get("CKSTORE_FAULT", ""), os.environ.get("CKSTORE_FAULT_COUNT")))
     if os.environ.get("CKSTORE_TEST_BARRIER"):
         wait_at_barrier(os.environ["CKSTORE_TEST_BARRIER"], float(os.environ.get("CKSTORE_TEST_DELAY", "0")))
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # run() installs its own from here
     run()

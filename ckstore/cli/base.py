@@ -8,7 +8,8 @@ process (``Repo.detach_compaction``, compaction/detached.py) that ``ckstore wait
 before a commit is durable cancels it (exit 130; the ref is unchanged, no temporary file is
 left, and chunks already stored are unreferenced until gc); once a command has printed its
 commit, Ctrl-C only says that the commit stands (exit 0). After the first Ctrl-C, further ones
-are ignored while the command cleans up, so none prints a traceback.
+are ignored while the command cleans up, so none prints a traceback. One handler does all this
+for the whole process, by phase (``ckstore.cli.CTRL_C``, ckstore/cli/__init__.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 import click
 import click.shell_completion
 
-from ckstore.cli import EXIT_INTERRUPTED
+from ckstore.cli import CTRL_C, EXIT_INTERRUPTED, STOPPING
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, OutputError, StorageError
 from ckstore.runtime.units import human  # noqa: F401  (the commands' one way to print sizes)
 
@@ -45,6 +45,7 @@ INTERRUPT_NOTE = "ckstore.interrupt_note"  # click context meta: a command's wor
 
 
 def die(message: str, code: int) -> NoReturn:
+    CTRL_C.finish()  # the outcome is this message: a Ctrl-C now would only add a second line
     try:
         click.echo(f"ckstore: {message}", err=True)
     except OSError:
@@ -262,30 +263,55 @@ class _Group(click.Group):
         sys.exit(0)
 
     def invoke(self, ctx: click.Context) -> Any:
+        CTRL_C.run()  # the command starts its work: from here Ctrl-C stops it
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", CkstoreWarning)
-                result = super().invoke(ctx)
-            show_warnings(caught)
-            return result
-        except BrokenPipeError:
-            output_closed()
-        except OutputError as exc:
-            _drop_output()
-            die(str(exc), exc.exit_code)
-        except CkstoreError as exc:
-            die(str(exc), exc.exit_code)
-        except KeyboardInterrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while we report: no traceback
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", CkstoreWarning)
+                    result = super().invoke(ctx)
+                show_warnings(caught)
+                # Done: a Ctrl-C from here on would report "interrupted" for work that is complete.
+                CTRL_C.finish()
+                return result
+            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+                CTRL_C.finish()  # what main() reports next is the outcome
+                raise  # click's own ends of a command (--help, usage errors): main() reports them
+            except Exception as exc:  # noqa: BLE001 - every failure is one line, a bug of ours too
+                report_failure(exc)
+        except KeyboardInterrupt:  # also one raised while a failure was being reported: one line
             die("interrupted", EXIT_INTERRUPTED)
-        except OSError as exc:
-            die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
-        except MemoryError:
-            die("out of memory", 1)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-            raise  # click's own ends of a command (--help, usage errors): main() reports them
-        except Exception as exc:  # noqa: BLE001 - a bug of ours: still one line, never a traceback
-            die(f"internal error: {type(exc).__name__}: {exc} (please report it)", 1)
+
+
+def report_failure(exc: Exception) -> NoReturn:
+    """A command's failure as one line and its exit code."""
+    if _caused_by_ctrl_c(exc):
+        die("interrupted", EXIT_INTERRUPTED)
+    if isinstance(exc, BrokenPipeError):
+        output_closed()
+    if isinstance(exc, OutputError):
+        _drop_output()
+        die(str(exc), exc.exit_code)
+    if isinstance(exc, CkstoreError):
+        die(str(exc), exc.exit_code)
+    if isinstance(exc, OSError):
+        die(str(StorageError(f"{exc.strerror or exc}: {exc.filename or ''}")), StorageError.exit_code)
+    if isinstance(exc, MemoryError):
+        die("out of memory", 1)
+    die(f"internal error: {type(exc).__name__}: {exc} (please report it)", 1)
+
+
+def _caused_by_ctrl_c(exc: BaseException) -> bool:
+    """A Ctrl-C that Python turned into another exception on its way out: raised while a class
+    was being made, it becomes RuntimeError("Error calling __set_name__ …") in Python 3.11; raised
+    in clean-up code, the error that clean-up then hit."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def complete_ref(
@@ -301,37 +327,10 @@ def complete_ref(
     return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 
-class _Interrupts:
-    """Ctrl-C in the ``ckstore`` process, while a command runs.
-
-    Before the command has recorded a commit, the first Ctrl-C stops it (KeyboardInterrupt: exit
-    130) and later ones are ignored while it unwinds. Once ``commit`` has recorded its commit, all
-    that is left is printing it, so a Ctrl-C is held until the command ends: the id is printed
-    and the exit code is 0. A command that records several commits (``import``) is stopped: the
-    ones recorded stand, and the message names them (exit 130)."""
-
-    SINGLE_COMMIT = ("commit",)
-
-    def __init__(self, repo: Repo, command: str) -> None:
-        self.repo = repo
-        self.hold = command in self.SINGLE_COMMIT
-        self.held = False
-
-    def __call__(self, signum: int, frame: object) -> None:
-        # A signal that comes while this runs re-enters it between two bytecodes: nothing here
-        # may take a lock or do I/O (asking for the background status did both, and a burst of
-        # Ctrl-C could leave the command waiting on a lock its own outer call held).
-        if self.hold and self.repo.commits_recorded():
-            self.held = True
-            return
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-
-def _commit_stands(signum: int, frame: object) -> None:
-    """Ctrl-C once the command has printed its commit: nothing to cancel."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    click.echo(COMMIT_STANDS, err=True)
+# The commands that record one commit: once it is recorded, all that is left is printing it, so a
+# Ctrl-C is held until the command ends, the id printed and the exit 0. A command that records
+# several (``import``) is stopped: the ones recorded stand, and the message names them (exit 130).
+SINGLE_COMMIT = ("commit",)
 
 
 COMMIT_STANDS = "ckstore: the commit stands; its compaction continues in the background ('ckstore wait' waits for it)"
@@ -353,10 +352,10 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
         # The command ends when its commit is durable; compaction goes on without it.
         repo.detach_compaction = True
         repo.fork_compaction = _OWN_PROCESS  # the ckstore command: its compaction may be a fork of it
-        interrupts = _Interrupts(repo, ctx.info_name or "")
-        own = _OWN_PROCESS and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        if own:
-            signal.signal(signal.SIGINT, interrupts)
+        own = CTRL_C.active()
+        if own and ctx.info_name in SINGLE_COMMIT:
+            # Asked inside the signal handler: commits_recorded takes no lock and does no I/O.
+            CTRL_C.hold = lambda: bool(repo.commits_recorded())
         try:
             result = ctx.invoke(f, repo, *args, **kwargs)
         except OutputError as exc:
@@ -364,7 +363,7 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
             if not recorded:
                 raise
             _drop_output()
-            if ctx.info_name not in _Interrupts.SINGLE_COMMIT:  # stopped before the rest of its work
+            if ctx.info_name not in SINGLE_COMMIT:  # stopped before the rest of its work
                 die(f"{exc}; commit {recorded[-1]} was recorded and stands (the rest was not done)", exc.exit_code)
             # The command's work is done: printing its id was all that was left. It is said on
             # stderr, and the exit is 0, so a script retrying on failure does not record it twice;
@@ -377,7 +376,6 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
             recorded = repo.commits_recorded()
             if not recorded:
                 raise
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             landed = f"commit {recorded[0]}" if len(recorded) == 1 else f"{len(recorded)} commits (last {recorded[-1]})"
             note = ctx.meta.get(INTERRUPT_NOTE, "")  # what the command adds (import: was the source deleted)
             die(
@@ -385,11 +383,9 @@ def pass_repo(f: Callable[..., Any]) -> Callable[..., Any]:
                 " background ('ckstore wait' waits for it)",
                 EXIT_INTERRUPTED,
             )
-        if own:
-            stands = bool(repo.commits_recorded())
-            signal.signal(signal.SIGINT, _commit_stands if stands else signal.default_int_handler)
-            if interrupts.held:
-                _commit_stands(signal.SIGINT, None)
+        if own and repo.commits_recorded():
+            CTRL_C.stand(COMMIT_STANDS)  # says it now if a Ctrl-C was held meanwhile
+        CTRL_C.hold = None
         repo.wait()  # background work of this process (none from a command: a safeguard)
         return result
 
@@ -413,8 +409,9 @@ def wait_command(repo: Repo) -> None:
     repo.wait_background()
 
 
-# Set by ``run`` (the ckstore command): the process is ours, so SIGINT may be handled as the
-# module docstring says. Called in-process (tests, click's runner), Python's handler stays.
+# Set by ``run`` (the ckstore command): the process is ours (its compaction may be a fork of it, and
+# SIGINT is handled as the module docstring says). Called in-process (tests, click's runner),
+# Python's handler stays.
 _OWN_PROCESS = False
 
 
@@ -427,13 +424,21 @@ def run() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     # A TextIO stand-in, not a TextIO subclass: it forwards what it does not wrap.
     sys.stdout = _StandardOutput(sys.stdout)  # type: ignore[assignment,unused-ignore]
+    sys.unraisablehook = _unraisable
     try:
-        main(prog_name="ckstore", standalone_mode=True)
-        code = 0
+        try:
+            main(prog_name="ckstore", standalone_mode=True)
+            code = 0
+        finally:
+            CTRL_C.end()  # the outcome is decided: no Ctrl-C changes it now
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:  # another handler than ours raised it (a wrapper's)
+        code = EXIT_INTERRUPTED
+        with suppress(OSError, ValueError, AttributeError):
+            print("ckstore: interrupted", file=sys.stderr)
     code = _flushed(code)  # output still buffered when the command returned
     # The command is over: everything it wrote is flushed, closed or durable, and its background
     # work waited for (pass_repo) or detached. Tearing down the interpreter (every module and
@@ -444,6 +449,14 @@ def run() -> None:
         sys.exit(code)
     atexit._run_exitfuncs()
     os._exit(_flushed(code))
+
+
+def _unraisable(unraisable: Any) -> None:
+    """Python's last resort for an exception it cannot raise (one in a finalizer)."""
+    if issubclass(unraisable.exc_type, KeyboardInterrupt) and CTRL_C.phase == STOPPING:
+        CTRL_C.swallowed()  # our Ctrl-C: it must still stop the command
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _flushed(code: int) -> int:

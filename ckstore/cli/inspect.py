@@ -369,16 +369,14 @@ def diff(repo: Repo, a: str, b: str, as_json: bool) -> None:
     if folder:
         click.echo(", ".join(f"{n} {s}" for s, n in counts.items()) + f" from {short(d.a)} to the files in {b}")
         return
-    click.echo(
-        ", ".join(f"{n} {s}" for s, n in counts.items())
-        + f"; {human(d.new_bytes)} new in {short(d.b)} (stored now, in objects {short(d.a)} does not use)"
-    )
+    # One sentence: what B stores now that A does not, and (B a child of A) what its commit added
+    # then, the figure ``log --sizes`` names the same way.
     child = repo.read_commit(d.b)
-    if child.parents[:1] == (d.a,):
-        click.echo(
-            f"{short(d.b)} added {human(child.added_bytes)} when it was committed "
-            f"(its new objects, less what re-encoding its parent's as deltas against them saved)"
-        )
+    then = f" ({human(child.added_bytes)} added when committed)" if child.parents[:1] == (d.a,) else ""
+    click.echo(
+        (", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no tensors")
+        + f"; {short(d.b)} stores {human(d.new_bytes)} that {short(d.a)} does not{then}"
+    )
 
 
 @main.command()

@@ -180,8 +180,8 @@ def report_remote_gc(r: RemoteGcReport, as_json: bool) -> None:
     )
     if r.resent_objects:
         click.echo(
-            f"sent {r.resent_objects} object(s) again ({human(r.resent_bytes)}) that local compaction stores "
-            f"smaller; the packs of their old copies go the same way"
+            f"uploaded {r.resent_objects} smaller re-encoded object(s) ({human(r.resent_bytes)}) to replace "
+            "bigger copies on the remote"
         )
     if r.condemned and not r.deleted and not r.dry_run:  # say why nothing went
         click.echo(

@@ -4,13 +4,15 @@ grouped by the first part of their names, optimizer state recognised as such (pu
 ``ckstore show`` prints this by default; a checkpoint of a few hundred tensors (model plus
 optimizer) would otherwise be a few hundred lines. Grouping by the first dotted part is what
 state dicts share: ``model.*`` / ``optimizer.*`` in a training state, ``state.<i>.*`` in a
-flattened optimizer, ``encoder.*`` / ``embeddings.*`` in a model.
+flattened optimizer, ``encoder.*`` / ``embeddings.*`` in a model. A distributed checkpoint's
+tensors are named by the fully-qualified name each holds a piece of, as its record says, not by
+the name it is stored under (``…exp_avg@0,0``, ``…lr@bytes``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from ckstore.format.manifest import Commit, TensorEntry
@@ -61,8 +63,8 @@ def is_optimizer_state(name: str, leaves: Collection[str]) -> bool:
     )
 
 
-def _group(name: str, tensors: list[TensorEntry]) -> TensorGroup:
-    leaves = [t.name.rsplit(".", 1)[-1] for t in tensors]
+def _group(name: str, tensors: list[TensorEntry], named: Callable[[TensorEntry], str]) -> TensorGroup:
+    leaves = [named(t).rsplit(".", 1)[-1] for t in tensors]
     optimizer = is_optimizer_state(name, leaves)
     return TensorGroup(
         name,
@@ -74,11 +76,18 @@ def _group(name: str, tensors: list[TensorEntry]) -> TensorGroup:
     )
 
 
-def group_tensors(tensors: Iterable[TensorEntry]) -> tuple[TensorGroup, ...]:
+def _stored_name(t: TensorEntry) -> str:
+    return t.name
+
+
+def group_tensors(
+    tensors: Iterable[TensorEntry], named: Callable[[TensorEntry], str] = _stored_name
+) -> tuple[TensorGroup, ...]:
+    """Groups by the first part of each tensor's name (``named``: the name to show for it)."""
     by_name: dict[str, list[TensorEntry]] = {}
     for t in tensors:
-        by_name.setdefault(t.name.split(".", 1)[0], []).append(t)
-    groups = [_group(name, members) for name, members in by_name.items()]
+        by_name.setdefault(named(t).split(".", 1)[0], []).append(t)
+    groups = [_group(name, members, named) for name, members in by_name.items()]
     if len(groups) == 1 and not groups[0].optimizer:
         return ()
     if len(groups) > MAX_GROUPS:  # the largest groups by bytes, then one line for the rest
@@ -91,10 +100,25 @@ def group_tensors(tensors: Iterable[TensorEntry]) -> tuple[TensorGroup, ...]:
     return tuple(groups)
 
 
+def _dcp_names(commit: Commit) -> dict[tuple[str, str], str]:
+    """(file, stored name) -> the fully-qualified name of the tensor or item it holds (a piece of)."""
+    record = commit.dcp
+    if record is None:
+        return {}
+    names = {(p.file, p.tensor): t.fqn for t in record.tensors for p in t.pieces}
+    names.update({(o.file, o.tensor): o.fqn for o in record.objects})
+    return names
+
+
 def summarise(commit: Commit, inherited: Collection[tuple[str, str | None]] = ()) -> list[FileSummary]:
     """One summary per file; ``inherited`` are the (path, tensor) pairs identical to the base's."""
+    fqns = _dcp_names(commit)
     out = []
     for f in commit.files:
+
+        def named(t: TensorEntry, path: str = f.path) -> str:
+            return fqns.get((path, t.name), t.name)
+
         out.append(
             FileSummary(
                 f.path,
@@ -105,7 +129,7 @@ def summarise(commit: Commit, inherited: Collection[tuple[str, str | None]] = ()
                 sum(t.nbytes for t in f.tensors),
                 _counts(t.dtype for t in f.tensors),
                 sum((f.path, t.name) in inherited for t in f.tensors),
-                group_tensors(f.tensors),
+                group_tensors(f.tensors, named),
             )
         )
     return out

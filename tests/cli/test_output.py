@@ -296,8 +296,11 @@ def test_log_and_diff_agree_and_the_last_commit_holds_what_stats_stores(cli: Cli
         assert diff["totals"]["new_bytes"] == log[child]["new_bytes"] > 0
         text = cli("diff", parent, child).stdout
         assert _human_in(log[child]["new_bytes"], text)
-        # the figure recorded at commit time is shown beside it, named as such
-        assert "when it was committed" in text
+        # the figure recorded at commit time is shown beside it, named as log --sizes names it,
+        # and the footer is one sentence
+        footer = text.splitlines()[-1]
+        assert f"{child[:12]} stores " in footer and footer.endswith(" added when committed)")
+        assert _human_in(log[child]["added_bytes"], footer) and len(footer) < 120
     text = cli("log", "--sizes").stdout
     assert "added when committed" in text and "held alone" in text
     # after gc keeps one commit, that commit holds everything the repository stores
@@ -365,6 +368,28 @@ def test_show_summarises_by_default_and_lists_tensors_on_request(cli: Cli, tmp_p
     assert len(rows) == 241
     columns = {line.index(" F32 ") if " F32 " in line else line.index(" F16 ") for line in rows[:61]}
     assert len(columns) == 1, "dtype column not aligned for long names"
+
+
+def test_show_of_a_distributed_checkpoint_names_its_tensors_by_fully_qualified_name(cli: Cli, tmp_path: Path) -> None:
+    from tests.helpers import dcp_adamw_run
+
+    dcp_adamw_run(Repo.init(tmp_path / "repo"), 1, width=16)
+    lines = cli("show").stdout.splitlines()
+    rank = lines[next(i for i, x in enumerate(lines) if x.startswith("dcp/rank-00000.safetensors")) :]
+    optim = next(x for x in rank if x.startswith("  optim "))
+    # Two Linear layers: a weight and a bias each, one piece apiece on the one rank.
+    assert "optimizer state" in optim and "exp_avg ×4" in optim and "exp_avg_sq ×4" in optim and "step ×4" in optim
+    assert "lr ×1" in optim  # DCP's items, by their own names
+    assert not any("@" in x for x in rank), rank  # not the names pieces are stored under
+
+
+def test_gc_remote_says_in_one_sentence_why_it_uploads(capsys: pytest.CaptureFixture[str]) -> None:
+    from ckstore.cli.remotes import report_remote_gc
+    from ckstore.remote.gc import RemoteGcReport
+
+    report_remote_gc(RemoteGcReport("origin", False, resent_objects=10, resent_bytes=4 << 20), as_json=False)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == "uploaded 10 smaller re-encoded object(s) (4.0 MiB) to replace bigger copies on the remote"
 
 
 def test_log_oneline_limit_and_decorations(cli: Cli, tmp_path: Path) -> None:
