@@ -17,9 +17,12 @@ of its own (blocked = until ``async_save`` returns; total = until its future is 
 
 Measured per save: wall seconds (the slowest rank), bytes the server received for the bucket
 (SeaweedFS's per-bucket traffic counter: what the writer uploaded, requests included) and bytes
-on the bucket (its listing); after the fourth save each writer's latest checkpoint is loaded at
-1, 2 and 4 ranks (fresh processes, a model and optimizer built for that world size) and checked
-bit for bit against the full state gathered at save time (``--phases save``).
+on the bucket (its listing), for ckstore also when its remote compaction had finished after the
+save returned and its CPU seconds (the script waits for it before listing the bucket and before
+the next writer saves: it never runs during a save here); after the fourth save each writer's
+latest checkpoint is loaded at 1, 2 and 4 ranks (fresh processes, a model and optimizer built
+for that world size) and checked bit for bit against the full state gathered at save time
+(``--phases save``).
 
 ``--phases rss`` saves a state of about 1 GB per rank (``--rss-dim``, ``--rss-layers``) twice
 with each of ``--rss-writers`` and samples every rank's resident set every 5 ms; reported is the
@@ -201,6 +204,7 @@ def save_tables(runs: list[dict[str, Any]], writers: list[str]) -> list[str]:
         + " | ".join(f"**{ratio(t, totals[0])}**" for t in totals[1:])
         + " |"
     )
+    lines += compaction_table(runs, writers, saves)
     lines += ["", "Bytes the server received for each save, and on the bucket after it (MB; the last run):", ""]
     lines.append(
         "| save | "
@@ -235,6 +239,35 @@ def save_tables(runs: list[dict[str, Any]], writers: list[str]) -> list[str]:
         for w in writers:
             blocked, total = save_figure(runs, s, f"{w}.async", "blocked"), save_figure(runs, s, f"{w}.async", "total")
             cells.append(f"{blocked:.2f} / {total:.2f} | {ratio(blocked, save_figure(runs, s, f'{w}.sync', 'wall'))}")
+        lines.append(f"| {s + 1} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def compaction_table(runs: list[dict[str, Any]], writers: list[str], saves: int) -> list[str]:
+    """When ckstore's compaction after each save finished, beside the save's own wall time: the
+    script waits for it before the bucket is listed and the next writer saves, so it never runs
+    during another save here (in a training loop it runs during the next steps)."""
+    if "ckstore" not in writers or "compacted_after" not in runs[0]["save"]["rows"][0]["ckstore.sync"]:
+        return []
+    lines = [
+        "",
+        "ckstore's remote compaction after each save (a detached process at the lowest priority): seconds from the"
+        " save's return (synchronous) or its future's end (async) until the compaction had finished, and its CPU"
+        " seconds; the save's wall time and FsspecWriter's beside (medians):",
+        "",
+        "| save | ckstore sync wall s | compaction done after s | its CPU s | fsspec sync wall s | async: compaction done after s | its CPU s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in range(saves):
+        fs = f"{save_figure(runs, s, 'fsspec.sync', 'wall'):.2f}" if "fsspec" in writers else "–"
+        cells = [
+            f"{save_figure(runs, s, 'ckstore.sync', 'wall'):.2f}",
+            f"{save_figure(runs, s, 'ckstore.sync', 'compacted_after'):.2f}",
+            f"{save_figure(runs, s, 'ckstore.sync', 'compaction_cpu'):.1f}",
+            fs,
+            f"{save_figure(runs, s, 'ckstore.async', 'compacted_after'):.2f}",
+            f"{save_figure(runs, s, 'ckstore.async', 'compaction_cpu'):.1f}",
+        ]
         lines.append(f"| {s + 1} | " + " | ".join(cells) + " |")
     return lines
 

@@ -179,12 +179,20 @@ def make_reader(name: str, bucket: str, run: int, step: int) -> Any:
     return ckstore.dcp.Reader(f"s3://{bucket}/run{run}")
 
 
-def settle(name: str) -> None:
-    """Wait for what a writer still does after its save returned (ckstore's background work)."""
-    if name == "ckstore":
-        import ckstore.dcp
+def settle(name: str) -> float:
+    """Wait for what a writer still does after its save returned (ckstore's background work: on
+    the coordinator, the detached remote compaction); the CPU seconds it took (the processes
+    reaped meanwhile, this rank's only children)."""
+    import resource
 
-        ckstore.dcp.wait_compaction()
+    if name != "ckstore":
+        return 0.0
+    import ckstore.dcp
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ckstore.dcp.wait_compaction()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,17 +332,25 @@ def save_one(
     dist.barrier()
     writer = make_writer(name, bucket, args.trial, step)
     started = time.perf_counter()
+    # "compacted_after": seconds from the save's end (dcp.save returned, or its future done) to
+    # the end of what the writer still did after it; "compaction_cpu": that work's CPU seconds.
+    # The collectives (``slowest``) wait until the save is done: an async save's upload still
+    # uses the process group before.
+    blocked = None
     if asynchronous:
         future = dcp.async_save(state, storage_writer=writer)
         blocked = time.perf_counter() - started
         future.result()
-        settle(name)
-        total = time.perf_counter() - started
-        return {"blocked": slowest(blocked), "total": slowest(total)}
-    dcp.save(state, storage_writer=writer)
-    wall = time.perf_counter() - started
-    settle(name)
-    return {"wall": slowest(wall), "settled": slowest(time.perf_counter() - started)}
+    else:
+        dcp.save(state, storage_writer=writer)
+    done = time.perf_counter() - started
+    cpu = settle(name)
+    settled = time.perf_counter() - started
+    if blocked is not None:
+        timing = {"blocked": slowest(blocked), "total": slowest(settled)}
+    else:
+        timing = {"wall": slowest(done), "settled": slowest(settled)}
+    return {**timing, "compacted_after": slowest(settled - done), "compaction_cpu": slowest(cpu)}
 
 
 def worker_save(args: argparse.Namespace) -> None:

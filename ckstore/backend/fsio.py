@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -110,6 +112,30 @@ def dead_owner(data: bytes) -> dict[str, object] | None:
     except (ValueError, TypeError):
         return None
     return info if isinstance(info, dict) and owner_surely_dead(info) else None
+
+
+FOLDER_OWNER = "owner.json"  # in each private folder: the process it belongs to
+
+
+def private_folder(parent: Path | None, prefix: str) -> Path:
+    """A new folder of this process in ``parent`` (default: the temporary folder), recording its
+    owner; first removes the folders of that prefix there whose process is surely gone (same
+    host, boot and pid namespace, pid not running: the rule of lock files), such as a killed
+    rank's or a killed compaction's, which could not remove their own."""
+    import json
+
+    parent = Path(tempfile.gettempdir()) if parent is None else parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for old in parent.glob(prefix + "*"):
+        try:
+            owner = (old / FOLDER_OWNER).read_bytes()
+        except OSError:
+            continue  # being made, or not ours
+        if dead_owner(owner) is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    (folder / FOLDER_OWNER).write_text(json.dumps(process_owner()))
+    return folder
 
 
 def break_stale_lock(

@@ -22,18 +22,15 @@ A rank that fails or dies leaves packs that no ref names: remote gc condemns the
 older than its grace period and deletes them a grace period later (docs/format.md 15.9).
 
 The cache folder (``cache_dir=``, or ``CKSTORE_CACHE_DIR``) keeps the remote's index files and
-lazily read objects across saves and loads; without one they are kept in memory (indexes) or in
-a private temporary folder (objects). Nothing in it is ever trusted: indexes are checksummed,
-objects decoded and re-hashed against their names on every read.
+lazily read objects across saves and loads (its layout and bounds: cache.py); without one they
+are kept in memory (indexes) or in a private temporary folder (objects). Nothing in it is ever
+trusted: indexes are checksummed, objects decoded and re-hashed against their names on every read.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
-import tempfile
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -41,9 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckstore.backend.base import Backend
-from ckstore.backend.fsio import dead_owner, process_owner
+from ckstore.backend.fsio import private_folder
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
+from ckstore.dcp.cache import remote_folder
 from ckstore.dcp.compaction import store_pieces
 from ckstore.errors import (
     ConflictError,
@@ -106,13 +104,14 @@ class RemoteTarget:
             cache = _memory_caches.setdefault(self.url, MemoryBackend())
         return open_spec(RemoteSpec("", self.url, self.endpoint_url), cache)
 
-    def cache_backend(self) -> Backend | None:
+    def cache_path(self) -> Path | None:
+        """This remote's folder in the cache folder (cache.py), touched; None without one."""
         folder = cache_folder(self.cache_dir)
-        if folder is None:
-            return None
-        sub = folder / "remotes" / hashlib.sha256(self.url.encode()).hexdigest()[:24]
-        sub.mkdir(parents=True, exist_ok=True)
-        return LocalBackend(sub)
+        return None if folder is None else remote_folder(folder, self.url)
+
+    def cache_backend(self) -> Backend | None:
+        folder = self.cache_path()
+        return None if folder is None else LocalBackend(folder)
 
 
 def find_target(
@@ -185,7 +184,6 @@ class _Held:
 
 STAGE_PREFIX = "ckstore-dcp-stage-"
 READ_PREFIX = "ckstore-dcp-read-"
-STAGE_OWNER = "owner.json"  # in each private folder: the process it belongs to
 
 
 class Stage:
@@ -202,25 +200,6 @@ class Stage:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def private_folder(parent: Path | None, prefix: str) -> Path:
-    """A new folder of this process in ``parent`` (default: the temporary folder), recording its
-    owner; first removes the folders of that prefix there whose process is surely gone (same
-    host, boot and pid namespace, pid not running: the rule of lock files), such as a killed
-    rank's."""
-    parent = Path(tempfile.gettempdir()) if parent is None else parent
-    parent.mkdir(parents=True, exist_ok=True)
-    for old in parent.glob(prefix + "*"):
-        try:
-            owner = (old / STAGE_OWNER).read_bytes()
-        except OSError:
-            continue  # being made, or not ours
-        if dead_owner(owner) is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    (folder / STAGE_OWNER).write_text(json.dumps(process_owner()))
-    return folder
 
 
 def save_rank(remote: RemoteRepo, target: RemoteTarget, source: MemoryFile, chunk_size: int) -> tuple[FileEntry, int]:

@@ -8,10 +8,10 @@ compact=...)``):
 - ``"background"`` (the default): a detached process on the coordinator's machine
   (``python -m ckstore.dcp.remote_compaction URL COMMIT``), so ``dcp.save`` returns as soon as
   the save is durable and the training loop never waits for the re-encoding. Runs on one
-  machine take a lock file in turn (in the cache folder, else a private folder under the
-  temporary one), so two saves' compactions never race each other; a run killed part-way leaves
-  every object readable and that pair of saves partly whole (the remote stays correct, only
-  larger; the design of compact_remote). It runs at the lowest priority (``SCHED_IDLE``, nice
+  machine take a lock file in turn (in the remote's folder of the cache folder, else a private
+  folder under the temporary one), so two saves' compactions never race each other; a run
+  killed part-way leaves every object readable and that pair of saves partly whole (the remote
+  stays correct, only larger; the design of compact_remote). It runs at the lowest priority (``SCHED_IDLE``, nice
   19: runtime/priority.py), set before it does any work: its re-encoding (tens of CPU seconds
   for a large save) would otherwise compete with the next save and the training steps for the
   same cores, and it has no deadline;
@@ -19,8 +19,8 @@ compact=...)``):
 - ``"off"``: never (the remote keeps every save as its ranks uploaded it).
 
 The re-encoding reads the new save and its parent lazily from the remote (through the cache
-folder when there is one) and only the chunks it pairs; nothing in it is trusted without being
-decoded and re-hashed (lazy.py).
+folder when there is one, which each run then bounds: cache.py) and only the chunks it pairs;
+nothing in it is trusted without being decoded and re-hashed (lazy.py).
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ckstore.backend.local import LocalBackend
+from ckstore.dcp.cache import COMPACTION, COMPACTION_LOCK, cut_log, prune_indexes, remove_stale
 from ckstore.dcp.remote import RemoteTarget, cache_folder
 from ckstore.errors import CkstoreError, InvalidInputError
-from ckstore.remote.compaction import RemoteCompactReport, compact_remote, open_url
+from ckstore.remote.compaction import RemoteCompactReport, compact_remote
+from ckstore.remote.layout import RemoteRepo
 from ckstore.runtime.priority import lowest
 from ckstore.write.background import wait_all
 
@@ -66,21 +69,40 @@ def _private_folder(cache_dir: str | None) -> Path:
     return folder
 
 
-def _lock_path(folder: Path, url: str) -> Path:
-    return folder / f"remote-compact-{hashlib.sha256(url.encode()).hexdigest()[:16]}.lock"
+def lock_path(target: RemoteTarget) -> Path:
+    """The lock this machine's runs on ``target``'s remote take in turn: in the remote's folder
+    of the cache folder (cache.py), else in this user's private folder."""
+    own = target.cache_path()
+    if own is not None:
+        return own / COMPACTION_LOCK
+    return _private_folder(None) / f"remote-compact-{hashlib.sha256(target.url.encode()).hexdigest()[:16]}.lock"
 
 
 def compact_now(target: RemoteTarget, commit: str) -> RemoteCompactReport:
-    """Re-encode ``commit``'s parent as deltas of it, waiting for this machine's earlier runs."""
-    folder = _private_folder(target.cache_dir)
-    fd = os.open(_lock_path(folder, target.url), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    """Re-encode ``commit``'s parent as deltas of it, waiting for this machine's earlier runs;
+    then bound the cache folder (cache.py)."""
+    fd = os.open(lock_path(target), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        chosen = cache_folder(target.cache_dir)
-        cache = None if chosen is None else chosen / "remote-compact-objects"
-        return compact_remote(open_url(target.url, target.endpoint_url), commit, cache=cache)
+        own = target.cache_path()
+        remote = target.open()
+        report = compact_remote(remote, commit, cache=None if own is None else own / COMPACTION)
+        if own is not None:
+            _bound(remote, own)
+        return report
     finally:
         os.close(fd)
+
+
+def _bound(remote: RemoteRepo, own: Path) -> None:
+    """What the cache folder keeps once a run is done (cache.py): of this remote the index files
+    of the packs it still holds, of the others those touched within a week. A failure here
+    leaves the folder larger until the next run, never the compaction undone."""
+    try:
+        prune_indexes(LocalBackend(own), remote.pack_ids())
+        remove_stale(own.parent.parent, own)
+    except (CkstoreError, OSError):
+        pass
 
 
 def start(target: RemoteTarget, commit: str, mode: str) -> subprocess.Popen[bytes] | RemoteCompactReport | None:
@@ -125,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir")
     args = parser.parse_args(argv)
     target = RemoteTarget(args.url, None, args.endpoint_url, args.cache_dir)
+    try:
+        cut_log(_private_folder(args.cache_dir) / LOG_NAME)
+    except OSError:
+        pass  # a log that cannot be cut only grows
     try:
         report = compact_now(target, args.commit)
     except CkstoreError as exc:

@@ -10,8 +10,9 @@ remote to what a local repository that compacted the same history holds:
 1. it opens a scratch repository (a temporary folder) whose store reads what it lacks from the
    remote, lazily, one ranged read per object (``lazy.RemoteObjects``; every object decoded and
    re-hashed as it arrives), through ``cache`` when given: a folder of objects kept between calls
-   (a node-local disk; the objects of the save just written, put there by the writer, are then
-   not downloaded again);
+   (a node-local disk), which each run leaves holding only what the next run reads again, the
+   commit's chunks (its parent's then), so the parent's are not downloaded again and the folder
+   holds one save's worth, not the history's;
 2. it runs local compaction's tip pair on the commit and its first parents
    (``compaction.compact.compact_commits``: positions paired by file and tensor name, else by
    tensor name, so a DCP piece ``<fqn>@<offsets>`` pairs with the previous save's piece of the
@@ -52,17 +53,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
+import shutil
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckstore.backend.fsio import private_folder
 from ckstore.backend.local import LocalBackend
 from ckstore.compaction.compact import compact_commits
 from ckstore.compaction.pairing import Job
 from ckstore.errors import ObjectMissingError
-from ckstore.format.ids import ObjectId
+from ckstore.format.ids import OBJECTS_PREFIX, ObjectId, key_object_id
+from ckstore.format.manifest import Commit
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.format.settings import RepoConfig
 from ckstore.remote.layout import DEFAULT_GRACE, RemoteRepo
@@ -72,6 +75,8 @@ from ckstore.remote.push import PushReport
 from ckstore.remote.supersede import resend_and_replace, sweep_superseded
 from ckstore.repository.context import RepoContext, init_context
 from ckstore.repository.store import ObjectStore, object_key
+
+SCRATCH_PREFIX = "ckstore-remote-compact-scratch-"
 
 
 @dataclass
@@ -89,6 +94,7 @@ class RemoteCompactReport:
     deleted: list[str] = field(default_factory=list)  # packs deleted (superseded)
     freed_bytes: int = 0
     condemned: list[str] = field(default_factory=list)  # packs superseded, left to the grace
+    uncached: int = 0  # objects deleted from ``cache``: none of the next run's
 
 
 def open_url(url: str, endpoint_url: str | None = None, cache: str | os.PathLike[str] | None = None) -> RemoteRepo:
@@ -113,7 +119,8 @@ def compact_remote(
 ) -> RemoteCompactReport:
     """Re-encode ``commit``'s parent on the remote as deltas of ``commit`` (the module
     docstring). ``paths``: only these files of ``commit`` (a rank's); ``cache``: a folder of
-    objects kept between calls; ``config``: the encoding settings (chunking is the commit's own;
+    objects kept between calls, left holding only ``commit``'s chunks (``paths``') and its first
+    parents' commit objects (one per concurrent run: ``_keep_only``); ``config``: the encoding settings (chunking is the commit's own;
     the defaults of a new repository otherwise)."""
     remote.require_format()
     report = RemoteCompactReport(ObjectId(commit))
@@ -124,6 +131,7 @@ def compact_remote(
         if not commits:
             raise ObjectMissingError(f"commit {commit} is not on remote {remote.name}")
         if len(commits) < 2:
+            report.uncached = 0 if cache is None else _keep_only(lazy, commit, commits, paths)
             return report
         report.parent = commits[0].parents[0]
         child = commits[0]
@@ -139,14 +147,37 @@ def compact_remote(
         report.read_objects, report.read_bytes = lazy.fetched_objects, lazy.fetched_bytes
         report.sent_objects, report.sent_bytes, report.sent_packs = sent.objects, sent.bytes, sent.sent_packs
         report.deleted, report.freed_bytes, report.condemned = sent.deleted, sent.freed_bytes, sent.condemned
+        if cache is not None:
+            report.uncached = _keep_only(lazy, commit, commits, paths)
     return report
+
+
+def _keep_only(lazy: RemoteObjects, commit: str, commits: Sequence[Commit], paths: Collection[str] | None) -> int:
+    """Delete from the cache every object but what the next run, on the commit after
+    ``commit`` (``commits[0]``), reads of it again: its chunks (``paths``' only, when given) and
+    the commit objects of its first parents; how many were deleted. Several runs at once must
+    not share a cache: one would delete what another is still reading (which then reads it from
+    the remote again)."""
+    keep = {commit, *(c.parents[0] for c in commits[:-1]), *(c.id for c in commits[0].file_list)}
+    keep.update(c.id for f in commits[0].files if paths is None or f.path in paths for c in f.all_chunks())
+    dropped = 0
+    for key in list(lazy.backend.list(OBJECTS_PREFIX)):
+        oid = key_object_id(key)
+        if oid is not None and oid not in keep and lazy.backend.delete(key):
+            dropped += 1
+    return dropped
 
 
 @contextmanager
 def _scratch(config: RepoConfig) -> Iterator[RepoContext]:
-    """A throwaway repository: compaction's replacements are staged and applied there."""
-    with tempfile.TemporaryDirectory(prefix="ckstore-remote-compact-") as folder:
-        yield init_context(Path(folder) / "repo", config)
+    """A throwaway repository: compaction's replacements are staged and applied there. Its
+    folder records its process, so that the next run removes a killed run's (two saves' paired
+    chunks: gigabytes, in the temporary folder)."""
+    folder = private_folder(None, SCRATCH_PREFIX)
+    try:
+        yield init_context(folder / "repo", config)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _cache_store(ctx: RepoContext, cache: str | os.PathLike[str] | None) -> ObjectStore:
