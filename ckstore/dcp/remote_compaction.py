@@ -11,10 +11,10 @@ compact=...)``):
   machine take a lock file in turn (in the remote's folder of the cache folder, else a private
   folder under the temporary one), so two saves' compactions never race each other; a run
   killed part-way leaves every object readable and that pair of saves partly whole (the remote
-  stays correct, only larger; the design of compact_remote). It runs at the lowest priority (``SCHED_IDLE``, nice
-  19: runtime/priority.py), set before it does any work: its re-encoding (tens of CPU seconds
-  for a large save) would otherwise compete with the next save and the training steps for the
-  same cores, and it has no deadline;
+  stays correct, only larger; the design of compact_remote). It runs at the lowest priority
+  (``SCHED_IDLE``, nice 19: runtime/priority.py), set before it does any work: its re-encoding
+  (tens of CPU seconds for a large save) would otherwise compete with the next save and the
+  training steps for the same cores, and it has no deadline;
 - ``"inline"``: in ``finish``, before ``dcp.save`` returns (tests, benchmarks, a last save);
 - ``"off"``: never (the remote keeps every save as its ranks uploaded it).
 

@@ -120,8 +120,8 @@ def compact_remote(
     """Re-encode ``commit``'s parent on the remote as deltas of ``commit`` (the module
     docstring). ``paths``: only these files of ``commit`` (a rank's); ``cache``: a folder of
     objects kept between calls, left holding only ``commit``'s chunks (``paths``') and its first
-    parents' commit objects (one per concurrent run: ``_keep_only``); ``config``: the encoding settings (chunking is the commit's own;
-    the defaults of a new repository otherwise)."""
+    parents' commit objects (one per concurrent run: ``_keep_only``); ``config``: the encoding
+    settings (chunking is the commit's own; the defaults of a new repository otherwise)."""
     remote.require_format()
     report = RemoteCompactReport(ObjectId(commit))
     with _scratch(config or RepoConfig()) as ctx:
