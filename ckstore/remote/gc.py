@@ -30,24 +30,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
-from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ckstore.backend.fsio import dead_owner, mutating_step, process_owner
 from ckstore.backend.memory import MemoryBackend
-from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
 from ckstore.errors import IntegrityError, LockedError
 from ckstore.format.ids import ObjectId
 from ckstore.format.pruned import encode_pruned
 from ckstore.maintenance.retention import RetentionPolicy, select
+from ckstore.remote.chains import breakers
 from ckstore.remote.layout import (
     DEFAULT_GRACE,
     GC_LOCK_KEY,
     MAX_GC_LOCK,
     PACKS,
     Condemned,
-    Located,
     RemoteRepo,
     index_key,
     pack_key,
@@ -58,7 +56,6 @@ from ckstore.remote.names import open_remote
 from ckstore.remote.push import send_superseded
 from ckstore.repository.context import RepoContext
 from ckstore.repository.graph import PRUNED_KEY, CommitGraph
-from ckstore.repository.reader import delta_closure_many
 from ckstore.repository.refs import RefStore, encode_ref
 from ckstore.repository.store import ObjectStore
 from ckstore.transport.base import ObjectInfo
@@ -124,27 +121,6 @@ def remote_graph(ctx: RepoContext, remote: RemoteRepo, refs: Mapping[str, str]) 
     store = ObjectStore(MemoryBackend(), ctx.store.settings)
     store.sources = [ctx.store, RemoteObjects(remote, ObjectStore(MemoryBackend()))]
     return CommitGraph(backend, store, RefStore(backend))
-
-
-def remote_bases(remote: RemoteRepo, where: Mapping[str, Located], chunks: AbstractSet[str]) -> set[str]:
-    """``chunks`` plus every delta base they need as stored on the remote (headers read there,
-    one ranged read per pack and level)."""
-
-    def bases_of_many(todo: list[str]) -> Iterator[tuple[str, tuple[str, ...]]]:
-        by_pack: dict[str, list[Located]] = {}
-        for oid in todo:
-            by_pack.setdefault(where[oid].pack_id, []).append(where[oid])
-        for pack_id, locs in by_pack.items():
-            ranges = [(loc.entry.offset, min(loc.entry.length, BASES_PREFIX_SIZE)) for loc in locs]
-            for loc, head in zip(locs, remote.read_ranges(pack_id, ranges)):
-                try:
-                    yield loc.entry.id, delta_bases(head)
-                except IntegrityError as exc:
-                    raise IntegrityError(
-                        f"object {loc.entry.id} in {remote.describe(pack_key(pack_id))} is corrupt: {exc}"
-                    ) from None
-
-    return delta_closure_many(chunks, bases_of_many, follow=lambda oid: oid in where)
 
 
 def collect_remote(
@@ -233,8 +209,10 @@ def _liveness(ctx: RepoContext, remote: RemoteRepo, policy: RetentionPolicy) -> 
     else:
         kept = reachable
     chunks = {c.id for oid in kept for c in graph.read_commit(oid).all_chunks()}
-    live = remote_bases(remote, where, chunks) | kept
-    live_packs = {where[o].pack_id for o in live if o in where}
+    # Where the chosen copies form a delta cycle, every copy of its objects stays: one breaks it.
+    live, live_packs = breakers(remote, remote.catalogue(refresh=False), where, chunks)
+    live |= kept
+    live_packs |= {where[o].pack_id for o in kept if o in where}
     return packs, condemned, graph, reachable, kept, live, live_packs
 
 

@@ -17,7 +17,7 @@ from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import ChunkReader, Commit, chunks_beyond
 from ckstore.format.settings import NEW_REPO_VERSION
-from ckstore.remote.layout import Located, RemoteRepo, pack_key
+from ckstore.remote.layout import Holdings, Located, RemoteRepo, pack_key
 from ckstore.repository.reader import VerifiedReader, delta_closure
 from ckstore.repository.store import ObjectStore, object_key
 
@@ -170,7 +170,10 @@ class Lander:
         # is read again through the store (it landed), so memory never grows with the fetch.
         self.reader = VerifiedReader(self._stored, base_cache=BASE_CACHE)
         self.waiting: dict[str, list[tuple[str, str, bytes | memoryview]]] = {}  # base -> deltas waiting for it
-        self.late: list[tuple[str, str, bytes | memoryview]] = []  # deltas on a local base whose chain is incomplete
+        self.late: list[tuple[str, str, bytes | memoryview]] = []
+        self.tried: dict[
+            str, set[str]
+        ] = {}  # object -> packs whose copy waited on a cycle  # deltas on a local base whose chain is incomplete
         self.lock = threading.Condition()
         self.futures: list[Future[None]] = []
         self.in_flight = 0  # stored and decoded bytes handed to workers and not yet done (memory bound)
@@ -197,23 +200,11 @@ class Lander:
                 self.queued_bytes += loc.entry.length if loc is not None else 0
 
     def run(self) -> None:
-        todo = list(self.queued)
         try:
-            while todo:
-                absent = [o for o in dict.fromkeys(todo) if o not in self.origin and not self.view.has_durable(o)]
-                for o in absent:
-                    if o not in self.where:
-                        needer = self.queued.get(o, "?")
-                        raise IntegrityError(
-                            f"remote {self.remote.name}: object {o} (needed by commit {needer[:12]}) "
-                            "is in no pack there"
-                        )
-                    self.origin[o] = self.where[o].pack_id
-                todo = []
-                for o, pack_id, data in read_objects(self.remote, self.where, absent):
-                    self.received(len(data))
-                    todo += self._arrive(o, pack_id, data)
+            self._download(list(self.queued))
             self._drain()
+            while self.waiting and self._other_copies():
+                self._drain()
             if self.late:
                 self.batches.land_all()  # their bases' chains came in this fetch: readable once landed
             for item in self.late:
@@ -231,6 +222,55 @@ class Lander:
                 + (f" and {len(stuck) - 1} more" if len(stuck) > 1 else "")
                 + " never resolved: its delta bases form a cycle or never came"
             )
+
+    def _download(self, todo: list[str], first: Mapping[str, Located] | None = None) -> None:
+        """Download ``todo`` (from the copies ``first`` names, else the chosen ones), then the
+        bases they lack, level by level."""
+        copies = dict(first or {})
+        while todo:
+            absent = [o for o in dict.fromkeys(todo) if o in copies or self._absent(o)]
+            for o in absent:
+                if o not in copies and o not in self.where:
+                    needer = self.queued.get(o, "?")
+                    raise IntegrityError(
+                        f"remote {self.remote.name}: object {o} (needed by commit {needer[:12]}) is in no pack there"
+                    )
+            chosen = {o: copies.get(o) or self.where[o] for o in absent}
+            for o, loc in chosen.items():
+                self.origin[o] = loc.pack_id
+            todo, copies = [], {}
+            for o, pack_id, data in read_objects(self.remote, chosen, absent):
+                self.received(len(data))
+                todo += self._arrive(o, pack_id, data)
+
+    def _absent(self, o: str) -> bool:
+        return o not in self.origin and not self.view.has_durable(o)
+
+    def _other_copies(self) -> bool:
+        """Deltas still waiting once everything came wait on a cycle of the copies chosen
+        (writers at different moments each sent a sound copy; chains.py): read the next copy of
+        each, one of which breaks the cycle. False when none is left to try."""
+        if not isinstance(self.where, Holdings):
+            return False
+        copies = self.where.copies
+        stuck = {o: pack_id for items in self.waiting.values() for o, pack_id, _ in items}
+        retry: dict[str, Located] = {}
+        for o, pack_id in stuck.items():
+            tried = self.tried.setdefault(o, {pack_id})
+            untried = [loc for loc in copies(o) if loc.pack_id not in tried]
+            if untried:
+                retry[o] = untried[0]
+        if not retry:
+            return False
+        with self.lock:
+            for base in list(self.waiting):
+                self.waiting[base] = [item for item in self.waiting[base] if item[0] not in retry]
+                if not self.waiting[base]:
+                    del self.waiting[base]
+        for o, loc in retry.items():
+            self.tried[o].add(loc.pack_id)
+        self._download(list(retry), retry)
+        return True
 
     def _fail(self, o: str, pack_id: str, reason: str) -> IntegrityError:
         said = f"object {o} is corrupt: "

@@ -481,6 +481,14 @@ class Holdings(Mapping[str, Located]):
         self._found[oid] = found
         return found
 
+    def copies(self, oid: str) -> list[Located]:
+        """Every copy of ``oid`` in these packs, the one counted on first, then outside the
+        avoided packs, smallest first: where a reader turns when the chosen copies of a delta
+        chain form a cycle (chains.py)."""
+        found = [Located(pack_id, e) for pack_id, table in self._tables if (e := table.find(oid)) is not None]
+        chosen = self._lookup(oid)
+        return sorted(found, key=lambda c: (c != chosen, c.pack_id in self._avoid, c.entry.length, c.pack_id))
+
     def __getitem__(self, oid: str) -> Located:
         found = self._lookup(oid)
         if found is None:

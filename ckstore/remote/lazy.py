@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ckstore.errors import ObjectMissingError, RefNotFoundError
+from ckstore.errors import IntegrityError, ObjectMissingError, RefNotFoundError
 from ckstore.format.ids import ObjectId
-from ckstore.remote.layout import Holdings, RemoteRepo, pack_key, retry_when_gone
+from ckstore.remote.layout import Holdings, Located, RemoteRepo, pack_key, retry_when_gone
 from ckstore.remote.names import cache_backend, default_name, open_remote
 from ckstore.repository.context import RepoContext
 from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.repository.store import ObjectStore, object_key
+
+# Rounds of other copies a read tries when the chosen ones do not decode (a cycle of copies).
+MAX_COPY_ROUNDS = 8
 
 
 class RemoteObjects:
@@ -38,6 +41,10 @@ class RemoteObjects:
         self._where: Holdings | None = None
         self.fetched_bytes = 0  # bytes read from the remote (benchmarks and tests)
         self.fetched_objects = 0
+        # Where the chosen copies chained into a cycle: the copy read instead, and those tried.
+        self._override: dict[str, Located] = {}
+        self._tried: dict[str, set[str]] = {}
+        self._walk: list[str] = []  # objects downloaded by the read in progress
 
     def where(self) -> Holdings:
         if self._where is None:
@@ -59,12 +66,37 @@ class RemoteObjects:
         if n is not None and self.prefix_reads:
             # A header only: unverified, as a local header read is; verified when read whole.
             return retry_when_gone(lambda: self._download_prefix(oid, n, context), self._forget_holdings)
-        data, where = self._download(oid, context)
-        # Verified before it is cached (a damaged copy never sticks), by one reader whose chain
-        # walk spans the remote: bases come raw from the remote on the same path, so a cycle or
-        # an overlong chain there is refused like a local one; each verified link is cached.
-        VerifiedReader(self._stored, on_verified=self._keep).verify(oid, data, context + where)
-        return data if n is None else data[:n]
+        for _ in range(MAX_COPY_ROUNDS):
+            self._walk = []
+            data, where = self._download(oid, context)
+            # Verified before it is cached (a damaged copy never sticks), by one reader whose chain
+            # walk spans the remote: bases come raw from the remote on the same path, so a cycle or
+            # an overlong chain there is refused like a local one; each verified link is cached.
+            try:
+                VerifiedReader(self._stored, on_verified=self._keep).verify(oid, data, context + where)
+            except IntegrityError:
+                # Copies sent at different moments may chain into a cycle (chains.py): the next
+                # copy of an object on the walk breaks it; with none left, the error stands.
+                if self._other_copies(self._walk):
+                    continue
+                raise
+            return data if n is None else data[:n]
+        raise IntegrityError(f"object {oid}{context}: no copy on remote {self.remote.name} decodes")
+
+    def _other_copies(self, walk: list[str]) -> bool:
+        """Count on the next copy of each object the failed read walked (that has one left)."""
+        where = self.where()
+        changed = False
+        for o in dict.fromkeys(walk):
+            tried = self._tried.setdefault(o, set())
+            current = self._override.get(o) or where.get(o)
+            if current is not None:
+                tried.add(current.pack_id)
+            left = [c for c in where.copies(o) if c.pack_id not in tried]
+            if left:
+                self._override[o] = left[0]
+                changed = True
+        return changed
 
     def _stored(self, oid: str, context: str) -> bytes:
         """An object's stored bytes, unverified: from the cache, else from the remote."""
@@ -81,9 +113,12 @@ class RemoteObjects:
 
     def _forget_holdings(self) -> None:
         self._where = None
+        self._override.clear()
+        self._tried.clear()
 
     def _download_once(self, oid: str, context: str) -> tuple[bytes, str]:
-        loc = self.where().get(oid)
+        loc = self._override.get(oid) or self.where().get(oid)
+        self._walk.append(oid)
         if loc is None:
             raise ObjectMissingError(f"object {oid} is missing{context} (not on remote {self.remote.name} either)")
         ((_, view),) = self.remote.read_objects(loc.pack_id, [loc.entry])

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from ckstore.codecs.objects import delta_bases
+from ckstore.codecs.objects import Kind, delta_bases, encode, parse_header
 from ckstore.errors import (
     ConflictError,
     IntegrityError,
@@ -43,6 +43,7 @@ from ckstore.errors import (
 from ckstore.format.ids import ObjectId
 from ckstore.format.manifest import chunks_beyond
 from ckstore.format.pack import DEFAULT_TARGET_SIZE
+from ckstore.remote.chains import SentChains, acyclic_resends
 from ckstore.remote.layout import DEFAULT_GRACE, Condemned, Located, RemoteRepo
 from ckstore.remote.names import open_remote, tracking_ref
 from ckstore.remote.repack import superseded
@@ -384,11 +385,15 @@ def _send_missing(
         if resend
         else []
     )
+    judged = acyclic_resends(store, remote, where, again) if again else {}
+    again = list(judged)
     missing += again
     resent = set(again)
     relied = {where[oid].pack_id for oid in wanted if oid in where and oid not in resent}
 
     verifier = _Verifier(store)
+    chains = SentChains()
+    breakers: list[tuple[str, bytes, bytes]] = []
 
     def objects() -> Iterator[tuple[str, bytes, bytes]]:
         # The delta bases are taken from the bytes actually sent: a compaction may have re-encoded
@@ -401,6 +406,19 @@ def _send_missing(
                     while queue and len(ahead) < VERIFY_AHEAD:
                         ahead.append(pool.submit(verifier.stored, queue.popleft()))
                     oid, data, digest, bases = ahead.popleft().result()
+                    if oid in judged and bases != judged[oid]:
+                        # Re-encoded since it was judged (a compaction runs beside): judged again.
+                        if acyclic_resends(store, remote, where, [oid]).get(oid) != bases:
+                            relied.add(where[oid].pack_id)  # its copy there stays the one counted on
+                            continue
+                    if bases and chains.closes_cycle(oid, bases):
+                        # Read at another moment than the copies it would lean on (a compaction
+                        # re-encoded them between the reads): sent whole, no cycle goes up.
+                        data, digest, bases = verifier.whole(oid, data)
+                        chains.sent(oid, bases)
+                        breakers.append((oid, data, digest))  # in a pack of their own: repack.py
+                        continue
+                    chains.sent(oid, bases)
                     for base in bases:
                         if base in where and base not in resent:
                             relied.add(where[base].pack_id)
@@ -417,13 +435,20 @@ def _send_missing(
         watching(progress if missing else None, total, f"push {remote.name}") as advance,
         PackUploads(remote, target_size, UPLOAD_WORKERS) as uploads,
     ):
-        first_again = again[0] if again else None
+        apart = bool(again)
         for oid, data, digest in objects():
-            if oid == first_again:
+            if apart and oid in resent:
+                apart = False
                 # Sent again as re-encoded, these are final; whatever else goes in this upload
                 # may be superseded later: separate packs, so that a pack re-sent once is never
                 # re-sent again.
                 uploads.cut()
+            uploads.add(oid, data, digest)
+            advance(len(data))
+        # Whole copies that broke a cycle: once compaction is done the next push sends their
+        # deltas again, and a pack holding only them is then superseded as a whole.
+        uploads.cut()
+        for oid, data, digest in breakers:
             uploads.add(oid, data, digest)
             advance(len(data))
     for index in uploads.sent:
@@ -462,6 +487,12 @@ class _Verifier:
         except IntegrityError as exc:
             raise IntegrityError(f"{exc}; it is not sent, run 'ckstore fsck'") from None
         return oid, data, blake3.blake3(data).digest(), bases
+
+    def whole(self, oid: str, data: bytes) -> tuple[bytes, bytes, tuple[str, ...]]:
+        """A whole encoding of the verified delta ``data`` of ``oid``: (bytes, BLAKE3, no bases)."""
+        raw = self.reader.chunk(oid, parse_header(data).raw_len, "", data)
+        whole = encode(raw, Kind.CHUNK, self.store.settings.zstd_level)
+        return whole, blake3.blake3(whole).digest(), ()
 
 
 def _short(ref: str) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -435,19 +435,24 @@ def delta_closure(
 
 
 def delta_closure_many(
-    objects: Iterable[str], bases_of_many: BasesOfMany, follow: Callable[[str], bool] = lambda oid: True
+    objects: Iterable[str],
+    bases_of_many: BasesOfMany,
+    follow: Callable[[str], bool] = lambda oid: True,
+    edges: dict[str, tuple[str, ...]] | None = None,
 ) -> set[str]:
     """``delta_closure``, one round of header reads per level of the chains. An object for which
     ``follow`` is False is included but not read (it is not where the headers are read). A
     header that cannot be read (IntegrityError) stops the walk with one error text: without it
     nobody can know what the object needs, so deleting or sending anything on a guess could lose
-    data."""
+    data. ``edges``, when given, receives each object read and its bases (for ``in_cycles``)."""
     live = set(objects)
     todo = [o for o in live if follow(o)]
     while todo:
         found: list[str] = []
         try:
-            for _, bases in bases_of_many(todo):
+            for oid, bases in bases_of_many(todo):
+                if edges is not None:
+                    bases = edges[oid] = tuple(bases)
                 for base in bases:
                     if base not in live:
                         live.add(base)
@@ -459,3 +464,23 @@ def delta_closure_many(
             raise IntegrityError(f"{exc}; stopped, as what it needs cannot be known") from None
         todo = found
     return live
+
+
+def in_cycles(edges: Mapping[str, Sequence[str]]) -> set[str]:
+    """The objects of ``edges`` (object -> its delta bases, as stored where they were read) that
+    never decode: on a cycle of bases, or with a base that is. An object outside ``edges`` ends a
+    chain (it was not followed: whole, missing or elsewhere, which the caller judges). Linear:
+    each object resolves once all its bases have, the rest is what cycles leave."""
+    waiting = {oid: sum(1 for b in bases if b in edges) for oid, bases in edges.items()}
+    needers: dict[str, list[str]] = {}
+    for oid, bases in edges.items():
+        for b in bases:
+            if b in edges:
+                needers.setdefault(b, []).append(oid)
+    ready = [oid for oid, n in waiting.items() if n == 0]
+    while ready:
+        for needer in needers.get(ready.pop(), ()):
+            waiting[needer] -= 1
+            if waiting[needer] == 0:
+                ready.append(needer)
+    return {oid for oid, n in waiting.items() if n > 0}

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ckstore.remote import supersede as supersede_module
-from ckstore.remote.gc import remote_bases
+from ckstore.remote.chains import remote_bases
 from ckstore.remote.layout import RemoteRepo
 from ckstore.remote.names import open_remote
 from ckstore.remote.push import PushReport
