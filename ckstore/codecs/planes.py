@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import struct
 import threading
-import time
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import zstandard
 
-from ckstore.codecs import context, join_jit
+from ckstore.codecs import context
 from ckstore.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -187,21 +186,6 @@ def decode_grouped(body: memoryview, raw_len: int, into: np.ndarray | None = Non
     plane_list = [
         np.frombuffer(decode_plane(i, mode, frame, n), dtype=np.uint8) for i, (mode, frame) in enumerate(entries)
     ]
-    compiled = _compiled_join(width)
-    if compiled is not None:
-        join_jit.join(compiled, plane_list, out)
-        return out
-    started = time.thread_time()
-    _numpy_join(plane_list, out)
-    _NUMPY_JOIN_SPENT[0] += time.thread_time() - started
-    return out
-
-
-def _numpy_join(plane_list: list[np.ndarray], out: np.ndarray) -> None:
-    """``out`` from its byte planes with numpy (``join_jit.join``'s bytes)."""
-    import numpy as np
-
-    width = len(plane_list)
     if width in _WHOLE and out.ctypes.data % width == 0:
         # 2- and 4-byte elements as whole little-endian integers, shifted and OR-ed in place
         # plane by plane (numpy widens each byte plane inside the ufunc): per MiB 0.08 ms
@@ -212,33 +196,16 @@ def _numpy_join(plane_list: list[np.ndarray], out: np.ndarray) -> None:
         for plane in plane_list[-2::-1]:
             np.left_shift(whole, 8, out=whole)
             np.bitwise_or(whole, plane, out=whole)
-        return
+        return out
     # Interleaved by strided column writes: about 5x faster than whole integers when each
     # plane is first cast into an array of its own, and decoding was most of a clone's CPU.
-    columns = out.reshape(-1, width)
+    columns = out.reshape(n, width)
     for i, plane in enumerate(plane_list):
         columns[:, i] = plane
+    return out
 
 
 _WHOLE = {2: "<u2", 4: "<u4"}  # element widths decode_grouped joins as whole integers
-
-# CPU seconds a process spends joining planes with numpy before it compiles the joins
-# (join_jit.py), about what compiling them costs: the rule of renting skis until their price is
-# spent, so that a process never pays more than twice the cheaper choice. numpy joins a MB of fp32
-# elements in 0.3-0.55 ms in a checkout (bf16: 0.15-0.35), the compiled loop in 0.05; the
-# compile costs ~50 ms. A short read never compiles; a 10 GB one saves seconds. docs/benchmarks.md.
-NUMPY_JOIN_SECONDS = 0.05
-_NUMPY_JOIN_SPENT = [0.0]  # numpy join CPU so far (a lost update between threads only delays the switch)
-
-
-def _compiled_join(width: int) -> join_jit.Kernel | None:
-    """The compiled join for ``width``, or None to join with numpy (see NUMPY_JOIN_SECONDS)."""
-    if width not in join_jit.WIDTHS:
-        return None
-    found = join_jit.loaded()
-    if found is None and _NUMPY_JOIN_SPENT[0] >= NUMPY_JOIN_SECONDS:
-        found = join_jit.kernels()  # None while another thread compiles them, or when they cannot be
-    return None if found is None else found[width]
 
 
 def decode_zstd(body: memoryview, raw_len: int) -> bytes:
