@@ -21,6 +21,7 @@ from ckstore.cli import main
 from ckstore.codecs.objects import Encoding, parse_header
 from ckstore.compaction.pairing import Roles
 from ckstore.repository.store import ObjectStore, object_key
+from ckstore.runtime.priority import BESIDE_TRAINING
 from tests.pagecache import cached_bytes, evict, needs_fadvise
 
 CHUNK = 4096
@@ -333,7 +334,7 @@ def test_compaction_runs_on_bounded_threads_at_lower_priority(tmp_path: Path, mo
     repo.commit_state(_state(1))
     assert repo.compact().deltas > 0
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen and all(prio == min(19, mine + compact.COMPACTION_NICENESS) for _, prio in seen)
+    assert seen and all(prio == min(19, mine + BESIDE_TRAINING) for _, prio in seen)
     assert len({tid for tid, _ in seen}) <= compact.COMPACTION_WORKERS
     assert threading.get_native_id() not in {tid for tid, _ in seen}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's thread untouched
