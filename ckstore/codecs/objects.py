@@ -375,7 +375,7 @@ def encode_predicted(
     ``bases`` with ``coefficients`` (predict.py), if that stores in fewer than ``than`` bytes.
     ``guess``: that prediction, when the caller computed it already (to check the object with:
     ``PredictedParts``)."""
-    body = predicted.encode(raw, level, base_ids, bases, predictor, coefficients, guess)
+    body = predicted.encode(raw, level, PredictionInputs(base_ids, predictor, coefficients), bases, guess)
     if body is None or HEADER_SIZE + body[0] >= than:
         return None
     return b"".join([pack_header(Kind.CHUNK, Encoding.PREDICTED, len(raw)), *body[1]])

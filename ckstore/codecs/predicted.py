@@ -63,21 +63,16 @@ class PredictedParts(PredictionInputs):
 
 
 def encode(
-    raw: bytes | memoryview,
-    level: int,
-    base_ids: tuple[str, ...],
-    bases: list[bytes],
-    predictor: int,
-    coefficients: tuple[float, ...],
-    guess: np.ndarray | None = None,
+    raw: bytes | memoryview, level: int, inputs: PredictionInputs, bases: list[bytes], guess: np.ndarray | None
 ) -> tuple[int, list[bytes | memoryview]] | None:
-    """The body of ``raw`` (float32 elements) predicted from ``bases``: its size and its pieces,
-    the base ids first; None when ``raw`` and ``bases`` cannot make one. ``guess``: the
-    prediction, when the caller computed it already."""
+    """The body of ``raw`` (float32 elements) predicted from ``bases`` (the bytes of
+    ``inputs.base_ids``): its size and its pieces; None when ``raw`` and ``bases`` cannot make
+    one. ``guess``: the prediction, when the caller computed it already."""
     import numpy as np
 
     from ckstore.codecs import predict
 
+    base_ids, predictor, coefficients = inputs.base_ids, inputs.predictor, inputs.coefficients
     if not raw or len(raw) % PREDICTED_WIDTH or any(len(b) != len(raw) for b in bases) or len(bases) != len(base_ids):
         return None
     if guess is None:
