@@ -20,9 +20,7 @@ bounds the chain.
 
 This module frames objects, chooses a chunk's encoding and dispatches decoding; the bodies are
 in planes.py (byte planes: why they compress), deltas.py (plain and context-sorted deltas) and
-predict.py. Why predicted deltas: between two optimizer steps every byte changes, but the
-previous step's weights and second moment are almost a function of the current state
-(predict.py); XOR against that prediction is mostly zeros.
+predicted.py (predicted deltas, whose arithmetic is predict.py's).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from ckstore.codecs import context
+from ckstore.codecs import context, predicted
 from ckstore.codecs.deltas import (
     BASE_ID_SIZE,
     DELTA,
@@ -50,14 +48,10 @@ from ckstore.codecs.planes import (
     PlaneMode,
     compressor,
     decode_grouped,
-    decode_plane,
     decode_zstd,
     grouped_parts,
-    plane_compressor,
-    plane_piece,
-    plane_set,
-    plane_table,
 )
+from ckstore.codecs.predicted import PredictedParts, PredictionInputs
 from ckstore.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -71,8 +65,6 @@ HEADER_SIZE = HEADER.size
 MAX_BASES = 4  # bases a predicted delta may name
 # Enough of any object to name all its bases: gc, fsck and fetch follow bases by reading this much.
 BASES_PREFIX_SIZE = HEADER_SIZE + 1 + MAX_BASES * BASE_ID_SIZE
-_COEFFICIENT = struct.Struct("<d")
-PREDICTED_WIDTH = 4  # float32 elements only
 # Chunks at most this long are encoded with every candidate; longer ones are ranked on a sample.
 EXHAUSTIVE_MAX = 1 << 18
 _SAMPLE_WINDOWS = 8
@@ -118,7 +110,7 @@ class ObjectHeader:
     raw_len: int
 
 
-def _pack_header(kind: Kind, encoding: Encoding, raw_len: int) -> bytes:
+def pack_header(kind: Kind, encoding: Encoding, raw_len: int) -> bytes:
     return HEADER.pack(MAGIC, OBJECT_VERSION, kind, encoding, 0, raw_len)
 
 
@@ -166,14 +158,14 @@ def delta_bases(data: bytes | memoryview) -> tuple[str, ...]:
 
 
 def _raw_object(kind: Kind, raw: bytes | memoryview) -> bytes:
-    return b"".join((_pack_header(kind, Encoding.RAW, len(raw)), raw))  # one copy of raw, not two
+    return b"".join((pack_header(kind, Encoding.RAW, len(raw)), raw))  # one copy of raw, not two
 
 
 def encode(raw: bytes | memoryview, kind: Kind, level: int) -> bytes:
     """Encode raw bytes as zstd, or raw when zstd would not make the object smaller."""
     compressed = compressor(level).compress(raw)
     if len(compressed) < len(raw):
-        return _pack_header(kind, Encoding.ZSTD, len(raw)) + compressed
+        return pack_header(kind, Encoding.ZSTD, len(raw)) + compressed
     return _raw_object(kind, raw)
 
 
@@ -314,7 +306,7 @@ def encode_chunk(
         prefix = DELTA.pack(bytes.fromhex(base_id), chosen.op)
     if len(prefix) + size >= len(raw):
         return _raw_object(Kind.CHUNK, raw)
-    return b"".join([_pack_header(Kind.CHUNK, chosen.encoding, len(raw)), prefix, *parts])
+    return b"".join([pack_header(Kind.CHUNK, chosen.encoding, len(raw)), prefix, *parts])
 
 
 def encode_delta(
@@ -383,34 +375,10 @@ def encode_predicted(
     ``bases`` with ``coefficients`` (predict.py), if that stores in fewer than ``than`` bytes.
     ``guess``: that prediction, when the caller computed it already (to check the object with:
     ``PredictedParts``)."""
-    import numpy as np
-
-    from ckstore.codecs import predict
-
-    if not raw or len(raw) % PREDICTED_WIDTH or any(len(b) != len(raw) for b in bases) or len(bases) != len(base_ids):
+    body = predicted.encode(raw, level, PredictionInputs(base_ids, predictor, coefficients), bases, guess)
+    if body is None or HEADER_SIZE + body[0] >= than:
         return None
-    if guess is None:
-        guess = predict.predict(predict.Predictor(predictor), coefficients, bases)
-    kernels = predict.loaded_compiled()
-    if kernels is not None:  # the XOR and the split into planes in one compiled pass
-        planes = np.empty((PREDICTED_WIDTH, len(raw) // PREDICTED_WIDTH), dtype=np.uint8)
-        kernels.residual_planes(np.frombuffer(raw, dtype="<u4"), guess, planes)
-        zstd = plane_compressor(level)
-        size, parts = plane_set(PREDICTED_WIDTH, [plane_piece(plane, zstd) for plane in planes])
-    else:
-        residual = np.bitwise_xor(np.frombuffer(raw, dtype="<u4"), guess).view(np.uint8)
-        size, parts = grouped_parts(residual, PREDICTED_WIDTH, level)
-    prefix = b"".join(
-        [
-            bytes([len(base_ids)]),
-            *(bytes.fromhex(b) for b in base_ids),
-            bytes([predictor]),
-            *(_COEFFICIENT.pack(c) for c in coefficients),
-        ]
-    )
-    if HEADER_SIZE + len(prefix) + size >= than:
-        return None
-    return b"".join([_pack_header(Kind.CHUNK, Encoding.PREDICTED, len(raw)), prefix, *parts])
+    return b"".join([pack_header(Kind.CHUNK, Encoding.PREDICTED, len(raw)), *body[1]])
 
 
 # ---- decoding ---------------------------------------------------------------------------------
@@ -456,7 +424,7 @@ def decode_view(
     if header.encoding == Encoding.GROUPED:
         return decode_grouped(body, header.raw_len, out).data
     if header.encoding == Encoding.PREDICTED:
-        return _decode_predicted(data, header.raw_len, fetch_base, out)
+        return predicted.decode(predicted_parts(data, header.raw_len, out), header.raw_len, fetch_base)
     return decode_delta(body, header.raw_len, fetch_base, out, header.encoding == Encoding.CONTEXT)
 
 
@@ -472,137 +440,25 @@ def decode(
     return out if isinstance(out, bytes) else out.tobytes()
 
 
-@dataclass(frozen=True)
-class PredictionInputs:
-    """What a predicted delta as stored predicts from: its bases, predictor and coefficients."""
-
-    base_ids: tuple[str, ...]
-    predictor: int
-    coefficients: tuple[float, ...]
-
-    def same_prediction(self, base_ids: tuple[str, ...], predictor: int, coefficients: tuple[float, ...]) -> bool:
-        """Whether these are exactly the prediction's inputs (coefficients bit for bit: -0.0 is
-        not 0.0 to the prediction's arithmetic)."""
-        pack = struct.Struct(f"<{len(coefficients)}d").pack
-        return (
-            self.base_ids == tuple(base_ids)
-            and self.predictor == predictor
-            and len(self.coefficients) == len(coefficients)
-            and pack(*self.coefficients) == pack(*coefficients)
-        )
-
-
-@dataclass(frozen=True)
-class PredictedParts(PredictionInputs):
-    """A predicted delta as stored: what its decoding predicts from, and its residual decoded.
-    Decoding it is ``residual XOR predict(predictor, coefficients, the bases' bytes)``, nothing
-    else (``_decode_predicted``)."""
-
-    residual: np.ndarray  # uint8, the raw length
-
-
 def _predicted_inputs(data: bytes | memoryview, raw_len: int) -> tuple[PredictionInputs, memoryview]:
-    """Parse and check a predicted delta object's header, bases, predictor and coefficients; they
-    and its residual's body (a plane set). IntegrityError when malformed."""
-    from ckstore.codecs import predict
-
+    """Check a predicted delta object's header and parse its inputs (predicted.py); they and its
+    residual's plane set. IntegrityError when malformed."""
     header = parse_header(data)
     if header.kind != Kind.CHUNK or header.encoding != Encoding.PREDICTED or header.raw_len != raw_len:
         raise IntegrityError("not a predicted delta chunk of the expected length")
-    body = memoryview(data)[HEADER_SIZE:]
-    base_ids = delta_bases(data)
-    at = 1 + len(base_ids) * BASE_ID_SIZE
-    if len(body) < at + 1:
-        raise IntegrityError("predicted delta body is too short")
-    number = body[at]
-    if number not in predict.Predictor._value2member_map_:
-        raise IntegrityError(f"unknown predictor {number}")
-    predictor = predict.Predictor(number)
-    shape = predict.SHAPES[predictor]
-    if len(base_ids) != shape.bases:
-        raise IntegrityError(f"predictor {number} takes {shape.bases} bases, the object names {len(base_ids)}")
-    at += 1
-    if len(body) < at + shape.coefficients * _COEFFICIENT.size:
-        raise IntegrityError("predicted delta body is too short for its coefficients")
-    coefficients = tuple(
-        _COEFFICIENT.unpack_from(body, at + i * _COEFFICIENT.size)[0] for i in range(shape.coefficients)
-    )
-    try:
-        predict.check_coefficients(coefficients)
-    except ValueError as exc:
-        raise IntegrityError(str(exc)) from None
-    return PredictionInputs(tuple(base_ids), predictor, coefficients), body[
-        at + shape.coefficients * _COEFFICIENT.size :
-    ]
-
-
-def _not_float32(raw_len: int, residual: memoryview) -> IntegrityError | None:
-    if raw_len % PREDICTED_WIDTH or residual[0] != PREDICTED_WIDTH:
-        return IntegrityError("predicted delta residual is not of float32 elements")
-    return None
+    return predicted.read_inputs(memoryview(data)[HEADER_SIZE:], delta_bases(data))
 
 
 def predicted_parts(data: bytes | memoryview, raw_len: int, out: np.ndarray | None = None) -> PredictedParts:
     """Parse and check a predicted delta object (encoding 4) of ``raw_len`` bytes, and decode its
     residual (into ``out`` when given); IntegrityError when malformed."""
-    inputs, body = _predicted_inputs(data, raw_len)
-    residual = decode_grouped(body, raw_len, out)
-    error = _not_float32(raw_len, body)
-    if error is not None:
-        raise error
-    return PredictedParts(inputs.base_ids, inputs.predictor, inputs.coefficients, residual)
+    return predicted.parts(*_predicted_inputs(data, raw_len), raw_len, out)
 
 
 def predicted_decodes_to(data: bytes | memoryview, raw: bytes, guess: np.ndarray) -> tuple[PredictionInputs, bool]:
     """``predicted_parts`` of ``data`` (every check of its header, inputs and residual planes
     that decoding makes), and whether its residual XOR ``guess`` (uint32 words) is ``raw``: what
     the object decodes to when ``guess`` is the prediction of the returned inputs, which the
-    caller compares (compaction's check of a new object, encoding.py).
-
-    Where the prediction kernels are loaded, the decoded planes are joined, XORed and compared
-    with ``raw`` in one compiled pass (predict_kernels.residual_matches), not joined into a new
-    array first and then XORed and compared in two numpy passes (0.35 against 0.29 ms a 1 MiB
-    chunk of the DCP benchmark, decompressing the planes included)."""
-    import numpy as np
-
-    from ckstore.codecs import predict
-
-    kernels = predict.loaded_compiled()
-    if kernels is None:
-        parts = predicted_parts(data, len(raw))
-        decoded = np.bitwise_xor(parts.residual.view("<u4"), guess)
-        return parts, bool(np.array_equal(decoded, np.frombuffer(raw, dtype="<u4")))
-    inputs, body = _predicted_inputs(data, len(raw))
-    width, entries = plane_table(body, len(raw))  # the plane set's own checks, as decode_grouped's
-    n = len(raw) // width
-    planes = [np.frombuffer(decode_plane(i, mode, frame, n), dtype=np.uint8) for i, (mode, frame) in enumerate(entries)]
-    error = _not_float32(len(raw), body)
-    if error is not None:
-        raise error
-    words = np.frombuffer(raw, dtype="<u4")
-    return inputs, guess.shape == words.shape and bool(kernels.residual_matches(*planes, guess, words))
-
-
-def _decode_predicted(
-    data: bytes | memoryview,
-    raw_len: int,
-    fetch_base: BaseFetcher | None,
-    out: np.ndarray | None,
-) -> memoryview:
-    import numpy as np
-
-    from ckstore.codecs import predict
-
-    parts = predicted_parts(data, raw_len, out)
-    if fetch_base is None:
-        raise IntegrityError("delta object read without access to its base")
-    bases = []
-    for base_id in parts.base_ids:
-        base = fetch_base(base_id, raw_len)
-        if len(base) != raw_len:
-            raise IntegrityError(f"delta base decoded to {len(base)} bytes, expected {raw_len}")
-        bases.append(base)
-    guess = predict.predict(predict.Predictor(parts.predictor), parts.coefficients, bases)
-    residual = parts.residual
-    np.bitwise_xor(residual.view("<u4"), guess, out=residual.view("<u4"))
-    return residual.data
+    caller compares (compaction's check of a new object, encoding.py)."""
+    inputs, residual = _predicted_inputs(data, len(raw))
+    return inputs, predicted.decodes_to(inputs, residual, raw, guess)

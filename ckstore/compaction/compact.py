@@ -44,11 +44,10 @@ records); pairing.py pairs the positions, encoding.py re-encodes one.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 
 from ckstore.compaction.at_rest import is_at_rest, record_at_rest
 from ckstore.compaction.encoding import HeaderCache, PairMemory, compact_chunk, small_position
@@ -63,26 +62,16 @@ from ckstore.repository.context import RepoContext
 from ckstore.repository.refs import HEADS
 from ckstore.repository.writing import writing
 from ckstore.runtime.pipeline import collection_paused, ordered_map
+from ckstore.runtime.priority import BESIDE_TRAINING, lower
 
 # How long a compaction waits for another process's to finish before leaving the work to the
 # next one (nothing is lost by skipping: the objects are only less compressed until then).
 COMPACTION_LOCK_TIMEOUT = 60.0
 # Compaction runs beside training, which needs the cores for data loading and its own steps: at
-# most half of them, each thread at this much lower priority (Linux nice values are per thread).
+# most half of them, each worker thread lowering its own priority as it starts (the pool's
+# initializer; Linux nice values are per thread, so the caller's thread keeps its own).
 COMPACTION_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
-COMPACTION_NICENESS = 10
-
-
-def _yield_to_training() -> None:
-    """Pool initializer: lower this thread's priority (Linux only; elsewhere the call would
-    renice the whole process, or fail)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPACTION_NICENESS))
-    except OSError:
-        pass  # a sandbox that forbids it: compaction still runs, only at normal priority
+_YIELD_TO_TRAINING = partial(lower, BESIDE_TRAINING, thread=True)
 
 
 @dataclass
@@ -153,7 +142,7 @@ def compact_branch(
             if i + 1 < len(ids) and is_finished(ctx.backend, ids[i], ids[i + 1]):
                 pairs[i] = [j for j in pairs[i] if j.settle] if i else []
         pool = ThreadPoolExecutor(
-            COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training
+            COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_YIELD_TO_TRAINING
         )
         sums: dict[tuple[str, str], Sums] = {}  # (child's chunk, parent's): the tip pair's decoded ones
         known_raw, found_raw = settled_raw(ctx.backend, ctx.store.settings), set[str]()
@@ -237,7 +226,7 @@ def compact_commits(
             prepare(jobs)
         known_raw, found_raw = settled_raw(ctx.backend, ctx.store.settings), set[str]()
         pool = ThreadPoolExecutor(
-            COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_yield_to_training
+            COMPACTION_WORKERS, thread_name_prefix="ckstore-compact", initializer=_YIELD_TO_TRAINING
         )
         with pool, ctx.store.batch() as staged:
             view = HeaderCache(staged, known_raw, found_raw, forget_parents=all(j.prediction is None for j in jobs))

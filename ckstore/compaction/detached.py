@@ -3,8 +3,8 @@
 The CLI's commands return once their commit is durable: the compaction after it (compact.py)
 runs in ``python -m ckstore.compaction.detached REPO BRANCH``, started here in a session of its own
 (no terminal, so the user's Ctrl-C never reaches it), with its output appended to
-``compact.log`` in the repository. It runs at lower priority (``os.nice``) on a bounded number
-of threads, so a training process on the same machine keeps its cores.
+``compact.log`` in the repository. It runs at lower priority (runtime/priority.py) on a bounded
+number of threads, so a training process on the same machine keeps its cores.
 
 One compaction waits per branch at most: ``start`` takes the branch's place in line
 (``LocalBackend.compaction_place``) before it starts the process and hands the descriptor to
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from ckstore.repository.context import RepoContext
 
 COMPACTION_LOG = "compact.log"  # in the repository: what detached compactions did
-NICENESS = 10  # added to the child's priority: training's data loading comes first
 # How long a detached compaction waits for the one before it (a big state compacts for minutes);
 # after that it leaves its work to the next commit's, losing nothing.
 LOCK_WAIT = 3600.0
@@ -280,7 +279,9 @@ def _say(message: str) -> None:
 def run(path: str, branch: str, place: int) -> int:
     """The detached process: wait for the compaction lock, give up the place in line (``place``
     < 0: none, scripts/bench_user_path.py times the process that way), compact."""
-    os.nice(NICENESS)
+    from ckstore.runtime.priority import BESIDE_TRAINING, lower
+
+    lower(BESIDE_TRAINING)  # training's data loading and steps come first
     keep_freed_memory()
     from ckstore.compaction.compact import compact_branch
     from ckstore.repository.context import open_context

@@ -457,7 +457,7 @@ def _check_predicted(
 ) -> None:
     """``check_reencoded`` for a predicted delta, with the prediction computed for encoding it: decoding
     ``data`` is its residual XOR ``predict`` of the predictor, coefficients and bases it names
-    (objects.PredictedParts), and ``predict`` is a pure function of those (bit-reproducible by
+    (predicted.PredictedParts), and ``predict`` is a pure function of those (bit-reproducible by
     the format's rule, docs/format.md section 4). So when the parsed predictor, coefficients
     (bit for bit) and base ids are the ones ``guess`` was computed from, with the same verified
     base bytes, the decode would compute ``guess`` again: residual XOR ``guess`` is what it

@@ -1,4 +1,9 @@
-"""Work that must never slow what the machine is for: the lowest CPU (and so I/O) priority.
+"""Work that must not slow what the machine is for: a lower, or the lowest, CPU priority.
+
+``lower`` takes a thread or the whole process ``by`` nice steps down from where it is: the local
+compaction beside a training loop (compaction/compact.py's worker threads, the detached
+compaction process of compaction/detached.py) takes 10, so training's data loading and steps
+come first while compaction still gets a fair share of a busy machine.
 
 A detached process that re-encodes a remote's previous save (dcp/remote_compaction.py) shares
 the machine with the training loop that just saved; at normal priority its CPU time competes
@@ -19,8 +24,11 @@ Each step is best effort: a refusal leaves the process as it was on that point, 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 NICEST = 19
+BESIDE_TRAINING = 10  # nice steps the local compaction takes down (``lower``)
 
 
 def _threads() -> list[int]:
@@ -53,4 +61,23 @@ def lowest() -> list[str]:
     return sorted(applied)
 
 
-__all__ = ["NICEST", "lowest"]
+def lower(by: int, thread: bool = False) -> bool:
+    """Lower the priority of every thread of this process, or of the calling thread only
+    (``thread``), by ``by`` nice steps, to NICEST at most; True when it was applied.
+
+    ``thread`` needs Linux, where nice values are per thread; elsewhere it does nothing, since
+    there the same call would lower the whole process. Threads started later inherit the value
+    of the thread that starts them."""
+    if thread and not sys.platform.startswith("linux"):
+        return False
+    applied = False
+    for tid in [threading.get_native_id()] if thread else _threads():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(NICEST, os.getpriority(os.PRIO_PROCESS, tid) + by))
+            applied = True
+        except OSError:
+            pass  # a sandbox that forbids it: the work still runs, only at the priority it had
+    return applied
+
+
+__all__ = ["BESIDE_TRAINING", "NICEST", "lower", "lowest"]

@@ -14,53 +14,37 @@ import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
 
 from ckstore import Repo
 from ckstore.cli import main
-from ckstore.codecs.objects import Encoding, parse_header
+from ckstore.codecs.objects import Encoding
 from ckstore.compaction.pairing import Roles
 from ckstore.repository.store import ObjectStore, object_key
+from ckstore.runtime.priority import BESIDE_TRAINING
+from tests.compaction.states import CHUNK, commit_epochs, encoding_of, step_state, tensor_chunks
 from tests.pagecache import cached_bytes, evict, needs_fadvise
-
-CHUNK = 4096
-
-
-def _encoding(repo: Repo, oid: str) -> Encoding:
-    return parse_header(repo.store.read_raw(oid)).encoding
-
-
-def _tensor_chunks(repo: Repo, ref: str) -> list[str]:
-    return [c.id for f in repo.read_commit(repo.resolve(ref)).files for t in f.tensors for c in t.chunks]
-
-
-def _state(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 256, generator=g) * 0.05
-    drift = torch.randn(64, 256, generator=torch.Generator().manual_seed(step + 1)) * 1e-5
-    return {"w": w + drift * step, "frozen": torch.randn(4096, generator=g)}
 
 
 def test_commit_stores_fast_and_compaction_makes_the_parent_deltas(tmp_path: Path) -> None:
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False  # look at the repository between commit and compaction
-    first = repo.commit_state(_state(0))
-    second = repo.commit_state(_state(1))
+    first = repo.commit_state(step_state(0))
+    second = repo.commit_state(step_state(1))
     # The commit itself only hashed, compressed with plain zstd and wrote.
-    assert {_encoding(repo, o) for o in _tensor_chunks(repo, second)} <= {Encoding.ZSTD, Encoding.RAW}
+    assert {encoding_of(repo, o) for o in tensor_chunks(repo, second)} <= {Encoding.ZSTD, Encoding.RAW}
     stored_before = repo.stats().stored_bytes
     report = repo.compact()
     assert report.deltas > 0 and report.recompressed > 0 and report.saved > 0
     assert repo.stats().stored_bytes == stored_before - report.saved
     # The parent's changed chunks are deltas of the tip's; the tip reads whole, and once no
     # newer commit has arrived its own chunks are in their best whole encoding too: at rest.
-    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, first))
-    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, second))
-    assert {_encoding(repo, o) for o in _tensor_chunks(repo, second)} == {Encoding.GROUPED}
+    assert any(repo.store.bases_of(o) != () for o in tensor_chunks(repo, first))
+    assert all(repo.store.bases_of(o) == () for o in tensor_chunks(repo, second))
+    assert {encoding_of(repo, o) for o in tensor_chunks(repo, second)} == {Encoding.GROUPED}
     assert report.at_rest and repo.status().at_rest
     for oid, step in ((first, 0), (second, 1)):
         loaded = repo.load_state(oid)
-        assert all(torch.equal(loaded[k], v) for k, v in _state(step).items())
+        assert all(torch.equal(loaded[k], v) for k, v in step_state(step).items())
     assert repo.fsck(read_data=True) == []
     assert repo.compact().saved == 0  # nothing left to do: a second run only reads headers
 
@@ -79,110 +63,29 @@ def test_every_commit_the_newest_included_ends_in_its_best_encoding_each_chunk_r
         lambda self, oid, data, **kw: (staged.append(oid), original(self, oid, data, **kw))[1],
     )
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    ids = [repo.commit_state(_state(s)) for s in range(4)]
+    ids = [repo.commit_state(step_state(s)) for s in range(4)]
     repo.wait_background()  # `ckstore wait`: the compactions, then the tip settled
     assert staged and max(staged.count(o) for o in staged) <= 2
     for commit in ids:
-        for oid in _tensor_chunks(repo, commit):
-            assert repo.store.bases_of(oid) != () or _encoding(repo, oid) == Encoding.GROUPED
-    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, ids[-1]))
+        for oid in tensor_chunks(repo, commit):
+            assert repo.store.bases_of(oid) != () or encoding_of(repo, oid) == Encoding.GROUPED
+    assert all(repo.store.bases_of(o) == () for o in tensor_chunks(repo, ids[-1]))
     assert repo.status().at_rest
-    assert repo.fsck(read_data=True) == []
-
-
-def test_a_newer_commit_preempts_settling_the_tip_and_its_compaction_settles_the_rest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Settling the tip stops at the first chunk after a newer commit has moved the branch: what it
-    re-encoded stays, the store is not at rest, and the newer commit's compaction finishes it."""
-    import ckstore.compaction.tip as tip
-
-    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    repo.compact_after_commit = False
-    repo.commit_state(_state(0))
-    second = repo.commit_state(_state(1))
-    original = tip.recompress_whole
-    calls: list[str] = []
-
-    def newer_commit_arrives(store: object, oid: str, *args: object, **kwargs: object) -> int:
-        calls.append(oid)
-        if len(calls) == 1:
-            repo.commit_state(_state(2))  # moves the branch while the tip is being settled
-        return original(store, oid, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(tip, "recompress_whole", newer_commit_arrives)
-    report = repo.compact()
-    assert not report.at_rest and len(calls) <= 2  # the chunks already under way, no more
-    fast = {o for o in _tensor_chunks(repo, second) if _encoding(repo, o) in (Encoding.ZSTD, Encoding.RAW)}
-    assert fast and not repo.status().at_rest
-    monkeypatch.undo()
-    assert repo.compact().at_rest and repo.status().at_rest
-    assert all(repo.store.bases_of(o) != () or _encoding(repo, o) == Encoding.GROUPED for o in fast)
-    assert repo.fsck(read_data=True) == []
-
-
-def _drifting_and_fresh(step: int) -> dict[str, torch.Tensor]:
-    """A weight that drifts a little each step (its delta pays) beside one drawn afresh (it does not)."""
-    return {**_state(step), "fresh": torch.randn(64, 256, generator=torch.Generator().manual_seed(100 + step))}
-
-
-def test_settling_first_only_what_stays_whole_leaves_the_delta_bases_to_the_next_compaction(tmp_path: Path) -> None:
-    """The tip's chunks that the parent's deltas are based on are the ones the next compaction
-    makes deltas: a deferred settle re-encodes every other chunk and leaves those (not at rest);
-    the next commit's compaction makes them deltas without having to settle anything twice."""
-    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    repo.compact_after_commit = False
-    repo.commit_state(_drifting_and_fresh(0))
-    second = repo.commit_state(_drifting_and_fresh(1))
-    from ckstore.compaction.compact import compact_branch
-
-    report = compact_branch(repo._ctx, repo.head_branch, settle=True, defer_bases=True)
-    assert not report.at_rest and not repo.status().at_rest
-    commit = repo.read_commit(second)
-    chunks = {t.name: [c.id for c in t.chunks] for f in commit.files for t in f.tensors}
-    assert {_encoding(repo, o) for o in chunks["w"]} <= {Encoding.ZSTD, Encoding.RAW}  # bases: left fast
-    assert {_encoding(repo, o) for o in chunks["fresh"]} == {Encoding.GROUPED}  # stays whole: settled
-    staged: list[str] = []
-    original = ObjectStore.stage_replace
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            ObjectStore,
-            "stage_replace",
-            lambda self, oid, data, **kw: (staged.append(oid), original(self, oid, data, **kw))[1],
-        )
-        repo.commit_state(_drifting_and_fresh(2))
-        repo.compact()
-    assert all(repo.store.bases_of(o) != () for o in chunks["w"])  # the next compaction's deltas
-    assert not set(chunks["fresh"]) & set(staged)  # settled once, not again
-    assert repo.status().at_rest
-    assert all(torch.equal(repo.load_state(second)[k], v) for k, v in _drifting_and_fresh(1).items())
-    assert repo.fsck(read_data=True) == []
-
-
-def test_a_deferred_settle_then_a_full_one_brings_the_tip_to_rest(tmp_path: Path) -> None:
-    from ckstore.compaction.compact import compact_branch
-
-    repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    repo.compact_after_commit = False
-    ids = [repo.commit_state(_drifting_and_fresh(s)) for s in range(2)]
-    compact_branch(repo._ctx, repo.head_branch, settle=True, defer_bases=True)
-    assert compact_branch(repo._ctx, repo.head_branch, settle=True).at_rest
-    assert {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])} == {Encoding.GROUPED}
     assert repo.fsck(read_data=True) == []
 
 
 def test_repack_gives_the_newest_commit_its_best_whole_encoding_without_growing_the_store(tmp_path: Path) -> None:
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False  # nothing settles the commits but the repack
-    ids = [repo.commit_state(_state(s)) for s in range(3)]
-    assert {Encoding.ZSTD, Encoding.RAW} & {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])}
+    ids = [repo.commit_state(step_state(s)) for s in range(3)]
+    assert {Encoding.ZSTD, Encoding.RAW} & {encoding_of(repo, o) for o in tensor_chunks(repo, ids[-1])}
     assert not repo.status().at_rest
     report = repo.repack()
     assert report.stored_bytes_after < report.stored_bytes_before
-    assert {_encoding(repo, o) for o in _tensor_chunks(repo, ids[-1])} == {Encoding.GROUPED}
+    assert {encoding_of(repo, o) for o in tensor_chunks(repo, ids[-1])} == {Encoding.GROUPED}
     assert repo.status().at_rest
     for oid, step in zip(ids, range(3)):
-        assert all(torch.equal(repo.load_state(oid)[k], v) for k, v in _state(step).items())
+        assert all(torch.equal(repo.load_state(oid)[k], v) for k, v in step_state(step).items())
 
 
 def test_an_encoding_that_does_not_decode_to_the_chunk_is_never_staged(
@@ -202,21 +105,21 @@ def test_an_encoding_that_does_not_decode_to_the_chunk_is_never_staged(
     monkeypatch.setattr(encoding, "encode_delta", flipped)
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False
-    first = repo.commit_state(_state(0))
-    repo.commit_state(_state(1))
+    first = repo.commit_state(step_state(0))
+    repo.commit_state(step_state(1))
     assert repo.compact().deltas == 0
-    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, first))
-    assert all(torch.equal(repo.load_state(first)[k], v) for k, v in _state(0).items())
+    assert all(repo.store.bases_of(o) == () for o in tensor_chunks(repo, first))
+    assert all(torch.equal(repo.load_state(first)[k], v) for k, v in step_state(0).items())
     assert repo.fsck(read_data=True) == []
 
 
 def test_background_compaction_runs_after_each_commit_and_wait_covers_it(tmp_path: Path) -> None:
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    ids = [repo.commit_state(_state(s)) for s in range(3)]
+    ids = [repo.commit_state(step_state(s)) for s in range(3)]
     repo.wait()
-    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, ids[-1]))
+    assert all(repo.store.bases_of(o) == () for o in tensor_chunks(repo, ids[-1]))
     for older in ids[:-1]:
-        assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, older))
+        assert any(repo.store.bases_of(o) != () for o in tensor_chunks(repo, older))
     assert repo.fsck(read_data=True) == []
 
 
@@ -225,14 +128,14 @@ def test_a_compaction_that_never_ran_is_done_by_the_next_commits(tmp_path: Path)
     compaction also covers the pair below the tip."""
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False
-    a = repo.commit_state(_state(0))
-    b = repo.commit_state(_state(1))
+    a = repo.commit_state(step_state(0))
+    b = repo.commit_state(step_state(1))
     repo.compact_after_commit = True
-    c = repo.commit_state(_state(2))
+    c = repo.commit_state(step_state(2))
     repo.wait()
-    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, a))  # a -> b, done late
-    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, b))  # b -> c
-    assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, c))
+    assert any(repo.store.bases_of(o) != () for o in tensor_chunks(repo, a))  # a -> b, done late
+    assert any(repo.store.bases_of(o) != () for o in tensor_chunks(repo, b))  # b -> c
+    assert all(repo.store.bases_of(o) == () for o in tensor_chunks(repo, c))
     assert repo.fsck(read_data=True) == []
 
 
@@ -242,12 +145,12 @@ def test_an_already_compacted_pair_is_a_no_op_that_reads_only_headers(
     """The same state saved again on a second branch: every chunk is stored and compacted
     already, so its compaction must not decode or re-read any object body."""
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    first = repo.commit_state(_state(0))
-    repo.commit_state(_state(1))
+    first = repo.commit_state(step_state(0))
+    repo.commit_state(step_state(1))
     repo.wait_background()  # compacted and at rest
     repo.create_branch("again", first)
     repo.compact_after_commit = False
-    repo.commit_state(_state(1), branch="again")
+    repo.commit_state(step_state(1), branch="again")
     reads: list[str] = []
     for name in ("get_chunk", "read_local", "read_raw"):
         original = getattr(ObjectStore, name)
@@ -260,23 +163,17 @@ def test_an_already_compacted_pair_is_a_no_op_that_reads_only_headers(
     assert (report.deltas, report.recompressed, report.saved) == (0, 0, 0)
     assert reads == []
     monkeypatch.undo()
-    assert all(torch.equal(repo.load_state("again")[k], v) for k, v in _state(1).items())
+    assert all(torch.equal(repo.load_state("again")[k], v) for k, v in step_state(1).items())
 
 
 def test_cli_commit_compacts_in_the_background_and_wait_waits_for_it(tmp_path: Path) -> None:
     """Epoch-named files, committed by the CLI: the command ends once the commit is durable, and
     the parent is compacted (in a detached process) when 'ckstore wait' returns (issue 22)."""
-    Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    for step in range(2):
-        folder = tmp_path / f"epoch_{step}"
-        folder.mkdir()
-        save_file(_state(step), str(folder / f"model_epoch_{step}.safetensors"))
-        result = CliRunner().invoke(main, ["--repo", str(tmp_path / "repo"), "commit", str(folder)])
-        assert result.exit_code == 0, result.output
+    commit_epochs(tmp_path / "repo", tmp_path, 2)
     assert CliRunner().invoke(main, ["--repo", str(tmp_path / "repo"), "wait"]).exit_code == 0
     repo = Repo(tmp_path / "repo")
     parent = repo.resolve("HEAD~1")
-    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, parent))
+    assert any(repo.store.bases_of(o) != () for o in tensor_chunks(repo, parent))
 
 
 def test_roles_never_let_a_base_become_a_delta_in_the_same_run() -> None:
@@ -305,12 +202,12 @@ def test_any_history_of_permuted_and_reverted_tensors_stays_readable(steps: list
         state = {name: torch.from_numpy(pool[v].copy()) for name, v in zip(("x", "y", "z"), choice)}
         ids.append(repo.commit_state(state))
         repo.wait()
-        assert all(repo.store.bases_of(o) == () for o in _tensor_chunks(repo, ids[-1]))  # the tip reads whole
+        assert all(repo.store.bases_of(o) == () for o in tensor_chunks(repo, ids[-1]))  # the tip reads whole
     for oid, choice in zip(ids, steps):
         loaded = repo.load_state(oid)
         for name, v in zip(("x", "y", "z"), choice):
             assert np.array_equal(loaded[name].numpy(), pool[v])
-        assert max(repo.store.chain_depth(o) for o in _tensor_chunks(repo, oid)) <= 2
+        assert max(repo.store.chain_depth(o) for o in tensor_chunks(repo, oid)) <= 2
     assert repo.fsck(read_data=True) == []
 
 
@@ -329,11 +226,11 @@ def test_compaction_runs_on_bounded_threads_at_lower_priority(tmp_path: Path, mo
     monkeypatch.setattr(compact, "compact_chunk", spy)
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False
-    repo.commit_state(_state(0))
-    repo.commit_state(_state(1))
+    repo.commit_state(step_state(0))
+    repo.commit_state(step_state(1))
     assert repo.compact().deltas > 0
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen and all(prio == min(19, mine + compact.COMPACTION_NICENESS) for _, prio in seen)
+    assert seen and all(prio == min(19, mine + BESIDE_TRAINING) for _, prio in seen)
     assert len({tid for tid, _ in seen}) <= compact.COMPACTION_WORKERS
     assert threading.get_native_id() not in {tid for tid, _ in seen}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's thread untouched
@@ -342,7 +239,7 @@ def test_compaction_runs_on_bounded_threads_at_lower_priority(tmp_path: Path, mo
 def _moment_state(step: int) -> dict[str, torch.Tensor]:
     """A drifting weight (a delta between steps pays) beside a first moment that is new noise at
     every step, as AdamW's exp_avg is 60 steps apart (no delta pays)."""
-    state = _state(step)
+    state = step_state(step)
     state["exp_avg"] = torch.randn(64, 256, generator=torch.Generator().manual_seed(1000 + step)) * 1e-3
     return state
 
@@ -372,8 +269,8 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(
         return [ch.id for f in c.files for t in f.tensors if t.name == name for ch in t.chunks]  # type: ignore[attr-defined]
 
     refused = chunks(parent, "exp_avg")
-    assert {_encoding(repo, o) for o in chunks(grandparent, "exp_avg")} == {Encoding.GROUPED}  # refused, settled
-    assert {_encoding(repo, o) for o in refused} <= {Encoding.RAW, Encoding.ZSTD}  # the tip's until now: as committed
+    assert {encoding_of(repo, o) for o in chunks(grandparent, "exp_avg")} == {Encoding.GROUPED}  # refused, settled
+    assert {encoding_of(repo, o) for o in refused} <= {Encoding.RAW, Encoding.ZSTD}  # the tip's until now: as committed
     tried: list[str] = []
     original = encoding._reverse_delta
     monkeypatch.setattr(
@@ -386,8 +283,8 @@ def test_a_position_where_a_delta_was_refused_is_not_decoded_and_tried_again(
     assert [o for o in tried if o in refused] == retried
     below = chunks(grandparent, "exp_avg")
     assert [o for o in tried if o in below] == []  # the pair below: its own run finished it (finished_pairs.py)
-    assert {_encoding(repo, o) for o in refused} == {Encoding.GROUPED}  # still whole, no delta tried
-    assert {_encoding(repo, o) for o in chunks(commit, "exp_avg")} == {Encoding.GROUPED}
+    assert {encoding_of(repo, o) for o in refused} == {Encoding.GROUPED}  # still whole, no delta tried
+    assert {encoding_of(repo, o) for o in chunks(commit, "exp_avg")} == {Encoding.GROUPED}
     assert all(torch.equal(repo.load_state(tip)[k], v) for k, v in _moment_state(3).items())
     assert repo.fsck(read_data=True) == []
 
@@ -456,9 +353,9 @@ def test_a_pair_an_earlier_compaction_finished_is_not_visited_again(
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False
     for step in range(2):
-        repo.commit_state(_state(step))
+        repo.commit_state(step_state(step))
         repo.compact()
-    repo.commit_state(_state(2))
+    repo.commit_state(step_state(2))
     visited: list[bool] = []
     original = compact.compact_chunk
     monkeypatch.setattr(
@@ -470,7 +367,7 @@ def test_a_pair_an_earlier_compaction_finished_is_not_visited_again(
     assert repo.compact().saved == 0 and visited == []
     monkeypatch.undo()
     for step, ref in enumerate(("HEAD~2", "HEAD~1", "HEAD")):
-        assert all(torch.equal(repo.load_state(ref)[k], v) for k, v in _state(step).items())
+        assert all(torch.equal(repo.load_state(ref)[k], v) for k, v in step_state(step).items())
     assert repo.fsck(read_data=True) == []
 
 
@@ -491,8 +388,8 @@ def test_a_chunk_whose_best_encoding_is_raw_is_searched_once(tmp_path: Path, mon
     }
     repo = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     repo.compact_after_commit = False
-    first = repo.commit_state({**_state(0), **noise})
-    second = repo.commit_state({**_state(1), **noise})
+    first = repo.commit_state({**step_state(0), **noise})
+    second = repo.commit_state({**step_state(1), **noise})
     searched: list[str] = []
     original = encoding.encode_chunk
     monkeypatch.setattr(
@@ -501,15 +398,15 @@ def test_a_chunk_whose_best_encoding_is_raw_is_searched_once(tmp_path: Path, mon
     repo.compact()
     ids = [c.id for f in repo.read_commit(second).files for t in f.tensors if t.name == "noise" for c in t.chunks]
     assert len(ids) == 8 and set(ids) <= set(searched)  # searched once, found raw
-    assert {_encoding(repo, o) for o in ids} == {Encoding.RAW}
+    assert {encoding_of(repo, o) for o in ids} == {Encoding.RAW}
     searched.clear()
     repo.create_branch("other", first)
-    other = repo.commit_state({**_state(1), **noise}, branch="other")
+    other = repo.commit_state({**step_state(1), **noise}, branch="other")
     repo.compact("other")
-    repo.commit_state({**_state(2), **noise})
+    repo.commit_state({**step_state(2), **noise})
     repo.compact()
     assert [o for o in searched if o in ids] == []
-    assert {_encoding(repo, o) for o in ids} == {Encoding.RAW}
+    assert {encoding_of(repo, o) for o in ids} == {Encoding.RAW}
     assert torch.equal(repo.load_state(other)["noise"], noise["noise"])
     assert repo.fsck(read_data=True) == []
     # Recorded under the settings it was found with: at another zstd level the search is redone.
@@ -554,14 +451,14 @@ def test_compaction_leaves_the_tip_in_the_page_cache_and_keeps_the_parent_out(tm
     if cached_bytes(tip_pack) < tip_pack.stat().st_size // 2:
         pytest.skip("this file system does not keep the file in the page cache")
     report = repo.compact()
-    assert report.deltas == len(_tensor_chunks(repo, first))
-    parent_files = [repo.path / object_key(o) for o in _tensor_chunks(repo, first)]
+    assert report.deltas == len(tensor_chunks(repo, first))
+    parent_files = [repo.path / object_key(o) for o in tensor_chunks(repo, first)]
     assert all(p.exists() for p in parent_files)  # the deltas are loose files now
     assert sum(cached_bytes(p) for p in parent_files) == 0
     # Settled into loose files of their best whole encoding and evicted (the next run finds the
     # pair done and reads nothing of it), the tip is read back in the background (an advice the
     # kernel acts on later).
-    tip_files = [repo.path / object_key(o) for o in _tensor_chunks(repo, "HEAD")]
+    tip_files = [repo.path / object_key(o) for o in tensor_chunks(repo, "HEAD")]
     assert all(p.exists() for p in tip_files)
     size = sum(p.stat().st_size for p in tip_files)
     for p in tip_files:
@@ -574,30 +471,6 @@ def test_compaction_leaves_the_tip_in_the_page_cache_and_keeps_the_parent_out(tm
     assert repo.fsck(read_data=True) == []
 
 
-def test_a_detached_compaction_settles_the_tip_once_the_branch_stays_quiet(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After `ckstore commit` and nothing else (no `wait`), the detached compaction makes the
-    parent's deltas, waits for a newer commit, and settles the tip once none came."""
-    from ckstore.compaction.at_rest import is_at_rest
-
-    monkeypatch.setenv("CKSTORE_QUIET_SECONDS", "1")
-    Repo.init(tmp_path / "repo", chunk_size=CHUNK)
-    for step in range(2):
-        folder = tmp_path / f"epoch_{step}"
-        folder.mkdir()
-        save_file(_state(step), str(folder / f"model_epoch_{step}.safetensors"))
-        result = CliRunner().invoke(main, ["--repo", str(tmp_path / "repo"), "commit", str(folder)])
-        assert result.exit_code == 0, result.output
-    repo = Repo(tmp_path / "repo")
-    deadline = time.monotonic() + 60
-    while not is_at_rest(repo.backend, repo.resolve("HEAD")) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert repo.status().at_rest
-    assert {_encoding(repo, o) for o in _tensor_chunks(repo, "HEAD")} == {Encoding.GROUPED}
-    assert any(repo.store.bases_of(o) != () for o in _tensor_chunks(repo, "HEAD~1"))
-
-
 def test_a_compaction_opened_before_the_repository_was_created_again_stops_and_writes_nothing(tmp_path: Path) -> None:
     import shutil
 
@@ -606,12 +479,12 @@ def test_a_compaction_opened_before_the_repository_was_created_again_stops_and_w
     old = Repo.init(tmp_path / "repo", chunk_size=CHUNK)
     old.compact_after_commit = False
     for step in range(2):
-        old.commit_state(_state(step))
+        old.commit_state(step_state(step))
     shutil.rmtree(tmp_path / "repo")  # deleted and created again at the same path, without deltas
     new = Repo.init(tmp_path / "repo", chunk_size=CHUNK, max_delta_depth=0)
     new.compact_after_commit = False
     for step in range(3):
-        new.commit_state(_state(step))
+        new.commit_state(step_state(step))
     with pytest.raises(RepoReplacedError, match="deleted and created again"):
         old.compact()
     assert all(new.store.bases_of(o) == () for o in new.store.iter_ids())

@@ -1,18 +1,21 @@
-"""The detached compaction's log (compaction/detached.py): written only as a regular file inside
-the repository, and rotated rather than truncated, so neither a planted symlink nor a long history
-loses anyone's bytes."""
+"""The detached compaction (compaction/detached.py): it settles the tip once the branch stays
+quiet, and its log is written only as a regular file inside the repository, and rotated rather
+than truncated, so neither a planted symlink nor a long history loses anyone's bytes."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from ckstore.codecs.objects import Encoding
 from ckstore.compaction.detached import COMPACTION_LOG, LOG_LIMIT, ROTATED_LOG, _open_log
 from ckstore.repo import Repo
+from tests.compaction.states import commit_epochs, encoding_of, tensor_chunks
 from tests.helpers import checkpoint, sha256
 
 
@@ -141,3 +144,21 @@ def test_the_rest_of_the_tip_waits_for_twice_the_runs_epoch_within_bounds(monkey
     assert detached.run_over_after(_Ctx([1000.0]), "tip") == detached.QUIET_SECONDS  # type: ignore[arg-type]
     monkeypatch.setenv("CKSTORE_QUIET_SECONDS", "0")  # the test suite's: nothing waits
     assert detached.run_over_after(_Ctx(newest_first), "tip") == 0  # type: ignore[arg-type]
+
+
+def test_a_detached_compaction_settles_the_tip_once_the_branch_stays_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `ckstore commit` and nothing else (no `wait`), the detached compaction makes the
+    parent's deltas, waits for a newer commit, and settles the tip once none came."""
+    from ckstore.compaction.at_rest import is_at_rest
+
+    monkeypatch.setenv("CKSTORE_QUIET_SECONDS", "1")
+    commit_epochs(tmp_path / "repo", tmp_path, 2)
+    repo = Repo(tmp_path / "repo")
+    deadline = time.monotonic() + 60
+    while not is_at_rest(repo.backend, repo.resolve("HEAD")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert repo.status().at_rest
+    assert {encoding_of(repo, o) for o in tensor_chunks(repo, "HEAD")} == {Encoding.GROUPED}
+    assert any(repo.store.bases_of(o) != () for o in tensor_chunks(repo, "HEAD~1"))

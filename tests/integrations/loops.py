@@ -34,6 +34,7 @@ def run_loop(repo: Path, *extra: str) -> subprocess.Popen[str]:
 
 def final_state(repo: Path) -> dict[str, Any]:
     state = Repo(repo).load_state("main")
+    assert isinstance(state, dict), type(state)  # the loop commits a dict
     assert state["step"] == STEPS - 1
     return state
 

@@ -6,7 +6,7 @@ operations and seconds, and are SIGKILLed at random moments:
 * lane ``cli`` (the ``ckstore`` CLI, repository ``base``, branch ``a``): commits of folders (some
   forced into a local pack), pushes of ``a`` to the S3 and the folder remote, and tags of an
   older acknowledged commit pushed to a remote (the F4 path);
-* lane ``py`` (one long-lived ``system_driver.py`` process on ``base``, branch ``b``):
+* lane ``py`` (one long-lived ``system_driver.py`` process on ``base``, branch ``b``, system_lane_py.py):
   ``commit_state`` in the foreground and in the background, folder commits, compaction, pushes;
 * lane ``overlay`` (CLI, repository ``ovl``): overlay commits on a recent acknowledged commit of
   ``base`` (the F3 path), and gc of ``ovl`` with retention;
@@ -39,26 +39,24 @@ Bounded: loopback addresses only, every loop ends by count or by time, every pro
 from __future__ import annotations
 
 import functools
-import json
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from ckstore.repo import Repo
 from ckstore.transport.testserver import S3Server, seaweedfs
 
 from .helpers import CLI, checkpoint_bytes, cli_env, tree_digest
 from .system_check import Checks
+from .system_lane_py import DriverLane
 from .system_model import (
     OP_TIMEOUT,
     REMOTES,
@@ -73,7 +71,6 @@ from .system_model import (
 )
 from .system_procs import Interruption, Server, run_fresh, traceback_in_ckstore
 
-DRIVER = Path(__file__).with_name("system_driver.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -362,103 +359,6 @@ class System(Checks):
             with self.lock:
                 self.pushed.append((remote, f"refs/tags/{name}", target.oid, op, self.now()))
 
-    def lane_py(self, rng: random.Random, branch: str = "b") -> None:
-        driver: subprocess.Popen[str] | None = None
-        try:
-            while True:
-                if driver is None or driver.poll() is not None:
-                    driver = subprocess.Popen(
-                        [sys.executable, str(DRIVER), str(self.repos["base"])],
-                        env=self.env,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.DEVNULL,
-                        text=True,
-                    )
-                roll = rng.random()
-                seed, loss = self.new_seed(rng), self.loss_value(rng)
-                if roll < 0.55:
-                    background = rng.random() < 0.5
-                    kind = "commit_state (background)" if background else "commit_state"
-                    request = {
-                        "op": "state",
-                        "seed": seed,
-                        "n": self.settings.tensor_size,
-                        "branch": branch,
-                        "background": background,
-                        "loss": loss,
-                    }
-                    content: dict[str, str] | int | None = seed
-                elif roll < 0.75:
-                    folder = self.source(seed, rng.choice(("both", "model")))
-                    kind, content = "commit (driver)", tree_digest(folder)
-                    request = {"op": "commit", "dir": str(folder), "seed": seed, "branch": branch, "loss": loss}
-                elif roll < 0.85:
-                    kind, content, request = "compact", None, {"op": "compact", "branch": branch}
-                else:
-                    remote = rng.choice(REMOTES)
-                    kind, content, request = f"push {remote}", None, {"op": "push", "remote": remote, "ref": branch}
-                started = self.attempt("base", branch, loss) if request["op"] in ("state", "commit") else self.now()
-                op = self.next_op(kind)
-                answer = self.ask(driver, rng, op, kind, request)
-                if answer is not None and answer["ok"] and request["op"] in ("state", "commit"):
-                    self.acknowledge(kind.split(" ")[0], answer["oid"], "base", branch, started, loss, content, op)  # type: ignore[arg-type]
-                elif answer is not None and answer["ok"] and request["op"] == "push":
-                    with self.lock:
-                        self.pushed.append((request["remote"], f"refs/heads/{branch}", answer["oid"], op, started))
-                shutil.rmtree(self.work / "src" / str(seed), ignore_errors=True)
-        finally:
-            if driver is not None and driver.poll() is None:
-                driver.stdin.close()  # type: ignore[union-attr]
-                driver.wait(timeout=OP_TIMEOUT)
-
-    def ask(
-        self, driver: subprocess.Popen[str], rng: random.Random, op: int, kind: str, request: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        """Send one request; SIGKILL the driver at a random moment; the answer, or None."""
-        delay = self.kill_delay(rng, kind)
-        fired = threading.Event()
-
-        def kill() -> None:
-            fired.set()
-            driver.send_signal(signal.SIGKILL)
-
-        timer = threading.Timer(delay, kill) if delay is not None else None
-        start = time.monotonic()
-        try:
-            driver.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
-            driver.stdin.flush()  # type: ignore[union-attr]
-            if timer is not None:
-                timer.start()
-            line = driver.stdout.readline()  # type: ignore[union-attr]
-        except (BrokenPipeError, OSError):
-            line = ""
-        finally:
-            if timer is not None:
-                timer.cancel()
-                timer.join()  # a kill already under way completes before ``fired`` is read
-        if fired.is_set():
-            # The kill may land just after the answer was read: the operation is acknowledged, and
-            # the lane must see the driver dead before its next request, not blame the next one.
-            driver.wait(timeout=OP_TIMEOUT)
-        if not line:
-            driver.wait(timeout=OP_TIMEOUT)
-            if delay is None:
-                self.fail(f"op {op} {kind}: the driver died without being killed (exit {driver.returncode})")
-            else:
-                self.killed(op, kind, request)
-            return None
-        self.learn(kind, time.monotonic() - start)
-        answer: dict[str, Any] = json.loads(line)
-        self.outcome(
-            op,
-            kind,
-            request,
-            0 if answer["ok"] else answer["code"],
-            "" if answer["ok"] else f"ckstore: {answer['error']}",
-        )
-        return answer
-
     def lane_overlay(self, rng: random.Random) -> None:
         while True:
             if rng.random() < 0.8:
@@ -600,14 +500,14 @@ class System(Checks):
         self.deadline = time.monotonic() + self.settings.max_seconds  # the budget is for the lanes
         lanes: dict[str, Callable[[random.Random], None]] = {
             "cli": self.lane_cli,
-            "py": self.lane_py,
+            "py": DriverLane(self, "b").run,
             "overlay": self.lane_overlay,
             "mirror": self.lane_mirror,
             "maint": self.lane_maint,
         }
         for n in range(2, self.settings.parallel + 1):  # more writers on branches of their own
             lanes[f"cli{n}"] = functools.partial(self.lane_cli, branch=f"a{n}")
-            lanes[f"py{n}"] = functools.partial(self.lane_py, branch=f"b{n}")
+            lanes[f"py{n}"] = DriverLane(self, f"b{n}").run
         if self.settings.disk_bytes:
             from .system_disk import DiskLane  # it builds on this module
 

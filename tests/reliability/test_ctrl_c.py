@@ -40,8 +40,12 @@ if __name__ == '__main__':
 """
 
 # Sends SIGINT at the process's CKSTORE_TEST_SIGINT_AT-th Python call; writes the count of calls
-# to CKSTORE_TEST_CALLS at exit (registered first, so it runs after every other exit hook).
+# to CKSTORE_TEST_CALLS at exit (registered first, so it runs after every other exit hook). The
+# command's own process only: a fork keeps the profiler, and the compaction the command forks
+# (detached.py, in a session of its own that no Ctrl-C reaches) would otherwise count on and
+# interrupt itself.
 PROFILE = """import os, signal, sys
+os.register_at_fork(after_in_child=lambda: sys.setprofile(None))
 _at, _calls = int(os.environ.get("CKSTORE_TEST_SIGINT_AT", "0")), 0
 def _count(frame, event, arg):
     global _calls
@@ -164,6 +168,9 @@ def test_ctrl_c_at_spread_moments_of_a_commit_is_one_line_and_leaves_it_whole_or
     )
     assert rc == 0 and err == "", err
     total = int(calls.read_text())
+    # A commit's compaction runs on, detached, writing its objects through temporaries: what the
+    # command left is what is still there once the compaction ended.
+    Repo(repo_path).wait_background()
     seen = {"clean": 0, "python": 0}
     for i, at in enumerate(spread(total, 24)):
         folder, digest = folders[(i + 1) % 2]
@@ -174,9 +181,9 @@ def test_ctrl_c_at_spread_moments_of_a_commit_is_one_line_and_leaves_it_whole_or
         )
         rc, out, err = interrupted_at(proc, None)
         seen[judge(rc, out, err, probe)] += 1
+        Repo(repo_path).wait_background()
         check_commit(repo_path, before, rc, out, err, digest, tmp_path / "co")
         count("ctrl_c_at_a_call")
-        Repo(repo_path).wait_background()
     # Only the first calls (the launcher importing ckstore) come before ckstore's first line.
     assert seen["python"] <= 4 and seen["clean"] >= 16, seen
 
