@@ -9,8 +9,6 @@
     remotes/<h>/compaction/    the objects its compaction read: after each run, only the newest
                                save's (the next run pairs them with the save after it)
     remotes/<h>/compaction.lock  one compaction at a time per machine and remote
-    stage/                     the ranks' staging stores, each removed when its save is done
-                               (a killed rank's by the next save: backend/fsio.private_folder)
     remote-compact.log         the detached compactions' output
 
 Without bounds, every save would leave its chunks in ``compaction/`` and every pack it replaced

@@ -8,11 +8,10 @@ The protocol is a push split over the ranks (docs/format.md 16.1 states it norma
    and decides the branch (and the tag, for ``<remote>/<name>``); the plan carries both to
    every rank.
 2. Each rank learns what the remote holds (its indexes, ``RemoteRepo.holdings``), cuts, hashes
-   and encodes its pieces through the normal ingest path into a private staging store on local
-   disk (``Stage``: under ``cache_dir`` or the temporary folder, deleted when the rank is done),
-   which stores only the chunks the remote lacks, and uploads those as packs, each followed by
-   its index, several at once (push's ``send_objects``: verified before they leave, condemned
-   packs it relies on rescued). Only then does it report its chunk lists.
+   and encodes its pieces through the normal ingest path, and uploads the chunks the remote
+   lacks as they are encoded, in packs each followed by its index, several at once (upload.py:
+   nothing is staged on local disk; the packs it relies on are rescued from a remote gc's
+   condemned list). Only then does it report its chunk lists.
 3. Once DCP has gathered every rank's report, the coordinator checks that every object the
    reports name is in an indexed pack no gc has claimed (rescuing condemned ones), uploads the
    commit in a pack of its own, and moves the branch by compare-and-swap against the value it
@@ -42,11 +41,9 @@ from ckstore.backend.fsio import private_folder
 from ckstore.backend.local import LocalBackend
 from ckstore.backend.memory import MemoryBackend
 from ckstore.dcp.cache import remote_folder
-from ckstore.dcp.compaction import store_pieces
 from ckstore.errors import (
     ConflictError,
     IntegrityError,
-    ObjectMissingError,
     RefChangedError,
     RefNotFoundError,
     StorageError,
@@ -54,8 +51,7 @@ from ckstore.errors import (
 from ckstore.format.dcp_record import DcpRecord
 from ckstore.format.ids import ObjectId, is_object_id
 from ckstore.format.manifest import FileEntry, encode_commit_parts
-from ckstore.format.settings import RepoConfig
-from ckstore.remote.layout import Holdings, RemoteRepo
+from ckstore.remote.layout import RemoteRepo
 from ckstore.remote.lazy import RemoteObjects
 from ckstore.remote.names import RemoteSpec, open_spec
 from ckstore.remote.push import send_objects
@@ -65,7 +61,6 @@ from ckstore.repository.store import ObjectStore
 from ckstore.transport import parse_url
 from ckstore.write import provenance
 from ckstore.write.commit import MAX_CAS_ATTEMPTS, CommitRequest
-from ckstore.write.ingest import MemoryFile
 
 CACHE_ENV = "CKSTORE_CACHE_DIR"
 # Keys for the conditional-write probe: nothing in the remote layout reads them.
@@ -165,54 +160,7 @@ def save_branch(remote: RemoteRepo, request: CommitRequest, name: str | None) ->
     return branch, name
 
 
-class _Held:
-    """An object source that reports what the remote holds as durable, so that a staging
-    store stores (and the rank uploads) only what the remote lacks; it reads nothing."""
-
-    def __init__(self, where: Holdings) -> None:
-        self.where = where
-
-    def has(self, oid: str) -> bool:
-        return oid in self.where
-
-    def has_durable(self, oid: str) -> bool:
-        return oid in self.where
-
-    def read_stored(self, oid: str, n: int | None, context: str) -> bytes:
-        raise ObjectMissingError(f"object {oid} is missing{context} (it is on the remote, not staged)")
-
-
-STAGE_PREFIX = "ckstore-dcp-stage-"
 READ_PREFIX = "ckstore-dcp-read-"
-
-
-class Stage:
-    """A rank's private object store on local disk for one save; ``close`` deletes it (a killed
-    rank's goes when the next one is made there: ``private_folder``)."""
-
-    def __init__(self, cache_dir: str | None, where: Holdings, chunk_size: int) -> None:
-        folder = cache_folder(cache_dir)
-        self.folder = private_folder(None if folder is None else folder / "stage", STAGE_PREFIX)
-        backend = LocalBackend(self.folder)
-        backend.allow_packs = lambda: True  # a private store: no older reader to keep out
-        self.store = ObjectStore(backend, RepoConfig(chunk_size=chunk_size).encoding)
-        self.store.sources.append(_Held(where))
-
-    def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def save_rank(remote: RemoteRepo, target: RemoteTarget, source: MemoryFile, chunk_size: int) -> tuple[FileEntry, int]:
-    """Stage one rank's file and upload what the remote lacks; its manifest entry and the bytes
-    it added (as staged). Returns once every object it names is in an indexed pack there."""
-    stage = Stage(target.cache_dir, remote.holdings(), chunk_size)
-    try:
-        with stage.store.batch(source.size) as staged:
-            entry, added = store_pieces(staged, source, chunk_size)
-        send_objects(stage.store, remote, [c.id for c in entry.all_chunks()])
-    finally:
-        stage.close()
-    return entry, added
 
 
 def check_held(remote: RemoteRepo, named: Sequence[str]) -> None:
@@ -327,5 +275,4 @@ __all__ = [
     "point_tag",
     "prepare_remote",
     "save_branch",
-    "save_rank",
 ]

@@ -26,7 +26,7 @@ pieces cost nothing, changed ones are stored the fast way and, once the commit i
 repository's compaction re-encodes their predecessors as deltas against them (dcp/compaction.py).
 
 A remote URL instead of a repository (``s3://…``, ``file://…``) takes the same path up to the
-rank's file: each rank then stages it in a private store and uploads what the remote lacks,
+rank's file: each rank then uploads what the remote lacks as its chunks are encoded (upload.py),
 and the coordinator lands the commit there by compare-and-swap (remote.py); no lock is held,
 since a remote gc's grace period is what keeps a save's packs until its ref moves.
 
@@ -77,9 +77,9 @@ from ckstore.dcp.remote import (
     point_tag,
     prepare_remote,
     save_branch,
-    save_rank,
 )
 from ckstore.dcp.remote_compaction import check_mode
+from ckstore.dcp.upload import save_rank
 from ckstore.errors import CkstoreError, ConflictError, IntegrityError, InvalidInputError, UnencodableValueError
 from ckstore.format.dcp_record import piece_name, stored_dtype
 from ckstore.format.dtypes import TORCH_DTYPES
@@ -142,7 +142,7 @@ class Writer(StorageWriter):
     or ``file:///folder[/name]``: ranks on machines that share no folder then save straight to
     that remote (remote.py; branch ``main`` by default). ``cache_dir`` (default: the
     ``CKSTORE_CACHE_DIR`` environment variable, else none) is a node-local folder for what is
-    cached from the remote and for staging; it is never needed for correctness. S3 endpoint
+    cached from the remote; it is never needed for correctness. S3 endpoint
     and credentials come from the standard AWS variables, or ``endpoint_url``. Once a save has
     landed on a remote, the previous save's chunks are re-encoded there as deltas of the new ones
     (``compact``: ``"background"``, a detached process, the default; ``"inline"``, before
@@ -300,7 +300,7 @@ class Writer(StorageWriter):
             size = len(header) + sum(len(b) for b in buffers)
             source = MemoryFile(path, parse_header(header, size), (memoryview(header), *buffers))
             if info.remote is not None:  # on the remote, in indexed packs, before we report
-                entry, added = save_rank(self._remote(info.remote), info.remote, source, self.chunk_size)
+                entry, added = save_rank(self._remote(info.remote), source, self.chunk_size)
             else:
                 ctx = self._context()
                 with writing(ctx), ctx.store.batch(size) as staged:  # durable before we report

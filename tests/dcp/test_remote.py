@@ -30,6 +30,7 @@ import ckstore.dcp.remote as remote_module
 from ckstore.backend.memory import MemoryBackend
 from ckstore.dcp.remote import RemoteView, find_target
 from ckstore.errors import CkstoreError
+from ckstore.remote.layout import RemoteRepo, index_key, pack_key
 from ckstore.repository.refs import HEADS, TAGS
 from ckstore.transport.testserver import S3Server, free_ports
 from tests.dcp.test_storage import WORKER, assert_same_tensors, checkout_full, report, torchrun
@@ -237,7 +238,7 @@ def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_pack
     result = torchrun(2, "kill-upload", url, str(tmp_path), "main", check=False)
     assert result.returncode != 0
     assert _ref(url, HEADS + "main") == before, "the branch stays where it was"
-    assert list((cache / "stage").iterdir()), "the killed rank's stage is left behind"
+    assert not (cache / "stage").exists(), "a rank stages nothing on local disk: nothing is left behind"
     orphans = _packs(url) - packs
     assert orphans, "the killed rank had uploaded a pack"
     # Remote gc's two phases: the first run condemns what no ref needs, the next deletes it.
@@ -250,9 +251,39 @@ def test_a_rank_killed_mid_upload_moves_no_branch_and_remote_gc_removes_its_pack
     assert set(clone.gc_remote(grace=0).deleted) >= orphans
     assert not orphans & _packs(url)
     after = _single_save(url, 3.0)  # the next save succeeds, on top of the branch as it was
-    assert not list((cache / "stage").iterdir()), "a dead rank's stage goes with the next save here"
     clone.fetch()
     assert [e.id for e in clone.log("origin/main")] == [after, before]
+
+
+def test_a_pack_a_save_deduplicates_against_that_a_sweep_claims_meanwhile_is_sent_again(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = bucket.url()
+    _single_save(url, 1.0)
+    first = _packs(url)
+    rescue = RemoteRepo.rescue
+    swept: list[set[str]] = []
+
+    def sweep_first(self: RemoteRepo, packs: set[str]) -> set[str]:
+        # A remote gc's sweep claims the first save's packs after the rank found its chunks
+        # there and before it rescued them (a save slower than the grace period).
+        if not swept:
+            condemned = self.read_condemned()
+            condemned.packs.update({p: (time.time(), True) for p in first})
+            assert self.write_condemned(condemned)
+            swept.append(packs & first)
+        return rescue(self, packs)
+
+    monkeypatch.setattr(RemoteRepo, "rescue", sweep_first)
+    second = _single_save(url, 1.0)  # the same state: every chunk is one the first save sent
+    assert swept and swept[0], "the save relied on the first save's packs"
+    remote = find_target(url).open()
+    for pack in first:  # the sweep deletes what it claimed
+        remote.transport.delete(pack_key(pack))
+        remote.transport.delete(index_key(pack))
+    out = {"w": torch.zeros(64, 64), "step": 0}
+    dcp.load(out, storage_reader=ckstore.dcp.Reader(url, ref=second))
+    assert torch.equal(out["w"], torch.arange(4096, dtype=torch.float32).reshape(64, 64)) and out["step"] == 1
 
 
 def test_a_server_that_ignores_conditional_writes_is_refused(
