@@ -12,8 +12,9 @@ the pipeline's workers, exactly as a local commit stores it, so the objects are 
 stored) into a store whose backend keeps nothing: each new object goes straight into the pack
 being uploaded (``PackUploads``: packs under fresh random names, each followed by its index,
 a few in flight, the workers blocked while the uploads are behind, so memory stays a few packs).
-Nothing touches a disk between encoding and upload, so there is nothing to re-verify; the pack
-index still records each object's BLAKE3, and every reader decodes and re-hashes what it reads.
+Nothing touches a disk between encoding and upload; each object is still decoded and re-hashed
+from the bytes that go up (an encoder fault stops the save), the pack index records their
+BLAKE3, and every reader decodes and re-hashes what it reads.
 
 The chunks the remote already holds (its indexes, ``RemoteRepo.holdings``) are not sent. Every
 pack the rank relies on, those found and those sent, is then rescued from a remote gc's
@@ -35,6 +36,7 @@ from ckstore.format.pack import DEFAULT_TARGET_SIZE
 from ckstore.format.settings import RepoConfig
 from ckstore.remote.layout import Holdings, RemoteRepo
 from ckstore.remote.uploads import PackUploads
+from ckstore.repository.reader import VerifiedReader
 from ckstore.repository.store import ObjectStore
 from ckstore.write.ingest import MemoryFile, ingest
 
@@ -68,6 +70,7 @@ class _Streaming(MemoryBackend):
         self.uploads = uploads
         self.sent: set[str] = set()
         self._lock = threading.Lock()  # the sent set, and the uploads (not thread-safe)
+        self.checker = VerifiedReader(_no_base)
 
     def exists(self, key: str) -> bool:
         oid = key_object_id(key)
@@ -77,6 +80,11 @@ class _Streaming(MemoryBackend):
         oid = key_object_id(key)
         if oid is None:
             return super().put_new(key, data)
+        # Decoded and re-hashed from the very bytes that go up (format.md 15.4), as a push
+        # checks what it reads from disk: readers trust the index's digest of these bytes, so
+        # an encoder fault must stop here, not reach the remote vouched for. Whole objects
+        # (a save encodes no deltas), so nothing else is read.
+        self.checker.verify(oid, data)
         digest = blake3.blake3(data).digest()  # outside the lock: it releases the GIL
         with self._lock:
             if oid in self.sent:  # two workers stored the same chunk at once
@@ -84,6 +92,10 @@ class _Streaming(MemoryBackend):
             self.sent.add(oid)
             self.uploads.add(oid, data, digest)  # blocks while the uploads are behind
         return True
+
+
+def _no_base(oid: str, context: str) -> bytes:
+    raise KeyError(oid)  # a delta's base is never read here: the save stores whole objects
 
 
 def _send_once(
