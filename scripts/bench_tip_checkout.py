@@ -13,8 +13,10 @@ Timed: ``ckstore checkout HEAD`` of each form, in a process of its own with the 
 as an installed package's is (bench_env.py), each run after an ``os.sync()`` into an emptied
 folder; wall and CPU seconds (all threads) of the command, medians of ``--reps``, the two forms
 alternating so that a change of the machine's load falls on both; each ``--code`` tree reads both
-repositories (the stored form does not depend on which tree reads it). The checked-out files
-are compared byte for byte with the epoch's. Printed as a markdown table with the ratios settled
+repositories (the stored form does not depend on which tree reads it), the trees interleaved with
+the forms (each round runs every tree on every form), so that the trees compare as fairly as the
+forms: each tree's settled checkout is also given against the first tree's committed one. Each
+tree's first checkout of each form is compared byte for byte with the epoch's files. Printed as a markdown table with the ratios settled
 / committed, the stored bytes of both repositories and the 1-minute load beside the times.
 
 ``--stages``: where the time of the settled and the committed checkout goes, one thread in this
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,22 +101,28 @@ def tip_encodings(repo: Path) -> tuple[Counter[str], int]:
 
 
 def timed_checkouts(
-    code: Path, env: dict[str, str], repos: dict[str, Path], out: Path, reps: int
-) -> dict[str, tuple[float, float]]:
-    """Median (wall, CPU) seconds of ``ckstore checkout HEAD`` of each repository, alternating."""
-    walls: dict[str, list[float]] = {name: [] for name in repos}
-    cpus: dict[str, list[float]] = {name: [] for name in repos}
-    names = list(repos)
+    codes: list[Path], env: dict[str, str], repos: dict[str, Path], out: Path, reps: int, check: Callable[[], bool]
+) -> dict[tuple[Path, str], tuple[float, float, bool]]:
+    """Median (wall, CPU) seconds of ``ckstore checkout HEAD`` of each repository by each tree,
+    and whether its first checkout wrote the epoch's bytes (``check``). Every (tree, repository)
+    pair runs once per round, the order reversed every other round: a change of the machine's
+    load falls on all of them, so that the trees compare as fairly as the two forms."""
+    pairs = [(code, name) for code in codes for name in repos]
+    walls: dict[tuple[Path, str], list[float]] = {pair: [] for pair in pairs}
+    cpus: dict[tuple[Path, str], list[float]] = {pair: [] for pair in pairs}
+    exact: dict[tuple[Path, str], bool] = {}
     for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
+        for code, name in pairs if rep % 2 == 0 else pairs[::-1]:
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
             wall, cpu = _command(
                 code, env, ["--repo", str(repos[name]), "checkout", "HEAD", "-o", str(out)], out.parent
             )
-            walls[name].append(wall)
-            cpus[name].append(cpu)
-    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in names}
+            walls[code, name].append(wall)
+            cpus[code, name].append(cpu)
+            if rep == 0:
+                exact[code, name] = check()
+    return {p: (statistics.median(walls[p]), statistics.median(cpus[p]), exact[p]) for p in pairs}
 
 
 def stages(repo: Path, scratch: Path) -> dict[str, float]:
@@ -183,7 +192,7 @@ def main() -> None:
     data = ensure_checkpoints(work / "checkpoints", steps=args.steps, runs=tuple(args.runs))
     env = installed_like_env(work / "pycache")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows, stage_rows = [], []
+    rows, stage_rows, across = [], [], []
     for run in args.runs:
         dirs = data[run]
         root = work / "tip-checkout" / run
@@ -199,18 +208,27 @@ def main() -> None:
             print(
                 f"{run} {name}: tip {tip_bytes:,} B stored ({dict(counts)}), repository {stored[name]:,} B", flush=True
             )
-        for code in args.code:
-            load = os.getloadavg()[0]
-            times = timed_checkouts(Path(code), env, repos, root / "out", args.reps)
-            exact = _same_files(root / "out", dirs[-1], len(dirs))
-            (cw, cc), (sw, sc) = times["committed"], times["settled"]
+        load = os.getloadavg()[0]
+        codes = [Path(code) for code in args.code]
+        times = timed_checkouts(
+            codes, env, repos, root / "out", args.reps, lambda: _same_files(root / "out", dirs[-1], len(dirs))
+        )
+        for code in codes:
+            (cw, cc, c_exact), (sw, sc, s_exact) = times[code, "committed"], times[code, "settled"]
             rows.append(
-                f"| {run} | {Path(code).name} | {size / 1e6:.0f} | {forms['committed'][1] / size:.3f} | "
+                f"| {run} | {code.name} | {size / 1e6:.0f} | {forms['committed'][1] / size:.3f} | "
                 f"{forms['settled'][1] / size:.3f} | {stored['settled'] / stored['committed']:.4f} | "
                 f"{cw * 1e3:.0f} | {sw * 1e3:.0f} | **{sw / cw:.3f}** | {cc * 1e3:.0f} | {sc * 1e3:.0f} | "
-                f"**{sc / cc:.3f}** | {'yes' if exact else 'NO'} | {load:.1f}–{os.getloadavg()[0]:.1f} |"
+                f"**{sc / cc:.3f}** | {'yes' if c_exact and s_exact else 'NO'} | {load:.1f}–{os.getloadavg()[0]:.1f} |"
             )
             print(rows[-1], flush=True)
+        first_wall, first_cpu, _ = times[codes[0], "committed"]
+        for code in codes:
+            sw, sc, _ = times[code, "settled"]
+            across.append(
+                f"| {run} | {code.name} settled / {codes[0].name} committed | {sw / first_wall:.3f} | {sc / first_cpu:.3f} |"
+            )
+            print(across[-1], flush=True)
         if args.stages:
             for name, path in repos.items():
                 spent = stages(path, root / "stage.bin")
@@ -227,6 +245,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print("\n| run | trees | wall ratio | CPU ratio |\n|---|---|---|---|")
+    print("\n".join(across))
     if stage_rows:
         print("\n| run | tip | ms per stage, one thread |\n|---|---|---|")
         print("\n".join(stage_rows))

@@ -29,7 +29,6 @@ from functools import update_wrapper
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import click
-import click.shell_completion
 
 from ckstore.cli import CTRL_C, EXIT_INTERRUPTED, STOPPING
 from ckstore.errors import CkstoreError, CkstoreWarning, InvalidInputError, OutputError, StorageError
@@ -38,6 +37,8 @@ from ckstore.runtime.units import human  # noqa: F401  (the commands' one way to
 # The repository layer loads when a command opens a repository (``find_repo``), not for ``--help``
 # or a usage error (start-up: scripts/bench_startup.py, tests/cli/test_startup.py).
 if TYPE_CHECKING:
+    import click.shell_completion
+
     from ckstore.repo import ProgressBar, Repo
 
 EXIT_PIPE = 141  # 128 + SIGPIPE
@@ -324,6 +325,8 @@ def complete_ref(
         names = ["HEAD", *repo.branches(), *repo.tags()]
     except CkstoreError:
         return []  # outside a repository there is nothing to offer, and completion must not fail
+    import click.shell_completion  # here: only completion needs it
+
     return [click.shell_completion.CompletionItem(n) for n in sorted(set(names)) if n.startswith(incomplete)]
 
 

@@ -35,11 +35,12 @@ from ckstore.errors import IntegrityError, InvalidInputError, TensorNotFoundErro
 from ckstore.format.manifest import Commit, FileEntry, TensorEntry
 from ckstore.format.values import JSONValue, decode_value
 from ckstore.read.checkout import Output, full_output, plan_outputs
-from ckstore.read.consolidate import plan_consolidated
-from ckstore.read.lora import find_merge, plan_merged
 from ckstore.read.shards import SINGLE_NAME, gather_tensors, parse_size, plan_model_files, plan_shards
 from ckstore.repository.filedata import header_metadata, state_document
 from ckstore.repository.store import ObjectStore
+
+# Consolidating a distributed checkpoint and merging a LoRA adapter are imported by the plans
+# that need them: a plain checkout does without either (start-up: scripts/bench_startup.py).
 
 MODEL_FILES = ("model.safetensors", "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors")
 STATE_MODEL_KEY = "model"
@@ -59,8 +60,12 @@ def plan_checkout(
     if merge_lora:
         if shard_size is not None or only:
             raise InvalidInputError("merge_lora cannot be combined with shard_size or only")
+        from ckstore.read.lora import plan_merged
+
         return plan_merged(store, commit)
     if commit.dcp is not None:  # a distributed checkpoint: its full tensors, not the ranks' pieces
+        from ckstore.read.consolidate import plan_consolidated
+
         return plan_consolidated(store, commit, only, None if shard_size is None else parse_size(shard_size))
     if shard_size is not None:
         return plan_shards(store, commit, parse_size(shard_size), only)
@@ -103,6 +108,8 @@ def plan_export(
     # A LoRA adapter overlay's model is the base with the adapter merged: what from_pretrained
     # loads with no peft and no base_model_name_or_path to resolve (unless --weights names the
     # adapter's own file, asking for its tensors as they are).
+    from ckstore.read.lora import find_merge
+
     merge = find_merge(store, commit)
     if merge is not None and any(f is merge.adapter for f in files):
         merge = None

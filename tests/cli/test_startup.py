@@ -116,6 +116,23 @@ def test_the_probe_sees_the_operation_a_command_runs(small_repo: Path, tmp_path:
     )
 
 
+# What a checkout of a plain commit (no LoRA merge, no distributed checkpoint) does without: each
+# is paid by every `ckstore checkout` process otherwise (docs/benchmarks.md, "Checkout of the
+# newest commit, settled or as committed"). hashlib loads OpenSSL; manifests are read without it.
+PLAIN_CHECKOUT_SKIPS = (
+    "ckstore.read.lora",
+    "ckstore.read.consolidate",
+    "ckstore.format.dcp_record",
+    "hashlib",
+    "click.shell_completion",
+)
+
+
+def test_a_plain_checkout_loads_no_merging_consolidation_or_hashlib(small_repo: Path, tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    assert imported_by(small_repo, "checkout", "HEAD", "-o", out, tmp=tmp_path, watch=PLAIN_CHECKOUT_SKIPS) == []
+
+
 # Start-up costs in CPU time (scripts/bench_startup.py, docs/benchmarks.md "Startup"): what
 # `log -n 1` and `status` read needs none of these; they load with the writes that use them.
 WRITERS_ONLY = (
