@@ -25,7 +25,7 @@ from collections.abc import Set as AbstractSet
 from ckstore.codecs.objects import BASES_PREFIX_SIZE, delta_bases
 from ckstore.errors import IntegrityError
 from ckstore.format.pack import PackTable
-from ckstore.remote.layout import Located, RemoteRepo, pack_key
+from ckstore.remote.layout import Located, RemoteRepo, all_copies, pack_key
 from ckstore.repository.reader import delta_closure_many, in_cycles
 from ckstore.repository.store import ObjectStore
 
@@ -124,7 +124,7 @@ def breakers(
     settled: set[str] = set()
     while cyclic := in_cycles(edges) - settled:
         settled |= cyclic
-        others = [loc for oid in sorted(cyclic) for loc in copies(tables, oid) if loc != where.get(oid)]
+        others = [c for oid in sorted(cyclic) for c in all_copies(sorted(tables.items()), oid) if c != where.get(oid)]
         packs |= {loc.pack_id for loc in others}
         bases = {b for _, bs in _bases_on_remote(remote, others) for b in bs}
         needed |= remote_bases(remote, where, bases - needed, edges)
@@ -132,16 +132,14 @@ def breakers(
     return needed, packs
 
 
-def cycles_among(remote: RemoteRepo, where: Mapping[str, Located], objects: AbstractSet[str]) -> set[str]:
-    """The objects of the closure of ``objects`` (over ``where``'s copies) on or behind a cycle."""
+def chain_closure(
+    remote: RemoteRepo, where: Mapping[str, Located], objects: AbstractSet[str]
+) -> tuple[set[str], set[str]]:
+    """``objects`` with every delta base their chosen copies need (``remote_bases``), and those
+    of them on or behind a cycle of chosen copies."""
     edges: dict[str, tuple[str, ...]] = {}
-    remote_bases(remote, where, set(objects), edges)
-    return in_cycles(edges)
+    needed = remote_bases(remote, where, set(objects), edges)
+    return needed, in_cycles(edges)
 
 
-def copies(tables: Mapping[str, PackTable], oid: str) -> list[Located]:
-    """Every copy of ``oid`` in ``tables``, by pack id."""
-    return [Located(p, e) for p, t in sorted(tables.items()) if (e := t.find(oid)) is not None]
-
-
-__all__ = ["SentChains", "acyclic_resends", "breakers", "copies", "cycles_among", "remote_bases"]
+__all__ = ["SentChains", "acyclic_resends", "breakers", "chain_closure", "remote_bases"]

@@ -155,7 +155,7 @@ class Lander:
         view: ObjectStore,
         batches: Batches,
         remote: RemoteRepo,
-        where: Mapping[str, Located],
+        where: Holdings,
         pool: ThreadPoolExecutor,
         received: Callable[[int], None],
     ) -> None:
@@ -170,10 +170,8 @@ class Lander:
         # is read again through the store (it landed), so memory never grows with the fetch.
         self.reader = VerifiedReader(self._stored, base_cache=BASE_CACHE)
         self.waiting: dict[str, list[tuple[str, str, bytes | memoryview]]] = {}  # base -> deltas waiting for it
-        self.late: list[tuple[str, str, bytes | memoryview]] = []
-        self.tried: dict[
-            str, set[str]
-        ] = {}  # object -> packs whose copy waited on a cycle  # deltas on a local base whose chain is incomplete
+        self.late: list[tuple[str, str, bytes | memoryview]] = []  # deltas on a local base whose chain is incomplete
+        self.tried: dict[str, set[str]] = {}  # object -> packs whose copy waited on a cycle
         self.lock = threading.Condition()
         self.futures: list[Future[None]] = []
         self.in_flight = 0  # stored and decoded bytes handed to workers and not yet done (memory bound)
@@ -250,16 +248,11 @@ class Lander:
         """Deltas still waiting once everything came wait on a cycle of the copies chosen
         (writers at different moments each sent a sound copy; chains.py): read the next copy of
         each, one of which breaks the cycle. False when none is left to try."""
-        if not isinstance(self.where, Holdings):
-            return False
-        copies = self.where.copies
         stuck = {o: pack_id for items in self.waiting.values() for o, pack_id, _ in items}
         retry: dict[str, Located] = {}
         for o, pack_id in stuck.items():
-            tried = self.tried.setdefault(o, {pack_id})
-            untried = [loc for loc in copies(o) if loc.pack_id not in tried]
-            if untried:
-                retry[o] = untried[0]
+            if (loc := self.where.next_copy(o, self.tried.setdefault(o, {pack_id}))) is not None:
+                retry[o] = loc
         if not retry:
             return False
         with self.lock:

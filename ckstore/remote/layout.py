@@ -426,6 +426,11 @@ def retry_when_gone(attempt: Callable[[], T], again: Callable[[], object]) -> T:
     raise AssertionError("unreachable")
 
 
+def all_copies(tables: Iterable[tuple[str, PackTable]], oid: str) -> list[Located]:
+    """Every copy of ``oid`` in ``tables`` (pack id, table)."""
+    return [Located(pack_id, e) for pack_id, table in tables if (e := table.find(oid)) is not None]
+
+
 def choose_copies(tables: Iterable[tuple[str, PackTable]], avoided: set[str]) -> dict[str, Located]:
     """``RemoteRepo.locate`` over ``tables`` (pack id, table)."""
     copies: dict[str, list[Located]] = {}
@@ -471,7 +476,7 @@ class Holdings(Mapping[str, Located]):
     def _lookup(self, oid: str) -> Located | None:
         if oid in self._found:
             return self._found[oid]
-        copies = [Located(pack_id, e) for pack_id, table in self._tables if (e := table.find(oid)) is not None]
+        copies = all_copies(self._tables, oid)
         if len(copies) > 1:
             rank = {id(c): (c.pack_id in self._avoid, c.entry.length) for c in copies}
             best = min(rank.values())
@@ -481,13 +486,13 @@ class Holdings(Mapping[str, Located]):
         self._found[oid] = found
         return found
 
-    def copies(self, oid: str) -> list[Located]:
-        """Every copy of ``oid`` in these packs, the one counted on first, then outside the
-        avoided packs, smallest first: where a reader turns when the chosen copies of a delta
-        chain form a cycle (chains.py)."""
-        found = [Located(pack_id, e) for pack_id, table in self._tables if (e := table.find(oid)) is not None]
+    def next_copy(self, oid: str, tried: Collection[str]) -> Located | None:
+        """The best copy of ``oid`` outside the packs ``tried``: the one counted on, else outside
+        the avoided packs, smallest first; where a reader turns when the chosen copies of a
+        delta chain form a cycle (chains.py)."""
         chosen = self._lookup(oid)
-        return sorted(found, key=lambda c: (c != chosen, c.pack_id in self._avoid, c.entry.length, c.pack_id))
+        left = [c for c in all_copies(self._tables, oid) if c.pack_id not in tried]
+        return min(left, key=lambda c: (c != chosen, c.pack_id in self._avoid, c.entry.length, c.pack_id), default=None)
 
     def __getitem__(self, oid: str) -> Located:
         found = self._lookup(oid)

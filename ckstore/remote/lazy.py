@@ -92,9 +92,8 @@ class RemoteObjects:
             current = self._override.get(o) or where.get(o)
             if current is not None:
                 tried.add(current.pack_id)
-            left = [c for c in where.copies(o) if c.pack_id not in tried]
-            if left:
-                self._override[o] = left[0]
+            if (loc := where.next_copy(o, tried)) is not None:
+                self._override[o] = loc
                 changed = True
         return changed
 

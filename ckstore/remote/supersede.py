@@ -49,7 +49,7 @@ from typing import cast
 
 from ckstore.backend.fsio import mutating_step
 from ckstore.format.pack import DEFAULT_TARGET_SIZE, PackTable
-from ckstore.remote.chains import remote_bases
+from ckstore.remote.chains import chain_closure
 from ckstore.remote.gc import MTIME_RESOLUTION, condemn, delete_claimed, sweep, update_condemned
 from ckstore.remote.layout import (
     DEFAULT_GRACE,
@@ -65,7 +65,6 @@ from ckstore.remote.layout import (
 from ckstore.remote.names import open_remote
 from ckstore.remote.push import PushReport, push, resend_superseded
 from ckstore.repository.context import RepoContext
-from ckstore.repository.reader import in_cycles
 from ckstore.runtime.progress import ProgressFactory
 
 
@@ -227,7 +226,7 @@ def _droppable(
                 break
         else:
             held = _held(where, tables, claimed | gone, listed)
-            needs, cyclic = _needs(remote, held, set(own_table.ids()))
+            needs, cyclic = chain_closure(remote, held, set(own_table.ids()))
             if cyclic or any(oid not in held for oid in needs):
                 continue  # a base no pack holds (damage), or a cycle it may break: keep every copy there is
             lean = {held[oid].pack_id for oid in needs}
@@ -244,14 +243,6 @@ def _held(
     # Only looked up: a read-only mapping serves as ChainMap's second map.
     rest = Holdings({p: t for p, t in tables.items() if p not in exclude}, avoid)
     return ChainMap(cast(MutableMapping[str, Located], where), cast(MutableMapping[str, Located], rest))
-
-
-def _needs(remote: RemoteRepo, held: Mapping[str, Located], objects: set[str]) -> tuple[set[str], bool]:
-    """``objects`` with every delta base their chosen copies need, and whether those copies
-    form a delta cycle (a copy of the pack asked about may be what breaks it, chains.py)."""
-    edges: dict[str, tuple[str, ...]] = {}
-    needs = remote_bases(remote, held, objects, edges)
-    return needs, bool(in_cycles(edges))
 
 
 def _superseded(remote: RemoteRepo, condemned: Condemned, candidates: Collection[str]) -> dict[str, set[str]]:
@@ -274,7 +265,7 @@ def _superseded(remote: RemoteRepo, condemned: Condemned, candidates: Collection
     for pack_id in candidates:
         if pack_id in counted:
             continue
-        needs, cyclic = _needs(remote, held, set(tables[pack_id].ids()))
+        needs, cyclic = chain_closure(remote, held, set(tables[pack_id].ids()))
         if cyclic or any(oid not in held for oid in needs):
             continue  # a base no pack holds (damage), or a cycle it may break: keep every copy there is
         leans = {held[oid].pack_id for oid in needs}

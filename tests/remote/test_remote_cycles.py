@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 import ckstore.remote.push as push
 from ckstore.codecs.objects import Kind, delta_bases, encode, encode_delta
 from ckstore.format.manifest import ChunkRef
-from ckstore.remote.chains import cycles_among
+from ckstore.remote.chains import chain_closure
 from ckstore.remote.names import open_remote
 from ckstore.remote.uploads import PackUploads
 from ckstore.repo import Repo
@@ -51,7 +51,7 @@ def store_as(repo: Repo, raw: dict[str, bytes], c: ChunkRef, base: ChunkRef | No
 def chosen_cycles(repo: Repo) -> set[str]:
     remote = open_remote(open_context(repo.path))
     where = remote.holdings()
-    return cycles_among(remote, where, set(where.complete()))
+    return chain_closure(remote, where, set(where.complete()))[1]
 
 
 def test_a_pair_compaction_flipped_goes_up_again_together_and_replaces_the_old_pack_without_a_cycle(
